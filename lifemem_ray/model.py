@@ -1,0 +1,278 @@
+"""The data model: trajectories and their steps, validated at the boundary.
+
+Everything that enters the store passes through :meth:`Trajectory.from_dict` or
+the constructor, so a record that is stored is always well formed. Errors name
+the field that is wrong; importers add the file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "InvalidTrajectoryError",
+    "Outcome",
+    "Step",
+    "Trajectory",
+    "content_hash",
+]
+
+MAX_ID_LENGTH = 512
+
+
+class InvalidTrajectoryError(ValueError):
+    """A trajectory (or a record meant to become one) is malformed."""
+
+
+def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise InvalidTrajectoryError(f"{where}: expected a string, got {type(value).__name__}")
+    if "\x00" in value:
+        raise InvalidTrajectoryError(f"{where}: contains a NUL character")
+    if not allow_empty and not value.strip():
+        raise InvalidTrajectoryError(f"{where}: must not be empty")
+    return value
+
+
+def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
+    """Metadata must survive msgpack and JSON unchanged: plain JSON types only."""
+    if depth > 32:
+        raise InvalidTrajectoryError(f"{where}: nested too deeply")
+    if value is None or isinstance(value, (bool, int, str)):
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+            raise InvalidTrajectoryError(f"{where}: integer out of 64-bit range")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidTrajectoryError(f"{where}: non-finite number")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_json_value(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidTrajectoryError(f"{where}: keys must be strings, got {key!r}")
+            _check_json_value(item, f"{where}.{key}", depth + 1)
+        return
+    raise InvalidTrajectoryError(f"{where}: unsupported type {type(value).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One agent turn: what it thought, what it did, what the environment answered."""
+
+    action: str
+    thought: str = ""
+    observation: str = ""
+
+    def __post_init__(self) -> None:
+        _check_str(self.action, "action")
+        _check_str(self.thought, "thought")
+        _check_str(self.observation, "observation")
+        if not (self.action.strip() or self.thought.strip()):
+            raise InvalidTrajectoryError("step has neither an action nor a thought")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"thought": self.thought, "action": self.action, "observation": self.observation}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "step") -> "Step":
+        if not isinstance(data, Mapping):
+            raise InvalidTrajectoryError(f"{where}: expected an object, got {type(data).__name__}")
+        unknown = set(data) - {"thought", "action", "observation"}
+        if unknown:
+            raise InvalidTrajectoryError(f"{where}: unknown field(s) {sorted(unknown)}")
+        try:
+            return cls(
+                action=_check_str(data.get("action", ""), f"{where}.action"),
+                thought=_check_str(data.get("thought", ""), f"{where}.thought"),
+                observation=_check_str(data.get("observation", ""), f"{where}.observation"),
+            )
+        except InvalidTrajectoryError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise InvalidTrajectoryError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the task ended. Either part may be unknown (None)."""
+
+    success: bool | None = None
+    reward: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.success is not None and not isinstance(self.success, bool):
+            raise InvalidTrajectoryError(f"outcome.success: expected true/false/null, got {self.success!r}")
+        if self.reward is not None:
+            if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
+                raise InvalidTrajectoryError(f"outcome.reward: expected a number or null, got {self.reward!r}")
+            if not math.isfinite(self.reward):
+                raise InvalidTrajectoryError("outcome.reward: must be finite")
+            object.__setattr__(self, "reward", float(self.reward))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"success": self.success, "reward": self.reward}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "outcome") -> "Outcome":
+        if data is None:
+            return cls()
+        if isinstance(data, bool):
+            return cls(success=data)
+        if not isinstance(data, Mapping):
+            raise InvalidTrajectoryError(f"{where}: expected an object, got {type(data).__name__}")
+        unknown = set(data) - {"success", "reward"}
+        if unknown:
+            raise InvalidTrajectoryError(f"{where}: unknown field(s) {sorted(unknown)}")
+        return cls(success=data.get("success"), reward=data.get("reward"))
+
+
+def content_hash(env: str, task: str, initial_observation: str, steps: tuple[Step, ...], outcome: Outcome) -> str:
+    """Stable id for a trajectory that came without one: same content, same id."""
+    canonical = json.dumps(
+        [env, task, initial_observation, [s.to_dict() for s in steps], outcome.to_dict()],
+        ensure_ascii=False,
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    return "h-" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """A finished task: goal, ordered steps, outcome, free metadata.
+
+    ``id`` is the caller's, or a content hash when empty. ``initial_observation``
+    holds what the environment showed before the first action (the instruction
+    or first page), kept so nothing of an imported record is dropped.
+    """
+
+    env: str
+    task: str
+    steps: tuple[Step, ...]
+    outcome: Outcome = field(default_factory=Outcome)
+    id: str = ""
+    initial_observation: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_str(self.env, "env", allow_empty=False)
+        if self.env != self.env.strip() or len(self.env) > 128:
+            raise InvalidTrajectoryError(f"env: {self.env!r} must be at most 128 characters without surrounding spaces")
+        _check_str(self.task, "task")
+        _check_str(self.initial_observation, "initial_observation")
+        if not self.task.strip() and not self.initial_observation.strip():
+            raise InvalidTrajectoryError("task: empty, and there is no initial_observation to stand in for it")
+        steps = tuple(self.steps)
+        if not steps:
+            raise InvalidTrajectoryError("steps: a trajectory needs at least one step")
+        for i, step in enumerate(steps):
+            if not isinstance(step, Step):
+                raise InvalidTrajectoryError(f"steps[{i}]: expected a Step, got {type(step).__name__}")
+        object.__setattr__(self, "steps", steps)
+        if not isinstance(self.outcome, Outcome):
+            raise InvalidTrajectoryError(f"outcome: expected an Outcome, got {type(self.outcome).__name__}")
+        if not isinstance(self.metadata, Mapping):
+            raise InvalidTrajectoryError(f"metadata: expected an object, got {type(self.metadata).__name__}")
+        _check_json_value(dict(self.metadata), "metadata")
+        object.__setattr__(self, "metadata", dict(self.metadata))
+        _check_str(self.id, "id")
+        if len(self.id) > MAX_ID_LENGTH:
+            raise InvalidTrajectoryError(f"id: longer than {MAX_ID_LENGTH} characters")
+        if not self.id:
+            object.__setattr__(self, "id", self.fingerprint)
+        elif not self.id.strip():
+            raise InvalidTrajectoryError("id: must not be blank")
+
+    @property
+    def fingerprint(self) -> str:
+        """Content hash over everything but id and metadata."""
+        return content_hash(self.env, self.task, self.initial_observation, self.steps, self.outcome)
+
+    @property
+    def query_text(self) -> str:
+        """The text a future task is matched against: the goal (or the first observation)."""
+        return self.task if self.task.strip() else self.initial_observation
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "env": self.env,
+            "task": self.task,
+            "initial_observation": self.initial_observation,
+            "steps": [s.to_dict() for s in self.steps],
+            "outcome": self.outcome.to_dict(),
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, env: str | None = None) -> "Trajectory":
+        """Build from the native JSON form; ``env`` fills in a missing ``env`` field."""
+        if not isinstance(data, Mapping):
+            raise InvalidTrajectoryError(f"record: expected an object, got {type(data).__name__}")
+        known = {"id", "env", "task", "initial_observation", "steps", "outcome", "metadata"}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidTrajectoryError(f"record: unknown field(s) {sorted(unknown)}")
+        record_env = data.get("env", env)
+        if record_env is None:
+            raise InvalidTrajectoryError("env: missing (give it in the record or with --env)")
+        if "task" not in data:
+            raise InvalidTrajectoryError("task: missing")
+        steps_raw = data.get("steps")
+        if not isinstance(steps_raw, list):
+            raise InvalidTrajectoryError("steps: expected a list of steps")
+        steps = tuple(Step.from_dict(s, f"steps[{i}]") for i, s in enumerate(steps_raw))
+        metadata = data.get("metadata") or {}
+        raw_id = data.get("id", "")
+        if raw_id is None:
+            raw_id = ""
+        if isinstance(raw_id, int) and not isinstance(raw_id, bool):
+            raw_id = str(raw_id)
+        return cls(
+            env=record_env,
+            task=data["task"],
+            steps=steps,
+            outcome=Outcome.from_dict(data.get("outcome")),
+            id=raw_id,
+            initial_observation=data.get("initial_observation", ""),
+            metadata=metadata,
+        )
+
+    def render(self, max_chars: int | None = None) -> str:
+        """A plain-text rendering for prompts, cut step-wise to ``max_chars``."""
+        head = f"Task: {self.query_text.strip()}"
+        parts = [head]
+        for i, step in enumerate(self.steps, 1):
+            lines = []
+            if step.thought.strip():
+                lines.append(f"Thought {i}: {step.thought.strip()}")
+            if step.action.strip():
+                lines.append(f"Action {i}: {step.action.strip()}")
+            if step.observation.strip():
+                lines.append(f"Observation {i}: {step.observation.strip()}")
+            parts.append("\n".join(lines))
+        if self.outcome.success is not None:
+            parts.append(f"Outcome: {'success' if self.outcome.success else 'failure'}")
+        if max_chars is None:
+            return "\n".join(parts)
+        out: list[str] = []
+        used = 0
+        for part in parts:
+            if used + len(part) + 1 > max_chars:
+                room = max_chars - used - 1
+                if room > 40:
+                    out.append(part[: room - 4] + " ...")
+                else:
+                    out.append("...")
+                break
+            out.append(part)
+            used += len(part) + 1
+        return "\n".join(out)
