@@ -43,6 +43,7 @@ class EvolutionConfig:
     split_max_parts: int = 6  # at most this many children per split
     skill_refresh_growth: float = 0.5  # re-distil when a cluster grew by this fraction
     skill_sample_size: int = 50  # members read when distilling a skill
+    description_refresh_growth: float = 1.0  # with an LLM: re-describe after this growth
     batch_size: int = 256  # add_many processes input in batches of this size
     background_maintenance: bool = False  # splits/skills in a thread instead of inline
 
@@ -51,8 +52,8 @@ class EvolutionConfig:
         _in_range(self, "split_mrl_threshold", 0.0, 1.0)
         if self.split_max_parts < 2:
             raise ConfigError("evolution.split_max_parts: must be at least 2")
-        if self.skill_refresh_growth <= 0:
-            raise ConfigError("evolution.skill_refresh_growth: must be > 0")
+        if self.skill_refresh_growth <= 0 or self.description_refresh_growth <= 0:
+            raise ConfigError("evolution.skill_refresh_growth and description_refresh_growth: must be > 0")
 
 
 @dataclass

@@ -1,0 +1,282 @@
+"""The ``lifemem-ray`` command line.
+
+Every command prints a readable report, or JSON with ``--json``. Errors go to
+stderr as one line naming what is wrong and where, with exit status 1 (2 for
+usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .config import ConfigError, MemoryConfig
+from .model import InvalidTrajectoryError
+
+__all__ = ["main"]
+
+
+class CommandError(Exception):
+    """An error to report to the user as one line (no traceback)."""
+
+
+def _config(args: argparse.Namespace) -> MemoryConfig:
+    overrides: dict[str, Any] = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        overrides[key.strip()] = value
+    if getattr(args, "llm_base_url", None):
+        overrides["llm.base_url"] = args.llm_base_url
+        overrides.setdefault("llm.backend", "openai")
+    if getattr(args, "llm_model", None):
+        overrides["llm.model"] = args.llm_model
+    return MemoryConfig.load(args.config, overrides=overrides)
+
+
+def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
+    if args.json:
+        print(json.dumps(data, ensure_ascii=False, indent=2))
+    else:
+        print(text())
+
+
+def _progress(total: int, desc: str, args: argparse.Namespace) -> Any:
+    from tqdm import tqdm
+
+    # A bar on an interactive terminal; silent in logs and pipes (tqdm's disable=None).
+    return tqdm(total=total, desc=desc, unit="traj", file=sys.stderr, disable=None if not args.quiet else True)
+
+
+# -- commands ------------------------------------------------------------------------------
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from .importers import ImportReport, iter_jsonl
+    from .memory import Memory
+
+    config = _config(args)
+    report = ImportReport()
+    results: dict[str, int] = {"added": 0, "duplicate": 0, "pending": 0}
+    batch_size = config.evolution.batch_size
+    with Memory.open(args.store, config) as memory:
+        bar = _progress(0, "ingest", args)
+        batch = []
+
+        def flush() -> None:
+            for r in memory.add_many(batch):
+                results[r.status] = results.get(r.status, 0) + 1
+            bar.update(len(batch))
+            batch.clear()
+
+        try:
+            for path in args.paths:
+                for traj in iter_jsonl(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report):
+                    batch.append(traj)
+                    if len(batch) >= batch_size:
+                        flush()
+            if batch:
+                flush()
+        finally:
+            bar.close()
+        stats = memory.stats()
+    data = {
+        "read": report.read,
+        "valid": report.valid,
+        "invalid": report.invalid,
+        "added": results["added"] + results.get("pending", 0),
+        "duplicates": results["duplicate"],
+        "errors": [str(e) for e in report.errors],
+        "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]},
+    }
+
+    def text() -> str:
+        lines = [
+            f"read {report.read} records: {data['added']} stored, {data['duplicates']} already present, {report.invalid} invalid",
+            f"store {args.store}: {stats['trajectories']} trajectories in {stats['clusters']} clusters",
+        ]
+        lines += [f"  skipped {e}" for e in data["errors"][:20]]
+        return "\n".join(lines)
+
+    _emit(args, data, text)
+    return 0
+
+
+def cmd_retrieve(args: argparse.Namespace) -> int:
+    from .memory import Memory
+
+    config = _config(args)
+    with Memory.open(args.store, config, read_only=True) as memory:
+        result = memory.retrieve(args.task, args.env, args.k)
+    data = result.to_dict()
+    if args.context:
+        data["context"] = result.context
+
+    def text() -> str:
+        lines = [f"top {len(result.trajectories)} in {args.env} for: {args.task}"]
+        for hit in result.trajectories:
+            lines.append(f"  {hit.score:.3f}  [{hit.cluster_id}] {hit.id}  {' '.join(hit.task.split())[:90]}")
+        for skill in result.skills:
+            lines.append(f"skill of cluster {skill.cluster_id}:")
+            lines.append(textwrap.indent(skill.text, "    "))
+        if args.context:
+            lines += ["", result.context]
+        return "\n".join(lines)
+
+    _emit(args, data, text)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .memory import Memory
+
+    with Memory.open(args.store, _config(args), read_only=True) as memory:
+        stats = memory.stats()
+
+    def text() -> str:
+        lines = [
+            f"{stats['trajectories']} trajectories, {stats['clusters']} clusters ({stats['mixed_env_clusters']} mix environments), "
+            f"{stats['splits']} splits, {stats['pending']} pending",
+        ]
+        for env, s in stats["per_env"].items():
+            lines.append(f"  {env:<20} {s['trajectories']:>8} trajectories {s['clusters']:>6} clusters")
+        llm = stats["llm"]
+        lines.append(f"llm ({llm['backend']}): {llm['calls']} calls, {llm['tokens']} tokens, {llm['fallbacks']} fallbacks")
+        return "\n".join(lines)
+
+    _emit(args, stats, text)
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from .memory import Memory
+
+    with Memory.open(args.store, _config(args), read_only=True) as memory:
+        clusters = memory.clusters(args.env)
+    data = [c.to_dict() for c in clusters]
+    _emit(args, data, lambda: _format_clusters(clusters))
+    return 0
+
+
+def _format_clusters(clusters: Sequence[Any], skills: bool = True) -> str:
+    lines = []
+    for c in clusters:
+        envs = ", ".join(f"{e}:{n}" for e, n in sorted(c.envs.items(), key=lambda kv: -kv[1]))
+        lines.append(f"cluster {c.id}  n={c.count}  R={c.mrl:.3f}  [{envs}]")
+        lines.append(f"  {c.description}")
+        if skills and c.skill:
+            lines.append(textwrap.indent(c.skill, "    | "))
+    return "\n".join(lines)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .memory import Memory
+
+    with Memory.open(args.store, _config(args), read_only=True) as memory:
+        result = memory.export(args.out)
+    _emit(args, result, lambda: f"wrote {result['trajectories']} trajectories to {args.out} and {result['clusters']} clusters to {result['clusters_path']}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .memory import Memory
+
+    with Memory.open(args.store, _config(args), read_only=True) as memory:
+        report = memory.verify()
+    _emit(args, report, lambda: ("ok: " if report["ok"] else "PROBLEMS: ") + f"{report['trajectories']} trajectories, {report['clusters']} clusters" + "".join(f"\n  {p}" for p in report["problems"]))
+    return 0 if report["ok"] else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    config = _config(args)
+    store = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="lifemem-demo-"))
+    report = run_demo(store, config, progress=lambda total: _progress(total, "demo ingest", args))
+    _emit(args, report, lambda: report["text"])
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lifemem-ray", description="Lifelong workflow memory for LLM agents (LifeMem).")
+    parser.add_argument("--version", action="version", version="lifemem-ray 0.1.0")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    common.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--quiet", action="store_true", help="no progress bar")
+    common.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    llm = argparse.ArgumentParser(add_help=False)
+    llm.add_argument("--llm-base-url", metavar="URL", help="OpenAI-compatible endpoint; turns on the LLM backend")
+    llm.add_argument("--llm-model", metavar="NAME", help="model name at that endpoint")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", parents=[common, llm], help="build a memory from the shipped sample and query it")
+    p.add_argument("--store", metavar="DIR", help="where to build it (default: a new temporary folder)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("ingest", parents=[common, llm], help="add trajectories from JSONL files")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="JSONL files (.jsonl, .jsonl.gz, or - for stdin)")
+    p.add_argument("--store", required=True, metavar="DIR")
+    p.add_argument("--env", help="environment of records that do not name one")
+    p.add_argument("--format", choices=("auto", "native", "chat"), default="auto")
+    p.add_argument("--skip-invalid", action="store_true", help="skip malformed records (counted and reported)")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("retrieve", parents=[common], help="exemplars and skills for a task")
+    p.add_argument("task")
+    p.add_argument("--store", required=True, metavar="DIR")
+    p.add_argument("--env", required=True)
+    p.add_argument("-k", type=int, default=None, help="trajectories to return (default: retrieval.k)")
+    p.add_argument("--context", action="store_true", help="also print the prompt block an agent would get")
+    p.set_defaults(func=cmd_retrieve)
+
+    p = sub.add_parser("stats", parents=[common], help="counts per environment, LLM usage")
+    p.add_argument("--store", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("clusters", parents=[common], help="list workflow clusters with descriptions and skills")
+    p.add_argument("--store", required=True, metavar="DIR")
+    p.add_argument("--env")
+    p.set_defaults(func=cmd_clusters)
+
+    p = sub.add_parser("export", parents=[common], help="write trajectories (native JSONL) and clusters")
+    p.add_argument("--store", required=True, metavar="DIR")
+    p.add_argument("out", metavar="OUT.jsonl")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("check", parents=[common], help="verify the store's invariants")
+    p.add_argument("--store", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, InvalidTrajectoryError, CommandError, ValueError, OSError) as exc:
+        print(f"lifemem-ray {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # StoreError and friends: one line, no traceback unless -v
+        if args.verbose:
+            raise
+        print(f"lifemem-ray {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"lifemem-ray {args.command}: interrupted; everything acknowledged so far is stored", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

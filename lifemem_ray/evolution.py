@@ -1,0 +1,291 @@
+"""Memory evolution for one batch: who joins which cluster, who opens a new one.
+
+Pure planning, no I/O: given the batch's items, their stored neighbours and the
+live clusters, :class:`BatchPlanner` returns a placement per item and the
+resulting cluster states. The caller commits them in one transaction.
+
+Items are decided in order and each sees the clusters opened earlier in the
+same batch (provisional, negative ids), so several trajectories of one batch
+that start the same new workflow open one cluster, not several.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .config import EvolutionConfig, LLMConfig
+from .decisions import Assignment, AssignRequest, Candidate, ClusterView, Decider
+from .model import Trajectory
+from .policy import OfflinePolicy
+from .storage import ClusterRecord
+
+__all__ = ["BatchItem", "BatchPlan", "BatchPlanner", "Placement", "add_member", "new_cluster_record"]
+
+log = logging.getLogger(__name__)
+
+MAX_FLOWS = 24  # distinct workflow summaries kept per cluster (the rest count as "other")
+
+
+@dataclass(slots=True)
+class BatchItem:
+    traj: Trajectory
+    vid: int
+    vec: np.ndarray  # unit text vector
+    wvec: np.ndarray  # unit workflow vector
+    tokens: list[str]
+    flow: str  # readable workflow summary
+    stored: bool = False  # already in the store, waiting for initialisation
+
+
+@dataclass(slots=True)
+class Placement:
+    cluster: int  # a live cluster id (> 0) or a provisional one (< 0)
+    op: str  # init | join | new
+    by: str  # offline | llm | fallback
+    score: float = 0.0
+    description: str | None = None
+
+
+@dataclass
+class BatchPlan:
+    placements: list[Placement]
+    clusters: dict[int, ClusterRecord]  # touched live clusters and provisional ones, final state
+    llm_requests: int = 0
+    llm_fallbacks: int = 0
+    llm_skipped: int = 0  # decided offline because the offline answer was unambiguous
+
+
+def new_cluster_record(cluster_id: int, dim: int, wdim: int, born: str, now: float) -> ClusterRecord:
+    return ClusterRecord(
+        id=cluster_id,
+        count=0,
+        tsum=np.zeros(dim, dtype=np.float64),
+        wsum=np.zeros(wdim, dtype=np.float64),
+        born=born,
+        created=now,
+        updated=now,
+    )
+
+
+def add_member(record: ClusterRecord, item: BatchItem, now: float) -> None:
+    """Fold one trajectory into a cluster's running state (sums, counts, profiles)."""
+    record.count += 1
+    record.tsum += item.vec
+    record.wsum += item.wvec
+    record.envs[item.traj.env] = record.envs.get(item.traj.env, 0) + 1
+    flows = record.flows
+    if item.flow in flows or len(flows) < MAX_FLOWS:
+        flows[item.flow] = flows.get(item.flow, 0) + 1
+    else:
+        flows["(other)"] = flows.get("(other)", 0) + 1
+    if item.traj.outcome.success is True:
+        record.successes += 1
+    elif item.traj.outcome.success is False:
+        record.failures += 1
+    record.version += 1
+    record.updated = now
+
+
+def _cos(vec: np.ndarray, total: np.ndarray) -> float:
+    norm = float(np.linalg.norm(total))
+    return float(vec @ total / norm) if norm > 0 else 0.0
+
+
+class BatchPlanner:
+    def __init__(
+        self,
+        live: dict[int, ClusterRecord],
+        policy: OfflinePolicy,
+        config: EvolutionConfig,
+        *,
+        dim: int,
+        wdim: int,
+        decider: Decider | None = None,
+        llm_config: LLMConfig | None = None,
+    ) -> None:
+        self.live = live
+        self.policy = policy
+        self.config = config
+        self.dim = dim
+        self.wdim = wdim
+        self.decider = decider
+        self.llm_config = llm_config or LLMConfig()
+
+    def plan(
+        self,
+        items: Sequence[BatchItem],
+        neighbours: Sequence[Sequence[tuple[int, float]]],
+        init_count: int = 0,
+    ) -> BatchPlan:
+        """Place every item.
+
+        ``neighbours[i]`` are (cluster id, similarity) of item i's nearest stored
+        trajectories, best first. The first ``init_count`` items form the initial
+        memory: they are partitioned among themselves.
+        """
+        now = time.time()
+        n = len(items)
+        vecs = np.stack([it.vec for it in items]) if n else np.zeros((0, self.dim), np.float32)
+        gram = vecs @ vecs.T if n else np.zeros((0, 0))
+        plan = BatchPlan(placements=[], clusters={})
+        init_labels = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
+        placements = plan.placements
+        candidates_of: list[list[Candidate]] = []
+        margins: list[float] = []
+        work = plan.clusters
+        k = self.config.top_k
+        for i, item in enumerate(items):
+            if init_labels is not None and i < init_count:
+                placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm"))
+                candidates_of.append([])
+                margins.append(1.0)
+                self._apply(work, placements[i].cluster, item, now, born="init")
+                continue
+            pool: list[tuple[float, int]] = [] if i < init_count else [(s, c) for c, s in neighbours[i]]
+            for j in range(i):
+                pool.append((float(gram[i, j]), placements[j].cluster))
+            pool.sort(key=lambda sc: -sc[0])
+            hits: dict[int, int] = {}
+            for _, cid in pool[:k]:
+                hits[cid] = hits.get(cid, 0) + 1
+            candidates: list[Candidate] = []
+            for cid in hits:
+                record = work.get(cid) or self.live.get(cid)
+                if record is None or record.count == 0:
+                    continue
+                ts = _cos(item.vec, record.tsum)
+                ws = _cos(item.wvec, record.wsum)
+                candidates.append(
+                    Candidate(
+                        cluster=ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs)),
+                        score=self.policy.score(ts, ws),
+                        text_similarity=ts,
+                        workflow_similarity=ws,
+                        neighbour_hits=hits[cid],
+                    )
+                )
+            candidates.sort(key=lambda c: -c.score)
+            choice, margin = self.policy.decide([c.score for c in candidates])
+            by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
+            if choice is None:
+                cid = min([c for c in work if c < 0], default=0) - 1
+                op = "init" if i < init_count else "new"
+                score = candidates[0].score if candidates else 0.0
+            else:
+                cid = candidates[choice].cluster.id
+                op = "init" if i < init_count else "join"
+                score = candidates[choice].score
+            placements.append(Placement(cluster=cid, op=op, by=by, score=score))
+            candidates_of.append(candidates)
+            margins.append(margin)
+            self._apply(work, cid, item, now, born="init" if i < init_count else "new")
+
+        if self.decider is not None and n > init_count:
+            self._ask_decider(plan, items, candidates_of, margins, init_count, now)
+        return plan
+
+    def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> list[int] | None:
+        """Initial groups from the LLM as dense labels 0..g-1, or None (offline instead)."""
+        assert self.decider is not None
+        labels = self.decider.partition([it.traj for it in items])
+        plan.llm_requests += 1
+        if labels is None or len(labels) != len(items):
+            plan.llm_fallbacks += len(items)
+            return None
+        dense: dict[int, int] = {}
+        return [dense.setdefault(label, len(dense)) for label in labels]
+
+    # -- internals -------------------------------------------------------------------------
+    def _apply(self, work: dict[int, ClusterRecord], cid: int, item: BatchItem, now: float, born: str) -> None:
+        record = work.get(cid)
+        if record is None:
+            base = self.live.get(cid)
+            record = base.copy() if base is not None else new_cluster_record(cid, self.dim, self.wdim, born, now)
+            work[cid] = record
+        add_member(record, item, now)
+
+    def _ask_decider(
+        self,
+        plan: BatchPlan,
+        items: Sequence[BatchItem],
+        candidates_of: list[list[Candidate]],
+        margins: list[float],
+        init_count: int,
+        now: float,
+    ) -> None:
+        """Let the LLM decide what the offline pass found ambiguous; keep offline answers otherwise."""
+        assert self.decider is not None
+        placements = plan.placements
+        changed = False
+        asked: list[AssignRequest] = []
+        skip = self.llm_config.skip_confident
+        for i in range(init_count, len(items)):
+            cands = candidates_of[i]
+            if not cands:
+                plan.llm_skipped += 1  # nothing to choose from: a new cluster is the only answer
+                continue
+            if skip and margins[i] >= self.policy.config.confident_margin:
+                plan.llm_skipped += 1
+                continue
+            views = tuple(self._view(c, placements, items) for c in cands)
+            asked.append(AssignRequest(key=i, trajectory=items[i].traj, candidates=views))
+        if asked:
+            answers = self.decider.assign(asked)
+            plan.llm_requests += len(asked)
+            groups: dict[str, int] = {}
+            next_new = min([p.cluster for p in placements if p.cluster < 0], default=0) - 1
+            for request, answer in zip(asked, answers):
+                i = request.key
+                allowed = {c.cluster.id for c in request.candidates}
+                if answer is None or (answer.cluster_id is not None and answer.cluster_id not in allowed):
+                    plan.llm_fallbacks += 1
+                    placements[i].by = "fallback"
+                    continue
+                changed = True
+                if answer.cluster_id is not None:
+                    placements[i] = Placement(cluster=answer.cluster_id, op="join", by="llm", score=placements[i].score)
+                    continue
+                if placements[i].op == "new" and not answer.new_group:
+                    placements[i] = Placement(cluster=placements[i].cluster, op="new", by="llm", description=answer.description)
+                    continue
+                key = answer.new_group or f"item-{i}"
+                if key not in groups:
+                    groups[key] = next_new
+                    next_new -= 1
+                placements[i] = Placement(cluster=groups[key], op="new", by="llm", description=answer.description)
+        if changed:
+            self._rebuild(plan, items, now)
+
+    def _view(self, candidate: Candidate, placements: list[Placement], items: Sequence[BatchItem]) -> Candidate:
+        cid = candidate.cluster.id
+        if cid > 0:
+            return candidate
+        founder = next(i for i, p in enumerate(placements) if p.cluster == cid)
+        view = ClusterView(
+            id=cid,
+            count=candidate.cluster.count,
+            description=f"A workflow opened earlier in this batch: {items[founder].flow}",
+            envs=candidate.cluster.envs,
+            examples=(items[founder].traj,),
+        )
+        return Candidate(view, candidate.score, candidate.text_similarity, candidate.workflow_similarity, candidate.neighbour_hits)
+
+    def _rebuild(self, plan: BatchPlan, items: Sequence[BatchItem], now: float) -> None:
+        """Recompute cluster states from the final placements (the LLM may have moved items)."""
+        work: dict[int, ClusterRecord] = {}
+        # Number provisional clusters densely in order of first use, so ids stay -1, -2, ...
+        renumber: dict[int, int] = {}
+        for p in plan.placements:
+            if p.cluster < 0 and p.cluster not in renumber:
+                renumber[p.cluster] = -(len(renumber) + 1)
+        for p, item in zip(plan.placements, items):
+            if p.cluster < 0:
+                p.cluster = renumber[p.cluster]
+            born = "init" if p.op == "init" else "new"
+            self._apply(work, p.cluster, item, now, born=born)
+        plan.clusters = work

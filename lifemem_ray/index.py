@@ -1,0 +1,699 @@
+"""Per-environment FAISS vector index: a rebuildable cache of the stored vectors.
+
+LMDB is the source of truth; this index only answers nearest-neighbour queries
+and can always be rebuilt from it. Every vector belongs to exactly one
+environment and each environment has its own sub-index, so an env-restricted
+search is exact in count (it never filters a global result down) and only
+touches that environment's vectors. A global search merges the per-env top-k.
+
+Each sub-index is exact (``IndexIDMap2(IndexFlatIP)``) while it holds at most
+``config.exact_max`` vectors and becomes an ``IndexIVFFlat`` (inner product,
+spherical k-means, hash-table direct map) above that. Both keep the raw
+vectors, support ``remove_ids`` with arbitrary 63-bit ids and let us read the
+vectors back, so the index grows on its own: it is retrained when an
+environment has grown 4x since its last training (amortised O(1) per add).
+
+Scores are inner products (cosine for the L2-normalised vectors callers store).
+Missing results are padded with score ``-inf`` and id ``-1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import faiss
+import numpy as np
+
+from .config import IndexConfig
+
+__all__ = ["PAD_ID", "PAD_SCORE", "VectorIndex", "VectorIndexError"]
+
+log = logging.getLogger(__name__)
+
+PAD_SCORE = float("-inf")  # score of a padding slot (fewer than k results exist)
+PAD_ID = -1  # id of a padding slot
+
+_RETRAIN_GROWTH = 4  # retrain an IVF env when it holds this many times its training size
+_MIN_PER_CENTROID = 39  # nlist <= n / 39: k-means gets enough points per centroid
+_TRAIN_PER_CENTROID = 40  # training sample: at most this many points per centroid
+_KMEANS_ITERS = 10  # few iterations: training must stay fast on 2 cores
+_CAL_QUERIES = 200  # stored vectors used as queries when calibrating nprobe
+_CAL_K = 10  # nprobe is calibrated on recall@10
+_SEED = 20240611  # sampling and k-means are seeded: rebuilds are reproducible
+_EXACT_CHUNK = 65536  # database rows per block in brute-force calibration
+_SCORE_BLOCK = 1 << 22  # at most this many query-vector scores in memory at once (16 MiB)
+_GPU_MAX_K = 2048  # FAISS GPU k-selection and nprobe limit
+_MANIFEST = "manifest.json"
+_FORMAT = 1
+_MAX_ID = np.iinfo(np.int64).max
+
+
+class VectorIndexError(ValueError):
+    """Bad input to the index (shape, dtype, non-finite value, duplicate id, ...)."""
+
+
+@dataclass
+class _Env:
+    """One environment's sub-index and how it was built."""
+
+    index: Any  # faiss.IndexIDMap2 (flat) or faiss.IndexIVFFlat (ivf): the CPU master
+    kind: str  # "flat" | "ivf"
+    nlist: int = 0
+    nprobe: int = 0
+    trained_size: int = 0  # vectors present at the last (re)training
+    recall: float | None = None  # calibrated recall@10 at nprobe (None: not calibrated)
+    flat: Any = None  # flat kind: the IndexFlatIP inside the IDMap2, whose storage we search with numpy
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+
+class VectorIndex:
+    """Nearest-neighbour search over int64-identified vectors, one sub-index per environment.
+
+    Thread-safe: every public method takes one re-entrant lock, because Ray actors
+    may call from several threads. FAISS's OpenMP settings are left untouched.
+    """
+
+    def __init__(self, dim: int, config: IndexConfig | None = None) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
+            raise VectorIndexError(f"dim must be a positive integer, got {dim!r}")
+        self.dim: int = int(dim)
+        self.config: IndexConfig = config if config is not None else IndexConfig()
+        self.config.validate()
+        self._lock = threading.RLock()
+        self._envs: dict[str, _Env] = {}
+        self._where: dict[int, str] = {}  # id -> env: env_of/contains/remove without asking every env
+        self._gpu_res: Any = None
+        self._replicas: dict[str, Any] = {}  # env -> GPU copy of the CPU master, for search only
+        self._dirty: set[str] = set()  # envs whose GPU copy is stale
+        if _want_gpu(self.config.use_gpu):
+            self._gpu_res = faiss.StandardGpuResources()
+
+    # ------------------------------------------------------------------ mutation
+
+    def add(self, env: str, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Add vectors of one environment; ids must be new (the index never overwrites)."""
+        _check_env(env)
+        ids = _as_ids(ids, "ids")
+        vectors = _as_matrix(vectors, self.dim, "vectors")
+        if len(ids) != len(vectors):
+            raise VectorIndexError(f"ids and vectors differ in length: {len(ids)} ids, {len(vectors)} vectors")
+        if len(ids) == 0:
+            return
+        uniq, counts = np.unique(ids, return_counts=True)
+        if len(uniq) != len(ids):
+            raise VectorIndexError(f"ids: id {int(uniq[counts > 1][0])} appears more than once in the batch")
+        with self._lock:
+            for i in ids.tolist():
+                if i in self._where:
+                    raise VectorIndexError(f"ids: id {i} is already in the index (environment {self._where[i]!r})")
+            e = self._envs.get(env)
+            total = (e.ntotal if e is not None else 0) + len(ids)
+            if e is None:
+                self._envs[env] = self._build(ids, vectors)
+                self._dirty.add(env)
+            elif (e.kind == "flat" and total > self.config.exact_max) or (
+                e.kind == "ivf" and total > _RETRAIN_GROWTH * e.trained_size
+            ):
+                old_ids, old_vecs = _export(e)
+                self._envs[env] = self._build(np.concatenate([old_ids, ids]), np.concatenate([old_vecs, vectors]))
+                self._dirty.add(env)
+            else:
+                e.index.add_with_ids(vectors, ids)
+                self._add_to_replica(env, ids, vectors)
+            self._where.update(dict.fromkeys(ids.tolist(), env))
+
+    def remove(self, ids: np.ndarray) -> int:
+        """Remove ids wherever they are; unknown ids are ignored. Returns how many were removed."""
+        ids = _as_ids(ids, "ids", allow_negative=True)
+        removed = 0
+        with self._lock:
+            by_env: dict[str, list[int]] = {}
+            for i in np.unique(ids).tolist():
+                env = self._where.get(i)
+                if env is not None:
+                    by_env.setdefault(env, []).append(i)
+            for env, members in by_env.items():
+                e = self._envs[env]
+                arr = np.asarray(members, dtype=np.int64)
+                if e.kind == "ivf":
+                    # A hash-table direct map removes only through an IDSelectorArray (older FAISS).
+                    n = e.index.remove_ids(faiss.IDSelectorArray(len(arr), faiss.swig_ptr(arr)))
+                else:
+                    n = e.index.remove_ids(arr)
+                if n != len(arr):  # cannot happen unless the index was changed behind our back
+                    log.warning("index: env %r removed %d of %d ids", env, n, len(arr))
+                removed += int(n)
+                for i in members:
+                    del self._where[i]
+                self._dirty.add(env)
+                if e.ntotal == 0:
+                    del self._envs[env]
+                    self._replicas.pop(env, None)
+                    self._dirty.discard(env)
+                elif e.kind == "ivf" and e.ntotal <= self.config.exact_max // 2:
+                    # Shrunk well below the threshold: back to exact search (hysteresis avoids flapping).
+                    self._envs[env] = self._build(*_export(e))
+        return removed
+
+    # ------------------------------------------------------------------ search
+
+    def search(self, queries: np.ndarray, k: int, env: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by inner product: within ``env`` if given, else across all environments.
+
+        Returns ``(scores float32 (q, k), ids int64 (q, k))``, best first. Restricted to
+        an env, each row holds exactly ``min(k, count(env))`` real results; the rest
+        (and everything for an unknown env) is padding (``-inf``, ``-1``).
+        """
+        queries = _as_matrix(queries, self.dim, "queries")
+        k = _as_k(k)
+        if env is not None:
+            _check_env(env)
+        with self._lock:
+            if env is not None:
+                e = self._envs.get(env)
+                if e is None or len(queries) == 0:
+                    return _padding(len(queries), k)
+                return self._search_env(env, e, queries, k)
+            if not self._envs or len(queries) == 0:
+                return _padding(len(queries), k)
+            parts = [self._search_env(name, e, queries, k) for name, e in self._envs.items()]
+        return _merge(parts, k)
+
+    def search_envs(
+        self, queries: np.ndarray, k: int, envs: Sequence[str]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`search`, but query ``i`` is restricted to ``envs[i]``; queries are batched per env."""
+        queries = _as_matrix(queries, self.dim, "queries")
+        k = _as_k(k)
+        if isinstance(envs, str):
+            raise VectorIndexError("envs must be a sequence of environment names, one per query, not a string")
+        envs = list(envs)
+        if len(envs) != len(queries):
+            raise VectorIndexError(f"envs has {len(envs)} names for {len(queries)} queries")
+        for name in envs:
+            _check_env(name)
+        scores, ids = _padding(len(queries), k)
+        if not envs:
+            return scores, ids
+        names, inverse = np.unique(np.asarray(envs, dtype=object), return_inverse=True)
+        with self._lock:
+            for g, name in enumerate(names.tolist()):
+                e = self._envs.get(name)
+                if e is None:
+                    continue
+                rows = np.flatnonzero(inverse == g)
+                scores[rows], ids[rows] = self._search_env(name, e, queries[rows], k)
+        return scores, ids
+
+    def _search_env(self, name: str, e: _Env, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One env's top-k; IVF rows that came back short are redone exhaustively."""
+        want = min(k, e.ntotal)
+        searcher = self._searcher(name, e, want)
+        if searcher is e.index and e.kind == "flat":
+            scores, ids = _flat_search(e, queries, want)
+        else:
+            scores, ids = searcher.search(queries, want)
+        if e.kind == "ivf":
+            short = np.flatnonzero((ids < 0).any(axis=1))
+            if len(short):
+                # The probed lists held fewer than `want` vectors: probing every list is exact.
+                params = faiss.SearchParametersIVF(nprobe=e.nlist)
+                scores[short], ids[short] = e.index.search(queries[short], want, params=params)
+        scores = np.where(ids < 0, np.float32(PAD_SCORE), scores).astype(np.float32, copy=False)
+        if want < k:
+            pad_s, pad_i = _padding(len(queries), k - want)
+            scores, ids = np.hstack([scores, pad_s]), np.hstack([ids, pad_i])
+        return scores, ids.astype(np.int64, copy=False)
+
+    # ------------------------------------------------------------------ lookups
+
+    def env_of(self, id: int) -> str | None:
+        """The environment holding ``id``, or None."""
+        with self._lock:
+            return self._where.get(int(id))
+
+    def contains(self, id: int) -> bool:
+        """Whether ``id`` is indexed: a cheap check of the cache against the store."""
+        with self._lock:
+            return int(id) in self._where
+
+    def count(self, env: str | None = None) -> int:
+        """Vectors stored in ``env`` (0 if unknown), or in all environments."""
+        with self._lock:
+            if env is None:
+                return len(self._where)
+            e = self._envs.get(env)
+            return e.ntotal if e is not None else 0
+
+    def __len__(self) -> int:
+        return self.count()
+
+    def envs(self) -> list[str]:
+        """Environments holding at least one vector, sorted."""
+        with self._lock:
+            return sorted(self._envs)
+
+    def stats(self) -> dict[str, Any]:
+        """How each env is indexed (kind, ntotal, nlist, nprobe, ...) and whether search runs on a GPU."""
+        with self._lock:
+            return {
+                "gpu": self._gpu_res is not None,
+                "dim": self.dim,
+                "ntotal": len(self._where),
+                "envs": {
+                    name: {
+                        "kind": e.kind,
+                        "ntotal": e.ntotal,
+                        "nlist": e.nlist,
+                        "nprobe": e.nprobe,
+                        "trained_size": e.trained_size,
+                        "calibrated_recall": e.recall,
+                    }
+                    for name, e in sorted(self._envs.items())
+                },
+            }
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, directory: str | Path, stamp: int) -> None:
+        """Write the index atomically: env files first, then the manifest, which commits them.
+
+        Env files carry a fresh token in their name, so a crash at any point leaves
+        the previous manifest and the files it names intact. ``stamp`` (e.g. the LMDB
+        generation) comes back from :meth:`load` so the caller can tell a stale cache.
+        Not safe against two processes saving into the same directory at once.
+        """
+        if isinstance(stamp, bool) or not isinstance(stamp, (int, np.integer)):
+            raise VectorIndexError(f"stamp must be an integer, got {stamp!r}")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        token = uuid.uuid4().hex[:12]
+        with self._lock:
+            entries = []
+            for i, (name, e) in enumerate(sorted(self._envs.items())):
+                fname = f"env-{i:05d}-{token}.faiss"
+                tmp = directory / (fname + ".tmp")
+                faiss.write_index(e.index, str(tmp))
+                crc, size = _fsync_crc(tmp)
+                os.replace(tmp, directory / fname)
+                entries.append(
+                    {
+                        "name": name,
+                        "file": fname,
+                        "count": e.ntotal,
+                        "kind": e.kind,
+                        "nlist": e.nlist,
+                        "nprobe": e.nprobe,
+                        "trained_size": e.trained_size,
+                        "recall": e.recall,
+                        "bytes": size,
+                        "crc32": crc,
+                    }
+                )
+            manifest = {
+                "format": _FORMAT,
+                "dim": self.dim,
+                "stamp": int(stamp),
+                "count": len(self._where),
+                "envs": entries,
+            }
+            tmp = directory / (_MANIFEST + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / _MANIFEST)
+            _fsync_dir(directory)
+            keep = {entry["file"] for entry in entries}
+            for path in directory.glob("env-*.faiss*"):
+                if path.name not in keep:
+                    try:
+                        path.unlink()
+                    except OSError as exc:  # a leftover file costs disk, not correctness
+                        log.warning("index: could not delete old file %s: %s", path, exc)
+
+    @classmethod
+    def load(
+        cls, directory: str | Path, dim: int, config: IndexConfig | None = None
+    ) -> tuple["VectorIndex", int] | None:
+        """``(index, stamp)`` from a directory written by :meth:`save`, or None.
+
+        None (with a logged warning) when the cache is missing, unreadable, corrupt or
+        of another dimension: it is only a cache, the caller rebuilds it from LMDB.
+        """
+        index = cls(dim, config)  # a bad config or use_gpu="yes" without a GPU still raises
+        directory = Path(directory)
+        manifest_path = directory / _MANIFEST
+        if not manifest_path.is_file():
+            log.info("index: no saved index in %s", directory)
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            if manifest.get("format") != _FORMAT:
+                raise ValueError(f"unknown format {manifest.get('format')!r}")
+            if manifest.get("dim") != index.dim:
+                raise ValueError(f"saved dim {manifest.get('dim')!r} != expected {index.dim}")
+            stamp = manifest["stamp"]
+            if isinstance(stamp, bool) or not isinstance(stamp, int):
+                raise ValueError(f"stamp {stamp!r} is not an integer")
+            for entry in manifest["envs"]:
+                name = entry["name"]
+                _check_env(name)
+                if name in index._envs:
+                    raise ValueError(f"environment {name!r} listed twice")
+                path = directory / entry["file"]
+                if Path(entry["file"]).name != entry["file"] or not path.is_file():
+                    raise ValueError(f"file {entry['file']!r} of environment {name!r} is missing")
+                crc, size = _crc(path)
+                if size != entry["bytes"] or crc != entry["crc32"]:
+                    raise ValueError(f"file {entry['file']!r} is truncated or damaged")
+                e = _Env(
+                    index=faiss.read_index(str(path)),
+                    kind=entry["kind"],
+                    nlist=int(entry["nlist"]),
+                    nprobe=int(entry["nprobe"]),
+                    trained_size=int(entry["trained_size"]),
+                    recall=entry.get("recall"),
+                )
+                _check_loaded(e, index.dim)
+                if e.ntotal != entry["count"] or e.ntotal == 0:
+                    raise ValueError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")
+                if e.kind == "ivf" and index.config.nprobe:
+                    e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
+                ids = _export_ids(e)
+                before = len(index._where)
+                index._where.update(dict.fromkeys(ids.tolist(), name))
+                if len(index._where) != before + len(ids):
+                    raise ValueError(f"environment {name!r} repeats ids of another environment")
+                index._envs[name] = e
+                index._dirty.add(name)
+            if len(index._where) != manifest["count"]:
+                raise ValueError(f"{len(index._where)} vectors loaded, manifest says {manifest['count']}")
+        except Exception as exc:  # noqa: BLE001 - a broken cache must never stop the engine
+            log.warning("index: ignoring unusable saved index in %s: %s", directory, exc)
+            return None
+        return index, stamp
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self, ids: np.ndarray, vectors: np.ndarray) -> _Env:
+        """A fresh sub-index for these vectors: exact up to exact_max, IVF above."""
+        n = len(ids)
+        if n <= self.config.exact_max:
+            index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+            index.add_with_ids(vectors, ids)
+            return _Env(index=index, kind="flat", flat=faiss.downcast_index(index.index))
+        # A configured nlist is an upper bound while the env is too small to train it well.
+        nlist = self.config.nlist or int(round(4 * math.sqrt(n)))
+        nlist = max(1, min(nlist, n // _MIN_PER_CENTROID))
+        quantizer = faiss.IndexFlatIP(self.dim)
+        ivf = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        ivf.cp.niter = _KMEANS_ITERS
+        ivf.cp.seed = _SEED
+        ivf.cp.spherical = True  # unit-norm centroids suit inner product on normalised vectors
+        ivf.cp.min_points_per_centroid = 1  # we size the sample ourselves; no FAISS warnings
+        ivf.cp.max_points_per_centroid = _TRAIN_PER_CENTROID
+        rng = np.random.default_rng(_SEED)
+        sample_size = min(n, _TRAIN_PER_CENTROID * nlist)
+        sample = vectors if sample_size == n else vectors[np.sort(rng.choice(n, sample_size, replace=False))]
+        ivf.train(np.ascontiguousarray(sample))
+        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct + remove_ids with arbitrary ids
+        ivf.add_with_ids(vectors, ids)
+        recall: float | None = None
+        if self.config.nprobe:
+            nprobe = min(self.config.nprobe, nlist)
+        else:
+            nprobe, recall = _calibrate(ivf, ids, vectors, nlist, self.config.target_recall, rng)
+        ivf.nprobe = nprobe
+        log.debug("index: built IVF nlist=%d nprobe=%d over %d vectors", nlist, nprobe, n)
+        return _Env(index=ivf, kind="ivf", nlist=nlist, nprobe=nprobe, trained_size=n, recall=recall)
+
+    # ------------------------------------------------------------------ GPU
+
+    def _searcher(self, name: str, e: _Env, k: int) -> Any:
+        """The index to search: the GPU replica (re-copied if stale) when usable, else the CPU master."""
+        if self._gpu_res is None or k > _GPU_MAX_K or e.nprobe > _GPU_MAX_K:
+            return e.index
+        if name in self._dirty or name not in self._replicas:
+            self._replicas[name] = faiss.index_cpu_to_gpu(self._gpu_res, 0, e.index)
+            self._dirty.discard(name)
+        return self._replicas[name]
+
+    def _add_to_replica(self, name: str, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Keep a fresh GPU replica fresh on plain adds instead of re-copying the whole env."""
+        replica = self._replicas.get(name)
+        if replica is None or name in self._dirty:
+            return
+        try:
+            replica.add_with_ids(vectors, ids)
+        except Exception as exc:  # noqa: BLE001 - fall back to a full re-copy at the next search
+            log.warning("index: GPU replica add failed (%s); it will be re-copied", exc)
+            self._dirty.add(name)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _want_gpu(mode: str) -> bool:
+    """Whether to keep GPU replicas; use_gpu="yes" without a usable GPU is an error."""
+    if mode == "no":
+        return False
+    ngpu = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+    if ngpu > 0 and hasattr(faiss, "StandardGpuResources"):
+        return True
+    if mode == "yes":
+        raise VectorIndexError(
+            "index.use_gpu = 'yes' but FAISS sees no GPU (faiss-cpu build or no CUDA device); "
+            "install faiss-gpu or set index.use_gpu to 'auto' or 'no'"
+        )
+    return False
+
+
+def _check_env(env: Any) -> None:
+    if not isinstance(env, str) or not env:
+        raise VectorIndexError(f"env must be a non-empty string, got {env!r}")
+
+
+def _as_ids(ids: Any, name: str, *, allow_negative: bool = False) -> np.ndarray:
+    """A contiguous int64 1-D array of ids; floats, bools and out-of-range values are refused."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise VectorIndexError(f"{name} must be a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise VectorIndexError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > _MAX_ID:
+        raise VectorIndexError(f"{name}: id {int(arr.max())} does not fit in int64")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if not allow_negative and int(arr.min()) < 0:
+        raise VectorIndexError(f"{name} must be non-negative, got {int(arr.min())}")
+    return arr
+
+
+def _as_matrix(x: Any, dim: int, name: str) -> np.ndarray:
+    """A contiguous float32 (n, dim) array of finite values; other real dtypes and lists are converted."""
+    try:
+        raw = np.asarray(x)
+    except ValueError as exc:  # ragged nested lists
+        raise VectorIndexError(f"{name} must be a 2-D numeric array: {exc}") from None
+    if raw.dtype.kind not in "fiu":
+        if raw.size == 0 and raw.ndim == 2 and raw.shape[1] == dim:
+            return np.empty((0, dim), dtype=np.float32)
+        raise VectorIndexError(f"{name} must be a numeric array, got dtype {raw.dtype}")
+    if raw.ndim != 2 or raw.shape[1] != dim:
+        raise VectorIndexError(f"{name} must have shape (n, {dim}), got {raw.shape}")
+    with np.errstate(over="ignore"):  # overflow to inf is reported below
+        arr = np.ascontiguousarray(raw, dtype=np.float32)
+    finite = np.isfinite(arr).all(axis=1)
+    if not finite.all():
+        row = int(np.flatnonzero(~finite)[0])
+        raise VectorIndexError(f"{name}: row {row} contains NaN or infinite values (or overflows float32)")
+    return arr
+
+
+def _as_k(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise VectorIndexError(f"k must be a positive integer, got {k!r}")
+    return int(k)
+
+
+def _padding(q: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((q, k), PAD_SCORE, dtype=np.float32), np.full((q, k), PAD_ID, dtype=np.int64)
+
+
+def _merge(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Global top-k from per-env top-k results, vectorised over queries."""
+    if len(parts) == 1:
+        return parts[0]
+    scores = np.concatenate([s for s, _ in parts], axis=1)
+    ids = np.concatenate([i for _, i in parts], axis=1)
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    scores, ids = np.take_along_axis(scores, top, 1), np.take_along_axis(ids, top, 1)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1)
+
+
+def _flat_search(e: _Env, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of a flat env by numpy matmul on a zero-copy view of the FAISS storage.
+
+    FAISS >= 1.13 only switches to BLAS when nq * d >= 128000, so a batch of 256
+    queries at d=384 takes its per-pair SIMD path, about 4x slower than one sgemm
+    on 2 cores; changing that threshold would be process-global. The views are
+    only valid until the next mutation, which the caller's lock excludes.
+    """
+    n, d = e.index.ntotal, e.index.d
+    base = faiss.rev_swig_ptr(e.flat.get_xb(), n * d).reshape(n, d)
+    id_map = faiss.rev_swig_ptr(e.index.id_map.data(), n)
+    q = len(queries)
+    scores = np.empty((q, k), dtype=np.float32)
+    rows = np.empty((q, k), dtype=np.int64)
+    step = max(1, _SCORE_BLOCK // n)  # bound the (rows, n) score matrix
+    for start in range(0, q, step):
+        s = queries[start : start + step] @ base.T
+        top = np.argpartition(s, n - k, axis=1)[:, n - k :] if k < n else np.broadcast_to(np.arange(n), s.shape)
+        top_s = np.take_along_axis(s, top, 1)
+        order = np.argsort(-top_s, axis=1, kind="stable")
+        scores[start : start + step] = np.take_along_axis(top_s, order, 1)
+        rows[start : start + step] = np.take_along_axis(top, order, 1)
+    return scores, id_map[rows]
+
+
+def _export_ids(e: _Env) -> np.ndarray:
+    if e.kind == "flat":
+        return faiss.vector_to_array(e.index.id_map).astype(np.int64, copy=False)
+    return _export(e)[0]
+
+
+def _export(e: _Env) -> tuple[np.ndarray, np.ndarray]:
+    """All (ids, vectors) of a sub-index, read back from FAISS for a rebuild (transient copy)."""
+    index = e.index
+    d = index.d
+    if e.kind == "flat":
+        ids = faiss.vector_to_array(index.id_map).astype(np.int64, copy=False)
+        return ids, index.index.reconstruct_n(0, index.ntotal)
+    invlists = index.invlists
+    id_parts, vec_parts = [], []
+    for lst in range(invlists.nlist):
+        size = invlists.list_size(lst)
+        if size == 0:
+            continue
+        id_parts.append(faiss.rev_swig_ptr(invlists.get_ids(lst), size).copy())
+        codes = faiss.rev_swig_ptr(invlists.get_codes(lst), size * invlists.code_size)
+        vec_parts.append(codes.view(np.float32).reshape(size, d).copy())  # IVFFlat codes are raw float32
+    if not id_parts:
+        return np.empty(0, dtype=np.int64), np.empty((0, d), dtype=np.float32)
+    return np.concatenate(id_parts).astype(np.int64, copy=False), np.concatenate(vec_parts)
+
+
+def _exact_topk(queries: np.ndarray, base: np.ndarray, k: int) -> np.ndarray:
+    """Row indices into ``base`` of each query's exact top-k by inner product (blocked matmul)."""
+    best_s = np.full((len(queries), 0), -np.inf, dtype=np.float32)
+    best_i = np.zeros((len(queries), 0), dtype=np.int64)
+    for start in range(0, len(base), _EXACT_CHUNK):
+        s = queries @ base[start : start + _EXACT_CHUNK].T
+        kk = min(k, s.shape[1])
+        top = np.argpartition(-s, kk - 1, axis=1)[:, :kk]
+        best_s = np.concatenate([best_s, np.take_along_axis(s, top, 1)], axis=1)
+        best_i = np.concatenate([best_i, top + start], axis=1)
+        if best_s.shape[1] > k:
+            keep = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
+            best_s, best_i = np.take_along_axis(best_s, keep, 1), np.take_along_axis(best_i, keep, 1)
+    order = np.argsort(-best_s, axis=1, kind="stable")
+    return np.take_along_axis(best_i, order, 1)
+
+
+def _first_not_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
+    """Each row's first k ids that are not the query's own id (it is trivially found)."""
+    is_self = ids == self_ids[:, None]
+    order = np.argsort(is_self, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, 1)[:, :k]
+
+
+def _calibrate(
+    ivf: Any, ids: np.ndarray, vectors: np.ndarray, nlist: int, target: float, rng: np.random.Generator
+) -> tuple[int, float]:
+    """Smallest nprobe in 1, 2, 4, ..., nlist reaching ``target`` recall@10 on stored vectors as queries."""
+    n = len(ids)
+    k = min(_CAL_K, n - 1)
+    if k < 1:
+        return nlist, 1.0
+    sample = np.sort(rng.choice(n, min(_CAL_QUERIES, n), replace=False))
+    queries, self_ids = vectors[sample], ids[sample]
+    truth = _first_not_self(ids[_exact_topk(queries, vectors, k + 1)], self_ids, k)
+    ladder = [1 << p for p in range(max(1, nlist).bit_length()) if (1 << p) < nlist] + [nlist]
+    recall = 1.0
+    for nprobe in ladder:
+        _, got = ivf.search(queries, k + 1, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        got = _first_not_self(got, self_ids, k)
+        recall = float((got[:, :, None] == truth[:, None, :]).any(axis=2).mean())
+        if recall >= target:
+            return nprobe, recall
+    return nlist, recall
+
+
+def _check_loaded(e: _Env, dim: int) -> None:
+    """Refuse a loaded FAISS object that is not what :meth:`VectorIndex.save` writes."""
+    index = e.index
+    if index.d != dim:
+        raise ValueError(f"index dimension {index.d} != {dim}")
+    if e.kind == "flat":
+        if not isinstance(index, faiss.IndexIDMap2):
+            raise ValueError(f"flat environment is a {type(index).__name__}")
+        e.flat = faiss.downcast_index(index.index)
+        if not isinstance(e.flat, faiss.IndexFlatIP) or e.flat.ntotal != index.ntotal:
+            raise ValueError(f"flat environment wraps a {type(e.flat).__name__}")
+    elif e.kind == "ivf":
+        if not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise ValueError(f"ivf environment is a {type(index).__name__}")
+        if index.nlist != e.nlist or not 1 <= e.nprobe <= e.nlist:
+            raise ValueError(f"ivf nlist/nprobe {index.nlist}/{e.nprobe} disagree with the manifest")
+        if index.direct_map.type != faiss.DirectMap.Hashtable:
+            index.set_direct_map_type(faiss.DirectMap.Hashtable)
+        index.nprobe = e.nprobe
+    else:
+        raise ValueError(f"unknown kind {e.kind!r}")
+
+
+def _crc(path: Path) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return crc, size
+
+
+def _fsync_crc(path: Path) -> tuple[int, int]:
+    """Flush a file FAISS wrote to disk and checksum it, so load can detect damage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return _crc(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,1103 @@
+"""The public engine: a LifeMem memory in one folder, usable without Ray.
+
+``Memory.open(path)`` gives a store that survives crashes (LMDB), a FAISS index
+rebuilt or reloaded from it, and the LifeMem algorithm on top: initialise,
+evolve, split, distil, retrieve. Every batch of adds is one write transaction;
+an add is acknowledged (returned) only after that transaction is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .config import MemoryConfig
+from .decisions import ClusterView, Decider
+from .embedding import DIM as MINILM_DIM, Embedder
+from .evolution import BatchItem, BatchPlan, BatchPlanner, add_member, new_cluster_record
+from .index import VectorIndex
+from .model import Trajectory
+from .policy import OfflinePolicy, member_info
+from .retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
+from .storage import ClusterRecord, MemoryStore, StoreError
+from .workflow import action_tokens, workflow_summary, workflow_vector
+
+__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory"]
+
+log = logging.getLogger(__name__)
+
+WORKFLOW_DIM = 256
+MINILM_NAME = "all-MiniLM-L6-v2"
+
+
+class IdConflictError(ValueError):
+    """A trajectory id is already stored with different content."""
+
+
+@dataclass(frozen=True, slots=True)
+class AddResult:
+    id: str
+    status: str  # added | duplicate | pending (stored, waiting for the initial partition)
+    cluster_id: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "status": self.status, "cluster_id": self.cluster_id}
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    id: int
+    count: int
+    envs: dict[str, int]
+    description: str
+    skill: str
+    mrl: float
+    born: str
+    parent: int | None
+    successes: int
+    failures: int
+    flows: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, record: ClusterRecord) -> "ClusterInfo":
+        top = dict(sorted(record.flows.items(), key=lambda kv: -kv[1])[:5])
+        return cls(
+            id=record.id,
+            count=record.count,
+            envs=dict(record.envs),
+            description=record.description,
+            skill=record.skill,
+            mrl=round(record.mrl, 6),
+            born=record.born,
+            parent=record.parent,
+            successes=record.successes,
+            failures=record.failures,
+            flows=top,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "count": self.count,
+            "envs": self.envs,
+            "description": self.description,
+            "skill": self.skill,
+            "mrl": self.mrl,
+            "born": self.born,
+            "parent": self.parent,
+            "successes": self.successes,
+            "failures": self.failures,
+            "flows": self.flows,
+        }
+
+
+def _unit_rows(vectors: Any, n: int, dim: int, what: str) -> np.ndarray:
+    """Validated, L2-normalised float32 (n, dim) vectors, or a clear error."""
+    try:
+        arr = np.asarray(vectors, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: not numeric ({exc})") from None
+    if arr.ndim == 1 and n == 1:
+        arr = arr[None, :]
+    if arr.shape != (n, dim):
+        raise ValueError(f"{what}: expected shape ({n}, {dim}), got {tuple(arr.shape)}")
+    if not np.isfinite(arr).all():
+        bad = int(np.argwhere(~np.isfinite(arr))[0][0])
+        raise ValueError(f"{what}[{bad}]: contains NaN or infinity")
+    norms = np.linalg.norm(arr, axis=1)
+    if (norms == 0).any():
+        raise ValueError(f"{what}[{int(np.argmin(norms))}]: zero vector")
+    return np.ascontiguousarray(arr / norms[:, None], dtype=np.float32)
+
+
+class Memory:
+    """A LifeMem memory stored in one folder. Thread-safe; one writer process per folder."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        config: MemoryConfig | None = None,
+        *,
+        embedder: Embedder | None = None,
+        decider: Decider | None = None,
+        dim: int | None = None,
+        read_only: bool = False,
+    ) -> None:
+        self.config = (config or MemoryConfig()).validate()
+        self.path = Path(path)
+        self._embedder = embedder
+        if dim is None:
+            dim = embedder.dim if embedder is not None else None
+        embedder_name = embedder.name if embedder is not None else None
+        exists = (self.path / "data.mdb").exists()
+        if not exists and dim is None:
+            dim = MINILM_DIM
+            embedder_name = embedder_name or f"{MINILM_NAME}@{self.config.embedding.max_tokens}"
+        self.store = MemoryStore(
+            self.path,
+            dim=dim,
+            workflow_dim=WORKFLOW_DIM,
+            embedder=embedder_name,
+            read_only=read_only,
+            map_size_mb=self.config.store.map_size_mb,
+            max_map_size_gb=self.config.store.max_map_size_gb,
+            sync=self.config.store.sync,
+        )
+        self.dim = self.store.dim
+        self.read_only = read_only
+        self.policy = OfflinePolicy(self.config.policy)
+        self._lock = threading.RLock()
+        self._closed = False
+        try:
+            self.decider = decider if decider is not None else self._default_decider()
+            self._load_state()
+        except BaseException:
+            self.store.close()
+            raise
+        self._usage_base = self.store.get_meta("llm_usage", default={}) or {}
+        self._maintainer: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._maintenance_error: BaseException | None = None
+        if not read_only:
+            if self.config.evolution.background_maintenance:
+                self._maintainer = threading.Thread(target=self._maintenance_loop, name="lifemem-maintenance", daemon=True)
+                self._maintainer.start()
+                self._wake.set()
+            else:
+                self.maintain()  # finish work a crash may have left queued
+
+    # -- opening ---------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        config: MemoryConfig | None = None,
+        *,
+        embedder: Embedder | None = None,
+        decider: Decider | None = None,
+        dim: int | None = None,
+        read_only: bool = False,
+    ) -> "Memory":
+        """Open (or create) the memory in ``path``.
+
+        ``dim`` sets the vector size of a new store fed with precomputed vectors;
+        by default it is the embedding model's (384).
+        """
+        return cls(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only)
+
+    def _default_decider(self) -> Decider | None:
+        if self.config.llm.backend == "openai":
+            from .llm import LLMDecider
+
+            return LLMDecider(self.config.llm)
+        return None
+
+    def _load_state(self) -> None:
+        """Live clusters into memory; the FAISS index from its saved copy if fresh, else from LMDB."""
+        clusters: dict[int, ClusterRecord] = {}
+        with self.store.read() as txn:
+            for record in self.store.iter_clusters(txn):
+                if record.live:
+                    clusters[record.id] = record
+            self._initialised = bool(self.store.get_meta("initialised", txn))
+            self._pending: list[int] = list(self.store.get_meta("pending", txn) or [])
+            generation = int(self.store.get_meta("generation", txn))
+            count = self.store.count_trajectories(txn)
+        self._clusters = clusters
+        loaded = VectorIndex.load(self.path / "index", self.dim, self.config.index)
+        if loaded is not None and loaded[1] == generation and len(loaded[0]) == count:
+            self.index = loaded[0]
+            return
+        self.index = VectorIndex(self.dim, self.config.index)
+        with self.store.read() as txn:
+            names = {code: name for name, code in self.store.env_codes(txn).items()}
+            by_env: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+            for vid, code, vec, _ in self.store.iter_vectors(txn):
+                ids, vecs = by_env.setdefault(code, ([], []))
+                ids.append(vid)
+                vecs.append(vec)
+                if len(ids) >= 65536:
+                    self.index.add(names[code], np.asarray(ids, dtype=np.int64), np.stack(vecs))
+                    by_env[code] = ([], [])
+            for code, (ids, vecs) in by_env.items():
+                if ids:
+                    self.index.add(names[code], np.asarray(ids, dtype=np.int64), np.stack(vecs))
+
+    @property
+    def embedder(self) -> Embedder:
+        with self._lock:
+            if self._embedder is None:
+                from .embedding import MiniLMEmbedder
+
+                embedder = MiniLMEmbedder(self.config.embedding)
+                if embedder.dim != self.dim:
+                    raise StoreError(f"{self.path}: the store holds {self.dim}-dimensional vectors; the embedding model gives {embedder.dim}")
+                self._embedder = embedder
+            return self._embedder
+
+    # -- adding ----------------------------------------------------------------------------
+    def add(self, trajectory: Trajectory, vector: Any = None) -> AddResult:
+        """Store one trajectory; returns after it is durable."""
+        return self.add_many([trajectory], None if vector is None else [vector])[0]
+
+    def add_many(
+        self,
+        trajectories: Sequence[Trajectory],
+        vectors: Any = None,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[AddResult]:
+        """Store many trajectories, ``evolution.batch_size`` per transaction.
+
+        ``vectors`` (n, dim) are precomputed retrieval vectors of the trajectories'
+        task texts; without them the embedding model computes them.
+        """
+        self._check_writable()
+        trajectories = list(trajectories)
+        for i, traj in enumerate(trajectories):
+            if not isinstance(traj, Trajectory):
+                raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
+        if vectors is not None:
+            vectors = _unit_rows(vectors, len(trajectories), self.dim, "vectors")
+        results: list[AddResult] = []
+        size = self.config.evolution.batch_size
+        for start in range(0, len(trajectories), size):
+            chunk = trajectories[start : start + size]
+            chunk_vecs = None if vectors is None else vectors[start : start + size]
+            results.extend(self._add_batch(chunk, chunk_vecs))
+            if progress is not None:
+                progress(len(chunk))
+        if self._maintainer is not None:
+            self._wake.set()
+        else:
+            self.maintain()
+        return results
+
+    def _add_batch(self, trajectories: list[Trajectory], vectors: np.ndarray | None) -> list[AddResult]:
+        with self._lock:
+            self._raise_maintenance_error()
+            results: list[AddResult | None] = [None] * len(trajectories)
+            fresh: list[int] = []
+            first_of: dict[str, int] = {}
+            conflicts: list[str] = []
+            with self.store.read() as txn:
+                for i, traj in enumerate(trajectories):
+                    if traj.id in first_of:
+                        j = first_of[traj.id]
+                        if trajectories[j].fingerprint != traj.fingerprint:
+                            conflicts.append(traj.id)
+                        continue
+                    vid = self.store.lookup_id(txn, traj.id)
+                    if vid is not None:
+                        if self.store.fingerprint_of(txn, vid) != traj.fingerprint:
+                            conflicts.append(traj.id)
+                        else:
+                            results[i] = AddResult(traj.id, "duplicate", self.store.cluster_of(txn, vid))
+                        continue
+                    first_of[traj.id] = i
+                    fresh.append(i)
+            if conflicts:
+                shown = ", ".join(repr(c) for c in conflicts[:5])
+                raise IdConflictError(
+                    f"{len(conflicts)} trajectory id(s) already stored (or repeated in this batch) with different content: {shown}; "
+                    "nothing of this batch was stored"
+                )
+            if fresh:
+                placed = self._store_fresh([trajectories[i] for i in fresh], None if vectors is None else vectors[fresh])
+                for i, result in zip(fresh, placed):
+                    results[i] = result
+            # Duplicates inside the batch point at their first occurrence.
+            for i, traj in enumerate(trajectories):
+                if results[i] is None:
+                    first = results[first_of[traj.id]]
+                    assert first is not None
+                    results[i] = AddResult(traj.id, "duplicate", first.cluster_id)
+            return [r for r in results if r is not None]
+
+    def _store_fresh(self, trajectories: list[Trajectory], vectors: np.ndarray | None) -> list[AddResult]:
+        if vectors is None:
+            vectors = _unit_rows(self.embedder.embed([t.query_text for t in trajectories]), len(trajectories), self.dim, "embeddings")
+        items: list[BatchItem] = []
+        taken: set[int] = set()
+        with self.store.read() as txn:
+            for traj, vec in zip(trajectories, vectors):
+                tokens = action_tokens(traj)
+                vid = self.store.allocate_vid(txn, traj.id, taken)
+                taken.add(vid)
+                items.append(BatchItem(traj, vid, vec, workflow_vector(tokens, WORKFLOW_DIM), tokens, workflow_summary(tokens)))
+
+        init_count = 0
+        if not self._initialised:
+            need = self.config.evolution.init_size - len(self._pending)
+            if len(items) < need:
+                return self._commit_pending(items)
+            # The initial partition: everything pending plus enough of this batch.
+            items = self._pending_items() + items
+            init_count = len(self._pending) + need
+
+        neighbours = self._neighbours(items[init_count:])
+        planner = BatchPlanner(
+            self._clusters,
+            self.policy,
+            self.config.evolution,
+            dim=self.dim,
+            wdim=WORKFLOW_DIM,
+            decider=self.decider,
+            llm_config=self.config.llm,
+        )
+        plan = planner.plan(items, [[]] * init_count + neighbours, init_count=init_count)
+        return self._commit_plan(items, plan, init_count)
+
+    def _pending_items(self) -> list[BatchItem]:
+        items = []
+        with self.store.read() as txn:
+            for vid in self._pending:
+                got = self.store.trajectory(txn, vid)
+                vecs = self.store.vectors(txn, vid)
+                if got is None or vecs is None:
+                    raise StoreError(f"{self.path}: pending trajectory {vid} is missing; run `lifemem-ray check`")
+                traj, extra = got
+                _, vec, wvec = vecs
+                tokens = list(extra["tokens"])
+                items.append(BatchItem(traj, vid, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), stored=True))
+        return items
+
+    def _neighbours(self, items: list[BatchItem]) -> list[list[tuple[int, float]]]:
+        """(cluster id, similarity) of each item's top-k stored neighbours, over all environments."""
+        if not items or len(self.index) == 0:
+            return [[] for _ in items]
+        scores, ids = self.index.search(np.stack([it.vec for it in items]), self.config.evolution.top_k)
+        out: list[list[tuple[int, float]]] = []
+        with self.store.read() as txn:
+            for row_s, row_i in zip(scores, ids):
+                pairs = []
+                for s, vid in zip(row_s, row_i):
+                    if vid < 0:
+                        continue
+                    cid = self.store.cluster_of(txn, int(vid))
+                    if cid is not None and cid in self._clusters:
+                        pairs.append((cid, float(s)))
+                out.append(pairs)
+        return out
+
+    def _commit_pending(self, items: list[BatchItem]) -> list[AddResult]:
+        """Before initialisation: store and index, leave unclustered until enough have arrived."""
+        now = time.time()
+        pending = self._pending + [it.vid for it in items]
+
+        def write(txn: Any) -> None:
+            for it in items:
+                code = self.store.env_code(txn, it.traj.env)
+                self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, None, now)
+            self.store.put_meta(txn, "pending", pending)
+            self.store.append_log(txn, [{"vid": it.vid, "id": it.traj.id, "op": "pending", "t": now} for it in items])
+
+        self.store.write(write)
+        self._pending = pending
+        self._index_add(items)
+        return [AddResult(it.traj.id, "pending", None) for it in items]
+
+    def _commit_plan(self, items: list[BatchItem], plan: BatchPlan, init_count: int) -> list[AddResult]:
+        now = time.time()
+        evo = self.config.evolution
+        llm_mode = self.decider is not None
+        provisional = sorted((c for c in plan.clusters if c < 0), reverse=True)
+        founders: dict[int, int] = {}
+        for i, p in enumerate(plan.placements):
+            founders.setdefault(p.cluster, i)
+        usage_total = self._usage_totals()
+
+        def write(txn: Any) -> dict[int, int]:
+            real = dict(zip(provisional, self.store.next_cluster_ids(txn, len(provisional))))
+            records: dict[int, ClusterRecord] = {}
+            for cid, record in plan.clusters.items():
+                final = record.copy()
+                final.id = real.get(cid, cid)
+                records[cid] = final
+            for cid, record in records.items():
+                founder = founders.get(cid)
+                placement = plan.placements[founder] if founder is not None else None
+                if cid < 0 and placement is not None and placement.description:
+                    record.description = placement.description
+                    record.description_by = "llm"
+                    record.description_n = record.count
+                elif record.description_by != "llm" or not record.description:
+                    # Offline descriptions are cheap: refreshed on every change. description_n
+                    # only schedules LLM descriptions, so it is left alone here.
+                    record.description = self.policy.describe(
+                        record.count, record.envs, record.flows, self._example_task(record, items, founder)
+                    )
+                    record.description_by = "offline"
+                self.store.put_cluster(txn, record)
+                self.store.add_todo(
+                    txn,
+                    record.id,
+                    split=self._needs_split(record),
+                    skill=self._needs_skill(record),
+                    describe=llm_mode and self._needs_description(record),
+                )
+            entries = []
+            for i, (it, p) in enumerate(zip(items, plan.placements)):
+                cid = real.get(p.cluster, p.cluster)
+                code = self.store.env_code(txn, it.traj.env)
+                if it.stored:
+                    self.store.set_cluster_of(txn, it.vid, cid)
+                else:
+                    self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, cid, now)
+                op = "new" if (p.op == "join" and p.cluster < 0 and founders[p.cluster] == i) else p.op
+                entries.append({"vid": it.vid, "id": it.traj.id, "cluster": cid, "op": op, "by": p.by, "score": round(p.score, 4), "t": now})
+            self.store.append_log(txn, entries)
+            if init_count:
+                self.store.put_meta(txn, "pending", [])
+                self.store.put_meta(txn, "initialised", True)
+            counters = self.store.get_meta("counters", txn, {}) or {}
+            for key, value in (
+                ("llm_requests", plan.llm_requests),
+                ("llm_fallbacks", plan.llm_fallbacks),
+                ("llm_skipped", plan.llm_skipped),
+            ):
+                counters[key] = counters.get(key, 0) + value
+            self.store.put_meta(txn, "counters", counters)
+            if usage_total is not None:
+                self.store.put_meta(txn, "llm_usage", usage_total)
+            for cid, record in records.items():
+                plan.clusters[cid] = record
+            return real
+
+        real = self.store.write(write)
+        # Committed: now the in-memory view may change.
+        for record in plan.clusters.values():
+            self._clusters[record.id] = record
+        if init_count:
+            self._pending = []
+            self._initialised = True
+        self._index_add([it for it in items if not it.stored])
+        return [
+            AddResult(it.traj.id, "added", real.get(p.cluster, p.cluster)) for it, p in zip(items, plan.placements) if not it.stored
+        ]
+
+    def _index_add(self, items: list[BatchItem]) -> None:
+        by_env: dict[str, list[BatchItem]] = {}
+        for it in items:
+            by_env.setdefault(it.traj.env, []).append(it)
+        for env, group in by_env.items():
+            self.index.add(env, np.asarray([it.vid for it in group], dtype=np.int64), np.stack([it.vec for it in group]))
+
+    def _needs_split(self, record: ClusterRecord) -> bool:
+        evo = self.config.evolution
+        return record.count > evo.split_min_size and record.mrl < evo.split_mrl_threshold and record.count >= record.no_split_until
+
+    def _needs_skill(self, record: ClusterRecord) -> bool:
+        return record.skill_n == 0 or record.count >= record.skill_n * (1.0 + self.config.evolution.skill_refresh_growth)
+
+    def _needs_description(self, record: ClusterRecord) -> bool:
+        """With an LLM: describe a cluster once it has two members, then each time it has grown
+        by ``description_refresh_growth`` since the last attempt (lazy, to save calls)."""
+        return record.count >= max(2.0, record.description_n * (1.0 + self.config.evolution.description_refresh_growth))
+
+    @staticmethod
+    def _example_task(record: ClusterRecord, items: list[BatchItem], founder: int | None) -> str:
+        if founder is not None:
+            return items[founder].traj.query_text
+        example = record.description.partition("Example goal: ")[2]
+        return example or ""
+
+    # -- removing --------------------------------------------------------------------------
+    def remove(self, ids: Iterable[str]) -> int:
+        """Delete trajectories by id; their clusters' counts and sums follow. Unknown ids are ignored."""
+        self._check_writable()
+        ids = list(dict.fromkeys(ids))
+        with self._lock:
+            now = time.time()
+            found: list[tuple[int, str, Trajectory, list[str], np.ndarray, np.ndarray, int | None]] = []
+            with self.store.read() as txn:
+                for tid in ids:
+                    vid = self.store.lookup_id(txn, tid)
+                    if vid is None:
+                        continue
+                    got = self.store.trajectory(txn, vid)
+                    vecs = self.store.vectors(txn, vid)
+                    assert got is not None and vecs is not None
+                    found.append((vid, tid, got[0], got[1]["tokens"], vecs[1].copy(), vecs[2].copy(), self.store.cluster_of(txn, vid)))
+            if not found:
+                return 0
+            touched: dict[int, ClusterRecord] = {}
+            for vid, tid, traj, tokens, vec, wvec, cid in found:
+                if cid is None or cid not in self._clusters:
+                    continue
+                record = touched.get(cid) or self._clusters[cid].copy()
+                touched[cid] = record
+                _remove_member(record, traj, vec, wvec, workflow_summary(tokens), now)
+            removed_vids = {f[0] for f in found}
+            pending = [v for v in self._pending if v not in removed_vids]
+
+            def write(txn: Any) -> None:
+                for vid, tid, *_ in found:
+                    self.store.delete_trajectory(txn, vid, tid)
+                for record in touched.values():
+                    self.store.put_cluster(txn, record)
+                    if record.count == 0:
+                        self.store.clear_todo(txn, record.id)
+                self.store.put_meta(txn, "pending", pending)
+                self.store.append_log(txn, [{"vid": f[0], "id": f[1], "cluster": f[6], "op": "remove", "t": now} for f in found])
+
+            self.store.write(write)
+            for record in touched.values():
+                if record.count == 0:
+                    self._clusters.pop(record.id, None)
+                else:
+                    self._clusters[record.id] = record
+            self._pending = pending
+            self.index.remove(np.asarray(sorted(removed_vids), dtype=np.int64))
+            return len(found)
+
+    # -- maintenance: splits, skills, descriptions ------------------------------------------
+    def maintain(self, max_ops: int | None = None) -> int:
+        """Run queued splits, skill distillations and description refreshes; returns how many ran."""
+        if self.read_only:
+            return 0
+        done = 0
+        while max_ops is None or done < max_ops:
+            with self.store.read() as txn:
+                todos = self.store.todos(txn)
+            if not todos:
+                break
+            progressed = False
+            for cid, flags in sorted(todos.items()):
+                if max_ops is not None and done >= max_ops:
+                    break
+                if self._stop.is_set() and self._maintainer is not None and threading.current_thread() is self._maintainer:
+                    return done
+                self._run_todo(cid, flags)
+                done += 1
+                progressed = True
+            if not progressed:
+                break
+        return done
+
+    def _run_todo(self, cid: int, flags: dict[str, bool]) -> None:
+        record = self._clusters.get(cid)
+        if record is None:
+            self.store.write(lambda txn: self.store.clear_todo(txn, cid))
+            return
+        if flags.get("split"):
+            if self._needs_split(record) and self._split(cid):
+                return  # the children carry their own todos
+            self.store.write(lambda txn: self.store.clear_todo(txn, cid, "split"))
+        if flags.get("skill"):
+            self._distil(cid)
+        if flags.get("describe"):
+            self._describe(cid)
+
+    def _member_snapshot(self, cid: int) -> tuple[int, list[int], np.ndarray, np.ndarray, list[Trajectory], list[list[str]]]:
+        with self._lock:
+            version = self._clusters[cid].version
+            with self.store.read() as txn:
+                vids = self.store.members(txn, cid)
+                tv = np.empty((len(vids), self.dim), np.float32)
+                wv = np.empty((len(vids), WORKFLOW_DIM), np.float32)
+                trajs: list[Trajectory] = []
+                tokens: list[list[str]] = []
+                for n, vid in enumerate(vids):
+                    _, vec, wvec = self.store.vectors(txn, vid)  # type: ignore[misc]
+                    tv[n] = vec
+                    wv[n] = wvec
+                    traj, extra = self.store.trajectory(txn, vid)  # type: ignore[misc]
+                    trajs.append(traj)
+                    tokens.append(extra["tokens"])
+        return version, vids, tv, wv, trajs, tokens
+
+    def _split(self, cid: int) -> bool:
+        """Split cluster ``cid`` into finer clusters; False when no structure was found."""
+        evo = self.config.evolution
+        for _ in range(3):
+            version, vids, tv, wv, trajs, tokens = self._member_snapshot(cid)
+            labels = None
+            by = "offline"
+            if self.decider is not None:
+                labels = self._llm_split(cid, tv, wv, trajs)
+                by = "llm" if labels is not None else "fallback"
+            if labels is None:
+                labels = self.policy.split(
+                    wv, tau=evo.split_mrl_threshold, min_size=evo.split_min_size, max_parts=evo.split_max_parts, seed=cid
+                )
+            with self._lock:
+                parent = self._clusters.get(cid)
+                if parent is None or parent.version != version:
+                    continue  # it changed while we computed: again, on fresh data
+                if labels is None or len(set(labels.tolist())) < 2:
+                    parent = parent.copy()
+                    parent.no_split_until = int(parent.count * (1.0 + evo.skill_refresh_growth)) + 1
+
+                    def no_split(txn: Any) -> None:
+                        self.store.put_cluster(txn, parent)
+                        self.store.clear_todo(txn, cid, "split")
+
+                    self.store.write(no_split)
+                    self._clusters[cid] = parent
+                    return False
+                self._commit_split(parent, vids, tv, wv, trajs, tokens, labels, by)
+                return True
+        return False
+
+    def _llm_split(self, cid: int, tv: np.ndarray, wv: np.ndarray, trajs: list[Trajectory]) -> np.ndarray | None:
+        """The LLM groups a sample of members; the rest follow their nearest group."""
+        assert self.decider is not None
+        evo = self.config.evolution
+        n = len(trajs)
+        sample = np.linspace(0, n - 1, num=min(n, 24)).round().astype(int)
+        sample = np.unique(sample)
+        view = self._view(cid)
+        answer = self.decider.split(view, [trajs[i] for i in sample], evo.split_max_parts)
+        if answer is None or len(answer) != len(sample) or len(set(answer)) < 2:
+            return None
+        combined = np.hstack([wv * np.sqrt(self.config.policy.workflow_weight), tv * np.sqrt(1 - self.config.policy.workflow_weight)])
+        groups = sorted(set(answer))
+        centres = np.stack([combined[sample[np.asarray(answer) == g]].sum(axis=0) for g in groups])
+        centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+        labels = np.argmax(combined @ centres.T, axis=1)
+        labels[sample] = [groups.index(g) for g in answer]
+        return labels
+
+    def _commit_split(
+        self,
+        parent: ClusterRecord,
+        vids: list[int],
+        tv: np.ndarray,
+        wv: np.ndarray,
+        trajs: list[Trajectory],
+        tokens: list[list[str]],
+        labels: np.ndarray,
+        by: str,
+    ) -> None:
+        now = time.time()
+        parts = sorted(set(labels.tolist()))
+        children: list[ClusterRecord] = []
+        for part in parts:
+            child = new_cluster_record(0, self.dim, WORKFLOW_DIM, "split", now)
+            child.parent = parent.id
+            for n in np.flatnonzero(labels == part):
+                add_member(child, BatchItem(trajs[n], vids[n], tv[n], wv[n], tokens[n], workflow_summary(tokens[n])), now)
+            children.append(child)
+        llm_mode = self.decider is not None
+
+        def write(txn: Any) -> None:
+            ids = self.store.next_cluster_ids(txn, len(children))
+            entries = []
+            for child, child_id in zip(children, ids):
+                child.id = child_id
+                example = trajs[int(np.flatnonzero(labels == parts[ids.index(child_id)])[0])].query_text
+                child.description = self.policy.describe(child.count, child.envs, child.flows, example)
+                child.description_by = "offline"
+                child.description_n = child.count
+                self.store.put_cluster(txn, child)
+                self.store.add_todo(txn, child_id, skill=True, split=self._needs_split(child), describe=llm_mode)
+            for n, vid in enumerate(vids):
+                child_id = ids[parts.index(int(labels[n]))]
+                self.store.set_cluster_of(txn, vid, child_id, previous=parent.id)
+                entries.append({"vid": vid, "id": trajs[n].id, "cluster": child_id, "from": parent.id, "op": "split", "by": by, "t": now})
+            tomb = parent.copy()
+            tomb.split_into = list(ids)
+            tomb.updated = now
+            self.store.put_cluster(txn, tomb)
+            self.store.clear_todo(txn, parent.id)
+            self.store.append_log(txn, entries)
+            counters = self.store.get_meta("counters", txn, {}) or {}
+            counters["splits"] = counters.get("splits", 0) + 1
+            self.store.put_meta(txn, "counters", counters)
+
+        self.store.write(write)
+        self._clusters.pop(parent.id, None)
+        for child in children:
+            self._clusters[child.id] = child
+        log.info("split cluster %d (n=%d, R=%.3f) into %s", parent.id, parent.count, parent.mrl, [c.count for c in children])
+
+    def _sample_members(self, cid: int) -> tuple[int, list[Trajectory], list[list[str]]]:
+        """An even sample of the members (at most ``skill_sample_size``), read from the store."""
+        with self._lock:
+            record = self._clusters[cid]
+            count = record.count
+            with self.store.read() as txn:
+                vids = self.store.members(txn, cid)
+                size = self.config.evolution.skill_sample_size
+                picks = vids if len(vids) <= size else [vids[int(i)] for i in np.linspace(0, len(vids) - 1, size).round()]
+                trajs, tokens = [], []
+                for vid in picks:
+                    traj, extra = self.store.trajectory(txn, vid)  # type: ignore[misc]
+                    trajs.append(traj)
+                    tokens.append(extra["tokens"])
+        return count, trajs, tokens
+
+    def _distil(self, cid: int) -> None:
+        count, trajs, tokens = self._sample_members(cid)
+        text = None
+        by = "offline"
+        if self.decider is not None:
+            text = self.decider.distil(self._view(cid), trajs)
+            by = "llm" if text else "fallback"
+        if not text:
+            text = self.policy.distil([member_info(t, tok) for t, tok in zip(trajs, tokens)])
+        self._update_cluster(cid, "skill", skill=text, skill_by=by, skill_n=count)
+
+    def _describe(self, cid: int) -> None:
+        assert self.decider is not None
+        count, trajs, _ = self._sample_members(cid)
+        view = self._view(cid, examples=tuple(trajs[:3]))
+        text = self.decider.describe(view)
+        if text:
+            self._update_cluster(cid, "describe", description=text, description_by="llm", description_n=count)
+        else:
+            # Keep the offline description; do not ask again until the cluster has grown.
+            self._update_cluster(cid, "describe", description_n=count)
+
+    def _update_cluster(self, cid: int, todo: str, **fields: Any) -> None:
+        with self._lock:
+            current = self._clusters.get(cid)
+            if current is None:
+                self.store.write(lambda txn: self.store.clear_todo(txn, cid))
+                return
+            record = current.copy()
+            for name, value in fields.items():
+                setattr(record, name, value)
+            usage_total = self._usage_totals()
+
+            def write(txn: Any) -> None:
+                self.store.put_cluster(txn, record)
+                self.store.clear_todo(txn, cid, todo)
+                counters = self.store.get_meta("counters", txn, {}) or {}
+                counters[todo] = counters.get(todo, 0) + 1
+                self.store.put_meta(txn, "counters", counters)
+                if usage_total is not None:
+                    self.store.put_meta(txn, "llm_usage", usage_total)
+
+            self.store.write(write)
+            self._clusters[cid] = record
+
+    def _view(self, cid: int, examples: tuple[Trajectory, ...] = ()) -> ClusterView:
+        record = self._clusters[cid]
+        return ClusterView(id=cid, count=record.count, description=record.description, skill=record.skill, envs=dict(record.envs), examples=examples)
+
+    def _maintenance_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.maintain()
+            except BaseException as exc:  # surfaced to the next caller; the todo stays queued
+                log.exception("background maintenance failed")
+                self._maintenance_error = exc
+                break
+
+    def _raise_maintenance_error(self) -> None:
+        if self._maintenance_error is not None:
+            exc, self._maintenance_error = self._maintenance_error, None
+            raise RuntimeError(f"background maintenance failed: {exc}") from exc
+
+    def _usage_totals(self) -> dict[str, dict[str, float]] | None:
+        if self.decider is None:
+            return None
+        totals = {op: dict(v) for op, v in self._usage_base.items()}
+        for op, values in self.decider.usage().items():
+            slot = totals.setdefault(op, {})
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    slot[key] = slot.get(key, 0) + value
+        return totals
+
+    # -- retrieval -------------------------------------------------------------------------
+    def retrieve(
+        self,
+        task: str,
+        env: str,
+        k: int | None = None,
+        *,
+        vector: Any = None,
+        token_budget: int | None = None,
+    ) -> Retrieval:
+        """Top-k trajectories of ``env`` most similar to ``task``, plus the skills of their clusters."""
+        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget)[0]
+
+    def retrieve_many(
+        self,
+        tasks: Sequence[str],
+        envs: Sequence[str] | str,
+        k: int | None = None,
+        *,
+        vectors: Any = None,
+        token_budget: int | None = None,
+    ) -> list[Retrieval]:
+        """Many queries in one embedding call and one batched index search."""
+        self._check_open()
+        tasks = list(tasks)
+        if isinstance(envs, str):
+            envs = [envs] * len(tasks)
+        envs = list(envs)
+        if len(envs) != len(tasks):
+            raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
+        for i, (task, env) in enumerate(zip(tasks, envs)):
+            if not isinstance(task, str) or not task.strip():
+                raise ValueError(f"tasks[{i}]: expected a non-empty string")
+            if not isinstance(env, str) or not env.strip():
+                raise ValueError(f"envs[{i}]: expected a non-empty environment name")
+        k = self.config.retrieval.k if k is None else k
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k: expected a positive integer, got {k!r}")
+        budget = self.config.retrieval.token_budget if token_budget is None else token_budget
+        if not tasks:
+            return []
+        if vectors is None:
+            vectors = self.embedder.embed(tasks)
+        queries = _unit_rows(vectors, len(tasks), self.dim, "vectors")
+        scores, ids = self.index.search_envs(queries, k, envs)
+        out: list[Retrieval] = []
+        with self.store.read() as txn:
+            for task, env, row_s, row_i in zip(tasks, envs, scores, ids):
+                hits: list[RetrievedTrajectory] = []
+                skills: dict[int, RetrievedSkill] = {}
+                for s, vid in zip(row_s, row_i):
+                    if vid < 0:
+                        continue
+                    got = self.store.trajectory(txn, int(vid))
+                    if got is None:
+                        continue  # removed after the search
+                    traj = got[0]
+                    cid = self.store.cluster_of(txn, int(vid))
+                    hits.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(s), cid, traj))
+                    if cid is not None and cid not in skills and len(skills) < self.config.retrieval.max_skills:
+                        record = self.store.get_cluster(txn, cid)
+                        if record is not None and record.skill.strip():
+                            skills[cid] = RetrievedSkill(cid, record.skill, float(s))
+                skill_list = list(skills.values())
+                context, tokens = render_context(hits, skill_list, budget)
+                out.append(Retrieval(task=task, env=env, trajectories=hits, skills=skill_list, context=context, tokens=tokens))
+        return out
+
+    # -- reading ---------------------------------------------------------------------------
+    def get(self, trajectory_id: str) -> Trajectory | None:
+        with self.store.read() as txn:
+            vid = self.store.lookup_id(txn, trajectory_id)
+            got = None if vid is None else self.store.trajectory(txn, vid)
+        return None if got is None else got[0]
+
+    def cluster_of(self, trajectory_id: str) -> int | None:
+        with self.store.read() as txn:
+            vid = self.store.lookup_id(txn, trajectory_id)
+            return None if vid is None else self.store.cluster_of(txn, vid)
+
+    def clusters(self, env: str | None = None) -> list[ClusterInfo]:
+        """Live clusters, largest first; with ``env``, those holding trajectories of it."""
+        with self._lock:
+            records = list(self._clusters.values())
+        if env is not None:
+            records = [r for r in records if env in r.envs]
+        return [ClusterInfo.of(r) for r in sorted(records, key=lambda r: (-r.count, r.id))]
+
+    def members(self, cluster_id: int) -> list[str]:
+        with self.store.read() as txn:
+            out = []
+            for vid in self.store.members(txn, cluster_id):
+                got = self.store.trajectory(txn, vid)
+                if got is not None:
+                    out.append(got[0].id)
+            return out
+
+    def __len__(self) -> int:
+        with self.store.read() as txn:
+            return self.store.count_trajectories(txn)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            records = list(self._clusters.values())
+            pending = len(self._pending)
+        per_env: dict[str, dict[str, int]] = {}
+        for record in records:
+            for env, n in record.envs.items():
+                slot = per_env.setdefault(env, {"trajectories": 0, "clusters": 0})
+                slot["trajectories"] += n
+                slot["clusters"] += 1
+        with self.store.read() as txn:
+            total = self.store.count_trajectories(txn)
+            counters = self.store.get_meta("counters", txn, {}) or {}
+            usage = self.store.get_meta("llm_usage", txn, {}) or {}
+            todo = len(self.store.todos(txn))
+        if pending:
+            with self.store.read() as txn:
+                for vid in self._pending:
+                    got = self.store.trajectory(txn, vid)
+                    if got is not None:
+                        slot = per_env.setdefault(got[0].env, {"trajectories": 0, "clusters": 0})
+                        slot["trajectories"] += 1
+        live_usage = self._usage_totals()
+        if live_usage is not None:
+            usage = live_usage
+        calls = sum(int(v.get("calls", 0)) for v in usage.values())
+        tokens = sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values())
+        sizes = sorted((r.count for r in records), reverse=True)
+        return {
+            "path": str(self.path),
+            "trajectories": total,
+            "clusters": len(records),
+            "pending": pending,
+            "per_env": dict(sorted(per_env.items())),
+            "cluster_sizes": {
+                "max": sizes[0] if sizes else 0,
+                "median": sizes[len(sizes) // 2] if sizes else 0,
+                "singletons": sum(1 for s in sizes if s == 1),
+            },
+            "mixed_env_clusters": sum(1 for r in records if len(r.envs) > 1),
+            "splits": int(counters.get("splits", 0)),
+            "maintenance_queued": todo,
+            "llm": {
+                "backend": self.config.llm.backend if self.decider is not None else "offline",
+                "calls": calls,
+                "tokens": tokens,
+                "fallbacks": int(counters.get("llm_fallbacks", 0)),
+                "decided_offline": int(counters.get("llm_skipped", 0)),
+                "by_operation": usage,
+            },
+            "index": self.index.stats(),
+            "generation": self.store.generation(),
+        }
+
+    def export(self, path: str | Path) -> dict[str, int]:
+        """Trajectories as native JSONL (re-importable) to ``path``; clusters to ``<path stem>.clusters.jsonl``."""
+        import json
+
+        from .importers import write_jsonl
+
+        path = Path(path)
+        with self.store.read() as txn:
+            trajectories = [t for _, t, _ in self.store.iter_trajectories(txn)]
+            clusters = []
+            for record in self.store.iter_clusters(txn):
+                if not record.live:
+                    continue
+                info = ClusterInfo.of(record).to_dict()
+                info["members"] = [self.store.trajectory(txn, v)[0].id for v in self.store.members(txn, record.id)]  # type: ignore[index]
+                clusters.append(info)
+        n = write_jsonl(trajectories, path)
+        cluster_path = path.with_name(path.name.removesuffix(".jsonl") + ".clusters.jsonl")
+        tmp = cluster_path.with_name(cluster_path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for info in clusters:
+                fh.write(json.dumps(info, ensure_ascii=False) + "\n")
+        tmp.replace(cluster_path)
+        return {"trajectories": n, "clusters": len(clusters), "clusters_path": str(cluster_path)}  # type: ignore[dict-item]
+
+    def verify(self) -> dict[str, Any]:
+        """Check every invariant against a recomputation from the stored trajectories."""
+        problems: list[str] = []
+        with self.store.read() as txn:
+            n_traj = self.store.count_trajectories(txn)
+            seen_ids: dict[str, int] = {}
+            for vid, traj, _ in self.store.iter_trajectories(txn):
+                if traj.id in seen_ids:
+                    problems.append(f"trajectory id {traj.id!r} stored twice")
+                seen_ids[traj.id] = vid
+                if self.store.lookup_id(txn, traj.id) != vid:
+                    problems.append(f"id map does not point at trajectory {traj.id!r}")
+            pending = set(self.store.get_meta("pending", txn) or [])
+            sums: dict[int, list[Any]] = {}
+            for vid, code, vec, wvec in self.store.iter_vectors(txn):
+                cid = self.store.cluster_of(txn, vid)
+                if cid is None:
+                    if vid not in pending:
+                        problems.append(f"trajectory vid {vid} is in no cluster")
+                    continue
+                slot = sums.setdefault(cid, [0, np.zeros(self.dim), np.zeros(WORKFLOW_DIM)])
+                slot[0] += 1
+                slot[1] += vec
+                slot[2] += wvec
+            live = 0
+            for record in self.store.iter_clusters(txn):
+                members = self.store.members(txn, record.id)
+                if not record.live:
+                    if members:
+                        problems.append(f"cluster {record.id} is retired but has {len(members)} members")
+                    continue
+                live += 1
+                got = sums.get(record.id, [0, np.zeros(self.dim), np.zeros(WORKFLOW_DIM)])
+                if record.count != len(members) or record.count != got[0]:
+                    problems.append(f"cluster {record.id}: count {record.count}, members {len(members)}, recomputed {got[0]}")
+                    continue
+                if not np.allclose(record.tsum, got[1], atol=1e-3) or not np.allclose(record.wsum, got[2], atol=1e-3):
+                    problems.append(f"cluster {record.id}: running sums differ from recomputation")
+                r = float(np.linalg.norm(got[2]) / got[0]) if got[0] else 0.0
+                if abs(r - record.mrl) > 1e-4:
+                    problems.append(f"cluster {record.id}: R {record.mrl:.6f} != recomputed {r:.6f}")
+            for cid in sums:
+                record = self.store.get_cluster(txn, cid)
+                if record is None or not record.live:
+                    problems.append(f"trajectories point at cluster {cid}, which is not live")
+        if len(self.index) != n_traj:
+            problems.append(f"index holds {len(self.index)} vectors, the store {n_traj} trajectories")
+        return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self.path}: the memory is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise StoreError(f"{self.path}: opened read-only")
+
+    def close(self) -> None:
+        """Stop background work, save the index as a fresh cache, close the store."""
+        if self._closed:
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._maintainer is not None:
+            self._maintainer.join()
+        with self._lock:
+            try:
+                if not self.read_only:
+                    self.index.save(self.path / "index", self.store.generation())
+            except Exception:  # a cache: losing it costs a rebuild, never data
+                log.warning("could not save the index cache", exc_info=True)
+            if self.decider is not None and hasattr(self.decider, "close"):
+                self.decider.close()
+            self.store.close()
+            self._closed = True
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remove_member(record: ClusterRecord, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, flow: str, now: float) -> None:
+    record.count -= 1
+    record.tsum -= vec
+    record.wsum -= wvec
+    env_n = record.envs.get(traj.env, 0) - 1
+    if env_n > 0:
+        record.envs[traj.env] = env_n
+    else:
+        record.envs.pop(traj.env, None)
+    key = flow if flow in record.flows else "(other)"
+    if key in record.flows:
+        record.flows[key] -= 1
+        if record.flows[key] <= 0:
+            del record.flows[key]
+    if traj.outcome.success is True:
+        record.successes -= 1
+    elif traj.outcome.success is False:
+        record.failures -= 1
+    record.version += 1
+    record.updated = now
+    if record.count == 0:
+        record.tsum[:] = 0
+        record.wsum[:] = 0

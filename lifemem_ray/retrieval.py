@@ -1,0 +1,106 @@
+"""Dual-tier retrieval results: environment-aligned exemplars plus their clusters' skills.
+
+The rendered ``context`` is what an agent's prompt receives. It stays within a
+token budget: skills first (short, transferable), then exemplars in order of
+relevance, each cut step-wise to what is left; an exemplar that would get less
+than a useful minimum is dropped rather than shown as a stub.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model import Trajectory
+
+__all__ = ["RetrievedSkill", "RetrievedTrajectory", "Retrieval", "estimate_tokens", "render_context"]
+
+MIN_EXEMPLAR_TOKENS = 48
+
+
+def estimate_tokens(text: str) -> int:
+    """About four characters per token: the usual rule for English with BPE tokenizers."""
+    return math.ceil(len(text) / 4)
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievedTrajectory:
+    id: str
+    env: str
+    task: str
+    score: float
+    cluster_id: int | None
+    trajectory: Trajectory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "env": self.env, "task": self.task, "score": round(self.score, 6), "cluster_id": self.cluster_id}
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievedSkill:
+    cluster_id: int
+    text: str
+    score: float  # the best score among the retrieved members of its cluster
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cluster_id": self.cluster_id, "text": self.text}
+
+
+@dataclass
+class Retrieval:
+    task: str
+    env: str
+    trajectories: list[RetrievedTrajectory] = field(default_factory=list)
+    skills: list[RetrievedSkill] = field(default_factory=list)
+    context: str = ""
+    tokens: int = 0  # estimated tokens of ``context``
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trajectories": [t.to_dict() for t in self.trajectories],
+            "skills": [s.to_dict() for s in self.skills],
+        }
+
+
+def render_context(trajectories: list[RetrievedTrajectory], skills: list[RetrievedSkill], budget: int) -> tuple[str, int]:
+    """The prompt block for an agent, at most ``budget`` estimated tokens."""
+    parts: list[str] = []
+    used = 0
+    if skills:
+        header = "Skills from similar workflows:"
+        skill_parts = [header]
+        cost = estimate_tokens(header) + 1
+        for n, skill in enumerate(skills, 1):
+            block = f"[Skill {n}]\n{skill.text.strip()}"
+            c = estimate_tokens(block) + 1
+            if cost + c > budget // 2 and n > 1:
+                break
+            skill_parts.append(block)
+            cost += c
+        if len(skill_parts) > 1:
+            parts.append("\n".join(skill_parts))
+            used += cost
+    if trajectories:
+        header = "Examples of solved tasks in this environment:"
+        example_parts = [header]
+        cost = estimate_tokens(header) + 1
+        for n, hit in enumerate(trajectories, 1):
+            room = budget - used - cost - 2
+            if room < MIN_EXEMPLAR_TOKENS:
+                break
+            # Share what is left between this and the remaining exemplars, so one long
+            # trajectory cannot crowd out the rest.
+            share = max(MIN_EXEMPLAR_TOKENS, room // (len(trajectories) - n + 1))
+            prefix = f"[Example {n}]\n"
+            text = prefix + hit.trajectory.render(max_chars=share * 4 - len(prefix) - 4)
+            c = estimate_tokens(text) + 1
+            if c > room:
+                continue
+            example_parts.append(text)
+            cost += c
+        if len(example_parts) > 1:
+            parts.append("\n".join(example_parts))
+            used += cost
+    context = "\n\n".join(parts)
+    return context, estimate_tokens(context)

@@ -1,0 +1,648 @@
+"""Durable state in LMDB: trajectories, vectors, clusters, the assignment log.
+
+Transaction discipline (after py-lmdb's docs): every change the engine makes is
+one write transaction built by a caller-supplied function; if the map is full
+the transaction is aborted, the map doubles and the function runs again, so a
+change is applied entirely or not at all. A commit is fsynced (``sync=True``),
+so whatever :meth:`MemoryStore.write` returned for survives a crash.
+
+Sub-databases (keys are big-endian u64 unless noted, values msgpack):
+
+=========  ==========================  ==========================================
+name       key                         value
+=========  ==========================  ==========================================
+meta       ascii name                  schema version, dims, counters, usage
+traj       vid                         the trajectory record
+tid        trajectory id (utf-8)       vid
+vec        vid                         u32 env code + f32 text vector + f32 workflow vector
+vclu       vid                         cluster id (u64)
+members    cluster id + vid            empty
+clusters   cluster id                  cluster record (live or tombstone)
+envs       env name (utf-8)            u32 code
+log        sequence number             assignment log entry
+todo       cluster id                  pending maintenance flags
+=========  ==========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import lmdb
+import msgpack
+import numpy as np
+
+from .model import Outcome, Step, Trajectory
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ClusterRecord",
+    "MemoryStore",
+    "StoreError",
+    "StoreLockedError",
+    "pack_u64",
+    "unpack_u64",
+]
+
+SCHEMA_VERSION = 1
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+_DBS = ("meta", "traj", "tid", "vec", "vclu", "members", "clusters", "envs", "log", "todo")
+T = TypeVar("T")
+
+
+class StoreError(RuntimeError):
+    """The store on disk is missing, unreadable or of another shape."""
+
+
+class StoreLockedError(StoreError):
+    """Another process has the store open for writing."""
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def unpack_u64(data: bytes) -> int:
+    return _U64.unpack(data)[0]
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpackb(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def vid_for(trajectory_id: str, salt: int = 0) -> int:
+    """A 63-bit integer id for FAISS, derived from the trajectory id (so it is the same on every shard)."""
+    digest = hashlib.blake2b(f"{salt}:{trajectory_id}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class ClusterRecord:
+    """A workflow cluster. ``tsum``/``wsum`` are running sums of member unit vectors,
+    so the mean resultant length R = |wsum| / count is known without reading members."""
+
+    id: int
+    count: int
+    tsum: np.ndarray  # float64 (dim,): sum of text unit vectors
+    wsum: np.ndarray  # float64 (wdim,): sum of workflow unit vectors
+    envs: dict[str, int] = field(default_factory=dict)
+    flows: dict[str, int] = field(default_factory=dict)  # workflow summary -> count (bounded)
+    successes: int = 0
+    failures: int = 0
+    description: str = ""
+    description_by: str = ""
+    description_n: int = 0  # count when the description was last written by its author
+    skill: str = ""
+    skill_by: str = ""
+    skill_n: int = 0  # count when the skill was last distilled
+    version: int = 0
+    born: str = "new"  # init | new | split
+    parent: int | None = None
+    created: float = 0.0
+    updated: float = 0.0
+    split_into: list[int] | None = None  # set on the tombstone of a split cluster
+    no_split_until: int = 0  # a split that found no structure is not retried before this count
+
+    @property
+    def live(self) -> bool:
+        return self.split_into is None and self.count > 0
+
+    @property
+    def mrl(self) -> float:
+        """Mean resultant length R of the members' workflow vectors."""
+        return float(np.linalg.norm(self.wsum) / self.count) if self.count else 0.0
+
+    def to_bytes(self) -> bytes:
+        return _packb(
+            {
+                "id": self.id,
+                "n": self.count,
+                "ts": self.tsum.astype(np.float64).tobytes(),
+                "ws": self.wsum.astype(np.float64).tobytes(),
+                "envs": self.envs,
+                "flows": self.flows,
+                "ok": self.successes,
+                "ko": self.failures,
+                "d": self.description,
+                "db": self.description_by,
+                "dn": self.description_n,
+                "s": self.skill,
+                "sb": self.skill_by,
+                "sn": self.skill_n,
+                "v": self.version,
+                "born": self.born,
+                "parent": self.parent,
+                "c": self.created,
+                "u": self.updated,
+                "split_into": self.split_into,
+                "nsu": self.no_split_until,
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ClusterRecord":
+        d = _unpackb(data)
+        return cls(
+            id=d["id"],
+            count=d["n"],
+            tsum=np.frombuffer(d["ts"], dtype=np.float64).copy(),
+            wsum=np.frombuffer(d["ws"], dtype=np.float64).copy(),
+            envs=dict(d["envs"]),
+            flows=dict(d["flows"]),
+            successes=d["ok"],
+            failures=d["ko"],
+            description=d["d"],
+            description_by=d["db"],
+            description_n=d["dn"],
+            skill=d["s"],
+            skill_by=d["sb"],
+            skill_n=d["sn"],
+            version=d["v"],
+            born=d["born"],
+            parent=d["parent"],
+            created=d["c"],
+            updated=d["u"],
+            split_into=d["split_into"],
+            no_split_until=d.get("nsu", 0),
+        )
+
+    def copy(self) -> "ClusterRecord":
+        return ClusterRecord(
+            **{
+                **self.__dict__,
+                "tsum": self.tsum.copy(),
+                "wsum": self.wsum.copy(),
+                "envs": dict(self.envs),
+                "flows": dict(self.flows),
+                "split_into": list(self.split_into) if self.split_into is not None else None,
+            }
+        )
+
+
+def trajectory_to_record(traj: Trajectory, tokens: list[str], added: float) -> bytes:
+    return _packb(
+        {
+            "id": traj.id,
+            "env": traj.env,
+            "task": traj.task,
+            "io": traj.initial_observation,
+            "steps": [[s.thought, s.action, s.observation] for s in traj.steps],
+            "out": [traj.outcome.success, traj.outcome.reward],
+            "meta": dict(traj.metadata),
+            "fp": traj.fingerprint,
+            "wf": tokens,
+            "t": added,
+        }
+    )
+
+
+def record_to_trajectory(data: bytes) -> tuple[Trajectory, dict[str, Any]]:
+    d = _unpackb(data)
+    traj = Trajectory(
+        env=d["env"],
+        task=d["task"],
+        steps=tuple(Step(thought=t, action=a, observation=o) for t, a, o in d["steps"]),
+        outcome=Outcome(success=d["out"][0], reward=d["out"][1]),
+        id=d["id"],
+        initial_observation=d["io"],
+        metadata=d["meta"],
+    )
+    return traj, {"fingerprint": d["fp"], "tokens": d["wf"], "added": d["t"]}
+
+
+class _ResizeGate:
+    """Readers share the map; a resize waits until none is inside and admits none meanwhile."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._resizing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def resizing(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+class MemoryStore:
+    """The LMDB environment of one memory, opened by at most one writer process."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dim: int | None = None,
+        workflow_dim: int | None = None,
+        embedder: str | None = None,
+        read_only: bool = False,
+        map_size_mb: int = 64,
+        max_map_size_gb: int = 4096,
+        sync: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.read_only = read_only
+        self._max_map = max_map_size_gb << 30
+        self._write_lock = threading.RLock()
+        self._gate = _ResizeGate()
+        self._lock_file: int | None = None
+        if read_only:
+            if not (self.path / "data.mdb").is_file():
+                raise StoreError(f"{self.path}: no memory store here (data.mdb missing)")
+        else:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"{self.path}: cannot create the store folder: {exc.strerror}") from None
+            self._acquire_writer_lock()
+        try:
+            existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=max(map_size_mb << 20, existing),
+                max_dbs=len(_DBS) + 2,
+                subdir=True,
+                readonly=read_only,
+                lock=True,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                max_readers=512,
+            )
+        except lmdb.Error as exc:
+            self._release_writer_lock()
+            if "already open in this process" in str(exc):
+                raise StoreError(f"{self.path}: the store is already open in this process; share that Memory instead") from None
+            raise StoreError(f"{self.path}: cannot open the LMDB environment: {exc}") from None
+        self.db = {name: self.env.open_db(name.encode(), create=not read_only) for name in _DBS}
+        self._check_or_init_schema(dim, workflow_dim, embedder)
+
+    # -- locking ---------------------------------------------------------------------------
+    def _acquire_writer_lock(self) -> None:
+        lock_path = self.path / "writer.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f" (pid {holder}{', this process' if holder == str(os.getpid()) else ''})" if holder else ""
+                raise StoreLockedError(
+                    f"{self.path}: the store is open for writing by another process{who}; "
+                    "open it read-only or stop that process"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_file = fd
+
+    def _release_writer_lock(self) -> None:
+        if self._lock_file is not None:
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_file)
+                self._lock_file = None
+
+    # -- schema ----------------------------------------------------------------------------
+    def _check_or_init_schema(self, dim: int | None, workflow_dim: int | None, embedder: str | None) -> None:
+        with self.read() as txn:
+            schema = txn.get(b"schema", db=self.db["meta"])
+            meta = {k.decode(): _unpackb(v) for k, v in txn.cursor(db=self.db["meta"])}
+        if schema is None:
+            if self.read_only:
+                raise StoreError(f"{self.path}: the store has not been initialised")
+            if dim is None or workflow_dim is None:
+                raise StoreError(f"{self.path}: a new store needs the vector dimensions")
+            now = time.time()
+
+            def init(txn: lmdb.Transaction) -> None:
+                for key, value in {
+                    "schema": SCHEMA_VERSION,
+                    "dim": dim,
+                    "workflow_dim": workflow_dim,
+                    "embedder": embedder or "",
+                    "generation": 0,
+                    "next_cluster": 1,
+                    "next_log": 0,
+                    "pending": [],
+                    "initialised": False,
+                    "created": now,
+                    "llm_usage": {},
+                    "counters": {},
+                }.items():
+                    txn.put(key.encode(), _packb(value), db=self.db["meta"])
+
+            self.write(init)
+            with self.read() as txn:
+                meta = {k.decode(): _unpackb(v) for k, v in txn.cursor(db=self.db["meta"])}
+        elif meta.get("schema") != SCHEMA_VERSION:
+            raise StoreError(f"{self.path}: schema version {meta.get('schema')} is not {SCHEMA_VERSION}, which this version reads")
+        if dim is not None and meta["dim"] != dim:
+            raise StoreError(f"{self.path}: the store holds {meta['dim']}-dimensional vectors, not {dim}")
+        if workflow_dim is not None and meta["workflow_dim"] != workflow_dim:
+            raise StoreError(f"{self.path}: the store's workflow vectors have {meta['workflow_dim']} dimensions, not {workflow_dim}")
+        if embedder and meta["embedder"] and meta["embedder"] != embedder:
+            raise StoreError(f"{self.path}: the store was built with embedder {meta['embedder']!r}, not {embedder!r}")
+        self.dim = int(meta["dim"])
+        self.workflow_dim = int(meta["workflow_dim"])
+        self.embedder = meta["embedder"]
+
+    # -- transactions ----------------------------------------------------------------------
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        while True:
+            with self._gate.reading():
+                try:
+                    txn = self.env.begin(buffers=False)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    try:
+                        yield txn
+                    finally:
+                        txn.abort()
+                    return
+            # Another process grew the map: adopt its size, then read again.
+            with self._gate.resizing():
+                self.env.set_mapsize(0)
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction and commit; grow the map and rerun when full.
+
+        ``fn`` must only touch the transaction (no outside side effects), since it may run twice.
+        The generation counter is bumped in the same transaction.
+        """
+        if self.read_only:
+            raise StoreError(f"{self.path}: opened read-only")
+        with self._write_lock:
+            while True:
+                try:
+                    with self._gate.reading():
+                        with self.env.begin(write=True) as txn:
+                            result = fn(txn)
+                            gen = txn.get(b"generation", db=self.db["meta"])
+                            txn.put(b"generation", _packb((_unpackb(gen) if gen else 0) + 1), db=self.db["meta"])
+                    return result
+                except lmdb.MapFullError:
+                    self._grow()
+
+    def _grow(self) -> None:
+        current = self.env.info()["map_size"]
+        if current >= self._max_map:
+            raise StoreError(f"{self.path}: the store is full at store.max_map_size_gb = {self._max_map >> 30}")
+        with self._gate.resizing():
+            self.env.set_mapsize(min(current * 2, self._max_map))
+
+    # -- meta ------------------------------------------------------------------------------
+    def get_meta(self, key: str, txn: lmdb.Transaction | None = None, default: Any = None) -> Any:
+        if txn is None:
+            with self.read() as txn:
+                return self.get_meta(key, txn, default)
+        raw = txn.get(key.encode(), db=self.db["meta"])
+        return default if raw is None else _unpackb(raw)
+
+    def put_meta(self, txn: lmdb.Transaction, key: str, value: Any) -> None:
+        txn.put(key.encode(), _packb(value), db=self.db["meta"])
+
+    def generation(self) -> int:
+        return int(self.get_meta("generation", default=0))
+
+    # -- environments ----------------------------------------------------------------------
+    def env_codes(self, txn: lmdb.Transaction) -> dict[str, int]:
+        return {k.decode(): _U32.unpack(v)[0] for k, v in txn.cursor(db=self.db["envs"])}
+
+    def env_code(self, txn: lmdb.Transaction, env: str) -> int:
+        """The code of ``env``, allocated in this transaction when new."""
+        key = env.encode()
+        raw = txn.get(key, db=self.db["envs"])
+        if raw is not None:
+            return _U32.unpack(raw)[0]
+        code = txn.stat(self.db["envs"])["entries"]
+        txn.put(key, _U32.pack(code), db=self.db["envs"])
+        return code
+
+    # -- trajectories ----------------------------------------------------------------------
+    def lookup_id(self, txn: lmdb.Transaction, trajectory_id: str) -> int | None:
+        raw = txn.get(trajectory_id.encode("utf-8"), db=self.db["tid"])
+        return None if raw is None else unpack_u64(raw)
+
+    def fingerprint_of(self, txn: lmdb.Transaction, vid: int) -> str | None:
+        raw = txn.get(pack_u64(vid), db=self.db["traj"])
+        return None if raw is None else _unpackb(raw)["fp"]
+
+    def allocate_vid(self, txn: lmdb.Transaction, trajectory_id: str, taken: set[int]) -> int:
+        """A free vid for a new trajectory: its hash, probing on the (rare) collision."""
+        salt = 0
+        while True:
+            vid = vid_for(trajectory_id, salt)
+            if vid not in taken and txn.get(pack_u64(vid), db=self.db["traj"]) is None:
+                return vid
+            salt += 1
+
+    def put_trajectory(
+        self,
+        txn: lmdb.Transaction,
+        vid: int,
+        traj: Trajectory,
+        tokens: list[str],
+        env_code: int,
+        vector: np.ndarray,
+        workflow_vector: np.ndarray,
+        cluster_id: int | None,
+        added: float,
+    ) -> None:
+        key = pack_u64(vid)
+        txn.put(key, trajectory_to_record(traj, tokens, added), db=self.db["traj"])
+        txn.put(traj.id.encode("utf-8"), key, db=self.db["tid"])
+        txn.put(key, self.pack_vectors(env_code, vector, workflow_vector), db=self.db["vec"])
+        if cluster_id is not None:
+            self.set_cluster_of(txn, vid, cluster_id)
+
+    def delete_trajectory(self, txn: lmdb.Transaction, vid: int, trajectory_id: str) -> None:
+        key = pack_u64(vid)
+        txn.delete(key, db=self.db["traj"])
+        txn.delete(trajectory_id.encode("utf-8"), db=self.db["tid"])
+        txn.delete(key, db=self.db["vec"])
+        cid = self.cluster_of(txn, vid)
+        if cid is not None:
+            txn.delete(key, db=self.db["vclu"])
+            txn.delete(pack_u64(cid) + key, db=self.db["members"])
+
+    def set_cluster_of(self, txn: lmdb.Transaction, vid: int, cluster_id: int, previous: int | None = None) -> None:
+        key = pack_u64(vid)
+        if previous is not None:
+            txn.delete(pack_u64(previous) + key, db=self.db["members"])
+        txn.put(key, pack_u64(cluster_id), db=self.db["vclu"])
+        txn.put(pack_u64(cluster_id) + key, b"", db=self.db["members"])
+
+    def cluster_of(self, txn: lmdb.Transaction, vid: int) -> int | None:
+        raw = txn.get(pack_u64(vid), db=self.db["vclu"])
+        return None if raw is None else unpack_u64(raw)
+
+    def trajectory(self, txn: lmdb.Transaction, vid: int) -> tuple[Trajectory, dict[str, Any]] | None:
+        raw = txn.get(pack_u64(vid), db=self.db["traj"])
+        return None if raw is None else record_to_trajectory(raw)
+
+    def pack_vectors(self, env_code: int, vector: np.ndarray, workflow_vector: np.ndarray) -> bytes:
+        return (
+            _U32.pack(env_code)
+            + np.ascontiguousarray(vector, dtype=np.float32).tobytes()
+            + np.ascontiguousarray(workflow_vector, dtype=np.float32).tobytes()
+        )
+
+    def unpack_vectors(self, data: bytes) -> tuple[int, np.ndarray, np.ndarray]:
+        code = _U32.unpack_from(data, 0)[0]
+        vec = np.frombuffer(data, dtype=np.float32, count=self.dim, offset=4)
+        wvec = np.frombuffer(data, dtype=np.float32, count=self.workflow_dim, offset=4 + 4 * self.dim)
+        return code, vec, wvec
+
+    def vectors(self, txn: lmdb.Transaction, vid: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+        raw = txn.get(pack_u64(vid), db=self.db["vec"])
+        return None if raw is None else self.unpack_vectors(raw)
+
+    def iter_vectors(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        """(vid, env code, vector, workflow vector) for every stored trajectory, in vid order."""
+        for key, value in txn.cursor(db=self.db["vec"]):
+            code, vec, wvec = self.unpack_vectors(value)
+            yield unpack_u64(key), code, vec, wvec
+
+    def iter_trajectories(self, txn: lmdb.Transaction) -> Iterator[tuple[int, Trajectory, dict[str, Any]]]:
+        for key, value in txn.cursor(db=self.db["traj"]):
+            traj, extra = record_to_trajectory(value)
+            yield unpack_u64(key), traj, extra
+
+    def count_trajectories(self, txn: lmdb.Transaction) -> int:
+        return txn.stat(self.db["traj"])["entries"]
+
+    # -- clusters --------------------------------------------------------------------------
+    def put_cluster(self, txn: lmdb.Transaction, record: ClusterRecord) -> None:
+        txn.put(pack_u64(record.id), record.to_bytes(), db=self.db["clusters"])
+
+    def get_cluster(self, txn: lmdb.Transaction, cluster_id: int) -> ClusterRecord | None:
+        raw = txn.get(pack_u64(cluster_id), db=self.db["clusters"])
+        return None if raw is None else ClusterRecord.from_bytes(raw)
+
+    def iter_clusters(self, txn: lmdb.Transaction) -> Iterator[ClusterRecord]:
+        for _, value in txn.cursor(db=self.db["clusters"]):
+            yield ClusterRecord.from_bytes(value)
+
+    def members(self, txn: lmdb.Transaction, cluster_id: int) -> list[int]:
+        prefix = pack_u64(cluster_id)
+        out: list[int] = []
+        cursor = txn.cursor(db=self.db["members"])
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(keys=True, values=False):
+                if key[:8] != prefix:
+                    break
+                out.append(unpack_u64(key[8:]))
+        return out
+
+    def next_cluster_ids(self, txn: lmdb.Transaction, n: int) -> list[int]:
+        first = self.get_meta("next_cluster", txn)
+        self.put_meta(txn, "next_cluster", first + n)
+        return list(range(first, first + n))
+
+    # -- log and maintenance queue ---------------------------------------------------------
+    def append_log(self, txn: lmdb.Transaction, entries: list[dict[str, Any]]) -> None:
+        seq = self.get_meta("next_log", txn)
+        for entry in entries:
+            txn.put(pack_u64(seq), _packb(entry), db=self.db["log"])
+            seq += 1
+        self.put_meta(txn, "next_log", seq)
+
+    def iter_log(self, txn: lmdb.Transaction, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+        cursor = txn.cursor(db=self.db["log"])
+        if cursor.set_range(pack_u64(start)):
+            for key, value in cursor:
+                yield unpack_u64(key), _unpackb(value)
+
+    def add_todo(self, txn: lmdb.Transaction, cluster_id: int, **flags: bool) -> None:
+        key = pack_u64(cluster_id)
+        raw = txn.get(key, db=self.db["todo"])
+        current = _unpackb(raw) if raw else {}
+        for name, value in flags.items():
+            if value:
+                current[name] = True
+        if current:
+            txn.put(key, _packb(current), db=self.db["todo"])
+
+    def clear_todo(self, txn: lmdb.Transaction, cluster_id: int, *names: str) -> None:
+        key = pack_u64(cluster_id)
+        raw = txn.get(key, db=self.db["todo"])
+        if raw is None:
+            return
+        current = {k: v for k, v in _unpackb(raw).items() if k not in names} if names else {}
+        if current:
+            txn.put(key, _packb(current), db=self.db["todo"])
+        else:
+            txn.delete(key, db=self.db["todo"])
+
+    def todos(self, txn: lmdb.Transaction) -> dict[int, dict[str, bool]]:
+        return {unpack_u64(k): _unpackb(v) for k, v in txn.cursor(db=self.db["todo"])}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        info = self.env.info()
+        stat = self.env.stat()
+        return {
+            "path": str(self.path),
+            "map_size": info["map_size"],
+            "last_txnid": info["last_txnid"],
+            "page_size": stat["psize"],
+            "file_size": (self.path / "data.mdb").stat().st_size,
+        }
+
+    def close(self) -> None:
+        if getattr(self, "env", None) is not None:
+            self.env.close()
+            self.env = None  # type: ignore[assignment]
+        self._release_writer_lock()
+
+    def __enter__(self) -> "MemoryStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
