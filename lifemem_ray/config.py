@@ -38,6 +38,8 @@ class EvolutionConfig:
 
     init_size: int = 5  # trajectories partitioned at initialisation
     top_k: int = 4  # neighbours whose clusters become candidates
+    neighbour_scope: str = "env"  # env: top-k in the trajectory's environment + nearest cluster centroids overall; global: top-k over all environments
+    centroid_candidates: int = 2  # with scope "env": clusters added by centroid similarity (any environment)
     split_min_size: int = 50  # L: split only clusters with n > L
     split_mrl_threshold: float = 0.95  # tau: ... and R < tau
     split_max_parts: int = 6  # at most this many children per split
@@ -50,6 +52,9 @@ class EvolutionConfig:
     def validate(self) -> None:
         _positive(self, "init_size", "top_k", "split_min_size", "skill_sample_size", "batch_size")
         _in_range(self, "split_mrl_threshold", 0.0, 1.0)
+        _choice(self, "neighbour_scope", ("env", "global"))
+        if self.centroid_candidates < 0:
+            raise ConfigError("evolution.centroid_candidates: must be >= 0")
         if self.split_max_parts < 2:
             raise ConfigError("evolution.split_max_parts: must be at least 2")
         if self.skill_refresh_growth <= 0 or self.description_refresh_growth <= 0:
@@ -84,7 +89,7 @@ class RetrievalConfig:
 class IndexConfig:
     """FAISS: exact below ``exact_max`` vectors per environment, IVF above."""
 
-    exact_max: int = 8192
+    exact_max: int = 2048
     nlist: int = 0  # 0: chosen from the size (about 4 * sqrt(n))
     nprobe: int = 0  # 0: calibrated to reach target_recall at (re)training
     target_recall: float = 0.97

@@ -12,6 +12,7 @@ that start the same new workflow open one cluster, not several.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -92,8 +93,8 @@ def add_member(record: ClusterRecord, item: BatchItem, now: float) -> None:
 
 
 def _cos(vec: np.ndarray, total: np.ndarray) -> float:
-    norm = float(np.linalg.norm(total))
-    return float(vec @ total / norm) if norm > 0 else 0.0
+    norm = math.sqrt(float(total @ total))
+    return float(vec @ total) / norm if norm > 0 else 0.0
 
 
 class BatchPlanner:
@@ -121,17 +122,28 @@ class BatchPlanner:
         items: Sequence[BatchItem],
         neighbours: Sequence[Sequence[tuple[int, float]]],
         init_count: int = 0,
+        extra: Sequence[Sequence[int]] | None = None,
     ) -> BatchPlan:
         """Place every item.
 
         ``neighbours[i]`` are (cluster id, similarity) of item i's nearest stored
-        trajectories, best first. The first ``init_count`` items form the initial
-        memory: they are partitioned among themselves.
+        trajectories, best first; ``extra[i]`` are further candidate clusters (found by
+        centroid similarity). The first ``init_count`` items form the initial memory:
+        they are partitioned among themselves.
         """
         now = time.time()
         n = len(items)
         vecs = np.stack([it.vec for it in items]) if n else np.zeros((0, self.dim), np.float32)
         gram = vecs @ vecs.T if n else np.zeros((0, 0))
+        # Sums are float64: compare in float64 (a mixed-dtype dot would cast on every call).
+        vec64 = vecs.astype(np.float64)
+        wvec64 = np.stack([it.wvec for it in items]).astype(np.float64) if n else np.zeros((0, self.wdim))
+        k = self.config.top_k
+        # Each item's k most similar earlier items of the batch, in one vectorised pass.
+        kk = min(k, max(n - 1, 1))
+        if n > 1:
+            masked = np.where(np.tri(n, n, -1, dtype=bool), gram, -np.inf)
+            near_all = np.argpartition(-masked, kk - 1, axis=1)[:, :kk] if n > kk else np.tile(np.arange(n), (n, 1))
         plan = BatchPlan(placements=[], clusters={})
         init_labels = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
         placements = plan.placements
@@ -139,6 +151,8 @@ class BatchPlanner:
         margins: list[float] = []
         work = plan.clusters
         k = self.config.top_k
+        want_views = self.decider is not None
+        lowest = -(max(init_labels) + 1) if init_labels else 0  # last provisional id handed out
         for i, item in enumerate(items):
             if init_labels is not None and i < init_count:
                 placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm"))
@@ -146,40 +160,43 @@ class BatchPlanner:
                 margins.append(1.0)
                 self._apply(work, placements[i].cluster, item, now, born="init")
                 continue
+            # Top-k neighbours: stored ones (from the index) and earlier items of this batch.
             pool: list[tuple[float, int]] = [] if i < init_count else [(s, c) for c, s in neighbours[i]]
-            for j in range(i):
-                pool.append((float(gram[i, j]), placements[j].cluster))
+            if i:
+                row = gram[i]
+                pool.extend((float(row[j]), placements[j].cluster) for j in near_all[i] if j < i)
             pool.sort(key=lambda sc: -sc[0])
             hits: dict[int, int] = {}
             for _, cid in pool[:k]:
                 hits[cid] = hits.get(cid, 0) + 1
-            candidates: list[Candidate] = []
+            if extra is not None and i >= init_count:
+                for cid in extra[i]:
+                    hits.setdefault(cid, 0)
+            scored: list[tuple[float, int, float, float]] = []
             for cid in hits:
                 record = work.get(cid) or self.live.get(cid)
                 if record is None or record.count == 0:
                     continue
-                ts = _cos(item.vec, record.tsum)
-                ws = _cos(item.wvec, record.wsum)
-                candidates.append(
-                    Candidate(
-                        cluster=ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs)),
-                        score=self.policy.score(ts, ws),
-                        text_similarity=ts,
-                        workflow_similarity=ws,
-                        neighbour_hits=hits[cid],
-                    )
-                )
-            candidates.sort(key=lambda c: -c.score)
-            choice, margin = self.policy.decide([c.score for c in candidates])
+                ts = _cos(vec64[i], record.tsum)
+                ws = _cos(wvec64[i], record.wsum)
+                scored.append((self.policy.score(ts, ws), cid, ts, ws))
+            scored.sort(key=lambda x: -x[0])
+            candidates: list[Candidate] = []
+            if want_views:
+                for score, cid, ts, ws in scored:
+                    record = work.get(cid) or self.live[cid]
+                    view = ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs))
+                    candidates.append(Candidate(view, score, ts, ws, hits[cid]))
+            choice, margin = self.policy.decide([x[0] for x in scored])
             by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
             if choice is None:
-                cid = min([c for c in work if c < 0], default=0) - 1
+                lowest -= 1
+                cid = lowest
                 op = "init" if i < init_count else "new"
-                score = candidates[0].score if candidates else 0.0
+                score = scored[0][0] if scored else 0.0
             else:
-                cid = candidates[choice].cluster.id
+                score, cid = scored[choice][0], scored[choice][1]
                 op = "init" if i < init_count else "join"
-                score = candidates[choice].score
             placements.append(Placement(cluster=cid, op=op, by=by, score=score))
             candidates_of.append(candidates)
             margins.append(margin)

@@ -11,19 +11,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .centroids import ClusterCentroids
 from .config import MemoryConfig
 from .decisions import ClusterView, Decider
 from .embedding import DIM as MINILM_DIM, Embedder
 from .evolution import BatchItem, BatchPlan, BatchPlanner, add_member, new_cluster_record
 from .index import VectorIndex
 from .model import Trajectory
-from .policy import OfflinePolicy, member_info
+from .policy import MemberInfo, OfflinePolicy
 from .retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
 from .storage import ClusterRecord, MemoryStore, StoreError
 from .workflow import action_tokens, workflow_summary, workflow_vector
@@ -153,6 +156,7 @@ class Memory:
         self.read_only = read_only
         self.policy = OfflinePolicy(self.config.policy)
         self._lock = threading.RLock()
+        self._maintenance_lock = threading.Lock()  # one maintenance pass at a time
         self._closed = False
         try:
             self.decider = decider if decider is not None else self._default_decider()
@@ -211,6 +215,8 @@ class Memory:
             generation = int(self.store.get_meta("generation", txn))
             count = self.store.count_trajectories(txn)
         self._clusters = clusters
+        self._centroids = ClusterCentroids(self.dim)
+        self._centroids.update(clusters.values())
         loaded = VectorIndex.load(self.path / "index", self.dim, self.config.index)
         if loaded is not None and loaded[1] == generation and len(loaded[0]) == count:
             self.index = loaded[0]
@@ -325,13 +331,9 @@ class Memory:
         if vectors is None:
             vectors = _unit_rows(self.embedder.embed([t.query_text for t in trajectories]), len(trajectories), self.dim, "embeddings")
         items: list[BatchItem] = []
-        taken: set[int] = set()
-        with self.store.read() as txn:
-            for traj, vec in zip(trajectories, vectors):
-                tokens = action_tokens(traj)
-                vid = self.store.allocate_vid(txn, traj.id, taken)
-                taken.add(vid)
-                items.append(BatchItem(traj, vid, vec, workflow_vector(tokens, WORKFLOW_DIM), tokens, workflow_summary(tokens)))
+        for traj, vec in zip(trajectories, vectors):
+            tokens = action_tokens(traj)
+            items.append(BatchItem(traj, 0, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
 
         init_count = 0
         if not self._initialised:
@@ -342,7 +344,7 @@ class Memory:
             items = self._pending_items() + items
             init_count = len(self._pending) + need
 
-        neighbours = self._neighbours(items[init_count:])
+        neighbours, extra = self._neighbours(items[init_count:])
         planner = BatchPlanner(
             self._clusters,
             self.policy,
@@ -352,7 +354,7 @@ class Memory:
             decider=self.decider,
             llm_config=self.config.llm,
         )
-        plan = planner.plan(items, [[]] * init_count + neighbours, init_count=init_count)
+        plan = planner.plan(items, [[]] * init_count + neighbours, init_count=init_count, extra=[[]] * init_count + extra)
         return self._commit_plan(items, plan, init_count)
 
     def _pending_items(self) -> list[BatchItem]:
@@ -369,11 +371,22 @@ class Memory:
                 items.append(BatchItem(traj, vid, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), stored=True))
         return items
 
-    def _neighbours(self, items: list[BatchItem]) -> list[list[tuple[int, float]]]:
-        """(cluster id, similarity) of each item's top-k stored neighbours, over all environments."""
-        if not items or len(self.index) == 0:
-            return [[] for _ in items]
-        scores, ids = self.index.search(np.stack([it.vec for it in items]), self.config.evolution.top_k)
+    def _neighbours(self, items: list[BatchItem]) -> tuple[list[list[tuple[int, float]]], list[list[int]]]:
+        """Per item: (cluster id, similarity) of its top-k stored neighbours, and further
+        candidate clusters from centroid similarity (see ``evolution.neighbour_scope``)."""
+        evo = self.config.evolution
+        if not items:
+            return [], []
+        queries = np.stack([it.vec for it in items])
+        extra: list[list[int]] = [[] for _ in items]
+        if evo.neighbour_scope == "env":
+            scores, ids = self.index.search_envs(queries, evo.top_k, [it.traj.env for it in items])
+            if evo.centroid_candidates:
+                extra = [[c for c, _ in row] for row in self._centroids.search(queries, evo.centroid_candidates)]
+        else:
+            if len(self.index) == 0:
+                return [[] for _ in items], extra
+            scores, ids = self.index.search(queries, evo.top_k)
         out: list[list[tuple[int, float]]] = []
         with self.store.read() as txn:
             for row_s, row_i in zip(scores, ids):
@@ -385,22 +398,22 @@ class Memory:
                     if cid is not None and cid in self._clusters:
                         pairs.append((cid, float(s)))
                 out.append(pairs)
-        return out
+        return out, extra
 
     def _commit_pending(self, items: list[BatchItem]) -> list[AddResult]:
         """Before initialisation: store and index, leave unclustered until enough have arrived."""
         now = time.time()
-        pending = self._pending + [it.vid for it in items]
 
         def write(txn: Any) -> None:
-            for it in items:
+            for it, vid in zip(items, self.store.allocate_vids(txn, len(items))):
+                it.vid = vid
                 code = self.store.env_code(txn, it.traj.env)
                 self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, None, now)
-            self.store.put_meta(txn, "pending", pending)
+            self.store.put_meta(txn, "pending", self._pending + [it.vid for it in items])
             self.store.append_log(txn, [{"vid": it.vid, "id": it.traj.id, "op": "pending", "t": now} for it in items])
 
         self.store.write(write)
-        self._pending = pending
+        self._pending = self._pending + [it.vid for it in items]
         self._index_add(items)
         return [AddResult(it.traj.id, "pending", None) for it in items]
 
@@ -414,7 +427,11 @@ class Memory:
             founders.setdefault(p.cluster, i)
         usage_total = self._usage_totals()
 
+        fresh = [it for it in items if not it.stored]
+
         def write(txn: Any) -> dict[int, int]:
+            for it, vid in zip(fresh, self.store.allocate_vids(txn, len(fresh))):
+                it.vid = vid
             real = dict(zip(provisional, self.store.next_cluster_ids(txn, len(provisional))))
             records: dict[int, ClusterRecord] = {}
             for cid, record in plan.clusters.items():
@@ -475,6 +492,7 @@ class Memory:
         # Committed: now the in-memory view may change.
         for record in plan.clusters.values():
             self._clusters[record.id] = record
+        self._centroids.update(plan.clusters.values())
         if init_count:
             self._pending = []
             self._initialised = True
@@ -554,51 +572,134 @@ class Memory:
                     self._clusters.pop(record.id, None)
                 else:
                     self._clusters[record.id] = record
+            self._centroids.update(touched.values())
             self._pending = pending
             self.index.remove(np.asarray(sorted(removed_vids), dtype=np.int64))
             return len(found)
 
     # -- maintenance: splits, skills, descriptions ------------------------------------------
     def maintain(self, max_ops: int | None = None) -> int:
-        """Run queued splits, skill distillations and description refreshes; returns how many ran."""
-        if self.read_only:
+        """Run queued splits, skill distillations and description refreshes; returns how many ran.
+
+        The queue lives in LMDB (written in the same transaction as the change that
+        caused it), so work a crash interrupts is picked up at the next open.
+        """
+        if self.read_only or self._closed:
             return 0
-        done = 0
-        while max_ops is None or done < max_ops:
-            with self.store.read() as txn:
-                todos = self.store.todos(txn)
-            if not todos:
-                break
-            progressed = False
-            for cid, flags in sorted(todos.items()):
-                if max_ops is not None and done >= max_ops:
+        with self._maintenance_lock:
+            done = 0
+            while max_ops is None or done < max_ops:
+                with self.store.read() as txn:
+                    todos = self.store.todos(txn)
+                if not todos:
                     break
-                if self._stop.is_set() and self._maintainer is not None and threading.current_thread() is self._maintainer:
+                before = done
+                cleared: list[tuple[int, tuple[str, ...]]] = []
+                for cid, flags in sorted(todos.items()):
+                    if not flags.get("split") or (max_ops is not None and done >= max_ops):
+                        continue
+                    if self._stopping():
+                        return done
+                    record = self._clusters.get(cid)
+                    if record is not None and self._needs_split(record) and self._split(cid):
+                        done += 1  # the children carry their own todos; the parent's are gone
+                    else:
+                        cleared.append((cid, ("split",)))
+                with self.store.read() as txn:
+                    todos = self.store.todos(txn)
+                work = [(cid, f) for cid, f in sorted(todos.items()) if f.get("skill") or f.get("describe")]
+                if max_ops is not None:
+                    work = work[: max(0, max_ops - done)]
+                if self._stopping():
                     return done
-                self._run_todo(cid, flags)
-                done += 1
-                progressed = True
-            if not progressed:
-                break
-        return done
+                updates = self._compute_updates(work)
+                for cid, flags in todos.items():
+                    if cid not in self._clusters:
+                        cleared.append((cid, ()))
+                self._commit_updates(updates, cleared)
+                done += len(updates)
+                if done == before and not cleared:
+                    break
+            return done
 
-    def _run_todo(self, cid: int, flags: dict[str, bool]) -> None:
-        record = self._clusters.get(cid)
-        if record is None:
-            self.store.write(lambda txn: self.store.clear_todo(txn, cid))
+    def _stopping(self) -> bool:
+        return self._stop.is_set() and threading.current_thread() is self._maintainer
+
+    def _compute_updates(self, work: list[tuple[int, dict[str, bool]]]) -> list[tuple[int, dict[str, Any], tuple[str, ...]]]:
+        """New skills and descriptions for the queued clusters (LLM calls run concurrently)."""
+
+        def one(cid: int, flags: dict[str, bool]) -> tuple[int, dict[str, Any], tuple[str, ...]] | None:
+            sample = self._sample_members(cid, full=self.decider is not None)
+            if sample is None:
+                return None
+            count, infos, trajs = sample
+            fields: dict[str, Any] = {}
+            names: list[str] = []
+            if flags.get("skill"):
+                text, by = None, "offline"
+                if self.decider is not None:
+                    text = self.decider.distil(self._view(cid), trajs)
+                    by = "llm" if text else "fallback"
+                fields.update(skill=text or self.policy.distil(infos), skill_by=by, skill_n=count)
+                names.append("skill")
+            if flags.get("describe"):
+                if self.decider is not None:
+                    text = self.decider.describe(self._view(cid, examples=tuple(trajs[:3])))
+                    if text:
+                        fields.update(description=text, description_by="llm")
+                # Success or not, do not ask again until the cluster has grown.
+                fields["description_n"] = count
+                names.append("describe")
+            return cid, fields, tuple(names)
+
+        if self.decider is None or len(work) <= 1:
+            results = [one(cid, flags) for cid, flags in work]
+        else:
+            with ThreadPoolExecutor(max_workers=self.config.llm.concurrency, thread_name_prefix="lifemem-distil") as pool:
+                results = list(pool.map(lambda wf: one(*wf), work))
+        return [r for r in results if r is not None]
+
+    def _commit_updates(self, updates: list[tuple[int, dict[str, Any], tuple[str, ...]]], cleared: list[tuple[int, tuple[str, ...]]]) -> None:
+        """All skill and description updates of a round in one transaction."""
+        if not updates and not cleared:
             return
-        if flags.get("split"):
-            if self._needs_split(record) and self._split(cid):
-                return  # the children carry their own todos
-            self.store.write(lambda txn: self.store.clear_todo(txn, cid, "split"))
-        if flags.get("skill"):
-            self._distil(cid)
-        if flags.get("describe"):
-            self._describe(cid)
-
-    def _member_snapshot(self, cid: int) -> tuple[int, list[int], np.ndarray, np.ndarray, list[Trajectory], list[list[str]]]:
         with self._lock:
-            version = self._clusters[cid].version
+            records: list[ClusterRecord] = []
+            for cid, fields, _ in updates:
+                current = self._clusters.get(cid)
+                if current is None:
+                    continue
+                record = current.copy()
+                for name, value in fields.items():
+                    setattr(record, name, value)
+                records.append(record)
+            usage_total = self._usage_totals()
+
+            def write(txn: Any) -> None:
+                for record in records:
+                    self.store.put_cluster(txn, record)
+                for cid, _, names in updates:
+                    self.store.clear_todo(txn, cid, *names)
+                for cid, names in cleared:
+                    self.store.clear_todo(txn, cid, *names)
+                counters = self.store.get_meta("counters", txn, {}) or {}
+                for _, _, names in updates:
+                    for name in names:
+                        counters[name] = counters.get(name, 0) + 1
+                self.store.put_meta(txn, "counters", counters)
+                if usage_total is not None:
+                    self.store.put_meta(txn, "llm_usage", usage_total)
+
+            self.store.write(write)
+            for record in records:
+                self._clusters[record.id] = record
+
+    def _member_snapshot(self, cid: int) -> tuple[int, list[int], np.ndarray, np.ndarray, list[Trajectory], list[list[str]]] | None:
+        with self._lock:
+            record = self._clusters.get(cid)
+            if record is None:
+                return None
+            version = record.version
             with self.store.read() as txn:
                 vids = self.store.members(txn, cid)
                 tv = np.empty((len(vids), self.dim), np.float32)
@@ -618,7 +719,10 @@ class Memory:
         """Split cluster ``cid`` into finer clusters; False when no structure was found."""
         evo = self.config.evolution
         for _ in range(3):
-            version, vids, tv, wv, trajs, tokens = self._member_snapshot(cid)
+            snapshot = self._member_snapshot(cid)
+            if snapshot is None:
+                return False
+            version, vids, tv, wv, trajs, tokens = snapshot
             labels = None
             by = "offline"
             if self.decider is not None:
@@ -630,7 +734,9 @@ class Memory:
                 )
             with self._lock:
                 parent = self._clusters.get(cid)
-                if parent is None or parent.version != version:
+                if parent is None:
+                    return False
+                if parent.version != version:
                     continue  # it changed while we computed: again, on fresh data
                 if labels is None or len(set(labels.tolist())) < 2:
                     parent = parent.copy()
@@ -652,13 +758,15 @@ class Memory:
         assert self.decider is not None
         evo = self.config.evolution
         n = len(trajs)
-        sample = np.linspace(0, n - 1, num=min(n, 24)).round().astype(int)
-        sample = np.unique(sample)
+        sample = np.unique(np.linspace(0, n - 1, num=min(n, 24)).round().astype(int))
         view = self._view(cid)
+        if view is None:
+            return None
         answer = self.decider.split(view, [trajs[i] for i in sample], evo.split_max_parts)
         if answer is None or len(answer) != len(sample) or len(set(answer)) < 2:
             return None
-        combined = np.hstack([wv * np.sqrt(self.config.policy.workflow_weight), tv * np.sqrt(1 - self.config.policy.workflow_weight)])
+        w = self.config.policy.workflow_weight
+        combined = np.hstack([wv * np.sqrt(w), tv * np.sqrt(1 - w)])
         groups = sorted(set(answer))
         centres = np.stack([combined[sample[np.asarray(answer) == g]].sum(axis=0) for g in groups])
         centres /= np.linalg.norm(centres, axis=1, keepdims=True)
@@ -680,25 +788,26 @@ class Memory:
         now = time.time()
         parts = sorted(set(labels.tolist()))
         children: list[ClusterRecord] = []
+        examples: list[str] = []
         for part in parts:
             child = new_cluster_record(0, self.dim, WORKFLOW_DIM, "split", now)
             child.parent = parent.id
-            for n in np.flatnonzero(labels == part):
+            rows = np.flatnonzero(labels == part)
+            for n in rows:
                 add_member(child, BatchItem(trajs[n], vids[n], tv[n], wv[n], tokens[n], workflow_summary(tokens[n])), now)
             children.append(child)
+            examples.append(trajs[int(rows[0])].query_text)
         llm_mode = self.decider is not None
 
         def write(txn: Any) -> None:
             ids = self.store.next_cluster_ids(txn, len(children))
-            entries = []
-            for child, child_id in zip(children, ids):
+            for child, child_id, example in zip(children, ids, examples):
                 child.id = child_id
-                example = trajs[int(np.flatnonzero(labels == parts[ids.index(child_id)])[0])].query_text
                 child.description = self.policy.describe(child.count, child.envs, child.flows, example)
                 child.description_by = "offline"
-                child.description_n = child.count
                 self.store.put_cluster(txn, child)
                 self.store.add_todo(txn, child_id, skill=True, split=self._needs_split(child), describe=llm_mode)
+            entries = []
             for n, vid in enumerate(vids):
                 child_id = ids[parts.index(int(labels[n]))]
                 self.store.set_cluster_of(txn, vid, child_id, previous=parent.id)
@@ -717,71 +826,38 @@ class Memory:
         self._clusters.pop(parent.id, None)
         for child in children:
             self._clusters[child.id] = child
+        self._centroids.remove([parent.id])
+        self._centroids.update(children)
         log.info("split cluster %d (n=%d, R=%.3f) into %s", parent.id, parent.count, parent.mrl, [c.count for c in children])
 
-    def _sample_members(self, cid: int) -> tuple[int, list[Trajectory], list[list[str]]]:
-        """An even sample of the members (at most ``skill_sample_size``), read from the store."""
+    def _sample_members(self, cid: int, *, full: bool) -> tuple[int, list[MemberInfo], list[Trajectory]] | None:
+        """An even sample of the members (at most ``skill_sample_size``): their briefs, and the
+        whole trajectories when ``full`` (for LLM prompts)."""
         with self._lock:
-            record = self._clusters[cid]
+            record = self._clusters.get(cid)
+            if record is None:
+                return None
             count = record.count
             with self.store.read() as txn:
                 vids = self.store.members(txn, cid)
                 size = self.config.evolution.skill_sample_size
                 picks = vids if len(vids) <= size else [vids[int(i)] for i in np.linspace(0, len(vids) - 1, size).round()]
-                trajs, tokens = [], []
+                infos: list[MemberInfo] = []
+                trajs: list[Trajectory] = []
                 for vid in picks:
-                    traj, extra = self.store.trajectory(txn, vid)  # type: ignore[misc]
-                    trajs.append(traj)
-                    tokens.append(extra["tokens"])
-        return count, trajs, tokens
+                    brief = self.store.brief(txn, vid)
+                    if brief is None:
+                        continue
+                    tokens, success, env, task = brief
+                    infos.append(MemberInfo(tokens=tuple(tokens), success=success, env=env, task=task))
+                    if full:
+                        trajs.append(self.store.trajectory(txn, vid)[0])  # type: ignore[index]
+        return count, infos, trajs
 
-    def _distil(self, cid: int) -> None:
-        count, trajs, tokens = self._sample_members(cid)
-        text = None
-        by = "offline"
-        if self.decider is not None:
-            text = self.decider.distil(self._view(cid), trajs)
-            by = "llm" if text else "fallback"
-        if not text:
-            text = self.policy.distil([member_info(t, tok) for t, tok in zip(trajs, tokens)])
-        self._update_cluster(cid, "skill", skill=text, skill_by=by, skill_n=count)
-
-    def _describe(self, cid: int) -> None:
-        assert self.decider is not None
-        count, trajs, _ = self._sample_members(cid)
-        view = self._view(cid, examples=tuple(trajs[:3]))
-        text = self.decider.describe(view)
-        if text:
-            self._update_cluster(cid, "describe", description=text, description_by="llm", description_n=count)
-        else:
-            # Keep the offline description; do not ask again until the cluster has grown.
-            self._update_cluster(cid, "describe", description_n=count)
-
-    def _update_cluster(self, cid: int, todo: str, **fields: Any) -> None:
-        with self._lock:
-            current = self._clusters.get(cid)
-            if current is None:
-                self.store.write(lambda txn: self.store.clear_todo(txn, cid))
-                return
-            record = current.copy()
-            for name, value in fields.items():
-                setattr(record, name, value)
-            usage_total = self._usage_totals()
-
-            def write(txn: Any) -> None:
-                self.store.put_cluster(txn, record)
-                self.store.clear_todo(txn, cid, todo)
-                counters = self.store.get_meta("counters", txn, {}) or {}
-                counters[todo] = counters.get(todo, 0) + 1
-                self.store.put_meta(txn, "counters", counters)
-                if usage_total is not None:
-                    self.store.put_meta(txn, "llm_usage", usage_total)
-
-            self.store.write(write)
-            self._clusters[cid] = record
-
-    def _view(self, cid: int, examples: tuple[Trajectory, ...] = ()) -> ClusterView:
-        record = self._clusters[cid]
+    def _view(self, cid: int, examples: tuple[Trajectory, ...] = ()) -> ClusterView | None:
+        record = self._clusters.get(cid)
+        if record is None:
+            return None
         return ClusterView(id=cid, count=record.count, description=record.description, skill=record.skill, envs=dict(record.envs), examples=examples)
 
     def _maintenance_loop(self) -> None:
@@ -1076,6 +1152,15 @@ class Memory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@lru_cache(maxsize=1 << 16)
+def _workflow_vector(tokens: tuple[str, ...]) -> np.ndarray:
+    """Workflow vectors repeat (many trajectories share one action sequence): computed once each."""
+    # Rounded to float16 precision, as stored: running sums then match a recomputation exactly.
+    vec = workflow_vector(tokens, WORKFLOW_DIM).astype(np.float16).astype(np.float32)
+    vec.setflags(write=False)
+    return vec
 
 
 def _remove_member(record: ClusterRecord, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, flow: str, now: float) -> None:

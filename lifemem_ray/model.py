@@ -8,10 +8,12 @@ the field that is wrong; importers add the file and line.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import msgpack
 
 __all__ = [
     "InvalidTrajectoryError",
@@ -22,6 +24,7 @@ __all__ = [
 ]
 
 MAX_ID_LENGTH = 512
+_LABELLED = re.compile(r"(?:Thought|Action|Observation)\s*\d*\s*:", re.I)
 
 
 class InvalidTrajectoryError(ValueError):
@@ -33,6 +36,11 @@ def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
         raise InvalidTrajectoryError(f"{where}: expected a string, got {type(value).__name__}")
     if "\x00" in value:
         raise InvalidTrajectoryError(f"{where}: contains a NUL character")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidTrajectoryError(f"{where}: not valid Unicode text (lone surrogate at position {exc.start})") from None
     if not allow_empty and not value.strip():
         raise InvalidTrajectoryError(f"{where}: must not be empty")
     return value
@@ -135,14 +143,16 @@ class Outcome:
 
 
 def content_hash(env: str, task: str, initial_observation: str, steps: tuple[Step, ...], outcome: Outcome) -> str:
-    """Stable id for a trajectory that came without one: same content, same id."""
-    canonical = json.dumps(
-        [env, task, initial_observation, [s.to_dict() for s in steps], outcome.to_dict()],
-        ensure_ascii=False,
-        separators=(",", ":"),
-        sort_keys=True,
+    """Stable id for a trajectory that came without one: same content, same id.
+
+    SHA-256 over a msgpack encoding of (env, task, initial observation, steps,
+    outcome); metadata is left out, so annotating a trajectory keeps its id.
+    """
+    canonical = msgpack.packb(
+        [env, task, initial_observation, [[s.thought, s.action, s.observation] for s in steps], [outcome.success, outcome.reward]],
+        use_bin_type=True,
     )
-    return "h-" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
+    return "h-" + hashlib.sha256(canonical).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +171,10 @@ class Trajectory:
     id: str = ""
     initial_observation: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    _fingerprint: str = field(default="", init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.fingerprint))
 
     def __post_init__(self) -> None:
         _check_str(self.env, "env", allow_empty=False)
@@ -193,8 +207,11 @@ class Trajectory:
 
     @property
     def fingerprint(self) -> str:
-        """Content hash over everything but id and metadata."""
-        return content_hash(self.env, self.task, self.initial_observation, self.steps, self.outcome)
+        """Content hash over everything but id and metadata (computed once)."""
+        if not self._fingerprint:
+            fp = content_hash(self.env, self.task, self.initial_observation, self.steps, self.outcome)
+            object.__setattr__(self, "_fingerprint", fp)
+        return self._fingerprint
 
     @property
     def query_text(self) -> str:
@@ -221,7 +238,9 @@ class Trajectory:
         unknown = set(data) - known
         if unknown:
             raise InvalidTrajectoryError(f"record: unknown field(s) {sorted(unknown)}")
-        record_env = data.get("env", env)
+        record_env = data.get("env")
+        if record_env is None:
+            record_env = env
         if record_env is None:
             raise InvalidTrajectoryError("env: missing (give it in the record or with --env)")
         if "task" not in data:
@@ -230,7 +249,9 @@ class Trajectory:
         if not isinstance(steps_raw, list):
             raise InvalidTrajectoryError("steps: expected a list of steps")
         steps = tuple(Step.from_dict(s, f"steps[{i}]") for i, s in enumerate(steps_raw))
-        metadata = data.get("metadata") or {}
+        metadata = data.get("metadata")
+        if metadata is None:
+            metadata = {}
         raw_id = data.get("id", "")
         if raw_id is None:
             raw_id = ""
@@ -252,12 +273,11 @@ class Trajectory:
         parts = [head]
         for i, step in enumerate(self.steps, 1):
             lines = []
-            if step.thought.strip():
-                lines.append(f"Thought {i}: {step.thought.strip()}")
-            if step.action.strip():
-                lines.append(f"Action {i}: {step.action.strip()}")
-            if step.observation.strip():
-                lines.append(f"Observation {i}: {step.observation.strip()}")
+            for label, text in (("Thought", step.thought), ("Action", step.action), ("Observation", step.observation)):
+                text = text.strip()
+                if text:
+                    # Imported turns often carry their own "Action 3:" label: do not say it twice.
+                    lines.append(text if _LABELLED.match(text) else f"{label} {i}: {text}")
             parts.append("\n".join(lines))
         if self.outcome.success is not None:
             parts.append(f"Outcome: {'success' if self.outcome.success else 'failure'}")

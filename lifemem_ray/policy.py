@@ -21,7 +21,6 @@ from typing import Sequence
 import numpy as np
 
 from .config import PolicyConfig
-from .model import Trajectory
 from .workflow import canonical_token, workflow_summary
 
 __all__ = ["MemberInfo", "OfflinePolicy", "spherical_kmeans"]
@@ -96,7 +95,7 @@ class OfflinePolicy:
     # -- join or new -----------------------------------------------------------------------
     def score(self, text_similarity: float, workflow_similarity: float) -> float:
         w = self.config.workflow_weight
-        return float(np.clip(w * workflow_similarity + (1.0 - w) * text_similarity, 0.0, 1.0))
+        return min(1.0, max(0.0, w * workflow_similarity + (1.0 - w) * text_similarity))
 
     def decide(self, scores: Sequence[float]) -> tuple[int | None, float]:
         """Index of the candidate to join (or None for new) and the decision's margin.
@@ -229,7 +228,3 @@ def _category_rates(seqs: list[list[str]]) -> dict[str, float]:
 def _has_loop(seq: list[str]) -> bool:
     pairs = list(zip(seq, seq[1:]))
     return len(pairs) >= 4 and Counter(pairs).most_common(1)[0][1] >= 3
-
-
-def member_info(traj: Trajectory, tokens: Sequence[str]) -> MemberInfo:
-    return MemberInfo(tokens=tuple(tokens), success=traj.outcome.success, env=traj.env, task=traj.query_text)

@@ -14,7 +14,8 @@ name       key                         value
 meta       ascii name                  schema version, dims, counters, usage
 traj       vid                         the trajectory record
 tid        trajectory id (utf-8)       vid
-vec        vid                         u32 env code + f32 text vector + f32 workflow vector
+vec        vid                         u32 env code + f32 text vector + f16 workflow vector
+brief      vid                         action tokens, success, env, task head (for distillation)
 vclu       vid                         cluster id (u64)
 members    cluster id + vid            empty
 clusters   cluster id                  cluster record (live or tombstone)
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import struct
 import threading
@@ -57,7 +57,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
-_DBS = ("meta", "traj", "tid", "vec", "vclu", "members", "clusters", "envs", "log", "todo")
+_DBS = ("meta", "traj", "tid", "vec", "brief", "vclu", "members", "clusters", "envs", "log", "todo")
 T = TypeVar("T")
 
 
@@ -85,10 +85,7 @@ def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def vid_for(trajectory_id: str, salt: int = 0) -> int:
-    """A 63-bit integer id for FAISS, derived from the trajectory id (so it is the same on every shard)."""
-    digest = hashlib.blake2b(f"{salt}:{trajectory_id}".encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & 0x7FFF_FFFF_FFFF_FFFF
+VID_UID_BITS = 20  # low bits of every vid: the store's random uid, so vids of different stores differ
 
 
 @dataclass
@@ -366,6 +363,8 @@ class MemoryStore:
                     "embedder": embedder or "",
                     "generation": 0,
                     "next_cluster": 1,
+                    "next_vid": 1,
+                    "uid": int.from_bytes(os.urandom(4), "big") & ((1 << VID_UID_BITS) - 1),
                     "next_log": 0,
                     "pending": [],
                     "initialised": False,
@@ -473,14 +472,14 @@ class MemoryStore:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else _unpackb(raw)["fp"]
 
-    def allocate_vid(self, txn: lmdb.Transaction, trajectory_id: str, taken: set[int]) -> int:
-        """A free vid for a new trajectory: its hash, probing on the (rare) collision."""
-        salt = 0
-        while True:
-            vid = vid_for(trajectory_id, salt)
-            if vid not in taken and txn.get(pack_u64(vid), db=self.db["traj"]) is None:
-                return vid
-            salt += 1
+    def allocate_vids(self, txn: lmdb.Transaction, n: int) -> list[int]:
+        """Integer ids for ``n`` new trajectories: a per-store sequence (high bits) and the
+        store's uid (low bits). Sequential keys append to the B-trees instead of dirtying a
+        random page per insert; the uid keeps ids of different stores (shards) apart."""
+        uid = self.get_meta("uid", txn)
+        seq = self.get_meta("next_vid", txn)
+        self.put_meta(txn, "next_vid", seq + n)
+        return [((seq + i) << VID_UID_BITS) | uid for i in range(n)]
 
     def put_trajectory(
         self,
@@ -498,6 +497,7 @@ class MemoryStore:
         txn.put(key, trajectory_to_record(traj, tokens, added), db=self.db["traj"])
         txn.put(traj.id.encode("utf-8"), key, db=self.db["tid"])
         txn.put(key, self.pack_vectors(env_code, vector, workflow_vector), db=self.db["vec"])
+        txn.put(key, _packb([tokens, traj.outcome.success, traj.env, traj.query_text[:300]]), db=self.db["brief"])
         if cluster_id is not None:
             self.set_cluster_of(txn, vid, cluster_id)
 
@@ -506,6 +506,7 @@ class MemoryStore:
         txn.delete(key, db=self.db["traj"])
         txn.delete(trajectory_id.encode("utf-8"), db=self.db["tid"])
         txn.delete(key, db=self.db["vec"])
+        txn.delete(key, db=self.db["brief"])
         cid = self.cluster_of(txn, vid)
         if cid is not None:
             txn.delete(key, db=self.db["vclu"])
@@ -526,17 +527,22 @@ class MemoryStore:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else record_to_trajectory(raw)
 
+    def brief(self, txn: lmdb.Transaction, vid: int) -> tuple[list[str], bool | None, str, str] | None:
+        """(action tokens, success, env, task head) without unpacking the whole trajectory."""
+        raw = txn.get(pack_u64(vid), db=self.db["brief"])
+        return None if raw is None else tuple(_unpackb(raw))  # type: ignore[return-value]
+
     def pack_vectors(self, env_code: int, vector: np.ndarray, workflow_vector: np.ndarray) -> bytes:
         return (
             _U32.pack(env_code)
             + np.ascontiguousarray(vector, dtype=np.float32).tobytes()
-            + np.ascontiguousarray(workflow_vector, dtype=np.float32).tobytes()
+            + np.ascontiguousarray(workflow_vector, dtype=np.float16).tobytes()
         )
 
     def unpack_vectors(self, data: bytes) -> tuple[int, np.ndarray, np.ndarray]:
         code = _U32.unpack_from(data, 0)[0]
         vec = np.frombuffer(data, dtype=np.float32, count=self.dim, offset=4)
-        wvec = np.frombuffer(data, dtype=np.float32, count=self.workflow_dim, offset=4 + 4 * self.dim)
+        wvec = np.frombuffer(data, dtype=np.float16, count=self.workflow_dim, offset=4 + 4 * self.dim).astype(np.float32)
         return code, vec, wvec
 
     def vectors(self, txn: lmdb.Transaction, vid: int) -> tuple[int, np.ndarray, np.ndarray] | None:

@@ -7,14 +7,17 @@ with a few workflows. A trajectory's ``metadata["workflow"]`` is its label,
 so cluster purity can be measured. Observations are padded towards the lengths
 seen in the real data (``length_scale`` shrinks them for speed).
 
-:func:`label_vectors` makes retrieval vectors directly (no embedding model) for
-million-scale loads: one direction per (environment, workflow), plus a per-task
-direction and noise, normalised.
+:func:`text_vectors` makes retrieval vectors directly (no embedding model) for
+million-scale loads: a bag of fixed random word directions, so similar texts
+get similar vectors. :func:`label_vectors` makes vectors from labels alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import re
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -22,7 +25,7 @@ import numpy as np
 
 from .model import Outcome, Step, Trajectory
 
-__all__ = ["ENVIRONMENTS", "Workflow", "generate", "label_vectors", "workflow_labels"]
+__all__ = ["ENVIRONMENTS", "Workflow", "generate", "label_vectors", "text_vectors", "workflow_labels"]
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,12 @@ def generate(
         env = names[i % len(names)]
         wf = rng.choice(ENVIRONMENTS[env])
         slots = {k: rng.choice(v) for k, v in _SLOTS.items()}
+        # Ids, dates and amounts vary per task, as in real logs, so goals are rarely identical.
+        slots["order"] = f"#W{rng.randint(1_000_000, 9_999_999)}"
+        slots["flight"] = f"HAT{rng.randint(1, 999):03d}"
+        slots["date"] = f"20{rng.randint(10, 24)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        slots["price"] = f"{rng.randint(5, 300)}.00"
+        slots["value"] = rng.choice((str(rng.randint(1, 500)), f"'{rng.choice(_SLOTS['city']).lower()}'", slots["date"]))
         task = _fill(rng.choice(wf.goals), slots)
         steps: list[Step] = []
         success = rng.random() >= failure_rate
@@ -313,6 +322,31 @@ def generate(
             id=f"{id_prefix}-{seed}-{i}",
             metadata={"workflow": f"{env}/{wf.name}"},
         )
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+@lru_cache(maxsize=1 << 16)
+def _word_vector(word: str, dim: int, seed: int) -> np.ndarray:
+    digest = hashlib.blake2b(f"{seed}:{word}".encode(), digest_size=8).digest()
+    vec = np.random.default_rng(int.from_bytes(digest, "little")).standard_normal(dim).astype(np.float32)
+    return vec / np.linalg.norm(vec)
+
+
+def text_vectors(texts: list[str], dim: int = 384, *, seed: int = 0) -> np.ndarray:
+    """Unit vectors without an embedding model: a sum of fixed random word directions.
+
+    Like a sentence embedding, texts that share words are close and paraphrases of
+    one template cluster tightly, so nearest-neighbour structure (and IVF recall)
+    behaves like real data; it is deterministic and fast (no model).
+    """
+    out = np.empty((len(texts), dim), dtype=np.float32)
+    for i, text in enumerate(texts):
+        words = _WORD.findall(text.lower()) or ["<empty>"]
+        vec = np.sum([_word_vector(w, dim, seed) for w in words], axis=0)
+        out[i] = vec / np.linalg.norm(vec)
+    return out
 
 
 def label_vectors(labels: list[str], tasks_seed: list[int], dim: int = 384, *, noise: float = 0.35, seed: int = 0) -> np.ndarray:

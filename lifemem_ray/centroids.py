@@ -1,0 +1,85 @@
+"""Unit centroids of the live clusters, for cross-environment candidates.
+
+Evolution looks for neighbours within a trajectory's own environment (one index
+search) and, to let workflows align across environments, for the clusters whose
+goal centroid is nearest over all environments. There are far fewer clusters than
+trajectories, so an exact matrix product is cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+import numpy as np
+
+from .storage import ClusterRecord
+
+__all__ = ["ClusterCentroids"]
+
+
+class ClusterCentroids:
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self._rows: dict[int, int] = {}
+        self._ids = np.empty(0, dtype=np.int64)
+        self._matrix = np.empty((0, dim), dtype=np.float32)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def update(self, records: Iterable[ClusterRecord]) -> None:
+        """Insert or refresh these clusters' centroids; clusters no longer live are dropped."""
+        with self._lock:
+            add_ids, add_rows = [], []
+            gone = []
+            for record in records:
+                if not record.live:
+                    gone.append(record.id)
+                    continue
+                norm = float(np.linalg.norm(record.tsum))
+                row = (record.tsum / norm if norm > 0 else record.tsum).astype(np.float32)
+                at = self._rows.get(record.id)
+                if at is None:
+                    add_ids.append(record.id)
+                    add_rows.append(row)
+                else:
+                    self._matrix[at] = row
+            if add_ids:
+                start = len(self._ids)
+                self._ids = np.concatenate([self._ids, np.asarray(add_ids, dtype=np.int64)])
+                self._matrix = np.vstack([self._matrix, np.stack(add_rows)])
+                for offset, cid in enumerate(add_ids):
+                    self._rows[cid] = start + offset
+            if gone:
+                self._drop(gone)
+
+    def remove(self, cluster_ids: Iterable[int]) -> None:
+        with self._lock:
+            self._drop(list(cluster_ids))
+
+    def _drop(self, cluster_ids: list[int]) -> None:
+        rows = [self._rows.pop(c) for c in cluster_ids if c in self._rows]
+        if not rows:
+            return
+        keep = np.ones(len(self._ids), dtype=bool)
+        keep[rows] = False
+        self._ids = self._ids[keep]
+        self._matrix = self._matrix[keep]
+        self._rows = {int(c): i for i, c in enumerate(self._ids)}
+
+    def search(self, queries: np.ndarray, m: int) -> list[list[tuple[int, float]]]:
+        """The ``m`` clusters with the most similar centroid, per query, best first."""
+        with self._lock:
+            n = len(self._ids)
+            if n == 0 or m <= 0:
+                return [[] for _ in range(len(queries))]
+            scores = queries @ self._matrix.T
+            m = min(m, n)
+            top = np.argpartition(-scores, m - 1, axis=1)[:, :m]
+            top_s = np.take_along_axis(scores, top, 1)
+            order = np.argsort(-top_s, axis=1)
+            top, top_s = np.take_along_axis(top, order, 1), np.take_along_axis(top_s, order, 1)
+            ids = self._ids[top]
+        return [[(int(c), float(s)) for c, s in zip(row_c, row_s)] for row_c, row_s in zip(ids, top_s)]
