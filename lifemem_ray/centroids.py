@@ -1,9 +1,12 @@
-"""Unit centroids of the live clusters, for cross-environment candidates.
+"""Cluster centroids scored the way the offline policy scores a join.
 
-Evolution looks for neighbours within a trajectory's own environment (one index
-search) and, to let workflows align across environments, for the clusters whose
-goal centroid is nearest over all environments. There are far fewer clusters than
-trajectories, so an exact matrix product is cheap.
+Each live cluster is a row ``[sqrt(w) * unit(workflow sum), sqrt(1-w) * unit(goal sum)]``
+and a trajectory a query ``[sqrt(w) * workflow vector, sqrt(1-w) * goal vector]``, so
+their inner product is exactly the policy's score ``w * workflow cosine + (1-w) * goal
+cosine``. Evolution adds the best-scoring clusters over all environments to the
+candidates from the top-k neighbours: a workflow is found even when the nearest goals
+sit in other clusters, and workflows can align across environments. There are far fewer
+clusters than trajectories, so an exact matrix product is cheap.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ __all__ = ["ClusterCentroids"]
 
 
 class ClusterCentroids:
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
+    def __init__(self, dim: int, workflow_dim: int, workflow_weight: float) -> None:
+        self.dim = dim + workflow_dim
+        self._wdim = workflow_dim
+        self._a = float(np.sqrt(workflow_weight))
+        self._b = float(np.sqrt(1.0 - workflow_weight))
         self._rows: dict[int, int] = {}
         self._ids = np.empty(0, dtype=np.int64)
-        self._matrix = np.empty((0, dim), dtype=np.float32)
+        self._matrix = np.empty((0, self.dim), dtype=np.float32)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -38,8 +44,7 @@ class ClusterCentroids:
                 if not record.live:
                     gone.append(record.id)
                     continue
-                norm = float(np.linalg.norm(record.tsum))
-                row = (record.tsum / norm if norm > 0 else record.tsum).astype(np.float32)
+                row = np.concatenate([self._a * _unit(record.wsum), self._b * _unit(record.tsum)]).astype(np.float32)
                 at = self._rows.get(record.id)
                 if at is None:
                     add_ids.append(record.id)
@@ -69,8 +74,11 @@ class ClusterCentroids:
         self._matrix = self._matrix[keep]
         self._rows = {int(c): i for i, c in enumerate(self._ids)}
 
+    def query(self, vectors: np.ndarray, workflow_vectors: np.ndarray) -> np.ndarray:
+        return np.hstack([self._a * workflow_vectors, self._b * vectors]).astype(np.float32)
+
     def search(self, queries: np.ndarray, m: int) -> list[list[tuple[int, float]]]:
-        """The ``m`` clusters with the most similar centroid, per query, best first."""
+        """The ``m`` best-scoring clusters per query (see :meth:`query`), best first."""
         with self._lock:
             n = len(self._ids)
             if n == 0 or m <= 0:
@@ -83,3 +91,8 @@ class ClusterCentroids:
             top, top_s = np.take_along_axis(top, order, 1), np.take_along_axis(top_s, order, 1)
             ids = self._ids[top]
         return [[(int(c), float(s)) for c, s in zip(row_c, row_s)] for row_c, row_s in zip(ids, top_s)]
+
+
+def _unit(vec: np.ndarray) -> np.ndarray:
+    norm = float(np.linalg.norm(vec))
+    return vec / norm if norm > 0 else vec

@@ -38,8 +38,8 @@ class EvolutionConfig:
 
     init_size: int = 5  # trajectories partitioned at initialisation
     top_k: int = 4  # neighbours whose clusters become candidates
-    neighbour_scope: str = "env"  # env: top-k in the trajectory's environment + nearest cluster centroids overall; global: top-k over all environments
-    centroid_candidates: int = 2  # with scope "env": clusters added by centroid similarity (any environment)
+    neighbour_scope: str = "env"  # env: top-k neighbours in the trajectory's environment; global: over all environments
+    centroid_candidates: int = 2  # clusters added as candidates by the policy's score over all environments
     split_min_size: int = 50  # L: split only clusters with n > L
     split_mrl_threshold: float = 0.95  # tau: ... and R < tau
     split_max_parts: int = 6  # at most this many children per split

@@ -30,6 +30,7 @@ __all__ = ["BatchItem", "BatchPlan", "BatchPlanner", "Placement", "add_member", 
 log = logging.getLogger(__name__)
 
 MAX_FLOWS = 24  # distinct workflow summaries kept per cluster (the rest count as "other")
+MAX_PROVISIONAL_CANDIDATES = 64  # clusters opened earlier in a batch that each item is scored against
 
 
 @dataclass(slots=True)
@@ -172,6 +173,9 @@ class BatchPlanner:
             if extra is not None and i >= init_count:
                 for cid in extra[i]:
                     hits.setdefault(cid, 0)
+            # Clusters opened earlier in this batch are not in the centroid search yet: score them all.
+            for cid in range(lowest, min(0, lowest + MAX_PROVISIONAL_CANDIDATES)):
+                hits.setdefault(cid, 0)
             scored: list[tuple[float, int, float, float]] = []
             for cid in hits:
                 record = work.get(cid) or self.live.get(cid)

@@ -215,7 +215,7 @@ class Memory:
             generation = int(self.store.get_meta("generation", txn))
             count = self.store.count_trajectories(txn)
         self._clusters = clusters
-        self._centroids = ClusterCentroids(self.dim)
+        self._centroids = ClusterCentroids(self.dim, WORKFLOW_DIM, self.config.policy.workflow_weight)
         self._centroids.update(clusters.values())
         loaded = VectorIndex.load(self.path / "index", self.dim, self.config.index)
         if loaded is not None and loaded[1] == generation and len(loaded[0]) == count:
@@ -379,13 +379,14 @@ class Memory:
             return [], []
         queries = np.stack([it.vec for it in items])
         extra: list[list[int]] = [[] for _ in items]
+        if evo.centroid_candidates:
+            combined = self._centroids.query(queries, np.stack([it.wvec for it in items]))
+            extra = [[c for c, _ in row] for row in self._centroids.search(combined, evo.centroid_candidates)]
         if evo.neighbour_scope == "env":
             scores, ids = self.index.search_envs(queries, evo.top_k, [it.traj.env for it in items])
-            if evo.centroid_candidates:
-                extra = [[c for c, _ in row] for row in self._centroids.search(queries, evo.centroid_candidates)]
+        elif len(self.index) == 0:
+            return [[] for _ in items], extra
         else:
-            if len(self.index) == 0:
-                return [[] for _ in items], extra
             scores, ids = self.index.search(queries, evo.top_k)
         out: list[list[tuple[int, float]]] = []
         with self.store.read() as txn:

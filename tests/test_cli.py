@@ -1,0 +1,123 @@
+"""The command line, run as a user would: the installed ``lifemem-ray`` script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lifemem_ray.importers import write_jsonl
+from lifemem_ray.synthetic import generate
+
+SCRIPT = shutil.which("lifemem-ray") or str(Path(sys.executable).parent / "lifemem-ray")
+
+
+def run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=300, input=stdin)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"lifemem-ray {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A store filled through the CLI once for the module's read-only commands."""
+    root = tmp_path_factory.mktemp("cli")
+    data = root / "train.jsonl"
+    write_jsonl(generate(40, seed=3, envs=["shop", "wiki_qa", "sql", "retail"], length_scale=0.1), data)
+    out = run("ingest", str(data), "--store", str(root / "store"), "--json")
+    report = json.loads(out.stdout)
+    assert report["added"] == 40 and report["invalid"] == 0
+    return root
+
+
+def test_ingest_is_idempotent_and_reports(store):
+    out = run("ingest", str(store / "train.jsonl"), "--store", str(store / "store"), "--json")
+    report = json.loads(out.stdout)
+    assert report["added"] == 0 and report["duplicates"] == 40
+    assert report["store"]["trajectories"] == 40
+
+
+def test_retrieve_json_shape(store):
+    out = run("retrieve", "i need running shoes, price lower than 50.00 dollars", "--store", str(store / "store"), "--env", "shop", "-k", "3", "--json")
+    data = json.loads(out.stdout)
+    assert set(data) == {"trajectories", "skills"}
+    assert len(data["trajectories"]) == 3
+    for hit in data["trajectories"]:
+        assert set(hit) == {"id", "env", "task", "score", "cluster_id"} and hit["env"] == "shop"
+    assert data["skills"] and all(set(s) == {"cluster_id", "text"} and s["text"] for s in data["skills"])
+    text = run("retrieve", "buy shoes", "--store", str(store / "store"), "--env", "shop", "--context")
+    assert "Examples of solved tasks" in text.stdout
+
+
+def test_stats_clusters_export_check(store, tmp_path):
+    stats = json.loads(run("stats", "--store", str(store / "store"), "--json").stdout)
+    assert stats["trajectories"] == 40 and stats["clusters"] >= 4
+    assert set(stats["per_env"]) == {"shop", "wiki_qa", "sql", "retail"}
+    assert all(set(v) == {"trajectories", "clusters"} for v in stats["per_env"].values())
+    assert {"calls", "tokens", "fallbacks"} <= set(stats["llm"])
+    clusters = json.loads(run("clusters", "--store", str(store / "store"), "--env", "sql", "--json").stdout)
+    assert clusters and all("sql" in c["envs"] and c["description"] and c["skill"] for c in clusters)
+    out = json.loads(run("export", "--store", str(store / "store"), str(tmp_path / "out.jsonl"), "--json").stdout)
+    assert out["trajectories"] == 40 and (tmp_path / "out.clusters.jsonl").exists()
+    assert json.loads(run("check", "--store", str(store / "store"), "--json").stdout)["ok"] is True
+    assert "trajectories" in run("stats", "--store", str(store / "store")).stdout
+
+
+def test_malformed_records(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    good = json.dumps({"env": "e", "task": "t", "steps": [{"action": "a"}]})
+    data.write_text(good + "\n" + "{not json\n" + json.dumps({"env": "e", "steps": [{"action": "a"}]}) + "\n")
+    proc = run("ingest", str(data), "--store", str(tmp_path / "s"), check=False)
+    assert proc.returncode == 1
+    assert f"{data}:2:" in proc.stderr and "Traceback" not in proc.stderr
+    # Nothing of a failed run is stored beyond what was acknowledged before the bad line.
+    skipped = run("ingest", str(data), "--store", str(tmp_path / "s2"), "--skip-invalid", "--json")
+    report = json.loads(skipped.stdout)
+    assert report["invalid"] == 2 and report["valid"] == 1 and len(report["errors"]) == 2
+    assert any(":3:" in e and "task" in e for e in report["errors"])
+
+
+def test_chat_format_with_env_flag_and_stdin(tmp_path):
+    record = {"task": "Find X", "messages": [{"role": "user", "content": "Find X"}, {"role": "assistant", "content": "Thought 1: go\nAction 1: Search[X]"}, {"role": "user", "content": "Observation 1: X is Y"}]}
+    lines = "\n".join(json.dumps({**record, "task": f"Find X{i}"}) for i in range(6)) + "\n"
+    proc = run("ingest", "-", "--store", str(tmp_path / "s"), "--env", "wiki", "--format", "chat", "--json", stdin=lines)
+    assert json.loads(proc.stdout)["added"] == 6
+    stats = json.loads(run("stats", "--store", str(tmp_path / "s"), "--json").stdout)
+    assert stats["per_env"]["wiki"]["trajectories"] == 6
+
+
+def test_errors_are_one_line(tmp_path):
+    proc = run("retrieve", "x", "--store", str(tmp_path / "none"), "--env", "e", check=False)
+    assert proc.returncode == 1 and "no memory store" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run("stats", "--store", str(tmp_path / "none"), "--set", "evolution.top_k=many", check=False)
+    assert proc.returncode == 1 and "evolution.top_k: expected an integer" in proc.stderr
+    proc = run("frobnicate", check=False)
+    assert proc.returncode == 2
+
+
+def test_second_writer_gets_a_clear_error(store, tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys,time; from lifemem_ray.memory import Memory; m=Memory.open(sys.argv[1]); print('open', flush=True); time.sleep(60)", str(tmp_path / "s")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        proc = run("ingest", str(store / "train.jsonl"), "--store", str(tmp_path / "s"), check=False)
+        assert proc.returncode == 1 and "open for writing by another process" in proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_demo_runs(tmp_path):
+    proc = run("demo", "--store", str(tmp_path / "demo"), "--json")
+    report = json.loads(proc.stdout)
+    assert report["trajectories"] == 90 and report["clusters"] >= 6
+    assert report["retrieval"]["trajectories"] and all(t["env"] == "shop" for t in report["retrieval"]["trajectories"])
+    assert report["retrieval"]["skills"]

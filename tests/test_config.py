@@ -1,0 +1,69 @@
+"""Configuration: the paper's defaults, and every source named in its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lifemem_ray.config import ConfigError, MemoryConfig
+
+
+def test_defaults_are_the_papers():
+    c = MemoryConfig()
+    assert c.evolution.init_size == 5
+    assert c.evolution.top_k == 4
+    assert c.evolution.split_min_size == 50
+    assert c.evolution.split_mrl_threshold == 0.95
+    assert c.llm.temperature == 0.3
+    assert c.llm.backend == "offline"
+    assert c.embedding.max_tokens == 256
+
+
+def test_sources_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[evolution]\ntop_k = 8\nsplit_min_size = 30\n[llm]\nmodel = "m1"\n')
+    env = {"LIFEMEM_EVOLUTION_TOP_K": "6", "LIFEMEM_LLM_BASE_URL": "http://127.0.0.1:9/v1", "OTHER": "x"}
+    c = MemoryConfig.load(path, environ=env, overrides={"evolution.top_k": "5"})
+    assert c.evolution.top_k == 5  # override > env > file
+    assert c.evolution.split_min_size == 30  # file
+    assert c.llm.base_url == "http://127.0.0.1:9/v1"  # env
+    assert c.llm.model == "m1"
+    # A run file may keep memory settings under [memory.*] beside its own tables.
+    run = tmp_path / "run.toml"
+    run.write_text('[experiment]\nname = "x"\n[memory.retrieval]\nk = 2\n')
+    assert MemoryConfig.load(run, environ={}).retrieval.k == 2
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[evolution]\ntop_k = 'four'\n", r"c.toml: evolution.top_k: expected an integer"),
+        ("[evolution]\nsplit_mrl_threshold = 1.5\n", r"evolution.split_mrl_threshold: must be within"),
+        ("[evolutoin]\ntop_k = 4\n", r"unknown section \[evolutoin\]"),
+        ("[evolution]\ntopk = 4\n", r"unknown setting 'evolution.topk'"),
+        ("[llm]\nbackend = 'gpt'\n", r"llm.backend: must be one of offline, openai"),
+        ("[evolution\n", r"not valid TOML"),
+    ],
+)
+def test_file_errors_name_file_and_key(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        MemoryConfig.load(path, environ={})
+
+
+def test_env_and_override_errors_name_their_source():
+    with pytest.raises(ConfigError, match="LIFEMEM_EVOLUTION_TOP_K: evolution.top_k: expected an integer"):
+        MemoryConfig.load(environ={"LIFEMEM_EVOLUTION_TOP_K": "x"})
+    with pytest.raises(ConfigError, match="evolution.background_maintenance: expected true or false"):
+        MemoryConfig.load(environ={}, overrides={"evolution.background_maintenance": "maybe"})
+    with pytest.raises(ConfigError, match="unknown setting 'nope'"):
+        MemoryConfig().replace({"nope": 1})
+    with pytest.raises(ConfigError, match="config file not found"):
+        MemoryConfig.load("/nonexistent/c.toml", environ={})
+
+
+def test_replace_copies_and_hides_the_key():
+    base = MemoryConfig()
+    other = base.replace({"llm.api_key": "secret", "retrieval.k": 2})
+    assert base.retrieval.k == 4 and other.retrieval.k == 2
+    assert other.to_dict()["llm"]["api_key"] == "***"
