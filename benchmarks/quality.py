@@ -102,7 +102,16 @@ def real_data(shared: Path, config: MemoryConfig, embedder: MiniLMEmbedder, cach
             top = np.argsort(-(held_vecs @ stored.T), axis=1)[:, :k]
             base_prec = [np.mean([train[j].env == q.env for j in row]) for q, row in zip(held, top)]
             toolqa_purity, toolqa_n = purity(memory, toolqa_label)
+            # R of clusters with 10+ members over their goal vectors vs their workflow vectors.
+            with memory.store.read() as txn:
+                records = [memory.store.get_cluster(txn, c.id) for c in clusters if c.count >= 10]
+            r_goal = [float(np.linalg.norm(r.tsum) / r.count) for r in records]
+            r_flow = [r.mrl for r in records]
             verify = memory.verify()
+    from lifemem_ray.workflow import action_tokens, workflow_vector
+
+    wvecs = np.stack([workflow_vector(action_tokens(t)) for t in train])
+    envs_of = np.array([t.env for t in train])
     per_env = {}
     for env in sorted({t.env for t in train}):
         idx = [i for i, q in enumerate(held) if q.env == env]
@@ -113,6 +122,9 @@ def real_data(shared: Path, config: MemoryConfig, embedder: MiniLMEmbedder, cach
             "mean_cluster_size": round(float(np.mean([c.envs[env] for c in env_clusters])), 2) if env_clusters else 0.0,
             "precision@4_lifemem": round(float(np.mean([lifemem_prec[i] for i in idx])), 4),
             "precision@4_baseline": round(float(np.mean([base_prec[i] for i in idx])), 4),
+            # Mean resultant length of the whole environment, over goal embeddings vs workflow vectors.
+            "R_goal_text": round(float(np.linalg.norm(train_vecs[envs_of == env].mean(axis=0))), 3),
+            "R_workflow": round(float(np.linalg.norm(wvecs[envs_of == env].mean(axis=0))), 3),
         }
     return {
         "records": len(train) + len(held),
@@ -125,6 +137,13 @@ def real_data(shared: Path, config: MemoryConfig, embedder: MiniLMEmbedder, cach
         "precision@4": {"lifemem": round(float(np.mean(lifemem_prec)), 4), "trajectory_only_baseline": round(float(np.mean(base_prec)), 4)},
         "skills_per_query": round(skills_per_query, 2),
         "toolqa_pass_purity": round(toolqa_purity, 4),
+        "clusters_10plus": {
+            "count": len(r_goal),
+            "R_goal_text_median": round(float(np.median(r_goal)), 3) if r_goal else None,
+            "R_workflow_median": round(float(np.median(r_flow)), 3) if r_flow else None,
+            "share_R_goal_below_tau": round(float(np.mean([r < config.evolution.split_mrl_threshold for r in r_goal])), 3) if r_goal else None,
+            "share_R_workflow_below_tau": round(float(np.mean([r < config.evolution.split_mrl_threshold for r in r_flow])), 3) if r_flow else None,
+        },
         "toolqa_labelled": toolqa_n,
         "per_env": per_env,
         "seconds": {"embed": round(embed_s, 1), "ingest": round(ingest_s, 2)},
@@ -149,6 +168,7 @@ def main() -> None:
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     parser.add_argument("--synthetic", type=int, default=3000, help="also measure purity on N labelled synthetic trajectories (0: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the goal-text-only comparison")
     parser.add_argument("--vector-cache", type=Path, help="reuse task embeddings across runs (an .npy path prefix)")
     args = parser.parse_args()
     config = MemoryConfig.load(overrides=dict(item.split("=", 1) for item in args.set))
@@ -156,20 +176,38 @@ def main() -> None:
     report = {"config_overrides": args.set, "real": real_data(args.shared, config, embedder, args.vector_cache)}
     if args.synthetic:
         report["synthetic"] = synthetic_data(args.synthetic, config)
+    if args.ablation:
+        # The same with the goal text alone deciding (no workflow similarity).
+        text_only = config.replace({"policy.workflow_weight": 0.0})
+        real = real_data(args.shared, text_only, embedder, args.vector_cache)
+        report["ablation_goal_text_only"] = {k: real[k] for k in ("clusters", "splits", "toolqa_pass_purity", "precision@4", "mixed_env_cluster_share")}
+        if args.synthetic:
+            report["ablation_goal_text_only"]["synthetic"] = synthetic_data(args.synthetic, text_only)
     print(json.dumps(report, indent=2))
     real = report["real"]
     print("\nLifeMem quality on the paper's released trajectories (offline policy)", file=sys.stderr)
-    print(f"{'env':<14}{'stored':>8}{'clusters':>10}{'mean size':>11}{'P@4 LifeMem':>13}{'P@4 baseline':>14}", file=sys.stderr)
+    print(f"{'env':<14}{'stored':>8}{'clusters':>10}{'mean size':>11}{'P@4 LifeMem':>13}{'P@4 baseline':>14}{'R goal':>8}{'R flow':>8}", file=sys.stderr)
     for env, e in real["per_env"].items():
-        print(f"{env:<14}{e['trajectories']:>8}{e['clusters']:>10}{e['mean_cluster_size']:>11}{e['precision@4_lifemem']:>13.3f}{e['precision@4_baseline']:>14.3f}", file=sys.stderr)
+        print(f"{env:<14}{e['trajectories']:>8}{e['clusters']:>10}{e['mean_cluster_size']:>11}{e['precision@4_lifemem']:>13.3f}"
+              f"{e['precision@4_baseline']:>14.3f}{e['R_goal_text']:>8}{e['R_workflow']:>8}", file=sys.stderr)
     p = real["precision@4"]
     print(f"{'all':<14}{real['stored']:>8}{real['clusters']:>10}{'':>11}{p['lifemem']:>13.3f}{p['trajectory_only_baseline']:>14.3f}", file=sys.stderr)
     sizes = real["cluster_sizes"]
     print(f"cluster sizes: median {sizes['median']}, mean {sizes['mean']}, max {sizes['max']}, histogram {sizes['histogram']}", file=sys.stderr)
     print(f"clusters mixing environments: {real['mixed_env_cluster_share']:.1%}; toolqa pass purity {real['toolqa_pass_purity']:.3f}", file=sys.stderr)
+    c10 = real["clusters_10plus"]
+    print(f"clusters with 10+ members: {c10['count']}; median R over goal vectors {c10['R_goal_text_median']} "
+          f"({c10['share_R_goal_below_tau']:.0%} below tau) vs over workflow vectors {c10['R_workflow_median']} "
+          f"({c10['share_R_workflow_below_tau']:.0%} below tau)", file=sys.stderr)
     if args.synthetic:
         s = report["synthetic"]
         print(f"synthetic: {s['trajectories']} trajectories, {s['workflow_labels']} workflows -> {s['clusters']} clusters, purity {s['purity']:.3f}", file=sys.stderr)
+    if args.ablation:
+        a = report["ablation_goal_text_only"]
+        line = f"goal text only (policy.workflow_weight=0): {a['clusters']} clusters, toolqa pass purity {a['toolqa_pass_purity']:.3f}"
+        if "synthetic" in a:
+            line += f", synthetic purity {a['synthetic']['purity']:.3f} ({a['synthetic']['clusters']} clusters)"
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":
