@@ -25,7 +25,7 @@ from .model import Trajectory
 from .policy import OfflinePolicy
 from .storage import ClusterRecord
 
-__all__ = ["BatchItem", "BatchPlan", "BatchPlanner", "Placement", "add_member", "new_cluster_record"]
+__all__ = ["BatchItem", "BatchPlan", "BatchPlanner", "CandidateSet", "Placement", "add_member", "new_cluster_record"]
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,19 @@ class Placement:
 
 
 @dataclass
+class CandidateSet:
+    """What a store knows about a batch: per item its top-k neighbours' clusters and the
+    best-scoring clusters overall, both as (cluster id, score), and those clusters' states."""
+
+    neighbours: list[list[tuple[int, float]]]
+    extra: list[list[tuple[int, float]]]
+    clusters: dict[int, ClusterRecord]
+
+
+@dataclass
 class BatchPlan:
     placements: list[Placement]
-    clusters: dict[int, ClusterRecord]  # touched live clusters and provisional ones, final state
+    clusters: dict[int, ClusterRecord]  # working states while planning (the store recomputes them at commit)
     llm_requests: int = 0
     llm_fallbacks: int = 0
     llm_skipped: int = 0  # decided offline because the offline answer was unambiguous
@@ -207,7 +217,7 @@ class BatchPlanner:
             self._apply(work, cid, item, now, born="init" if i < init_count else "new")
 
         if self.decider is not None and n > init_count:
-            self._ask_decider(plan, items, candidates_of, margins, init_count, now)
+            self._ask_decider(plan, items, candidates_of, margins, init_count)
         return plan
 
     def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> list[int] | None:
@@ -237,12 +247,10 @@ class BatchPlanner:
         candidates_of: list[list[Candidate]],
         margins: list[float],
         init_count: int,
-        now: float,
     ) -> None:
         """Let the LLM decide what the offline pass found ambiguous; keep offline answers otherwise."""
         assert self.decider is not None
         placements = plan.placements
-        changed = False
         asked: list[AssignRequest] = []
         skip = self.llm_config.skip_confident
         for i in range(init_count, len(items)):
@@ -267,7 +275,6 @@ class BatchPlanner:
                     plan.llm_fallbacks += 1
                     placements[i].by = "fallback"
                     continue
-                changed = True
                 if answer.cluster_id is not None:
                     placements[i] = Placement(cluster=answer.cluster_id, op="join", by="llm", score=placements[i].score)
                     continue
@@ -279,8 +286,6 @@ class BatchPlanner:
                     groups[key] = next_new
                     next_new -= 1
                 placements[i] = Placement(cluster=groups[key], op="new", by="llm", description=answer.description)
-        if changed:
-            self._rebuild(plan, items, now)
 
     def _view(self, candidate: Candidate, placements: list[Placement], items: Sequence[BatchItem]) -> Candidate:
         cid = candidate.cluster.id
@@ -295,18 +300,3 @@ class BatchPlanner:
             examples=(items[founder].traj,),
         )
         return Candidate(view, candidate.score, candidate.text_similarity, candidate.workflow_similarity, candidate.neighbour_hits)
-
-    def _rebuild(self, plan: BatchPlan, items: Sequence[BatchItem], now: float) -> None:
-        """Recompute cluster states from the final placements (the LLM may have moved items)."""
-        work: dict[int, ClusterRecord] = {}
-        # Number provisional clusters densely in order of first use, so ids stay -1, -2, ...
-        renumber: dict[int, int] = {}
-        for p in plan.placements:
-            if p.cluster < 0 and p.cluster not in renumber:
-                renumber[p.cluster] = -(len(renumber) + 1)
-        for p, item in zip(plan.placements, items):
-            if p.cluster < 0:
-                p.cluster = renumber[p.cluster]
-            born = "init" if p.op == "init" else "new"
-            self._apply(work, p.cluster, item, now, born=born)
-        plan.clusters = work

@@ -84,7 +84,9 @@ def extract_json(text: str | None) -> dict[str, Any]:
     candidates = [m.group(1).strip() for m in _FENCE.finditer(text)] + [text]
     for candidate in candidates:
         try:
-            value = json.loads(candidate)
+            # strict=False: raw newlines/tabs inside strings, as llama.cpp's grammar-constrained
+            # answers contain, are kept rather than rejecting an otherwise valid answer.
+            value = json.loads(candidate, strict=False)
         except ValueError:
             value = _first_object(candidate)
         if isinstance(value, dict):
@@ -114,7 +116,7 @@ def _first_object(text: str) -> dict[str, Any] | None:
                 depth -= 1
                 if depth == 0:
                     try:
-                        value = json.loads(text[start : i + 1])
+                        value = json.loads(text[start : i + 1], strict=False)
                     except ValueError:
                         break
                     if isinstance(value, dict):

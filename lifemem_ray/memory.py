@@ -23,7 +23,7 @@ from .centroids import ClusterCentroids
 from .config import MemoryConfig
 from .decisions import ClusterView, Decider
 from .embedding import DIM as MINILM_DIM, Embedder
-from .evolution import BatchItem, BatchPlan, BatchPlanner, add_member, new_cluster_record
+from .evolution import BatchItem, BatchPlanner, CandidateSet, Placement, _cos, add_member, new_cluster_record
 from .index import VectorIndex
 from .model import Trajectory
 from .policy import MemberInfo, OfflinePolicy
@@ -31,7 +31,7 @@ from .retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_co
 from .storage import ClusterRecord, MemoryStore, StoreError
 from .workflow import action_tokens, workflow_summary, workflow_vector
 
-__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory"]
+__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ MINILM_NAME = "all-MiniLM-L6-v2"
 
 class IdConflictError(ValueError):
     """A trajectory id is already stored with different content."""
+
+
+class UnknownClusterError(KeyError):
+    """A placement names a cluster this store does not hold (it lives on another shard)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,52 +293,75 @@ class Memory:
     def _add_batch(self, trajectories: list[Trajectory], vectors: np.ndarray | None) -> list[AddResult]:
         with self._lock:
             self._raise_maintenance_error()
-            results: list[AddResult | None] = [None] * len(trajectories)
-            fresh: list[int] = []
-            first_of: dict[str, int] = {}
-            conflicts: list[str] = []
-            with self.store.read() as txn:
-                for i, traj in enumerate(trajectories):
-                    if traj.id in first_of:
-                        j = first_of[traj.id]
-                        if trajectories[j].fingerprint != traj.fingerprint:
-                            conflicts.append(traj.id)
-                        continue
-                    vid = self.store.lookup_id(txn, traj.id)
-                    if vid is not None:
-                        if self.store.fingerprint_of(txn, vid) != traj.fingerprint:
-                            conflicts.append(traj.id)
-                        else:
-                            results[i] = AddResult(traj.id, "duplicate", self.store.cluster_of(txn, vid))
-                        continue
-                    first_of[traj.id] = i
-                    fresh.append(i)
-            if conflicts:
-                shown = ", ".join(repr(c) for c in conflicts[:5])
-                raise IdConflictError(
-                    f"{len(conflicts)} trajectory id(s) already stored (or repeated in this batch) with different content: {shown}; "
-                    "nothing of this batch was stored"
-                )
+            results, fresh = self.check_ids(trajectories)
             if fresh:
-                placed = self._store_fresh([trajectories[i] for i in fresh], None if vectors is None else vectors[fresh])
-                for i, result in zip(fresh, placed):
+                items = self.prepare([trajectories[i] for i in fresh], None if vectors is None else vectors[fresh])
+                for i, result in zip(fresh, self._place(items)):
                     results[i] = result
-            # Duplicates inside the batch point at their first occurrence.
-            for i, traj in enumerate(trajectories):
-                if results[i] is None:
-                    first = results[first_of[traj.id]]
-                    assert first is not None
-                    results[i] = AddResult(traj.id, "duplicate", first.cluster_id)
-            return [r for r in results if r is not None]
+            return self._fill_batch_duplicates(trajectories, results)
 
-    def _store_fresh(self, trajectories: list[Trajectory], vectors: np.ndarray | None) -> list[AddResult]:
+    # -- the ingest pipeline, in stages (the Ray coordinator runs them across shards) ---------
+    def check_ids(self, trajectories: Sequence[Trajectory]) -> tuple[list[AddResult | None], list[int]]:
+        """Results for ids already stored (duplicates) and the positions of the new ones.
+
+        Raises :class:`IdConflictError` when an id is stored, or repeated in the batch,
+        with other content: then nothing of the batch may be stored.
+        """
+        results: list[AddResult | None] = [None] * len(trajectories)
+        fresh: list[int] = []
+        first_of: dict[str, int] = {}
+        conflicts: list[str] = []
+        with self.store.read() as txn:
+            for i, traj in enumerate(trajectories):
+                if traj.id in first_of:
+                    if trajectories[first_of[traj.id]].fingerprint != traj.fingerprint:
+                        conflicts.append(traj.id)
+                    continue
+                first_of[traj.id] = i
+                vid = self.store.lookup_id(txn, traj.id)
+                if vid is None:
+                    fresh.append(i)
+                elif self.store.fingerprint_of(txn, vid) != traj.fingerprint:
+                    conflicts.append(traj.id)
+                else:
+                    results[i] = AddResult(traj.id, "duplicate", self.store.cluster_of(txn, vid))
+        if conflicts:
+            shown = ", ".join(repr(c) for c in conflicts[:5])
+            raise IdConflictError(
+                f"{len(conflicts)} trajectory id(s) already stored (or repeated in this batch) with different content: {shown}; "
+                "nothing of this batch was stored"
+            )
+        return results, fresh
+
+    @staticmethod
+    def _fill_batch_duplicates(trajectories: Sequence[Trajectory], results: list[AddResult | None]) -> list[AddResult]:
+        """Repeats inside one batch point at the first occurrence's result."""
+        first: dict[str, AddResult] = {}
+        out = []
+        for traj, result in zip(trajectories, results):
+            if result is None:
+                got = first[traj.id]
+                result = AddResult(traj.id, "duplicate", got.cluster_id)
+            first.setdefault(traj.id, result)
+            out.append(result)
+        return out
+
+    def prepare(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[BatchItem]:
+        """Batch items: task vectors (embedded here when not given), action tokens, workflow vectors."""
         if vectors is None:
-            vectors = _unit_rows(self.embedder.embed([t.query_text for t in trajectories]), len(trajectories), self.dim, "embeddings")
+            vectors = self.embedder.embed([t.query_text for t in trajectories])
+        vectors = _unit_rows(vectors, len(trajectories), self.dim, "vectors")
         items: list[BatchItem] = []
         for traj, vec in zip(trajectories, vectors):
             tokens = action_tokens(traj)
             items.append(BatchItem(traj, 0, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
+        return items
 
+    @property
+    def initialised(self) -> bool:
+        return self._initialised
+
+    def _place(self, items: list[BatchItem]) -> list[AddResult]:
         init_count = 0
         if not self._initialised:
             need = self.config.evolution.init_size - len(self._pending)
@@ -343,10 +370,9 @@ class Memory:
             # The initial partition: everything pending plus enough of this batch.
             items = self._pending_items() + items
             init_count = len(self._pending) + need
-
-        neighbours, extra = self._neighbours(items[init_count:])
+        found = self.candidates(items[init_count:])
         planner = BatchPlanner(
-            self._clusters,
+            found.clusters,
             self.policy,
             self.config.evolution,
             dim=self.dim,
@@ -354,8 +380,47 @@ class Memory:
             decider=self.decider,
             llm_config=self.config.llm,
         )
-        plan = planner.plan(items, [[]] * init_count + neighbours, init_count=init_count, extra=[[]] * init_count + extra)
-        return self._commit_plan(items, plan, init_count)
+        plan = planner.plan(
+            items,
+            [[]] * init_count + found.neighbours,
+            init_count=init_count,
+            extra=[[]] * init_count + [[c for c, _ in row] for row in found.extra],
+        )
+        counters = {"llm_requests": plan.llm_requests, "llm_fallbacks": plan.llm_fallbacks, "llm_skipped": plan.llm_skipped}
+        return self.commit(items, plan.placements, initialise=bool(init_count), counters=counters)
+
+    def candidates(self, items: Sequence[BatchItem]) -> CandidateSet:
+        """For each item: (cluster id, similarity) of its top-k stored neighbours, and further
+        candidates by the policy's score over all cluster centroids (see
+        ``evolution.neighbour_scope``); plus the state of every cluster named."""
+        evo = self.config.evolution
+        found = CandidateSet(neighbours=[[] for _ in items], extra=[[] for _ in items], clusters={})
+        if not items:
+            return found
+        queries = np.stack([it.vec for it in items])
+        if evo.centroid_candidates:
+            combined = self._centroids.query(queries, np.stack([it.wvec for it in items]))
+            found.extra = self._centroids.search(combined, evo.centroid_candidates)
+        if evo.neighbour_scope == "env":
+            scores, ids = self.index.search_envs(queries, evo.top_k, [it.traj.env for it in items])
+        elif len(self.index):
+            scores, ids = self.index.search(queries, evo.top_k)
+        else:
+            scores, ids = np.zeros((len(items), 0)), np.zeros((len(items), 0), dtype=np.int64)
+        with self.store.read() as txn:
+            for row, (row_s, row_i) in enumerate(zip(scores, ids)):
+                for s, vid in zip(row_s, row_i):
+                    if vid < 0:
+                        continue
+                    cid = self.store.cluster_of(txn, int(vid))
+                    if cid is not None and cid in self._clusters:
+                        found.neighbours[row].append((cid, float(s)))
+        for row in found.neighbours + found.extra:
+            for cid, _ in row:
+                record = self._clusters.get(cid)
+                if record is not None:
+                    found.clusters[cid] = record
+        return found
 
     def _pending_items(self) -> list[BatchItem]:
         items = []
@@ -370,36 +435,6 @@ class Memory:
                 tokens = list(extra["tokens"])
                 items.append(BatchItem(traj, vid, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), stored=True))
         return items
-
-    def _neighbours(self, items: list[BatchItem]) -> tuple[list[list[tuple[int, float]]], list[list[int]]]:
-        """Per item: (cluster id, similarity) of its top-k stored neighbours, and further
-        candidate clusters from centroid similarity (see ``evolution.neighbour_scope``)."""
-        evo = self.config.evolution
-        if not items:
-            return [], []
-        queries = np.stack([it.vec for it in items])
-        extra: list[list[int]] = [[] for _ in items]
-        if evo.centroid_candidates:
-            combined = self._centroids.query(queries, np.stack([it.wvec for it in items]))
-            extra = [[c for c, _ in row] for row in self._centroids.search(combined, evo.centroid_candidates)]
-        if evo.neighbour_scope == "env":
-            scores, ids = self.index.search_envs(queries, evo.top_k, [it.traj.env for it in items])
-        elif len(self.index) == 0:
-            return [[] for _ in items], extra
-        else:
-            scores, ids = self.index.search(queries, evo.top_k)
-        out: list[list[tuple[int, float]]] = []
-        with self.store.read() as txn:
-            for row_s, row_i in zip(scores, ids):
-                pairs = []
-                for s, vid in zip(row_s, row_i):
-                    if vid < 0:
-                        continue
-                    cid = self.store.cluster_of(txn, int(vid))
-                    if cid is not None and cid in self._clusters:
-                        pairs.append((cid, float(s)))
-                out.append(pairs)
-        return out, extra
 
     def _commit_pending(self, items: list[BatchItem]) -> list[AddResult]:
         """Before initialisation: store and index, leave unclustered until enough have arrived."""
@@ -418,40 +453,57 @@ class Memory:
         self._index_add(items)
         return [AddResult(it.traj.id, "pending", None) for it in items]
 
-    def _commit_plan(self, items: list[BatchItem], plan: BatchPlan, init_count: int) -> list[AddResult]:
-        now = time.time()
-        evo = self.config.evolution
-        llm_mode = self.decider is not None
-        provisional = sorted((c for c in plan.clusters if c < 0), reverse=True)
-        founders: dict[int, int] = {}
-        for i, p in enumerate(plan.placements):
-            founders.setdefault(p.cluster, i)
-        usage_total = self._usage_totals()
+    def commit(
+        self,
+        items: list[BatchItem],
+        placements: Sequence[Placement],
+        *,
+        initialise: bool = False,
+        counters: dict[str, int] | None = None,
+    ) -> list[AddResult]:
+        """Store decided placements in one transaction and return once it is durable.
 
+        A placement names a live cluster, or a negative id: items with the same
+        negative id open one new cluster together. A cluster split since the decision
+        was made is resolved to its best-scoring live part. Items marked ``stored``
+        (waiting for initialisation) only get their cluster.
+        """
+        now = time.time()
+        llm_mode = self.decider is not None
+        targets = [self._resolve_target(p.cluster, it) for it, p in zip(items, placements)]
+        # Cluster states after this batch, recomputed from the authoritative live state.
+        work: dict[int, ClusterRecord] = {}
+        founders: dict[int, int] = {}
+        for i, (it, cid) in enumerate(zip(items, targets)):
+            founders.setdefault(cid, i)
+            record = work.get(cid)
+            if record is None:
+                base = self._clusters.get(cid)
+                born = "init" if placements[i].op == "init" else "new"
+                record = base.copy() if base is not None else new_cluster_record(cid, self.dim, WORKFLOW_DIM, born, now)
+                work[cid] = record
+            add_member(record, it, now)
+        provisional = sorted((c for c in work if c < 0), reverse=True)
+        usage_total = self._usage_totals()
         fresh = [it for it in items if not it.stored]
 
         def write(txn: Any) -> dict[int, int]:
             for it, vid in zip(fresh, self.store.allocate_vids(txn, len(fresh))):
                 it.vid = vid
             real = dict(zip(provisional, self.store.next_cluster_ids(txn, len(provisional))))
-            records: dict[int, ClusterRecord] = {}
-            for cid, record in plan.clusters.items():
-                final = record.copy()
-                final.id = real.get(cid, cid)
-                records[cid] = final
-            for cid, record in records.items():
-                founder = founders.get(cid)
-                placement = plan.placements[founder] if founder is not None else None
-                if cid < 0 and placement is not None and placement.description:
-                    record.description = placement.description
-                    record.description_by = "llm"
-                    record.description_n = record.count
+            final: dict[int, ClusterRecord] = {}
+            for cid, state in work.items():
+                record = state.copy()
+                record.id = real.get(cid, cid)
+                founder = founders[cid]
+                described = placements[founder].description
+                if cid < 0 and described:
+                    record.description, record.description_by, record.description_n = described, "llm", record.count
                 elif record.description_by != "llm" or not record.description:
                     # Offline descriptions are cheap: refreshed on every change. description_n
                     # only schedules LLM descriptions, so it is left alone here.
-                    record.description = self.policy.describe(
-                        record.count, record.envs, record.flows, self._example_task(record, items, founder)
-                    )
+                    example = items[founder].traj.query_text if cid < 0 else self._example_task(record)
+                    record.description = self.policy.describe(record.count, record.envs, record.flows, example)
                     record.description_by = "offline"
                 self.store.put_cluster(txn, record)
                 self.store.add_todo(
@@ -461,46 +513,64 @@ class Memory:
                     skill=self._needs_skill(record),
                     describe=llm_mode and self._needs_description(record),
                 )
+                final[cid] = record
             entries = []
-            for i, (it, p) in enumerate(zip(items, plan.placements)):
-                cid = real.get(p.cluster, p.cluster)
-                code = self.store.env_code(txn, it.traj.env)
+            for i, (it, p, cid) in enumerate(zip(items, placements, targets)):
+                real_id = real.get(cid, cid)
                 if it.stored:
-                    self.store.set_cluster_of(txn, it.vid, cid)
+                    self.store.set_cluster_of(txn, it.vid, real_id)
                 else:
-                    self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, cid, now)
-                op = "new" if (p.op == "join" and p.cluster < 0 and founders[p.cluster] == i) else p.op
-                entries.append({"vid": it.vid, "id": it.traj.id, "cluster": cid, "op": op, "by": p.by, "score": round(p.score, 4), "t": now})
+                    code = self.store.env_code(txn, it.traj.env)
+                    self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, real_id, now)
+                op = "new" if (cid < 0 and founders[cid] == i and p.op == "join") else p.op
+                entries.append({"vid": it.vid, "id": it.traj.id, "cluster": real_id, "op": op, "by": p.by, "score": round(p.score, 4), "t": now})
             self.store.append_log(txn, entries)
-            if init_count:
+            if initialise:
                 self.store.put_meta(txn, "pending", [])
                 self.store.put_meta(txn, "initialised", True)
-            counters = self.store.get_meta("counters", txn, {}) or {}
-            for key, value in (
-                ("llm_requests", plan.llm_requests),
-                ("llm_fallbacks", plan.llm_fallbacks),
-                ("llm_skipped", plan.llm_skipped),
-            ):
-                counters[key] = counters.get(key, 0) + value
-            self.store.put_meta(txn, "counters", counters)
+            if counters:
+                totals = self.store.get_meta("counters", txn, {}) or {}
+                for key, value in counters.items():
+                    totals[key] = totals.get(key, 0) + value
+                self.store.put_meta(txn, "counters", totals)
             if usage_total is not None:
                 self.store.put_meta(txn, "llm_usage", usage_total)
-            for cid, record in records.items():
-                plan.clusters[cid] = record
+            work.clear()
+            work.update(final)
             return real
 
         real = self.store.write(write)
         # Committed: now the in-memory view may change.
-        for record in plan.clusters.values():
+        for record in work.values():
             self._clusters[record.id] = record
-        self._centroids.update(plan.clusters.values())
-        if init_count:
+        self._centroids.update(work.values())
+        if initialise:
             self._pending = []
             self._initialised = True
-        self._index_add([it for it in items if not it.stored])
-        return [
-            AddResult(it.traj.id, "added", real.get(p.cluster, p.cluster)) for it, p in zip(items, plan.placements) if not it.stored
-        ]
+        self._index_add(fresh)
+        return [AddResult(it.traj.id, "added", real.get(cid, cid)) for it, cid in zip(items, targets) if not it.stored]
+
+    def _resolve_target(self, cid: int, item: BatchItem) -> int:
+        """A live cluster for a decided id: itself, or the best part of a cluster split since."""
+        seen = 0
+        while cid > 0 and cid not in self._clusters:
+            with self.store.read() as txn:
+                record = self.store.get_cluster(txn, cid)
+            if record is None or not record.split_into or seen > 32:
+                raise UnknownClusterError(f"{self.path}: cluster {cid} is not stored here")
+            parts = [self._clusters[c] for c in record.split_into if c in self._clusters] or [
+                self.store_cluster(c) for c in record.split_into
+            ]
+            parts = [p for p in parts if p is not None]
+            if not parts:
+                raise UnknownClusterError(f"{self.path}: cluster {cid} was split and none of its parts is live")
+            cid = max(parts, key=lambda r: self.policy.score(_cos(item.vec, r.tsum), _cos(item.wvec, r.wsum))).id
+            seen += 1
+        return cid
+
+    def store_cluster(self, cid: int) -> ClusterRecord | None:
+        with self.store.read() as txn:
+            return self.store.get_cluster(txn, cid)
 
     def _index_add(self, items: list[BatchItem]) -> None:
         by_env: dict[str, list[BatchItem]] = {}
@@ -522,11 +592,8 @@ class Memory:
         return record.count >= max(2.0, record.description_n * (1.0 + self.config.evolution.description_refresh_growth))
 
     @staticmethod
-    def _example_task(record: ClusterRecord, items: list[BatchItem], founder: int | None) -> str:
-        if founder is not None:
-            return items[founder].traj.query_text
-        example = record.description.partition("Example goal: ")[2]
-        return example or ""
+    def _example_task(record: ClusterRecord) -> str:
+        return record.description.partition("Example goal: ")[2]
 
     # -- removing --------------------------------------------------------------------------
     def remove(self, ids: Iterable[str]) -> int:

@@ -363,5 +363,8 @@ def distil_prompt(
         "ids, URLs or literal values copied from the trajectories."
     )
     answer_format = '{"skill": "- <rule>\\n- <rule>\\n- <rule>"}'
-    schema = {"type": "object", "properties": {"skill": _text(SKILL_MAX_CHARS)}, "required": ["skill"]}
+    # No maxLength here: llama.cpp turns maxLength into one grammar rule per character, and past
+    # ~1000 characters its grammar parser gives up (llama-cpp-python's server then crashes).
+    # SKILL_MAX_CHARS is enforced when the answer is checked (lifemem_ray.llm.check_skill).
+    schema = {"type": "object", "properties": {"skill": {"type": "string", "minLength": 1}}, "required": ["skill"]}
     return Prompt("distil", _messages("distil", instructions, answer_format, data), schema)
