@@ -240,7 +240,8 @@ def clean_text(
         raise AnswerError(f"{what}: too short ({text!r})")
     if len(text) > max_chars:
         raise AnswerError(f"{what}: longer than {max_chars} characters")
-    if _ERROR_TEXT.search(text) or _REFUSAL.search(text) or _PLACEHOLDER.match(text):
+    # Per line: a copied answer-format template ("- <rule>\n- <rule>\n- <rule>") is a placeholder too.
+    if _ERROR_TEXT.search(text) or _REFUSAL.search(text) or any(_PLACEHOLDER.match(line) for line in text.split("\n")):
         raise AnswerError(f"{what}: looks like an error message, refusal or placeholder: {_snippet(text, 80)}")
     if not allow_urls and _URL.search(text):
         raise AnswerError(f"{what}: contains a URL")

@@ -135,6 +135,7 @@ class Memory:
         decider: Decider | None = None,
         dim: int | None = None,
         read_only: bool = False,
+        namespace: int = 0,
     ) -> None:
         self.config = (config or MemoryConfig()).validate()
         self.path = Path(path)
@@ -152,6 +153,7 @@ class Memory:
             workflow_dim=WORKFLOW_DIM,
             embedder=embedder_name,
             read_only=read_only,
+            namespace=namespace,
             map_size_mb=self.config.store.map_size_mb,
             max_map_size_gb=self.config.store.max_map_size_gb,
             sync=self.config.store.sync,
@@ -192,13 +194,15 @@ class Memory:
         decider: Decider | None = None,
         dim: int | None = None,
         read_only: bool = False,
+        namespace: int = 0,
     ) -> "Memory":
         """Open (or create) the memory in ``path``.
 
         ``dim`` sets the vector size of a new store fed with precomputed vectors;
-        by default it is the embedding model's (384).
+        by default it is the embedding model's (384). ``namespace`` (set when a store is
+        created) keeps its trajectory and cluster ids apart from other shards' stores.
         """
-        return cls(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only)
+        return cls(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only, namespace=namespace)
 
     def _default_decider(self) -> Decider | None:
         if self.config.llm.backend == "openai":

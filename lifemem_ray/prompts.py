@@ -176,7 +176,10 @@ def _groups_schema(keys: Sequence[int], min_groups: int, max_groups: int) -> dic
                 "items": {
                     "type": "object",
                     "properties": {
-                        "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "enum": list(keys)}},
+                        # maxItems: grammar-constrained decoding (llama.cpp) otherwise can repeat keys
+                        # until the answer is cut at max_tokens.
+                        "items": {"type": "array", "minItems": 1, "maxItems": len(keys),
+                                  "items": {"type": "integer", "enum": list(keys)}},
                         "description": _text(DESCRIPTION_MAX_CHARS),
                     },
                     "required": ["items", "description"],

@@ -85,7 +85,8 @@ def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-VID_UID_BITS = 20  # low bits of every vid: the store's random uid, so vids of different stores differ
+ID_SEQ_BITS = 40  # ids are (namespace << 40) | sequence: sequential within a store, apart across shards
+MAX_NAMESPACE = (1 << (63 - ID_SEQ_BITS)) - 1
 
 
 @dataclass
@@ -270,6 +271,7 @@ class MemoryStore:
         workflow_dim: int | None = None,
         embedder: str | None = None,
         read_only: bool = False,
+        namespace: int = 0,
         map_size_mb: int = 64,
         max_map_size_gb: int = 4096,
         sync: bool = True,
@@ -309,7 +311,9 @@ class MemoryStore:
                 raise StoreError(f"{self.path}: the store is already open in this process; share that Memory instead") from None
             raise StoreError(f"{self.path}: cannot open the LMDB environment: {exc}") from None
         self.db = {name: self.env.open_db(name.encode(), create=not read_only) for name in _DBS}
-        self._check_or_init_schema(dim, workflow_dim, embedder)
+        if not 0 <= namespace <= MAX_NAMESPACE:
+            raise StoreError(f"namespace: must be within [0, {MAX_NAMESPACE}], got {namespace}")
+        self._check_or_init_schema(dim, workflow_dim, embedder, namespace)
 
     # -- locking ---------------------------------------------------------------------------
     def _acquire_writer_lock(self) -> None:
@@ -344,7 +348,7 @@ class MemoryStore:
                 self._lock_file = None
 
     # -- schema ----------------------------------------------------------------------------
-    def _check_or_init_schema(self, dim: int | None, workflow_dim: int | None, embedder: str | None) -> None:
+    def _check_or_init_schema(self, dim: int | None, workflow_dim: int | None, embedder: str | None, namespace: int) -> None:
         with self.read() as txn:
             schema = txn.get(b"schema", db=self.db["meta"])
             meta = {k.decode(): _unpackb(v) for k, v in txn.cursor(db=self.db["meta"])}
@@ -364,7 +368,7 @@ class MemoryStore:
                     "generation": 0,
                     "next_cluster": 1,
                     "next_vid": 1,
-                    "uid": int.from_bytes(os.urandom(4), "big") & ((1 << VID_UID_BITS) - 1),
+                    "namespace": namespace,
                     "next_log": 0,
                     "pending": [],
                     "initialised": False,
@@ -387,6 +391,9 @@ class MemoryStore:
             raise StoreError(f"{self.path}: the store was built with embedder {meta['embedder']!r}, not {embedder!r}")
         self.dim = int(meta["dim"])
         self.workflow_dim = int(meta["workflow_dim"])
+        self.namespace = int(meta["namespace"])
+        if namespace and namespace != self.namespace:
+            raise StoreError(f"{self.path}: the store's id namespace is {self.namespace}, not {namespace}")
         self.embedder = meta["embedder"]
 
     # -- transactions ----------------------------------------------------------------------
@@ -473,13 +480,25 @@ class MemoryStore:
         return None if raw is None else _unpackb(raw)["fp"]
 
     def allocate_vids(self, txn: lmdb.Transaction, n: int) -> list[int]:
-        """Integer ids for ``n`` new trajectories: a per-store sequence (high bits) and the
-        store's uid (low bits). Sequential keys append to the B-trees instead of dirtying a
-        random page per insert; the uid keeps ids of different stores (shards) apart."""
-        uid = self.get_meta("uid", txn)
-        seq = self.get_meta("next_vid", txn)
-        self.put_meta(txn, "next_vid", seq + n)
-        return [((seq + i) << VID_UID_BITS) | uid for i in range(n)]
+        """Integer ids for ``n`` new trajectories: the store's namespace (high bits) and a
+        sequence (low bits). Sequential keys append to the B-trees instead of dirtying a random
+        page per insert; the namespace keeps ids of different shards apart."""
+        return self._allocate(txn, "next_vid", n)
+
+    def _allocate(self, txn: lmdb.Transaction, counter: str, n: int) -> list[int]:
+        base = self.namespace << ID_SEQ_BITS
+        seq = self.get_meta(counter, txn)
+        if seq + n >= 1 << ID_SEQ_BITS:
+            raise StoreError(f"{self.path}: the {counter} sequence is exhausted")
+        self.put_meta(txn, counter, seq + n)
+        return [base | (seq + i) for i in range(n)]
+
+    def advance_sequences(self, txn: lmdb.Transaction, vid_seq: int, cluster_seq: int) -> None:
+        """Never hand out a sequence number below these (after records were copied in)."""
+        if self.get_meta("next_vid", txn) <= vid_seq:
+            self.put_meta(txn, "next_vid", vid_seq + 1)
+        if self.get_meta("next_cluster", txn) <= cluster_seq:
+            self.put_meta(txn, "next_cluster", cluster_seq + 1)
 
     def put_trajectory(
         self,
@@ -587,9 +606,7 @@ class MemoryStore:
         return out
 
     def next_cluster_ids(self, txn: lmdb.Transaction, n: int) -> list[int]:
-        first = self.get_meta("next_cluster", txn)
-        self.put_meta(txn, "next_cluster", first + n)
-        return list(range(first, first + n))
+        return self._allocate(txn, "next_cluster", n)
 
     # -- log and maintenance queue ---------------------------------------------------------
     def append_log(self, txn: lmdb.Transaction, entries: list[dict[str, Any]]) -> None:
