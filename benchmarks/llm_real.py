@@ -164,6 +164,8 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         "descriptions_by_llm": sum(1 for r in records if r.description_by == "llm"),
         "skills_by_llm": sum(1 for r in records if r.skill_by == "llm"),
         "skills_fallback": sum(1 for r in records if r.skill_by == "fallback"),
+        "llm_descriptions": [r.description for r in records if r.description_by == "llm"][:5],
+        "llm_skills": [r.skill for r in records if r.skill_by == "llm"][:5],
         "engine_fallbacks": stats["llm"]["fallbacks"],
         "decided_offline": stats["llm"]["decided_offline"],
         "operations": per_op,
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             with LlamaServer(args.gguf, n_threads=args.threads) as server:
                 result = measure(args, server.base_url)
                 result["server"] = {"startup_s": server.startup_s, "model_file": str(server.model),
-                                    "log": str(server.log_path)}
+                                    "command": " ".join(server.command(server.port or 0)[1:])}
         except ServerUnavailable as exc:
             print(f"llm_real: {exc}", file=sys.stderr)
             return 2

@@ -138,6 +138,7 @@ class LlamaServer:
         self.ready_timeout_s = ready_timeout_s
         self.extra_args = tuple(extra_args)
         self.log_path = Path(log_path) if log_path is not None else None
+        self._temp_log = False  # a log we created: removed at stop() unless the server crashed
         self.port: int | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
@@ -173,6 +174,7 @@ class LlamaServer:
             fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
+            self._temp_log = True
         started = time.monotonic()
         last_error = ""
         for _ in range(3):  # a free port can be taken between our probe and the server's bind
@@ -248,8 +250,10 @@ class LlamaServer:
         return data.decode("utf-8", "replace")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Terminate (SIGTERM), then kill after ``timeout_s``; idempotent."""
+        """Terminate (SIGTERM), then kill after ``timeout_s``; idempotent. A log file this
+        object created is removed, unless the server had died by itself (kept to read)."""
         process = self.process
+        crashed = process is not None and process.poll() is not None
         if process is not None and process.poll() is None:
             process.terminate()
             try:
@@ -258,6 +262,9 @@ class LlamaServer:
                 process.kill()
                 process.wait(timeout=timeout_s)
         self._reap()
+        if self._temp_log and not crashed and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self._temp_log = False
 
     def _reap(self) -> None:
         if self.process is not None and self.process.poll() is None:

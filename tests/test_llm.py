@@ -548,3 +548,17 @@ def test_schema_errors():
     assert schema_errors({}, schema) == ["$: missing 'x'"]
     with pytest.raises(ValueError, match="unsupported schema keyword"):
         schema_errors(1, {"oneOf": []})
+
+
+def test_raw_newlines_inside_json_strings_are_accepted():
+    from lifemem_ray.llm import extract_json
+
+    assert extract_json('{"description": "line one\nline two"}') == {"description": "line one\nline two"}
+
+
+def test_a_copied_answer_template_is_not_a_skill():
+    from lifemem_ray.llm import AnswerError, clean_text
+
+    with pytest.raises(AnswerError):
+        clean_text("- <rule>\n- <rule>\n- <rule>", "skill", 3000, one_line=False)
+    assert clean_text("- Check the order status first.\n- Confirm before cancelling.", "skill", 3000, one_line=False)
