@@ -56,6 +56,90 @@ def _progress(total: int, desc: str, args: argparse.Namespace) -> Any:
     return tqdm(total=total, desc=desc, unit="traj", file=sys.stderr, disable=None if not args.quiet else True)
 
 
+# -- the sharded deployment --------------------------------------------------------------
+def _remote(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "address", None) or getattr(args, "namespace", None))
+
+
+def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: bool = False) -> Any:
+    """Connect this process to Ray (the running cluster, or with ``start_local`` a new local head)."""
+    import subprocess
+
+    import ray
+
+    namespace = args.namespace or config.cluster.namespace
+    address = args.address or "auto"
+    try:
+        ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    except ConnectionError:
+        if not (start_local and address == "auto"):
+            raise CommandError(f"no Ray cluster found at {address!r}; start one (`ray start --head`) or run `lifemem-ray serve`") from None
+        # Logical CPUs: the deployment's actors reserve fractions, and bulk loads need room beside them.
+        cpus = str(max(4, 2 * (os.cpu_count() or 2)))
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin), "start", "--head", f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise CommandError(f"could not start a local Ray head: {proc.stderr.strip()[-500:]}") from None
+        ray.init(address="auto", namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    return namespace
+
+
+def _client(args: argparse.Namespace, config: MemoryConfig) -> Any:
+    from .actors.client import MemoryClient
+
+    namespace = _connect(args, config)
+    return MemoryClient(namespace, config.replace({"cluster.namespace": namespace}))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .actors.deployment import deploy
+
+    config = _config(args)
+    namespace = _connect(args, config, start_local=True)
+    config = config.replace({"cluster.namespace": namespace})
+    info = deploy(args.store, config, shards=args.shards)
+    _emit(args, info, lambda: f"serving {len(info['shards'])} shards from {info['store']} in Ray namespace {namespace!r}; stop with `lifemem-ray stop --namespace {namespace}`")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from .actors.deployment import stop
+
+    config = _config(args)
+    namespace = _connect(args, config)
+    stopped = stop(namespace)
+    if args.ray:
+        import ray
+
+        ray.shutdown()
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop"], capture_output=True, timeout=120)
+    _emit(args, {"stopped": stopped, "namespace": namespace}, lambda: f"stopped the deployment in {namespace!r}" if stopped else f"no deployment in {namespace!r}")
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from .actors.deployment import snapshot
+
+    config = _config(args)
+    namespace = _connect(args, config)
+    manifest = snapshot(args.out, namespace)
+    _emit(args, manifest, lambda: f"snapshot of {manifest['shards']} shards ({manifest['bytes']:,} bytes) in {args.out}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from .actors.deployment import restore
+
+    config = _config(args)
+    namespace = _connect(args, config, start_local=True)
+    info = restore(args.snapshot, args.store, config.replace({"cluster.namespace": namespace}), shards=args.shards)
+    _emit(args, info, lambda: f"restored {info['trajectories']} trajectories in {info['clusters']} clusters onto {len(info['shards'])} shards")
+    return 0
+
+
 # -- commands ------------------------------------------------------------------------------
 def cmd_ingest(args: argparse.Namespace) -> int:
     from .importers import ImportReport, iter_jsonl
@@ -65,6 +149,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     report = ImportReport()
     results: dict[str, int] = {"added": 0, "duplicate": 0, "pending": 0}
     batch_size = config.evolution.batch_size
+    if _remote(args):
+        return _ingest_remote(args, config)
+    if not args.store:
+        raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
     with Memory.open(args.store, config) as memory:
         bar = _progress(0, "ingest", args)
         batch = []
@@ -108,12 +196,38 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_retrieve(args: argparse.Namespace) -> int:
+def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
+    from .actors.bulk import bulk_load
+
+    client = _client(args, config)
+    bar = _progress(0, "ingest", args)
+    try:
+        counts = bulk_load(client, [str(Path(p).resolve()) for p in args.paths], fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, progress=bar.update)
+    finally:
+        bar.close()
+    stats = client.stats()
+    data = {**counts, "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]}}
+    _emit(args, data, lambda: f"read {counts['records'] + counts['invalid']} records: {counts['added']} stored, {counts['duplicates']} already present, {counts['invalid']} invalid")
+    return 0
+
+
+def _open_or_connect(args: argparse.Namespace, config: MemoryConfig) -> Any:
     from .memory import Memory
 
+    if _remote(args):
+        return _client(args, config)
+    if not args.store:
+        raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
+    return Memory.open(args.store, config, read_only=True)
+
+
+def cmd_retrieve(args: argparse.Namespace) -> int:
     config = _config(args)
-    with Memory.open(args.store, config, read_only=True) as memory:
+    memory = _open_or_connect(args, config)
+    try:
         result = memory.retrieve(args.task, args.env, args.k)
+    finally:
+        memory.close()
     data = result.to_dict()
     if args.context:
         data["context"] = result.context
@@ -134,10 +248,12 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .memory import Memory
-
-    with Memory.open(args.store, _config(args), read_only=True) as memory:
+    memory = _open_or_connect(args, _config(args))
+    try:
         stats = memory.stats()
+    finally:
+        memory.close()
+    stats.setdefault("splits", 0)
 
     def text() -> str:
         lines = [
@@ -147,7 +263,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         for env, s in stats["per_env"].items():
             lines.append(f"  {env:<20} {s['trajectories']:>8} trajectories {s['clusters']:>6} clusters")
         llm = stats["llm"]
-        lines.append(f"llm ({llm['backend']}): {llm['calls']} calls, {llm['tokens']} tokens, {llm['fallbacks']} fallbacks")
+        lines.append(f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, {llm['fallbacks']} fallbacks")
         return "\n".join(lines)
 
     _emit(args, stats, text)
@@ -155,10 +271,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
-    from .memory import Memory
-
-    with Memory.open(args.store, _config(args), read_only=True) as memory:
+    memory = _open_or_connect(args, _config(args))
+    try:
         clusters = memory.clusters(args.env)
+    finally:
+        memory.close()
     data = [c.to_dict() for c in clusters]
     _emit(args, data, lambda: _format_clusters(clusters))
     return 0
@@ -185,11 +302,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .memory import Memory
-
-    with Memory.open(args.store, _config(args), read_only=True) as memory:
+    memory = _open_or_connect(args, _config(args))
+    try:
         report = memory.verify()
-    _emit(args, report, lambda: ("ok: " if report["ok"] else "PROBLEMS: ") + f"{report['trajectories']} trajectories, {report['clusters']} clusters" + "".join(f"\n  {p}" for p in report["problems"]))
+    finally:
+        memory.close()
+    parts = report.get("shards", [report])
+    _emit(
+        args,
+        report,
+        lambda: ("ok: " if report["ok"] else "PROBLEMS: ")
+        + f"{sum(p['trajectories'] for p in parts)} trajectories, {sum(p['clusters'] for p in parts)} clusters"
+        + "".join(f"\n  {problem}" for p in parts for problem in p["problems"]),
+    )
     return 0 if report["ok"] else 1
 
 
@@ -213,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--quiet", action="store_true", help="no progress bar")
     common.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--address", help="Ray address of a running deployment (default: auto, the local cluster)")
+    remote.add_argument("--namespace", help="Ray namespace of the deployment (default: cluster.namespace)")
     llm = argparse.ArgumentParser(add_help=False)
     llm.add_argument("--llm-base-url", metavar="URL", help="OpenAI-compatible endpoint; turns on the LLM backend")
     llm.add_argument("--llm-model", metavar="NAME", help="model name at that endpoint")
@@ -222,28 +350,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="DIR", help="where to build it (default: a new temporary folder)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("ingest", parents=[common, llm], help="add trajectories from JSONL files")
+    p = sub.add_parser("ingest", parents=[remote, common, llm], help="add trajectories from JSONL files")
     p.add_argument("paths", nargs="+", metavar="PATH", help="JSONL files (.jsonl, .jsonl.gz, or - for stdin)")
-    p.add_argument("--store", required=True, metavar="DIR")
+    p.add_argument("--store", metavar="DIR", help="the store folder (or --address/--namespace for a deployment)")
     p.add_argument("--env", help="environment of records that do not name one")
     p.add_argument("--format", choices=("auto", "native", "chat"), default="auto")
     p.add_argument("--skip-invalid", action="store_true", help="skip malformed records (counted and reported)")
     p.set_defaults(func=cmd_ingest)
 
-    p = sub.add_parser("retrieve", parents=[common], help="exemplars and skills for a task")
+    p = sub.add_parser("retrieve", parents=[remote, common], help="exemplars and skills for a task")
     p.add_argument("task")
-    p.add_argument("--store", required=True, metavar="DIR")
+    p.add_argument("--store", metavar="DIR")
     p.add_argument("--env", required=True)
     p.add_argument("-k", type=int, default=None, help="trajectories to return (default: retrieval.k)")
     p.add_argument("--context", action="store_true", help="also print the prompt block an agent would get")
     p.set_defaults(func=cmd_retrieve)
 
-    p = sub.add_parser("stats", parents=[common], help="counts per environment, LLM usage")
-    p.add_argument("--store", required=True, metavar="DIR")
+    p = sub.add_parser("stats", parents=[remote, common], help="counts per environment, LLM usage")
+    p.add_argument("--store", metavar="DIR")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("clusters", parents=[common], help="list workflow clusters with descriptions and skills")
-    p.add_argument("--store", required=True, metavar="DIR")
+    p = sub.add_parser("clusters", parents=[remote, common], help="list workflow clusters with descriptions and skills")
+    p.add_argument("--store", metavar="DIR")
     p.add_argument("--env")
     p.set_defaults(func=cmd_clusters)
 
@@ -252,9 +380,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT.jsonl")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("check", parents=[common], help="verify the store's invariants")
-    p.add_argument("--store", required=True, metavar="DIR")
+    p = sub.add_parser("check", parents=[remote, common], help="verify the store's invariants")
+    p.add_argument("--store", metavar="DIR")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("serve", parents=[remote, common, llm], help="start a sharded deployment on Ray (named, detached)")
+    p.add_argument("--store", required=True, metavar="DIR", help="folder for the shards' and the coordinator's stores")
+    p.add_argument("--shards", type=int, default=None, help="number of shards (default: cluster.shards)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("stop", parents=[remote, common], help="stop a deployment (closing every shard cleanly)")
+    p.add_argument("--ray", action="store_true", help="also stop the local Ray cluster")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("snapshot", parents=[remote, common], help="consistent snapshot of every shard and the routing table")
+    p.add_argument("out", metavar="DIR")
+    p.set_defaults(func=cmd_snapshot)
+
+    p = sub.add_parser("restore", parents=[remote, common, llm], help="a new deployment from a snapshot (any shard count)")
+    p.add_argument("snapshot", metavar="SNAPSHOT_DIR")
+    p.add_argument("--store", required=True, metavar="DIR", help="a new, empty folder for the restored deployment")
+    p.add_argument("--shards", type=int, default=None)
+    p.set_defaults(func=cmd_restore)
     return parser
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 __all__ = [
+    "ClusterConfig",
     "ConfigError",
     "EmbeddingConfig",
     "EvolutionConfig",
@@ -159,6 +160,30 @@ class StoreConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The sharded deployment on Ray (``lifemem_ray.actors``)."""
+
+    namespace: str = "lifemem"  # Ray namespace of the named actors
+    shards: int = 2
+    batch_size: int = 512  # the coordinator's micro-batch
+    batch_wait_ms: float = 20.0  # how long a micro-batch waits to fill
+    max_pending: int = 50_000  # trajectories queued at the coordinator; beyond, callers wait
+    overload_timeout_s: float = 60.0  # a caller waiting longer than this gets OverloadedError
+    embedders: int = 1  # embedding actors (one per GPU where there are GPUs)
+    shard_cpus: float = 0.5  # CPU reserved per shard actor
+    coordinator_cpus: float = 0.5
+    embedder_cpus: float = 0.5
+    call_timeout_s: float = 600.0  # a shard call taking longer is reported as a failure
+
+    def validate(self) -> None:
+        _positive(self, "shards", "batch_size", "max_pending", "overload_timeout_s", "embedders", "call_timeout_s")
+        if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
+            raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
+        if not self.namespace:
+            raise ConfigError("cluster.namespace: must not be empty")
+
+
+@dataclass
 class MemoryConfig:
     evolution: EvolutionConfig = field(default_factory=EvolutionConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -167,6 +192,7 @@ class MemoryConfig:
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "MemoryConfig":
         for section in _sections(self):

@@ -28,10 +28,10 @@ from .index import VectorIndex
 from .model import Trajectory
 from .policy import MemberInfo, OfflinePolicy
 from .retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
-from .storage import ClusterRecord, MemoryStore, StoreError
+from .storage import ClusterRecord, MemoryStore, StoreError, pack_u64, record_to_trajectory
 from .workflow import action_tokens, workflow_summary, workflow_vector
 
-__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError"]
+__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError", "known_ids", "prepare_items"]
 
 log = logging.getLogger(__name__)
 
@@ -305,11 +305,12 @@ class Memory:
             return self._fill_batch_duplicates(trajectories, results)
 
     # -- the ingest pipeline, in stages (the Ray coordinator runs them across shards) ---------
-    def check_ids(self, trajectories: Sequence[Trajectory]) -> tuple[list[AddResult | None], list[int]]:
+    def check_ids(self, trajectories: Sequence[Trajectory], *, raise_conflicts: bool = True) -> tuple[list[AddResult | None], list[int]]:
         """Results for ids already stored (duplicates) and the positions of the new ones.
 
         Raises :class:`IdConflictError` when an id is stored, or repeated in the batch,
-        with other content: then nothing of the batch may be stored.
+        with other content: then nothing of the batch may be stored. With
+        ``raise_conflicts=False`` such ids get a result with status ``conflict`` instead.
         """
         results: list[AddResult | None] = [None] * len(trajectories)
         fresh: list[int] = []
@@ -327,9 +328,10 @@ class Memory:
                     fresh.append(i)
                 elif self.store.fingerprint_of(txn, vid) != traj.fingerprint:
                     conflicts.append(traj.id)
+                    results[i] = AddResult(traj.id, "conflict", self.store.cluster_of(txn, vid))
                 else:
                     results[i] = AddResult(traj.id, "duplicate", self.store.cluster_of(txn, vid))
-        if conflicts:
+        if conflicts and raise_conflicts:
             shown = ", ".join(repr(c) for c in conflicts[:5])
             raise IdConflictError(
                 f"{len(conflicts)} trajectory id(s) already stored (or repeated in this batch) with different content: {shown}; "
@@ -354,12 +356,7 @@ class Memory:
         """Batch items: task vectors (embedded here when not given), action tokens, workflow vectors."""
         if vectors is None:
             vectors = self.embedder.embed([t.query_text for t in trajectories])
-        vectors = _unit_rows(vectors, len(trajectories), self.dim, "vectors")
-        items: list[BatchItem] = []
-        for traj, vec in zip(trajectories, vectors):
-            tokens = action_tokens(traj)
-            items.append(BatchItem(traj, 0, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
-        return items
+        return prepare_items(trajectories, vectors, self.dim)
 
     @property
     def initialised(self) -> bool:
@@ -397,33 +394,41 @@ class Memory:
         """For each item: (cluster id, similarity) of its top-k stored neighbours, and further
         candidates by the policy's score over all cluster centroids (see
         ``evolution.neighbour_scope``); plus the state of every cluster named."""
-        evo = self.config.evolution
-        found = CandidateSet(neighbours=[[] for _ in items], extra=[[] for _ in items], clusters={})
         if not items:
+            return CandidateSet(neighbours=[], extra=[], clusters={})
+        return self.candidates_for(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.traj.env for it in items])
+
+    def candidates_for(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateSet:
+        """:meth:`candidates` from the vectors alone (what a shard receives from the coordinator)."""
+        evo = self.config.evolution
+        n = len(vectors)
+        found = CandidateSet(neighbours=[[] for _ in range(n)], extra=[[] for _ in range(n)], clusters={})
+        if not n:
             return found
-        queries = np.stack([it.vec for it in items])
-        if evo.centroid_candidates:
-            combined = self._centroids.query(queries, np.stack([it.wvec for it in items]))
-            found.extra = self._centroids.search(combined, evo.centroid_candidates)
-        if evo.neighbour_scope == "env":
-            scores, ids = self.index.search_envs(queries, evo.top_k, [it.traj.env for it in items])
-        elif len(self.index):
-            scores, ids = self.index.search(queries, evo.top_k)
-        else:
-            scores, ids = np.zeros((len(items), 0)), np.zeros((len(items), 0), dtype=np.int64)
-        with self.store.read() as txn:
-            for row, (row_s, row_i) in enumerate(zip(scores, ids)):
-                for s, vid in zip(row_s, row_i):
-                    if vid < 0:
-                        continue
-                    cid = self.store.cluster_of(txn, int(vid))
-                    if cid is not None and cid in self._clusters:
-                        found.neighbours[row].append((cid, float(s)))
-        for row in found.neighbours + found.extra:
-            for cid, _ in row:
-                record = self._clusters.get(cid)
-                if record is not None:
-                    found.clusters[cid] = record
+        queries = np.asarray(vectors, dtype=np.float32)
+        with self._lock:
+            if evo.centroid_candidates:
+                combined = self._centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
+                found.extra = self._centroids.search(combined, evo.centroid_candidates)
+            if evo.neighbour_scope == "env":
+                scores, ids = self.index.search_envs(queries, evo.top_k, list(envs))
+            elif len(self.index):
+                scores, ids = self.index.search(queries, evo.top_k)
+            else:
+                scores, ids = np.zeros((n, 0)), np.zeros((n, 0), dtype=np.int64)
+            with self.store.read() as txn:
+                for row, (row_s, row_i) in enumerate(zip(scores, ids)):
+                    for s, vid in zip(row_s, row_i):
+                        if vid < 0:
+                            continue
+                        cid = self.store.cluster_of(txn, int(vid))
+                        if cid is not None and cid in self._clusters:
+                            found.neighbours[row].append((cid, float(s)))
+            for row in found.neighbours + found.extra:
+                for cid, _ in row:
+                    record = self._clusters.get(cid)
+                    if record is not None:
+                        found.clusters[cid] = record
         return found
 
     def _pending_items(self) -> list[BatchItem]:
@@ -648,6 +653,97 @@ class Memory:
             self._pending = pending
             self.index.remove(np.asarray(sorted(removed_vids), dtype=np.int64))
             return len(found)
+
+    # -- moving clusters between stores ------------------------------------------------------
+    def absorb(self, source: str | Path, cluster_ids: Sequence[int] | None = None, *, include_pending: bool = False, chunk: int = 2000) -> dict[str, int]:
+        """Copy whole clusters from another store folder (a snapshot), keeping every id.
+
+        Used to restore a snapshot into a deployment with another shard count: each
+        cluster moves with all of its trajectories, vectors and its skill. Copies are
+        idempotent (a trajectory already here is skipped), so a restore can be rerun.
+        """
+        self._check_writable()
+        src = MemoryStore(source, read_only=True)
+        try:
+            if src.dim != self.dim or src.workflow_dim != WORKFLOW_DIM:
+                raise StoreError(f"{source}: vectors of {src.dim}/{src.workflow_dim} dimensions cannot join a store of {self.dim}/{WORKFLOW_DIM}")
+            with src.read() as stxn:
+                names = {code: name for name, code in src.env_codes(stxn).items()}
+                wanted = list(cluster_ids) if cluster_ids is not None else [r.id for r in src.iter_clusters(stxn) if r.live]
+                records = []
+                for cid in wanted:
+                    record = src.get_cluster(stxn, cid)
+                    if record is None or not record.live:
+                        raise StoreError(f"{source}: cluster {cid} is not a live cluster there")
+                    records.append((record, src.members(stxn, cid)))
+                pending = list(src.get_meta("pending", stxn) or []) if include_pending else []
+                initialised = bool(src.get_meta("initialised", stxn))
+                counters = src.get_meta("counters", stxn, {}) or {}
+            moved = {"clusters": 0, "trajectories": 0, "skipped": 0}
+            mask = (1 << 40) - 1
+            top_vid = top_cid = 0
+            with self._lock:
+                work: list[tuple[int | None, int]] = [(rec.id, vid) for rec, members in records for vid in members] + [(None, v) for v in pending]
+                for start in range(0, len(work), chunk):
+                    part = work[start : start + chunk]
+                    with src.read() as stxn:
+                        rows = []
+                        for cid, vid in part:
+                            key = pack_u64(vid)
+                            raw_traj = stxn.get(key, db=src.db["traj"])
+                            raw_vec = stxn.get(key, db=src.db["vec"])
+                            raw_brief = stxn.get(key, db=src.db["brief"])
+                            if raw_traj is None or raw_vec is None:
+                                raise StoreError(f"{source}: trajectory {vid} of cluster {cid} is missing")
+                            tid = record_to_trajectory(raw_traj)[0].id
+                            rows.append((cid, vid, tid, raw_traj, raw_vec, raw_brief))
+
+                    def write(txn: Any) -> int:
+                        skipped = 0
+                        for cid, vid, tid, raw_traj, raw_vec, raw_brief in rows:
+                            if self.store.lookup_id(txn, tid) is not None:
+                                skipped += 1
+                                continue
+                            key = pack_u64(vid)
+                            if txn.get(key, db=self.store.db["traj"]) is not None:
+                                raise StoreError(f"{self.path}: trajectory id {vid} is taken here by another trajectory")
+                            code, vec, wvec = src.unpack_vectors(raw_vec)
+                            txn.put(key, raw_traj, db=self.store.db["traj"])
+                            txn.put(tid.encode("utf-8"), key, db=self.store.db["tid"])
+                            txn.put(key, self.store.pack_vectors(self.store.env_code(txn, names[code]), vec, wvec), db=self.store.db["vec"])
+                            if raw_brief is not None:
+                                txn.put(key, raw_brief, db=self.store.db["brief"])
+                            if cid is not None:
+                                self.store.set_cluster_of(txn, vid, cid)
+                        return skipped
+
+                    moved["skipped"] += self.store.write(write)
+                    moved["trajectories"] += len(part)
+                    for _, vid in part:
+                        top_vid = max(top_vid, vid & mask)
+                now = time.time()
+
+                def finish(txn: Any) -> None:
+                    for record, members in records:
+                        self.store.put_cluster(txn, record)
+                        if not record.skill:
+                            self.store.add_todo(txn, record.id, skill=True)
+                    if pending:
+                        self.store.put_meta(txn, "pending", list(dict.fromkeys((self.store.get_meta("pending", txn) or []) + pending)))
+                    if initialised and not pending:
+                        self.store.put_meta(txn, "initialised", True)
+                    self.store.advance_sequences(txn, top_vid, max([r.id & mask for r, _ in records], default=0))
+                    totals = self.store.get_meta("counters", txn, {}) or {}
+                    totals["splits"] = totals.get("splits", 0) + int(counters.get("splits", 0))
+                    self.store.put_meta(txn, "counters", totals)
+                    self.store.append_log(txn, [{"cluster": r.id, "op": "absorb", "from": str(source), "n": r.count, "t": now} for r, _ in records])
+
+                self.store.write(finish)
+                moved["clusters"] = len(records)
+                self._load_state()
+        finally:
+            src.close()
+        return moved
 
     # -- maintenance: splits, skills, descriptions ------------------------------------------
     def maintain(self, max_ops: int | None = None) -> int:
@@ -1144,8 +1240,9 @@ class Memory:
     def verify(self) -> dict[str, Any]:
         """Check every invariant against a recomputation from the stored trajectories."""
         problems: list[str] = []
-        with self.store.read() as txn:
+        with self._lock, self.store.read() as txn:  # no commit in between: LMDB and the index agree
             n_traj = self.store.count_trajectories(txn)
+            n_index = len(self.index)
             seen_ids: dict[str, int] = {}
             for vid, traj, _ in self.store.iter_trajectories(txn):
                 if traj.id in seen_ids:
@@ -1186,8 +1283,8 @@ class Memory:
                 record = self.store.get_cluster(txn, cid)
                 if record is None or not record.live:
                     problems.append(f"trajectories point at cluster {cid}, which is not live")
-        if len(self.index) != n_traj:
-            problems.append(f"index holds {len(self.index)} vectors, the store {n_traj} trajectories")
+        if n_index != n_traj:
+            problems.append(f"index holds {n_index} vectors, the store {n_traj} trajectories")
         return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems}
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -1224,6 +1321,31 @@ class Memory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def prepare_items(trajectories: Sequence[Trajectory], vectors: Any, dim: int) -> list[BatchItem]:
+    """Batch items from trajectories and their task vectors (validated, normalised)."""
+    vectors = _unit_rows(vectors, len(trajectories), dim, "vectors")
+    items: list[BatchItem] = []
+    for traj, vec in zip(trajectories, vectors):
+        tokens = action_tokens(traj)
+        items.append(BatchItem(traj, 0, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
+    return items
+
+
+def known_ids(store: MemoryStore, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
+    """Per id: its stored result (``duplicate``, or ``conflict`` when stored with another
+    fingerprint), or None when the store does not hold it."""
+    out: list[AddResult | None] = []
+    with store.read() as txn:
+        for tid, fp in zip(ids, fingerprints):
+            vid = store.lookup_id(txn, tid)
+            if vid is None:
+                out.append(None)
+            else:
+                status = "duplicate" if store.fingerprint_of(txn, vid) == fp else "conflict"
+                out.append(AddResult(tid, status, store.cluster_of(txn, vid)))
+    return out
 
 
 @lru_cache(maxsize=1 << 16)

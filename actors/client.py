@@ -1,0 +1,168 @@
+"""MemoryClient: the sharded memory from any process of the cluster (rollout workers too).
+
+Adds go through the coordinator and resolve on acknowledgement; retrievals go
+straight to the shards (one call per shard for many queries) and are merged here
+exactly as the single-process engine orders them: top-k by score, then the skills
+of those trajectories' clusters in order of first appearance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.memory import AddResult
+from lifemem_ray.model import Trajectory
+from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
+
+from . import deployment
+from .errors import ShardUnavailableError
+
+__all__ = ["AddFuture", "MemoryClient"]
+
+
+@dataclass
+class AddFuture:
+    """Resolves when the coordinator acknowledged (every trajectory committed on its shard)."""
+
+    ref: Any
+    single: bool = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            out = ray.get(self.ref, timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+        return out[0] if self.single else out
+
+    def done(self) -> bool:
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+
+class MemoryClient:
+    def __init__(self, namespace: str, config: MemoryConfig) -> None:
+        self.namespace = namespace
+        self.config = config
+        self.coordinator = deployment.find_coordinator(namespace)
+        info = ray.get(self.coordinator.deployment.remote())
+        self.dim = info["dim"]
+        self.shard_names = info["shards"]
+        self.shards = [ray.get_actor(n, namespace=namespace) for n in info["shards"]]
+        self.embedders = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
+        self._next = 0
+
+    @classmethod
+    def connect(cls, namespace: str = "lifemem", address: str | None = None, config: MemoryConfig | None = None) -> "MemoryClient":
+        """Attach to the deployment in ``namespace`` (starting a Ray connection if needed)."""
+        if not ray.is_initialized():
+            ray.init(address=address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False)
+        return cls(namespace, config or MemoryConfig())
+
+    # -- adding ----------------------------------------------------------------------------
+    def add(self, trajectory: Trajectory, vector: Any = None) -> AddFuture:
+        vectors = None if vector is None else np.asarray(vector, dtype=np.float32).reshape(1, -1)
+        return AddFuture(self.coordinator.add_many.remote([trajectory], vectors), single=True)
+
+    def add_many(self, trajectories: Sequence[Trajectory], vectors: Any = None) -> AddFuture:
+        """One request: acknowledged as a whole; rejected whole if an id conflicts."""
+        vectors = None if vectors is None else np.asarray(vectors, dtype=np.float32)
+        return AddFuture(self.coordinator.add_many.remote(list(trajectories), vectors))
+
+    # -- retrieving --------------------------------------------------------------------------
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        if not self.embedders:
+            raise RuntimeError("no embedder actors in this deployment; pass vectors")
+        actor = self.embedders[self._next % len(self.embedders)]
+        self._next += 1
+        return ray.get(actor.embed.remote(texts))
+
+    def retrieve(self, task: str, env: str, k: int | None = None, *, vector: Any = None, token_budget: int | None = None) -> Retrieval:
+        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget)[0]
+
+    def retrieve_many(
+        self,
+        tasks: Sequence[str],
+        envs: Sequence[str] | str,
+        k: int | None = None,
+        *,
+        vectors: Any = None,
+        token_budget: int | None = None,
+    ) -> list[Retrieval]:
+        tasks = list(tasks)
+        envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
+        if len(envs) != len(tasks):
+            raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
+        if not tasks:
+            return []
+        k = self.config.retrieval.k if k is None else k
+        budget = self.config.retrieval.token_budget if token_budget is None else token_budget
+        vecs = self._embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
+        refs = [shard.retrieve_many.remote(tasks, envs, k, vecs) for shard in self.shards]
+        try:
+            per_shard = ray.get(refs)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise ShardUnavailableError(f"a shard is unavailable for retrieval: {exc}") from exc
+        out = []
+        max_skills = self.config.retrieval.max_skills
+        for q, (task, env) in enumerate(zip(tasks, envs)):
+            hits = sorted((h for part in per_shard for h in part[q].trajectories), key=lambda h: -h.score)[:k]
+            texts = {s.cluster_id: s.text for part in per_shard for s in part[q].skills}
+            skills: list[RetrievedSkill] = []
+            for hit in hits:
+                if hit.cluster_id in texts and all(s.cluster_id != hit.cluster_id for s in skills) and len(skills) < max_skills:
+                    skills.append(RetrievedSkill(hit.cluster_id, texts[hit.cluster_id], hit.score))
+            context, tokens = render_context(hits, skills, budget)
+            out.append(Retrieval(task=task, env=env, trajectories=hits, skills=skills, context=context, tokens=tokens))
+        return out
+
+    # -- state -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        shard_stats = ray.get([s.stats.remote() for s in self.shards])
+        coordinator = ray.get(self.coordinator.stats.remote())
+        per_env: dict[str, dict[str, int]] = {}
+        for st in shard_stats:
+            for env, v in st["per_env"].items():
+                slot = per_env.setdefault(env, {"trajectories": 0, "clusters": 0})
+                slot["trajectories"] += v["trajectories"]
+                slot["clusters"] += v["clusters"]
+        llm_shards = [st["llm"] for st in shard_stats]
+        coord_usage = coordinator["llm"]
+        calls = sum(l["calls"] for l in llm_shards) + sum(int(v.get("calls", 0)) for v in coord_usage.values())
+        tokens = sum(l["tokens"] for l in llm_shards) + sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in coord_usage.values())
+        return {
+            "trajectories": sum(st["trajectories"] for st in shard_stats),
+            "clusters": sum(st["clusters"] for st in shard_stats),
+            "pending": sum(st["pending"] for st in shard_stats),
+            "splits": sum(st["splits"] for st in shard_stats),
+            "mixed_env_clusters": sum(st["mixed_env_clusters"] for st in shard_stats),
+            "per_env": dict(sorted(per_env.items())),
+            "llm": {"calls": calls, "tokens": tokens, "fallbacks": sum(l["fallbacks"] for l in llm_shards), "coordinator": coord_usage},
+            "shards": [{"trajectories": st["trajectories"], "clusters": st["clusters"], "maintenance_queued": st["maintenance_queued"]} for st in shard_stats],
+            "coordinator": coordinator,
+        }
+
+    def clusters(self, env: str | None = None) -> list[Any]:
+        parts = ray.get([s.clusters.remote(env) for s in self.shards])
+        return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))
+
+    def verify(self) -> dict[str, Any]:
+        reports = ray.get([s.verify.remote() for s in self.shards])
+        return {"ok": all(r["ok"] for r in reports), "shards": reports}
+
+    def maintain(self) -> int:
+        """Run every shard's queued splits and skills now (they also run in the background)."""
+        return sum(ray.get([s.maintain.remote() for s in self.shards]))
+
+    def snapshot(self, directory: str | Path) -> dict[str, Any]:
+        return deployment.snapshot(directory, self.namespace)
+
+    def close(self) -> None:
+        """Drop the handles; the deployment keeps running (see ``lifemem-ray stop``)."""
+        self.shards = []
+        self.embedders = []

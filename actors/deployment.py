@@ -1,0 +1,266 @@
+"""Starting, stopping, snapshotting and restoring a sharded memory on Ray.
+
+A deployment is a set of named, detached actors in one Ray namespace:
+``lifemem-shard-<i>`` (pinned to a node, so a restart finds its files),
+``lifemem-embedder-<i>`` (one per GPU where the cluster has GPUs) and
+``lifemem-coordinator``. They restart on failure and reload from LMDB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.embedding import DIM as MINILM_DIM
+from lifemem_ray.storage import MemoryStore
+
+from .coordinator import Coordinator
+from .embedder import EmbedderActor
+from .errors import DeploymentNotFoundError
+from .routing import RoutingTable
+from .shard import MemoryShard
+
+__all__ = ["COORDINATOR", "deploy", "find_coordinator", "restore", "snapshot", "stop"]
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = "lifemem-coordinator"
+SNAPSHOT_MANIFEST = "snapshot.json"
+
+
+def _shard_name(i: int) -> str:
+    return f"lifemem-shard-{i}"
+
+
+def _embedder_name(i: int) -> str:
+    return f"lifemem-embedder-{i}"
+
+
+def find_coordinator(namespace: str) -> Any:
+    try:
+        return ray.get_actor(COORDINATOR, namespace=namespace)
+    except ValueError:
+        raise DeploymentNotFoundError(f"no lifemem-ray deployment runs in Ray namespace {namespace!r} (start one with `lifemem-ray serve`)") from None
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+
+def _placement(shards: int, saved: list[str] | None) -> list[str]:
+    """Node per shard: where it lived before (its files are there), else spread over the nodes.
+    Nodes with GPUs come first, so shards there can use GPU indices."""
+    alive = {n["NodeID"] for n in _alive_nodes()}
+    if saved and len(saved) == shards:
+        missing = [i for i, node in enumerate(saved) if node not in alive]
+        if missing:
+            raise RuntimeError(
+                f"shard(s) {missing} are pinned to node(s) that are gone; restore the memory from a snapshot into a new deployment"
+            )
+        return list(saved)
+    nodes = _alive_nodes()
+    # Prefer worker nodes for shards when there are any; the head keeps the coordinator.
+    workers = [n for n in nodes if not n.get("Resources", {}).get("node:__internal_head__")] or nodes
+    workers.sort(key=lambda n: (-n.get("Resources", {}).get("GPU", 0), n["NodeID"]))
+    return [workers[i % len(workers)]["NodeID"] for i in range(shards)]
+
+
+def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards: int | None = None, dim: int | None = None) -> dict[str, Any]:
+    """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
+
+    Call after ``ray.init``. An existing store keeps its shard count and node placement.
+    """
+    config = (config or MemoryConfig()).validate()
+    ns = config.cluster.namespace
+    try:
+        ray.get_actor(COORDINATOR, namespace=ns)
+        raise RuntimeError(f"a lifemem-ray deployment already runs in namespace {ns!r}; stop it first (`lifemem-ray stop`)")
+    except ValueError:
+        pass
+    store = Path(store_dir).resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    routing = RoutingTable(store / "coordinator")
+    saved = routing.get_meta("deployment")
+    if saved is not None:
+        count = saved["shards"]
+        if shards is not None and shards != count:
+            routing.close()
+            raise RuntimeError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
+        dim = saved["dim"]
+        nodes = _placement(count, saved.get("nodes"))
+    else:
+        count = shards or config.cluster.shards
+        dim = dim or MINILM_DIM
+        nodes = _placement(count, None)
+    routing.put_meta("deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()})
+    routing.put_meta("store", str(store))
+    routing.put_meta("nodes", nodes)
+    routing.close()
+
+    common = {"namespace": ns, "lifetime": "detached", "max_restarts": -1, "max_task_retries": -1}
+    shard_names = []
+    for i in range(count):
+        name = _shard_name(i)
+        ray.remote(MemoryShard).options(
+            name=name,
+            num_cpus=config.cluster.shard_cpus,
+            max_concurrency=4,  # retrievals need not wait behind a commit
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i], soft=False),
+            **common,
+        ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
+        shard_names.append(name)
+    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in _alive_nodes()))
+    embedder_names = []
+    for i in range(max(config.cluster.embedders, gpus)):
+        name = _embedder_name(i)
+        ray.remote(EmbedderActor).options(
+            name=name, num_cpus=config.cluster.embedder_cpus, num_gpus=1 if i < gpus else 0, **common
+        ).remote(config.embedding)
+        embedder_names.append(name)
+    ray.remote(Coordinator).options(name=COORDINATOR, num_cpus=config.cluster.coordinator_cpus, max_concurrency=1000, **common).remote(
+        str(store), config, shard_names, embedder_names, dim
+    )
+    coordinator = ray.get_actor(COORDINATOR, namespace=ns)
+    ray.get([ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names] + [coordinator.ping.remote()])
+    ray.get(coordinator.resync.remote())
+    return ray.get(coordinator.deployment.remote())
+
+
+def stop(namespace: str = "lifemem", *, timeout_s: float = 120.0) -> bool:
+    """Close every shard (saving its index cache) and end the deployment's actors."""
+    try:
+        coordinator = find_coordinator(namespace)
+    except DeploymentNotFoundError:
+        return False
+    info = ray.get(coordinator.deployment.remote(), timeout=timeout_s)
+    try:
+        ray.get(coordinator.pause.remote(), timeout=timeout_s)
+    except Exception:  # stopping anyway; what was acknowledged is durable
+        log.warning("coordinator did not pause before stop", exc_info=True)
+    for name in info["shards"]:
+        try:
+            shard = ray.get_actor(name, namespace=namespace)
+            ray.get(shard.close.remote(), timeout=timeout_s)
+            ray.kill(shard, no_restart=True)
+        except Exception:
+            log.warning("could not close shard %s cleanly", name, exc_info=True)
+    for name in info["embedders"] + [COORDINATOR]:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
+    return True
+
+
+def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """A consistent copy of every shard and the routing table.
+
+    Ingest pauses (the micro-batch in flight finishes first), each shard copies its
+    LMDB environment in one read transaction, then ingest resumes. On a real cluster
+    ``directory`` should be a shared filesystem every shard's node can write.
+    """
+    coordinator = find_coordinator(namespace)
+    target = Path(directory).resolve()
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target}: snapshot folder is not empty")
+    target.mkdir(parents=True, exist_ok=True)
+    info = ray.get(coordinator.deployment.remote())
+    started = time.time()
+    ray.get(coordinator.pause.remote(), timeout=timeout_s)
+    try:
+        copies = ray.get(
+            [ray.get_actor(n, namespace=namespace).snapshot.remote(str(target / f"shard-{i:02d}")) for i, n in enumerate(info["shards"])],
+            timeout=timeout_s,
+        )
+        routes = ray.get(coordinator.snapshot_routing.remote(str(target / "coordinator")), timeout=timeout_s)
+    finally:
+        ray.get(coordinator.resume.remote())
+    manifest = {
+        "created": started,
+        "seconds": round(time.time() - started, 3),
+        "shards": len(info["shards"]),
+        "dim": info["dim"],
+        "routes": routes,
+        "shard_dirs": [f"shard-{i:02d}" for i in range(len(info["shards"]))],
+        "bytes": sum(c["bytes"] for c in copies),
+    }
+    tmp = target / (SNAPSHOT_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(target / SNAPSHOT_MANIFEST)
+    return manifest
+
+
+def restore(snapshot_dir: str | Path, store_dir: str | Path, config: MemoryConfig | None = None, *, shards: int | None = None) -> dict[str, Any]:
+    """A new deployment in ``store_dir`` holding the snapshot's memory, on ``shards`` shards.
+
+    Whole clusters move: each keeps its id, trajectories, vectors and skill, and goes to
+    the shard with the fewest trajectories so far (largest clusters first). A single-
+    process store folder is accepted as a snapshot of one shard.
+    """
+    config = (config or MemoryConfig()).validate()
+    source = Path(snapshot_dir).resolve()
+    manifest_path = source / SNAPSHOT_MANIFEST
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        sources = [source / d for d in manifest["shard_dirs"]]
+        dim = manifest["dim"]
+    elif (source / "data.mdb").exists():
+        sources = [source]
+        store = MemoryStore(source, read_only=True)
+        dim = store.dim
+        store.close()
+    else:
+        raise FileNotFoundError(f"{source}: neither a snapshot ({SNAPSHOT_MANIFEST}) nor a store (data.mdb)")
+    target = Path(store_dir).resolve()
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target}: restore needs a new, empty store folder")
+    # Which clusters are where, and how big.
+    plan: list[tuple[int, Path, int]] = []  # (size, source, cluster id)
+    pending_at: list[Path] = []
+    for src in sources:
+        store = MemoryStore(src, read_only=True)
+        try:
+            with store.read() as txn:
+                for record in store.iter_clusters(txn):
+                    if record.live:
+                        plan.append((record.count, src, record.id))
+                if store.get_meta("pending", txn):
+                    pending_at.append(src)
+        finally:
+            store.close()
+    info = deploy(target, config, shards=shards or config.cluster.shards, dim=dim)
+    count = len(info["shards"])
+    loads = [0] * count
+    assignment: dict[tuple[int, Path], list[int]] = {}
+    for size, src, cid in sorted(plan, key=lambda p: (-p[0], p[2])):
+        shard = loads.index(min(loads))
+        loads[shard] += size
+        assignment.setdefault((shard, src), []).append(cid)
+    ns = config.cluster.namespace
+    handles = [ray.get_actor(n, namespace=ns) for n in info["shards"]]
+    moved = ray.get([handles[shard].absorb.remote(str(src), ids, False) for (shard, src), ids in assignment.items()])
+    if pending_at:
+        ray.get([handles[0].absorb.remote(str(src), [], True) for src in pending_at])
+    coordinator = find_coordinator(ns)
+    routes = ray.get(coordinator.resync.remote())
+    return {
+        **info,
+        "restored_from": str(source),
+        "clusters": len(plan),
+        "trajectories": sum(m["trajectories"] - m["skipped"] for m in moved),
+        "routes": routes,
+        "shard_trajectories": loads,
+    }
+
+
+def remove_store(store_dir: str | Path) -> None:
+    """Delete a stopped deployment's files (tests and benchmarks)."""
+    shutil.rmtree(store_dir, ignore_errors=True)

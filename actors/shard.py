@@ -1,0 +1,126 @@
+"""MemoryShard: one engine store (LMDB folder + FAISS index) behind a Ray actor.
+
+A cluster and all of its trajectories live on one shard, so evolution, the R
+check, splits and skill distillation of a cluster are local. The shard only
+wraps :class:`lifemem_ray.memory.Memory`; decisions for new trajectories come
+from the coordinator, splits and skills run in the engine's background thread.
+Every method is safe to retry: commits skip trajectories already stored, so a
+call re-executed after the actor restarted stores nothing twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.evolution import BatchItem, CandidateSet, Placement
+from lifemem_ray.memory import AddResult, ClusterInfo, Memory, known_ids
+from lifemem_ray.model import Trajectory
+from lifemem_ray.retrieval import Retrieval
+
+__all__ = ["MemoryShard", "shard_namespace"]
+
+
+def shard_namespace(index: int) -> int:
+    """Id namespace of shard ``index`` (0 is left to standalone stores)."""
+    return index + 1
+
+
+class MemoryShard:
+    def __init__(self, index: int, path: str, config: MemoryConfig, dim: int | None = None) -> None:
+        self.index = index
+        self.path = Path(path)
+        # Splits and skills must never stall ingest: they run in the engine's own thread.
+        config = config.replace({"evolution.background_maintenance": True})
+        self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
+        self.started = time.time()
+
+    # -- identity --------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        stats = self.memory.stats()
+        return {
+            "index": self.index,
+            "path": str(self.path),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "trajectories": stats["trajectories"],
+            "clusters": stats["clusters"],
+            "initialised": self.memory.initialised,
+            "started": self.started,
+            "gpu_index": stats["index"]["gpu"],
+        }
+
+    # -- ingest stages -----------------------------------------------------------------------
+    def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
+        """Per id: its stored result (duplicate, or conflict for other content), or None when new here."""
+        return known_ids(self.memory.store, ids, fingerprints)
+
+    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateSet:
+        return self.memory.candidates_for(vectors, workflow_vectors, envs)
+
+    def commit(self, items: list[BatchItem], placements: list[Placement], counters: dict[str, int] | None = None) -> list[AddResult]:
+        """Store the coordinator's decisions. Idempotent: items already here are reported, not stored again."""
+        results, fresh = self.memory.check_ids([it.traj for it in items], raise_conflicts=False)
+        if fresh:
+            placed = self.memory.commit([items[i] for i in fresh], [placements[i] for i in fresh], counters=counters)
+            for i, result in zip(fresh, placed):
+                results[i] = result
+        self.memory._wake.set()  # maintenance (splits, skills) for what just changed
+        return [r for r in results if r is not None]
+
+    def add_many(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[AddResult]:
+        """The engine's own ingest, decisions included (the first trajectories, before the
+        initial partition exists, all go to one shard through here)."""
+        return self.memory.add_many(trajectories, vectors)
+
+    # -- reading -----------------------------------------------------------------------------
+    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray, token_budget: int | None = None) -> list[Retrieval]:
+        return self.memory.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget)
+
+    def stats(self) -> dict[str, Any]:
+        return self.memory.stats()
+
+    def clusters(self, env: str | None = None) -> list[ClusterInfo]:
+        return self.memory.clusters(env)
+
+    def cluster_ids(self) -> list[int]:
+        return [c.id for c in self.memory.clusters()]
+
+    def verify(self) -> dict[str, Any]:
+        return self.memory.verify()
+
+    def maintain(self) -> int:
+        return self.memory.maintain()
+
+    def export_records(self, path: str) -> dict[str, int]:
+        return self.memory.export(path)
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def snapshot(self, directory: str) -> dict[str, Any]:
+        """A consistent copy of this shard's LMDB environment (one read transaction)."""
+        target = Path(directory)
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        self.memory.store.env.copy(str(target), compact=True)
+        return {"index": self.index, "path": str(target), "bytes": sum(p.stat().st_size for p in target.iterdir())}
+
+    def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
+        """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
+        return self.memory.absorb(source, cluster_ids, include_pending=pending)
+
+    def close(self) -> None:
+        self.memory.close()
+
+    def ping(self) -> int:
+        return self.index
