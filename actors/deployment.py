@@ -129,7 +129,16 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
         str(store), config, shard_names, embedder_names, dim
     )
     coordinator = ray.get_actor(COORDINATOR, namespace=ns)
-    ray.get([ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names] + [coordinator.ping.remote()])
+    pings = [ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
+    ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
+    if waiting:
+        need = count * config.cluster.shard_cpus + len(embedder_names) * config.cluster.embedder_cpus + config.cluster.coordinator_cpus
+        stop(ns)
+        raise RuntimeError(
+            f"the deployment's actors did not start within {config.cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
+            f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: {ray.available_resources().get('CPU', 0):g} CPUs"
+        )
+    ray.get(ready)
     ray.get(coordinator.resync.remote())
     return ray.get(coordinator.deployment.remote())
 

@@ -19,5 +19,8 @@ class EmbedderActor:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return self.embedder.embed(texts)
 
+    def ping(self) -> str:
+        return "ok"
+
     def info(self) -> dict[str, Any]:
         return {"device": self.embedder.device, "dim": self.embedder.dim, "name": self.embedder.name}

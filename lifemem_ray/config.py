@@ -174,9 +174,10 @@ class ClusterConfig:
     coordinator_cpus: float = 0.5
     embedder_cpus: float = 0.5
     call_timeout_s: float = 600.0  # a shard call taking longer is reported as a failure
+    start_timeout_s: float = 180.0  # actors not running by then: a clear error (resources, nodes)
 
     def validate(self) -> None:
-        _positive(self, "shards", "batch_size", "max_pending", "overload_timeout_s", "embedders", "call_timeout_s")
+        _positive(self, "shards", "batch_size", "max_pending", "overload_timeout_s", "embedders", "call_timeout_s", "start_timeout_s")
         if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
             raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
         if not self.namespace:

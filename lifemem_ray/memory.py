@@ -477,6 +477,13 @@ class Memory:
         was made is resolved to its best-scoring live part. Items marked ``stored``
         (waiting for initialisation) only get their cluster.
         """
+        self._check_writable()
+        with self._lock:  # against the maintenance thread's splits and skill updates
+            return self._commit(items, placements, initialise, counters)
+
+    def _commit(
+        self, items: list[BatchItem], placements: Sequence[Placement], initialise: bool, counters: dict[str, int] | None
+    ) -> list[AddResult]:
         now = time.time()
         llm_mode = self.decider is not None
         targets = [self._resolve_target(p.cluster, it) for it, p in zip(items, placements)]

@@ -62,3 +62,38 @@ def purity(memory) -> float:
 def unit(x) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+# Several deployments share the test session's Ray instance: reserve little CPU per actor.
+SMALL_ACTORS = {"cluster.shard_cpus": 0.1, "cluster.coordinator_cpus": 0.1, "cluster.embedder_cpus": 0.1, "cluster.start_timeout_s": 60}
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole session (token authentication stays on)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def deployment(ray_local, tmp_path):
+    """A factory for sharded deployments, each in its own namespace; all stopped afterwards."""
+    from lifemem_ray.actors import deployment as dep
+
+    started: list[str] = []
+
+    def start(shards: int = 2, store=None, **overrides):
+        namespace = f"t{len(started)}-{os.getpid()}-{tmp_path.name[-12:]}"
+        config = MemoryConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
+        info = dep.deploy(store or tmp_path / f"store-{namespace}", config, shards=shards)
+        started.append(namespace)
+        from lifemem_ray.actors.client import MemoryClient
+
+        return MemoryClient(namespace, config), info
+
+    yield start
+    for namespace in started:
+        dep.stop(namespace)
