@@ -21,7 +21,7 @@ from lifemem_ray.model import Trajectory
 from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
 
 from . import deployment
-from .errors import ShardUnavailableError
+from .errors import ShardUnavailableError, actor_failures
 
 __all__ = ["AddFuture", "MemoryClient"]
 
@@ -37,6 +37,10 @@ class AddFuture:
         try:
             out = ray.get(self.ref, timeout=timeout)
         except ray.exceptions.RayTaskError as exc:
+            # The coordinator's own error (conflict, overload, a shard gone), without Ray's wrapping.
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
             raise exc.as_instanceof_cause() from None
         return out[0] if self.single else out
 
@@ -106,8 +110,8 @@ class MemoryClient:
         refs = [shard.retrieve_many.remote(tasks, envs, k, vecs) for shard in self.shards]
         try:
             per_shard = ray.get(refs)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise ShardUnavailableError(f"a shard is unavailable for retrieval: {exc}") from exc
+        except actor_failures() as exc:
+            raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
         out = []
         max_skills = self.config.retrieval.max_skills
         for q, (task, env) in enumerate(zip(tasks, envs)):

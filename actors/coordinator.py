@@ -38,7 +38,7 @@ from lifemem_ray.memory import WORKFLOW_DIM, AddResult, IdConflictError, prepare
 from lifemem_ray.model import Trajectory
 from lifemem_ray.policy import OfflinePolicy
 
-from .errors import OverloadedError, ShardUnavailableError
+from .errors import OverloadedError, ShardUnavailableError, actor_failures
 from .routing import RoutingTable
 
 __all__ = ["Coordinator"]
@@ -219,7 +219,7 @@ class Coordinator:
         try:
             ref = getattr(self.shards[shard], method).remote(*args)
             return await asyncio.wait_for(ref, timeout=self.config.cluster.call_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, asyncio.TimeoutError) as exc:
+        except (*actor_failures(), asyncio.TimeoutError) as exc:
             raise ShardUnavailableError(
                 f"shard {shard} ({self.shard_names[shard]}) is unavailable during {method}: {type(exc).__name__}: {exc}"
             ) from exc

@@ -16,3 +16,11 @@ class ShardUnavailableError(RuntimeError):
 
 class DeploymentNotFoundError(RuntimeError):
     """No lifemem-ray deployment runs in this Ray namespace."""
+
+
+def actor_failures() -> tuple[type[BaseException], ...]:
+    """The Ray exceptions that mean an actor (or its node) is gone, in this Ray version."""
+    import ray.exceptions as rx
+
+    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError", "NodeDiedError")
+    return tuple(getattr(rx, n) for n in names if hasattr(rx, n))
