@@ -33,6 +33,7 @@ __all__ = ["COORDINATOR", "deploy", "find_coordinator", "restore", "snapshot", "
 log = logging.getLogger(__name__)
 
 COORDINATOR = "lifemem-coordinator"
+SHARD_RESOURCE = "lifemem_shard"  # nodes offering this custom resource host the shards
 SNAPSHOT_MANIFEST = "snapshot.json"
 
 
@@ -67,8 +68,10 @@ def _placement(shards: int, saved: list[str] | None) -> list[str]:
             )
         return list(saved)
     nodes = _alive_nodes()
-    # Prefer worker nodes for shards when there are any; the head keeps the coordinator.
-    workers = [n for n in nodes if not n.get("Resources", {}).get("node:__internal_head__")] or nodes
+    # Nodes marked for shards (custom resource `lifemem_shard`, see cluster_configs/) first;
+    # else worker nodes; else any. The head keeps the coordinator.
+    marked = [n for n in nodes if n.get("Resources", {}).get(SHARD_RESOURCE)]
+    workers = marked or [n for n in nodes if not n.get("Resources", {}).get("node:__internal_head__")] or nodes
     workers.sort(key=lambda n: (-n.get("Resources", {}).get("GPU", 0), n["NodeID"]))
     return [workers[i % len(workers)]["NodeID"] for i in range(shards)]
 

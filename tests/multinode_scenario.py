@@ -28,7 +28,9 @@ def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
     report: dict = {}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    workers = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
+    # Two nodes marked for shards (as in cluster_configs/), one plain worker that must get none.
+    workers = [cluster.add_node(num_cpus=2, resources={"lifemem_shard": 1}), cluster.add_node(num_cpus=2, resources={"lifemem_shard": 1})]
+    cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="mn", log_to_driver=False, logging_level="WARNING")
     try:
