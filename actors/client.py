@@ -16,7 +16,7 @@ import numpy as np
 import ray
 
 from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import AddResult
+from lifemem_ray.memory import AddResult, pack_trajectories
 from lifemem_ray.model import Trajectory
 from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
 
@@ -71,12 +71,15 @@ class MemoryClient:
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AddFuture:
         vectors = None if vector is None else np.asarray(vector, dtype=np.float32).reshape(1, -1)
-        return AddFuture(self.coordinator.add_many.remote([trajectory], vectors), single=True)
+        return AddFuture(self.add_many([trajectory], vectors).ref, single=True)
 
     def add_many(self, trajectories: Sequence[Trajectory], vectors: Any = None) -> AddFuture:
-        """One request: acknowledged as a whole; rejected whole if an id conflicts."""
-        vectors = None if vectors is None else np.asarray(vectors, dtype=np.float32)
-        return AddFuture(self.coordinator.add_many.remote(list(trajectories), vectors))
+        """One request: acknowledged as a whole; rejected whole if an id conflicts.
+
+        The trajectories are encoded and their workflows abstracted here, in the caller's
+        process, so the coordinator only routes and decides."""
+        batch = pack_trajectories(list(trajectories), vectors, self.dim)
+        return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None))
 
     # -- retrieving --------------------------------------------------------------------------
     def _embed(self, texts: list[str]) -> np.ndarray:

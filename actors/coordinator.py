@@ -33,8 +33,8 @@ import ray
 
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
-from lifemem_ray.evolution import BatchItem, BatchPlanner, CandidateSet, Placement
-from lifemem_ray.memory import WORKFLOW_DIM, AddResult, IdConflictError, prepare_items
+from lifemem_ray.evolution import BatchPlanner, CandidateSet, ItemBatch
+from lifemem_ray.memory import WORKFLOW_DIM, AddResult, IdConflictError, pack_trajectories
 from lifemem_ray.model import Trajectory
 from lifemem_ray.policy import OfflinePolicy
 
@@ -48,10 +48,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Request:
-    trajectories: list[Trajectory]
-    vectors: np.ndarray | None
+    batch: ItemBatch
+    embedded: bool  # False: the task vectors are still to be computed here
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
+
+    def __len__(self) -> int:
+        return len(self.batch)
 
 
 class Coordinator:
@@ -81,21 +84,26 @@ class Coordinator:
         self._loads = self.routing.get_meta("shard_loads", [0] * len(self.shards))
         self._initialised = bool(self.routing.get_meta("initialised", False))
         self.counters = {"requests": 0, "trajectories": 0, "batches": 0, "duplicates": 0, "rejected": 0, "overloaded": 0}
+        # Seconds spent per stage of the micro-batch pipeline, to see where time goes.
+        self.stage_seconds = {"known": 0.0, "embed": 0.0, "prepare": 0.0, "candidates": 0.0, "plan": 0.0, "commit": 0.0}
 
     # -- the client API ------------------------------------------------------------------------
     async def add_many(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[AddResult]:
         """Acknowledged (returned) once every trajectory of the request is committed on its shard."""
+        batch = await asyncio.to_thread(pack_trajectories, list(trajectories), vectors, self.dim)
+        return await self.add_batch(batch, vectors is not None)
+
+    async def add_batch(self, batch: ItemBatch, embedded: bool) -> list[AddResult]:
+        """:meth:`add_many` for trajectories packed by the client (the fast path: encoding and
+        workflow vectors are computed in the client's process, not here)."""
         self._ensure_loop()
-        trajectories = list(trajectories)
-        for i, traj in enumerate(trajectories):
-            if not isinstance(traj, Trajectory):
-                raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
-        if vectors is not None:
-            vectors = np.asarray(vectors, dtype=np.float32)
-            if vectors.shape != (len(trajectories), self.dim):
-                raise ValueError(f"vectors: expected shape ({len(trajectories)}, {self.dim}), got {tuple(vectors.shape)}")
-        if not trajectories:
+        if not isinstance(batch, ItemBatch):
+            raise TypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
+        if len(batch) and batch.vecs.shape != (len(batch), self.dim):
+            raise ValueError(f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}")
+        if not len(batch):
             return []
+        trajectories = batch.ids
         n = len(trajectories)
         limit = self.config.cluster.max_pending
         assert self._space is not None and self._wake is not None
@@ -112,7 +120,7 @@ class Coordinator:
                     f"{self.config.cluster.overload_timeout_s:.0f} s; retry later or add shards"
                 ) from None
             future = asyncio.get_running_loop().create_future()
-            self._queue.append(_Request(trajectories, vectors, future))
+            self._queue.append(_Request(batch, embedded, future))
             self._queued += n
         self.counters["requests"] += 1
         self._wake.set()
@@ -125,6 +133,7 @@ class Coordinator:
             "routes": len(self.routing),
             "shard_loads": list(self._loads),
             "counters": dict(self.counters),
+            "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
             "llm": self.decider.usage() if self.decider is not None else {},
         }
 
@@ -196,10 +205,10 @@ class Coordinator:
                     await asyncio.sleep(min(wait, 0.002))
                 batch: list[_Request] = []
                 count = 0
-                while self._queue and (not batch or count + len(self._queue[0].trajectories) <= size):
+                while self._queue and (not batch or count + len(self._queue[0]) <= size):
                     request = self._queue.pop(0)
                     batch.append(request)
-                    count += len(request.trajectories)
+                    count += len(request)
                 self._idle.clear()
                 try:
                     await self._process(batch)
@@ -226,81 +235,76 @@ class Coordinator:
 
     async def _process(self, batch: list[_Request]) -> None:
         self.counters["batches"] += 1
-        trajs = [t for r in batch for t in r.trajectories]
-        owner = [ri for ri, r in enumerate(batch) for _ in r.trajectories]
-        results: list[AddResult | None] = [None] * len(trajs)
+        whole = _concat([r.batch for r in batch])
+        owner = [ri for ri, r in enumerate(batch) for _ in range(len(r))]
+        results: list[AddResult | None] = [None] * len(whole)
 
         # 1. What is stored already, anywhere.
-        ids = [t.id for t in trajs]
-        fps = [t.fingerprint for t in trajs]
-        known = await asyncio.gather(*[self._call(s, "known", ids, fps) for s in range(len(self.shards))])
+        t0 = time.perf_counter()
+        known = await asyncio.gather(*[self._call(s, "known", whole.ids, whole.fingerprints) for s in range(len(self.shards))])
+        self.stage_seconds["known"] += time.perf_counter() - t0
         failed: dict[int, Exception] = {}
         first: dict[str, int] = {}
         fresh: list[int] = []
-        for i, traj in enumerate(trajs):
+        for i, tid in enumerate(whole.ids):
             found = next((k[i] for k in known if k[i] is not None), None)
             if found is not None and found.status == "conflict":
-                failed.setdefault(owner[i], IdConflictError(f"trajectory id {traj.id!r} is stored with different content; nothing of this request was stored"))
+                failed.setdefault(owner[i], IdConflictError(f"trajectory id {tid!r} is stored with different content; nothing of this request was stored"))
             elif found is not None:
                 results[i] = found
-            elif traj.id in first:
-                j = first[traj.id]
-                if trajs[j].fingerprint != traj.fingerprint:
-                    failed.setdefault(owner[i], IdConflictError(f"trajectory id {traj.id!r} is repeated with different content; nothing of this request was stored"))
+            elif tid in first:
+                if whole.fingerprints[first[tid]] != whole.fingerprints[i]:
+                    failed.setdefault(owner[i], IdConflictError(f"trajectory id {tid!r} is repeated with different content; nothing of this request was stored"))
             else:
-                first[traj.id] = i
+                first[tid] = i
                 fresh.append(i)
         # A conflicting request is rejected whole, also the part that another request shares.
         fresh = [i for i in fresh if owner[i] not in failed]
-        for ri in failed:
-            self.counters["rejected"] += 1
+        self.counters["rejected"] += len(failed)
 
-        # 2. Vectors (embedded where a request brought none).
-        vecs = np.zeros((len(trajs), self.dim), dtype=np.float32)
-        need: list[int] = []
-        offset = 0
-        for request in batch:
-            n = len(request.trajectories)
-            if request.vectors is not None:
-                vecs[offset : offset + n] = request.vectors
-            else:
-                need.extend(range(offset, offset + n))
-            offset += n
-        need = [i for i in need if i in set(fresh)]
+        # 2. Vectors, embedded where a request brought none.
+        fresh_set = set(fresh)
+        need = [i for i in fresh if not batch[owner[i]].embedded]
         if need:
-            vecs[need] = await self._embed([trajs[i].query_text for i in need])
+            t0 = time.perf_counter()
+            whole.vecs[need] = await self._embed([whole.queries[i] for i in need])
+            self.stage_seconds["embed"] += time.perf_counter() - t0
+        norms = np.linalg.norm(whole.vecs[fresh], axis=1) if fresh else np.ones(0)
+        bad = [fresh[j] for j in np.flatnonzero(~np.isfinite(norms) | (norms == 0))]
+        for i in bad:
+            failed.setdefault(owner[i], ValueError(f"vectors: the vector of trajectory {whole.ids[i]!r} is zero or not finite"))
+        fresh = [i for i in fresh if owner[i] not in failed]
+        if fresh:
+            whole.vecs[fresh] /= np.linalg.norm(whole.vecs[fresh], axis=1, keepdims=True)
 
         placed: dict[int, AddResult] = {}
         shard_error: dict[int, Exception] = {}
         if fresh:
-            items = prepare_items([trajs[i] for i in fresh], vecs[fresh], self.dim)
             if not self._initialised:
                 # Only what the initial partition needs goes to shard 0 this way.
                 info = await self._call(0, "info")
-                need = max(0, self.config.evolution.init_size - info["trajectories"])
-                placed, shard_error = await self._add_before_init(fresh[:need], items[:need])
-                fresh, items = fresh[need:], items[need:]
+                need_init = max(0, self.config.evolution.init_size - info["trajectories"])
+                placed, shard_error = await self._add_before_init(fresh[:need_init], whole)
+                fresh = fresh[need_init:]
             if fresh and self._initialised:
-                more, more_errors = await self._decide_and_commit(fresh, items)
-                placed.update(more)
-                shard_error.update(more_errors)
-            elif fresh:
-                more, more_errors = await self._add_before_init(fresh, items)
-                placed.update(more)
-                shard_error.update(more_errors)
+                more, more_errors = await self._decide_and_commit(fresh, whole)
+            else:
+                more, more_errors = await self._add_before_init(fresh, whole)
+            placed.update(more)
+            shard_error.update(more_errors)
         for i, result in placed.items():
             results[i] = result
         # Repeats of an id inside the batch point at the first occurrence.
-        for i, traj in enumerate(trajs):
-            if results[i] is None and traj.id in first and first[traj.id] != i and first[traj.id] in placed:
-                results[i] = AddResult(traj.id, "duplicate", placed[first[traj.id]].cluster_id)
-        self.counters["trajectories"] += len(placed)
+        for i, tid in enumerate(whole.ids):
+            if results[i] is None and tid in first and first[tid] != i and first[tid] in placed:
+                results[i] = AddResult(tid, "duplicate", placed[first[tid]].cluster_id)
+        self.counters["trajectories"] += sum(1 for r in placed.values() if r.status == "added")
         self.counters["duplicates"] += sum(1 for r in results if r is not None and r.status == "duplicate")
 
         # 3. Acknowledge each request whose trajectories are all committed.
         offset = 0
         for ri, request in enumerate(batch):
-            n = len(request.trajectories)
+            n = len(request)
             mine = results[offset : offset + n]
             error = failed.get(ri) or next((shard_error[i] for i in range(offset, offset + n) if i in shard_error), None)
             if error is None and any(r is None for r in mine):
@@ -325,15 +329,15 @@ class Coordinator:
         parts = await asyncio.gather(*refs)
         return np.vstack(parts)
 
-    async def _add_before_init(self, fresh: list[int], items: list[BatchItem]) -> tuple[dict[int, AddResult], dict[int, Exception]]:
+    async def _add_before_init(self, positions: list[int], whole: ItemBatch) -> tuple[dict[int, AddResult], dict[int, Exception]]:
         """Until the initial partition exists, trajectories go to shard 0, which runs the
         engine's own initialisation; the initial clusters start there."""
-        if not items:
+        if not positions:
             return {}, {}
         try:
-            out = await self._call(0, "add_many", [it.traj for it in items], np.stack([it.vec for it in items]))
+            out = await self._call(0, "add_items", whole.select(positions))
         except Exception as exc:
-            return {}, {i: exc for i in fresh}
+            return {}, {i: exc for i in positions}
         self.routing.set((r.cluster_id, 0) for r in out if r.cluster_id is not None)
         self._loads[0] += sum(1 for r in out if r.status != "duplicate")
         info = await self._call(0, "info")
@@ -341,14 +345,17 @@ class Coordinator:
             self._initialised = True
             self.routing.put_meta("initialised", True)
         self.routing.put_meta("shard_loads", self._loads)
-        return dict(zip(fresh, out)), {}
+        return dict(zip(positions, out)), {}
 
-    async def _decide_and_commit(self, fresh: list[int], items: list[BatchItem]) -> tuple[dict[int, AddResult], dict[int, Exception]]:
-        vectors = np.stack([it.vec for it in items])
-        wvectors = np.stack([it.wvec for it in items])
-        envs = [it.traj.env for it in items]
+    async def _decide_and_commit(self, fresh: list[int], whole: ItemBatch) -> tuple[dict[int, AddResult], dict[int, Exception]]:
+        part = whole.select(fresh)
+        items = part.items()
+        vectors, wvectors, envs = part.vecs, part.wvecs, part.envs
+        t0 = time.perf_counter()
         found = await asyncio.gather(*[self._call(s, "candidates", vectors, wvectors, envs) for s in range(len(self.shards))])
         merged, owner_of = self._merge(found)
+        t1 = time.perf_counter()
+        self.stage_seconds["candidates"] += t1 - t0
         self.routing.set(owner_of.items())
         planner = BatchPlanner(
             merged.clusters,
@@ -362,13 +369,15 @@ class Coordinator:
         extra = [[c for c, _ in row] for row in merged.extra]
         # Planning is CPU work (and LLM calls): off the event loop, so requests keep queueing.
         plan = await asyncio.to_thread(planner.plan, items, merged.neighbours, 0, extra)
+        t2 = time.perf_counter()
+        self.stage_seconds["plan"] += t2 - t1
         counters = {"llm_requests": plan.llm_requests, "llm_fallbacks": plan.llm_fallbacks, "llm_skipped": plan.llm_skipped}
 
         # Route: joins to the owner of the cluster, each new cluster to the least-loaded shard.
         target: list[int] = []
         new_home: dict[int, int] = {}
         loads = list(self._loads)
-        for it, p in zip(items, plan.placements):
+        for p in plan.placements:
             if p.cluster < 0:
                 if p.cluster not in new_home:
                     new_home[p.cluster] = int(np.argmin(loads))
@@ -383,10 +392,11 @@ class Coordinator:
         for pos, shard in enumerate(target):
             per_shard.setdefault(shard, []).append(pos)
         calls = {
-            shard: self._call(shard, "commit", [items[p] for p in positions], [plan.placements[p] for p in positions], counters if shard == min(per_shard) else None)
+            shard: self._call(shard, "commit", part.select(positions), [plan.placements[p] for p in positions], counters if shard == min(per_shard) else None)
             for shard, positions in per_shard.items()
         }
         outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
+        self.stage_seconds["commit"] += time.perf_counter() - t2
         placed: dict[int, AddResult] = {}
         errors: dict[int, Exception] = {}
         new_routes = []
@@ -425,3 +435,21 @@ class Coordinator:
             merged.neighbours[row] = sorted(merged.neighbours[row], key=lambda cs: -cs[1])[:k]
             merged.extra[row] = sorted(merged.extra[row], key=lambda cs: -cs[1])[:m]
         return merged, owner_of
+
+
+def _concat(batches: list[ItemBatch]) -> ItemBatch:
+    if len(batches) == 1:
+        only = batches[0]
+        return ItemBatch(**{**only.__dict__, "vecs": only.vecs.copy()})
+    return ItemBatch(
+        ids=[x for b in batches for x in b.ids],
+        envs=[x for b in batches for x in b.envs],
+        queries=[x for b in batches for x in b.queries],
+        successes=[x for b in batches for x in b.successes],
+        fingerprints=[x for b in batches for x in b.fingerprints],
+        records=[x for b in batches for x in b.records],
+        vecs=np.vstack([b.vecs for b in batches]).astype(np.float32),
+        wvecs=np.vstack([b.wvecs for b in batches]).astype(np.float32),
+        tokens=[x for b in batches for x in b.tokens],
+        flows=[x for b in batches for x in b.flows],
+    )

@@ -20,9 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from lifemem_ray.config import MemoryConfig
-from lifemem_ray.evolution import BatchItem, CandidateSet, Placement
+from lifemem_ray.evolution import CandidateSet, ItemBatch, Placement
 from lifemem_ray.memory import AddResult, ClusterInfo, Memory, known_ids
-from lifemem_ray.model import Trajectory
 from lifemem_ray.retrieval import Retrieval
 
 __all__ = ["MemoryShard", "shard_namespace"]
@@ -41,6 +40,7 @@ class MemoryShard:
         config = config.replace({"evolution.background_maintenance": True})
         self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
         self.started = time.time()
+        self.busy_seconds = {"candidates": 0.0, "commit": 0.0, "known": 0.0}
 
     # -- identity --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -58,34 +58,75 @@ class MemoryShard:
             "initialised": self.memory.initialised,
             "started": self.started,
             "gpu_index": stats["index"]["gpu"],
+            "busy_seconds": {k: round(v, 3) for k, v in self.busy_seconds.items()},
         }
 
     # -- ingest stages -----------------------------------------------------------------------
     def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
         """Per id: its stored result (duplicate, or conflict for other content), or None when new here."""
-        return known_ids(self.memory.store, ids, fingerprints)
+        t = time.perf_counter()
+        out = known_ids(self.memory.store, ids, fingerprints)
+        self.busy_seconds["known"] += time.perf_counter() - t
+        return out
 
     def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateSet:
-        return self.memory.candidates_for(vectors, workflow_vectors, envs)
+        t = time.perf_counter()
+        out = self.memory.candidates_for(vectors, workflow_vectors, envs)
+        self.busy_seconds["candidates"] += time.perf_counter() - t
+        return out
 
-    def commit(self, items: list[BatchItem], placements: list[Placement], counters: dict[str, int] | None = None) -> list[AddResult]:
+    def commit(self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None) -> list[AddResult]:
         """Store the coordinator's decisions. Idempotent: items already here are reported, not stored again."""
-        results, fresh = self.memory.check_ids([it.traj for it in items], raise_conflicts=False)
+        t = time.perf_counter()
+        items = batch.items()
+        results = known_ids(self.memory.store, batch.ids, batch.fingerprints)
+        fresh = [i for i, r in enumerate(results) if r is None]
         if fresh:
             placed = self.memory.commit([items[i] for i in fresh], [placements[i] for i in fresh], counters=counters)
             for i, result in zip(fresh, placed):
                 results[i] = result
         self.memory._wake.set()  # maintenance (splits, skills) for what just changed
+        self.busy_seconds["commit"] += time.perf_counter() - t
         return [r for r in results if r is not None]
 
-    def add_many(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[AddResult]:
+    def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the
         initial partition exists, all go to one shard through here)."""
-        return self.memory.add_many(trajectories, vectors)
+        return self.memory.add_items(batch.items())
 
     # -- reading -----------------------------------------------------------------------------
     def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray, token_budget: int | None = None) -> list[Retrieval]:
         return self.memory.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget)
+
+    def timed_retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[list[Retrieval], float]:
+        """retrieve_many and the seconds it took inside this process (to separate Ray's share)."""
+        started = time.perf_counter()
+        out = self.memory.retrieve_many(tasks, envs, k, vectors=vectors)
+        return out, time.perf_counter() - started
+
+    def resources(self) -> dict[str, Any]:
+        """Resident memory of this process and bytes on disk of its store."""
+        rss = 0
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        disk = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return {"rss_bytes": rss, "disk_bytes": disk, "trajectories": len(self.memory)}
+
+    def label_purity(self, key: str) -> dict[str, int]:
+        """Members agreeing with their cluster's majority of ``metadata[key]`` (ground-truth labels)."""
+        from collections import Counter, defaultdict
+
+        labels: dict[int, Counter] = defaultdict(Counter)
+        store = self.memory.store
+        with store.read() as txn:
+            for vid, traj, _ in store.iter_trajectories(txn):
+                cid = store.cluster_of(txn, vid)
+                if cid is not None and key in traj.metadata:
+                    labels[cid][traj.metadata[key]] += 1
+        agree = sum(c.most_common(1)[0][1] for c in labels.values())
+        return {"agree": agree, "total": sum(sum(c.values()) for c in labels.values()), "clusters": len(labels)}
 
     def stats(self) -> dict[str, Any]:
         return self.memory.stats()

@@ -25,7 +25,7 @@ from .model import Trajectory
 from .policy import OfflinePolicy
 from .storage import ClusterRecord
 
-__all__ = ["BatchItem", "BatchPlan", "BatchPlanner", "CandidateSet", "Placement", "add_member", "new_cluster_record"]
+__all__ = ["BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateSet", "Placement", "add_member", "fold_member", "new_cluster_record"]
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,112 @@ MAX_PROVISIONAL_CANDIDATES = 64  # clusters opened earlier in a batch that each 
 
 @dataclass(slots=True)
 class BatchItem:
-    traj: Trajectory
-    vid: int
+    """One trajectory on its way into a store: what evolution needs, and its stored form.
+
+    ``record`` is the msgpack record the store writes as is, so a trajectory is encoded
+    once, where it enters (possibly a client process), never again on the way.
+    """
+
+    id: str
+    env: str
+    query: str  # the task text (first 300 characters)
+    success: bool | None
+    fingerprint: str
+    record: bytes
     vec: np.ndarray  # unit text vector
     wvec: np.ndarray  # unit workflow vector
     tokens: list[str]
     flow: str  # readable workflow summary
+    vid: int = 0
     stored: bool = False  # already in the store, waiting for initialisation
+    _traj: Trajectory | None = None
+
+    @property
+    def traj(self) -> Trajectory:
+        """The trajectory itself (decoded on demand: only LLM prompts need it)."""
+        if self._traj is None:
+            from .storage import record_to_trajectory
+
+            self._traj = record_to_trajectory(self.record)[0]
+        return self._traj
+
+    @classmethod
+    def of(cls, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, tokens: list[str], flow: str, *, vid: int = 0, stored: bool = False) -> "BatchItem":
+        from .storage import trajectory_to_record
+
+        return cls(
+            id=traj.id,
+            env=traj.env,
+            query=traj.query_text[:300],
+            success=traj.outcome.success,
+            fingerprint=traj.fingerprint,
+            record=trajectory_to_record(traj, tokens, time.time()),
+            vec=vec,
+            wvec=wvec,
+            tokens=tokens,
+            flow=flow,
+            vid=vid,
+            stored=stored,
+            _traj=traj,
+        )
+
+
+@dataclass
+class ItemBatch:
+    """Batch items in columns: a few lists and two matrices pickle far faster than
+    thousands of small objects, which is what crosses process boundaries on Ray."""
+
+    ids: list[str]
+    envs: list[str]
+    queries: list[str]
+    successes: list[bool | None]
+    fingerprints: list[str]
+    records: list[bytes]
+    vecs: np.ndarray  # (n, dim) float32
+    wvecs: np.ndarray  # (n, wdim) float32
+    tokens: list[list[str]]
+    flows: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, items: Sequence[BatchItem]) -> "ItemBatch":
+        return cls(
+            ids=[it.id for it in items],
+            envs=[it.env for it in items],
+            queries=[it.query for it in items],
+            successes=[it.success for it in items],
+            fingerprints=[it.fingerprint for it in items],
+            records=[it.record for it in items],
+            vecs=np.stack([it.vec for it in items]) if items else np.zeros((0, 0), np.float32),
+            wvecs=np.stack([it.wvec for it in items]) if items else np.zeros((0, 0), np.float32),
+            tokens=[it.tokens for it in items],
+            flows=[it.flow for it in items],
+        )
+
+    def items(self) -> list[BatchItem]:
+        return [
+            BatchItem(i, e, q, s, f, r, v, w, t, fl)
+            for i, e, q, s, f, r, v, w, t, fl in zip(
+                self.ids, self.envs, self.queries, self.successes, self.fingerprints, self.records, self.vecs, self.wvecs, self.tokens, self.flows
+            )
+        ]
+
+    def select(self, positions: Sequence[int]) -> "ItemBatch":
+        pos = list(positions)
+        return ItemBatch(
+            ids=[self.ids[i] for i in pos],
+            envs=[self.envs[i] for i in pos],
+            queries=[self.queries[i] for i in pos],
+            successes=[self.successes[i] for i in pos],
+            fingerprints=[self.fingerprints[i] for i in pos],
+            records=[self.records[i] for i in pos],
+            vecs=self.vecs[pos] if pos else self.vecs[:0],
+            wvecs=self.wvecs[pos] if pos else self.wvecs[:0],
+            tokens=[self.tokens[i] for i in pos],
+            flows=[self.flows[i] for i in pos],
+        )
 
 
 @dataclass(slots=True)
@@ -86,18 +185,22 @@ def new_cluster_record(cluster_id: int, dim: int, wdim: int, born: str, now: flo
 
 def add_member(record: ClusterRecord, item: BatchItem, now: float) -> None:
     """Fold one trajectory into a cluster's running state (sums, counts, profiles)."""
+    fold_member(record, item.vec, item.wvec, item.env, item.success, item.flow, now)
+
+
+def fold_member(record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: str, success: bool | None, flow: str, now: float) -> None:
     record.count += 1
-    record.tsum += item.vec
-    record.wsum += item.wvec
-    record.envs[item.traj.env] = record.envs.get(item.traj.env, 0) + 1
+    record.tsum += vec
+    record.wsum += wvec
+    record.envs[env] = record.envs.get(env, 0) + 1
     flows = record.flows
-    if item.flow in flows or len(flows) < MAX_FLOWS:
-        flows[item.flow] = flows.get(item.flow, 0) + 1
+    if flow in flows or len(flows) < MAX_FLOWS:
+        flows[flow] = flows.get(flow, 0) + 1
     else:
         flows["(other)"] = flows.get("(other)", 0) + 1
-    if item.traj.outcome.success is True:
+    if success is True:
         record.successes += 1
-    elif item.traj.outcome.success is False:
+    elif success is False:
         record.failures += 1
     record.version += 1
     record.updated = now
@@ -164,6 +267,12 @@ class BatchPlanner:
         k = self.config.top_k
         want_views = self.decider is not None
         lowest = -(max(init_labels) + 1) if init_labels else 0  # last provisional id handed out
+        provisional_by_env: dict[str, list[int]] = {}
+        if init_labels:
+            for label, it in zip(init_labels, items):
+                ids = provisional_by_env.setdefault(it.env, [])
+                if -(label + 1) not in ids:
+                    ids.append(-(label + 1))
         for i, item in enumerate(items):
             if init_labels is not None and i < init_count:
                 placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm"))
@@ -183,8 +292,9 @@ class BatchPlanner:
             if extra is not None and i >= init_count:
                 for cid in extra[i]:
                     hits.setdefault(cid, 0)
-            # Clusters opened earlier in this batch are not in the centroid search yet: score them all.
-            for cid in range(lowest, min(0, lowest + MAX_PROVISIONAL_CANDIDATES)):
+            # Clusters opened earlier in this batch (in this environment) are not in the centroid
+            # search yet: score them all.
+            for cid in provisional_by_env.get(item.env, ())[-MAX_PROVISIONAL_CANDIDATES:]:
                 hits.setdefault(cid, 0)
             scored: list[tuple[float, int, float, float]] = []
             for cid in hits:
@@ -206,6 +316,7 @@ class BatchPlanner:
             if choice is None:
                 lowest -= 1
                 cid = lowest
+                provisional_by_env.setdefault(item.env, []).append(cid)
                 op = "init" if i < init_count else "new"
                 score = scored[0][0] if scored else 0.0
             else:

@@ -23,7 +23,7 @@ from .centroids import ClusterCentroids
 from .config import MemoryConfig
 from .decisions import ClusterView, Decider
 from .embedding import DIM as MINILM_DIM, Embedder
-from .evolution import BatchItem, BatchPlanner, CandidateSet, Placement, _cos, add_member, new_cluster_record
+from .evolution import BatchItem, BatchPlanner, ItemBatch, CandidateSet, Placement, _cos, add_member, fold_member, new_cluster_record
 from .index import VectorIndex
 from .model import Trajectory
 from .policy import MemberInfo, OfflinePolicy
@@ -31,7 +31,7 @@ from .retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_co
 from .storage import ClusterRecord, MemoryStore, StoreError, pack_u64, record_to_trajectory
 from .workflow import action_tokens, workflow_summary, workflow_vector
 
-__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError", "known_ids", "prepare_items"]
+__all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError", "known_ids", "pack_trajectories", "prepare_items"]
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +358,29 @@ class Memory:
             vectors = self.embedder.embed([t.query_text for t in trajectories])
         return prepare_items(trajectories, vectors, self.dim)
 
+    def add_items(self, items: list[BatchItem]) -> list[AddResult]:
+        """:meth:`add_many` for prepared items (vectors included): the engine decides and commits."""
+        self._check_writable()
+        with self._lock:
+            results = known_ids(self.store, [it.id for it in items], [it.fingerprint for it in items])
+            seen: dict[str, int] = {}
+            fresh = []
+            for i, (it, got) in enumerate(zip(items, results)):
+                if got is None and it.id not in seen:
+                    seen[it.id] = i
+                    fresh.append(i)
+            if fresh:
+                for i, result in zip(fresh, self._place([items[i] for i in fresh])):
+                    results[i] = result
+            for i, it in enumerate(items):
+                if results[i] is None:
+                    results[i] = AddResult(it.id, "duplicate", results[seen[it.id]].cluster_id)  # type: ignore[union-attr]
+        if self._maintainer is not None:
+            self._wake.set()
+        else:
+            self.maintain()
+        return results  # type: ignore[return-value]
+
     @property
     def initialised(self) -> bool:
         return self._initialised
@@ -396,7 +419,7 @@ class Memory:
         ``evolution.neighbour_scope``); plus the state of every cluster named."""
         if not items:
             return CandidateSet(neighbours=[], extra=[], clusters={})
-        return self.candidates_for(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.traj.env for it in items])
+        return self.candidates_for(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items])
 
     def candidates_for(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateSet:
         """:meth:`candidates` from the vectors alone (what a shard receives from the coordinator)."""
@@ -442,7 +465,7 @@ class Memory:
                 traj, extra = got
                 _, vec, wvec = vecs
                 tokens = list(extra["tokens"])
-                items.append(BatchItem(traj, vid, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), stored=True))
+                items.append(BatchItem.of(traj, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), vid=vid, stored=True))
         return items
 
     def _commit_pending(self, items: list[BatchItem]) -> list[AddResult]:
@@ -452,15 +475,14 @@ class Memory:
         def write(txn: Any) -> None:
             for it, vid in zip(items, self.store.allocate_vids(txn, len(items))):
                 it.vid = vid
-                code = self.store.env_code(txn, it.traj.env)
-                self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, None, now)
+                self.store.put_item(txn, it, self.store.env_code(txn, it.env), None)
             self.store.put_meta(txn, "pending", self._pending + [it.vid for it in items])
-            self.store.append_log(txn, [{"vid": it.vid, "id": it.traj.id, "op": "pending", "t": now} for it in items])
+            self.store.append_log(txn, [{"vid": it.vid, "id": it.id, "op": "pending", "t": now} for it in items])
 
         self.store.write(write)
         self._pending = self._pending + [it.vid for it in items]
         self._index_add(items)
-        return [AddResult(it.traj.id, "pending", None) for it in items]
+        return [AddResult(it.id, "pending", None) for it in items]
 
     def commit(
         self,
@@ -518,7 +540,7 @@ class Memory:
                 elif record.description_by != "llm" or not record.description:
                     # Offline descriptions are cheap: refreshed on every change. description_n
                     # only schedules LLM descriptions, so it is left alone here.
-                    example = items[founder].traj.query_text if cid < 0 else self._example_task(record)
+                    example = items[founder].query if cid < 0 else self._example_task(record)
                     record.description = self.policy.describe(record.count, record.envs, record.flows, example)
                     record.description_by = "offline"
                 self.store.put_cluster(txn, record)
@@ -536,10 +558,9 @@ class Memory:
                 if it.stored:
                     self.store.set_cluster_of(txn, it.vid, real_id)
                 else:
-                    code = self.store.env_code(txn, it.traj.env)
-                    self.store.put_trajectory(txn, it.vid, it.traj, it.tokens, code, it.vec, it.wvec, real_id, now)
+                    self.store.put_item(txn, it, self.store.env_code(txn, it.env), real_id)
                 op = "new" if (cid < 0 and founders[cid] == i and p.op == "join") else p.op
-                entries.append({"vid": it.vid, "id": it.traj.id, "cluster": real_id, "op": op, "by": p.by, "score": round(p.score, 4), "t": now})
+                entries.append({"vid": it.vid, "id": it.id, "cluster": real_id, "op": op, "by": p.by, "score": round(p.score, 4), "t": now})
             self.store.append_log(txn, entries)
             if initialise:
                 self.store.put_meta(txn, "pending", [])
@@ -564,7 +585,7 @@ class Memory:
             self._pending = []
             self._initialised = True
         self._index_add(fresh)
-        return [AddResult(it.traj.id, "added", real.get(cid, cid)) for it, cid in zip(items, targets) if not it.stored]
+        return [AddResult(it.id, "added", real.get(cid, cid)) for it, cid in zip(items, targets) if not it.stored]
 
     def _resolve_target(self, cid: int, item: BatchItem) -> int:
         """A live cluster for a decided id: itself, or the best part of a cluster split since."""
@@ -591,7 +612,7 @@ class Memory:
     def _index_add(self, items: list[BatchItem]) -> None:
         by_env: dict[str, list[BatchItem]] = {}
         for it in items:
-            by_env.setdefault(it.traj.env, []).append(it)
+            by_env.setdefault(it.env, []).append(it)
         for env, group in by_env.items():
             self.index.add(env, np.asarray([it.vid for it in group], dtype=np.int64), np.stack([it.vec for it in group]))
 
@@ -869,26 +890,31 @@ class Memory:
             for record in records:
                 self._clusters[record.id] = record
 
-    def _member_snapshot(self, cid: int) -> tuple[int, list[int], np.ndarray, np.ndarray, list[Trajectory], list[list[str]]] | None:
+    def _member_snapshot(self, cid: int) -> tuple[int, list[int], np.ndarray, np.ndarray, list[tuple]] | None:
+        """The cluster's version, member vids, vectors and briefs (tokens, success, env, task, id).
+
+        Read without holding the engine lock, so ingest goes on meanwhile: the version is
+        taken first, and a split commits only if the version is still the same then, which
+        means the members read here are exactly the members at that version.
+        """
         with self._lock:
             record = self._clusters.get(cid)
             if record is None:
                 return None
             version = record.version
-            with self.store.read() as txn:
-                vids = self.store.members(txn, cid)
-                tv = np.empty((len(vids), self.dim), np.float32)
-                wv = np.empty((len(vids), WORKFLOW_DIM), np.float32)
-                trajs: list[Trajectory] = []
-                tokens: list[list[str]] = []
-                for n, vid in enumerate(vids):
-                    _, vec, wvec = self.store.vectors(txn, vid)  # type: ignore[misc]
-                    tv[n] = vec
-                    wv[n] = wvec
-                    traj, extra = self.store.trajectory(txn, vid)  # type: ignore[misc]
-                    trajs.append(traj)
-                    tokens.append(extra["tokens"])
-        return version, vids, tv, wv, trajs, tokens
+        with self.store.read() as txn:
+            vids = self.store.members(txn, cid)
+            tv = np.empty((len(vids), self.dim), np.float32)
+            wv = np.empty((len(vids), WORKFLOW_DIM), np.float32)
+            briefs: list[tuple] = []
+            for n, vid in enumerate(vids):
+                _, vec, wvec = self.store.vectors(txn, vid)  # type: ignore[misc]
+                tv[n] = vec
+                wv[n] = wvec
+                brief = self.store.brief(txn, vid)
+                assert brief is not None
+                briefs.append(tuple(brief))
+        return version, vids, tv, wv, briefs
 
     def _split(self, cid: int) -> bool:
         """Split cluster ``cid`` into finer clusters; False when no structure was found."""
@@ -897,11 +923,11 @@ class Memory:
             snapshot = self._member_snapshot(cid)
             if snapshot is None:
                 return False
-            version, vids, tv, wv, trajs, tokens = snapshot
+            version, vids, tv, wv, briefs = snapshot
             labels = None
             by = "offline"
             if self.decider is not None:
-                labels = self._llm_split(cid, tv, wv, trajs)
+                labels = self._llm_split(cid, tv, wv, vids)
                 by = "llm" if labels is not None else "fallback"
             if labels is None:
                 labels = self.policy.split(
@@ -924,20 +950,24 @@ class Memory:
                     self.store.write(no_split)
                     self._clusters[cid] = parent
                     return False
-                self._commit_split(parent, vids, tv, wv, trajs, tokens, labels, by)
+                self._commit_split(parent, vids, tv, wv, briefs, labels, by)
                 return True
         return False
 
-    def _llm_split(self, cid: int, tv: np.ndarray, wv: np.ndarray, trajs: list[Trajectory]) -> np.ndarray | None:
+    def _llm_split(self, cid: int, tv: np.ndarray, wv: np.ndarray, vids: list[int]) -> np.ndarray | None:
         """The LLM groups a sample of members; the rest follow their nearest group."""
         assert self.decider is not None
         evo = self.config.evolution
-        n = len(trajs)
+        n = len(vids)
         sample = np.unique(np.linspace(0, n - 1, num=min(n, 24)).round().astype(int))
         view = self._view(cid)
         if view is None:
             return None
-        answer = self.decider.split(view, [trajs[i] for i in sample], evo.split_max_parts)
+        with self.store.read() as txn:
+            shown = [got[0] for i in sample if (got := self.store.trajectory(txn, vids[i])) is not None]
+        if len(shown) != len(sample):
+            return None
+        answer = self.decider.split(view, shown, evo.split_max_parts)
         if answer is None or len(answer) != len(sample) or len(set(answer)) < 2:
             return None
         w = self.config.policy.workflow_weight
@@ -955,8 +985,7 @@ class Memory:
         vids: list[int],
         tv: np.ndarray,
         wv: np.ndarray,
-        trajs: list[Trajectory],
-        tokens: list[list[str]],
+        briefs: list[tuple],
         labels: np.ndarray,
         by: str,
     ) -> None:
@@ -969,9 +998,10 @@ class Memory:
             child.parent = parent.id
             rows = np.flatnonzero(labels == part)
             for n in rows:
-                add_member(child, BatchItem(trajs[n], vids[n], tv[n], wv[n], tokens[n], workflow_summary(tokens[n])), now)
+                tokens, success, env, _, _ = briefs[n]
+                fold_member(child, tv[n], wv[n], env, success, workflow_summary(tokens), now)
             children.append(child)
-            examples.append(trajs[int(rows[0])].query_text)
+            examples.append(briefs[int(rows[0])][3])
         llm_mode = self.decider is not None
 
         def write(txn: Any) -> None:
@@ -986,7 +1016,7 @@ class Memory:
             for n, vid in enumerate(vids):
                 child_id = ids[parts.index(int(labels[n]))]
                 self.store.set_cluster_of(txn, vid, child_id, previous=parent.id)
-                entries.append({"vid": vid, "id": trajs[n].id, "cluster": child_id, "from": parent.id, "op": "split", "by": by, "t": now})
+                entries.append({"vid": vid, "id": briefs[n][4], "cluster": child_id, "from": parent.id, "op": "split", "by": by, "t": now})
             tomb = parent.copy()
             tomb.split_into = list(ids)
             tomb.updated = now
@@ -1007,26 +1037,26 @@ class Memory:
 
     def _sample_members(self, cid: int, *, full: bool) -> tuple[int, list[MemberInfo], list[Trajectory]] | None:
         """An even sample of the members (at most ``skill_sample_size``): their briefs, and the
-        whole trajectories when ``full`` (for LLM prompts)."""
+        whole trajectories when ``full`` (for LLM prompts). Read outside the engine lock."""
         with self._lock:
             record = self._clusters.get(cid)
             if record is None:
                 return None
             count = record.count
-            with self.store.read() as txn:
-                vids = self.store.members(txn, cid)
-                size = self.config.evolution.skill_sample_size
-                picks = vids if len(vids) <= size else [vids[int(i)] for i in np.linspace(0, len(vids) - 1, size).round()]
-                infos: list[MemberInfo] = []
-                trajs: list[Trajectory] = []
-                for vid in picks:
-                    brief = self.store.brief(txn, vid)
-                    if brief is None:
-                        continue
-                    tokens, success, env, task = brief
-                    infos.append(MemberInfo(tokens=tuple(tokens), success=success, env=env, task=task))
-                    if full:
-                        trajs.append(self.store.trajectory(txn, vid)[0])  # type: ignore[index]
+        with self.store.read() as txn:
+            vids = self.store.members(txn, cid)
+            size = self.config.evolution.skill_sample_size
+            picks = vids if len(vids) <= size else [vids[int(i)] for i in np.linspace(0, len(vids) - 1, size).round()]
+            infos: list[MemberInfo] = []
+            trajs: list[Trajectory] = []
+            for vid in picks:
+                brief = self.store.brief(txn, vid)
+                if brief is None:
+                    continue
+                tokens, success, env, task = brief[:4]
+                infos.append(MemberInfo(tokens=tuple(tokens), success=success, env=env, task=task))
+                if full:
+                    trajs.append(self.store.trajectory(txn, vid)[0])  # type: ignore[index]
         return count, infos, trajs
 
     def _view(self, cid: int, examples: tuple[Trajectory, ...] = ()) -> ClusterView | None:
@@ -1336,8 +1366,26 @@ def prepare_items(trajectories: Sequence[Trajectory], vectors: Any, dim: int) ->
     items: list[BatchItem] = []
     for traj, vec in zip(trajectories, vectors):
         tokens = action_tokens(traj)
-        items.append(BatchItem(traj, 0, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
+        items.append(BatchItem.of(traj, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
     return items
+
+
+def pack_trajectories(trajectories: Sequence[Trajectory], vectors: Any, dim: int) -> ItemBatch:
+    """Trajectories ready to travel: encoded once, tokens and workflow vectors computed.
+
+    Without ``vectors`` the task vectors are zeros, to be embedded where a model is
+    (the coordinator's embedder actors)."""
+    for i, traj in enumerate(trajectories):
+        if not isinstance(traj, Trajectory):
+            raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
+    if vectors is None:
+        items = [
+            BatchItem.of(t, np.zeros(dim, np.float32), _workflow_vector(tuple(tok := action_tokens(t))), tok, workflow_summary(tok))
+            for t in trajectories
+        ]
+    else:
+        items = prepare_items(trajectories, vectors, dim)
+    return ItemBatch.of(items)
 
 
 def known_ids(store: MemoryStore, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:

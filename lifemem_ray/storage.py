@@ -15,7 +15,7 @@ meta       ascii name                  schema version, dims, counters, usage
 traj       vid                         the trajectory record
 tid        trajectory id (utf-8)       vid
 vec        vid                         u32 env code + f32 text vector + f16 workflow vector
-brief      vid                         action tokens, success, env, task head (for distillation)
+brief      vid                         action tokens, success, env, task head, id (for maintenance)
 vclu       vid                         cluster id (u64)
 members    cluster id + vid            empty
 clusters   cluster id                  cluster record (live or tombstone)
@@ -500,25 +500,15 @@ class MemoryStore:
         if self.get_meta("next_cluster", txn) <= cluster_seq:
             self.put_meta(txn, "next_cluster", cluster_seq + 1)
 
-    def put_trajectory(
-        self,
-        txn: lmdb.Transaction,
-        vid: int,
-        traj: Trajectory,
-        tokens: list[str],
-        env_code: int,
-        vector: np.ndarray,
-        workflow_vector: np.ndarray,
-        cluster_id: int | None,
-        added: float,
-    ) -> None:
-        key = pack_u64(vid)
-        txn.put(key, trajectory_to_record(traj, tokens, added), db=self.db["traj"])
-        txn.put(traj.id.encode("utf-8"), key, db=self.db["tid"])
-        txn.put(key, self.pack_vectors(env_code, vector, workflow_vector), db=self.db["vec"])
-        txn.put(key, _packb([tokens, traj.outcome.success, traj.env, traj.query_text[:300]]), db=self.db["brief"])
+    def put_item(self, txn: lmdb.Transaction, item: Any, env_code: int, cluster_id: int | None) -> None:
+        """Store one batch item (see evolution.BatchItem): its record bytes as they are."""
+        key = pack_u64(item.vid)
+        txn.put(key, item.record, db=self.db["traj"])
+        txn.put(item.id.encode("utf-8"), key, db=self.db["tid"])
+        txn.put(key, self.pack_vectors(env_code, item.vec, item.wvec), db=self.db["vec"])
+        txn.put(key, _packb([item.tokens, item.success, item.env, item.query, item.id]), db=self.db["brief"])
         if cluster_id is not None:
-            self.set_cluster_of(txn, vid, cluster_id)
+            self.set_cluster_of(txn, item.vid, cluster_id)
 
     def delete_trajectory(self, txn: lmdb.Transaction, vid: int, trajectory_id: str) -> None:
         key = pack_u64(vid)
@@ -546,8 +536,8 @@ class MemoryStore:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else record_to_trajectory(raw)
 
-    def brief(self, txn: lmdb.Transaction, vid: int) -> tuple[list[str], bool | None, str, str] | None:
-        """(action tokens, success, env, task head) without unpacking the whole trajectory."""
+    def brief(self, txn: lmdb.Transaction, vid: int) -> tuple[list[str], bool | None, str, str, str] | None:
+        """(action tokens, success, env, task head, id) without unpacking the whole trajectory."""
         raw = txn.get(pack_u64(vid), db=self.db["brief"])
         return None if raw is None else tuple(_unpackb(raw))  # type: ignore[return-value]
 

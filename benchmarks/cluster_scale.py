@@ -1,0 +1,165 @@
+"""The sharded memory at million scale on this machine (issue 3, section 5).
+
+Generates ``--n`` synthetic trajectories (12 environments, ground-truth workflow
+labels, text lengths like the released data) with vectors made directly (no
+embedding model), loads them through the coordinator of a ``--shards`` deployment
+with the offline policy, then measures at full size: single ``retrieve`` through
+``MemoryClient`` (p50/p99), ``retrieve_many`` queries/s, recall@4 against exact
+search, the client-vs-in-process ratio for the same queries, memory per stored
+trajectory, and cluster purity against the labels.
+
+Usage: python benchmarks/cluster_scale.py [--n 1000000] [--shards 2] [--request 2048] [--in-flight 4]
+Prints JSON on stdout and a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from lifemem_ray.actors import deployment as dep
+from lifemem_ray.actors.client import MemoryClient
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.synthetic import generate, text_vectors
+
+LENGTH_SCALE = 1.2  # mean ~2.9 kB per trajectory as JSON, like the released data (2.9 kB)
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ms = np.asarray(samples) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=1_000_000)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--request", type=int, default=2048, help="trajectories per add_many request")
+    parser.add_argument("--in-flight", type=int, default=4, help="requests in flight")
+    parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--store", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args()
+
+    store = args.store or Path(tempfile.mkdtemp(prefix="lifemem-scale-"))
+    overrides = {"cluster.namespace": "scale", "cluster.batch_size": args.request, "cluster.embedders": 1}
+    overrides.update(dict(item.split("=", 1) for item in args.set))
+    config = MemoryConfig.load(overrides=overrides)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING", namespace="scale")
+    report: dict = {"n": args.n, "shards": args.shards, "request": args.request, "store": str(store)}
+    try:
+        dep.deploy(store / "memory", config, shards=args.shards)
+        client = MemoryClient("scale", config)
+        chunk = 50_000
+        queries_trajs, query_vecs = None, None
+        windows = []
+        lengths = []
+        all_vecs = []
+        all_envs = []
+        gen_s = 0.0
+        started = time.perf_counter()
+        loaded = 0
+        for part in range(0, args.n, chunk):
+            t = time.perf_counter()
+            trajs = list(generate(min(chunk, args.n - part), seed=1000 + part // chunk, length_scale=LENGTH_SCALE, id_prefix=f"s{part // chunk}"))
+            vecs = text_vectors([x.task for x in trajs])
+            if part == 0:
+                lengths = [len(json.dumps(x.to_dict())) for x in trajs[:2000]]
+            all_vecs.append(vecs)
+            all_envs.extend(x.env for x in trajs)
+            gen_s += time.perf_counter() - t
+            t = time.perf_counter()
+            pending = []
+            for i in range(0, len(trajs), args.request):
+                pending.append(client.add_many(trajs[i : i + args.request], vecs[i : i + args.request]))
+                while len(pending) >= args.in_flight:
+                    pending.pop(0).result(timeout=3600)
+            for f in pending:
+                f.result(timeout=3600)
+            loaded += len(trajs)
+            windows.append({"stored": loaded, "per_s": round(len(trajs) / (time.perf_counter() - t), 1)})
+            print(f"{loaded:>9,} stored  {windows[-1]['per_s']:>8,.0f}/s", file=sys.stderr, flush=True)
+        load_s = time.perf_counter() - started - gen_s
+        report["generate"] = {"seconds": round(gen_s, 1), "per_s": round(args.n / gen_s, 1), "json_chars_mean": round(statistics.mean(lengths)), "json_chars_median": statistics.median(lengths)}
+        report["load"] = {"per_s": round(args.n / load_s, 1), "seconds": round(load_s, 1), "slowest_window_per_s": min(w["per_s"] for w in windows), "windows": windows}
+        vectors = np.vstack(all_vecs)
+        envs = np.asarray(all_envs)
+
+        # Queries: new tasks of the same generator (not stored).
+        qtrajs = list(generate(args.queries, seed=99, length_scale=0.1, id_prefix="q"))
+        qvecs = text_vectors([x.task for x in qtrajs])
+        lat = []
+        for x, v in zip(qtrajs[:500], qvecs[:500]):
+            t = time.perf_counter()
+            client.retrieve(x.task, x.env, 4, vector=v)
+            lat.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        many = client.retrieve_many([x.task for x in qtrajs], [x.env for x in qtrajs], 4, vectors=qvecs)
+        many_s = time.perf_counter() - t
+        # In-process share: the same single queries timed inside the shard actors.
+        inside = []
+        for x, v in zip(qtrajs[:200], qvecs[:200]):
+            parts = ray.get([s.timed_retrieve_many.remote([x.task], [x.env], 4, v[None, :]) for s in client.shards])
+            inside.append(max(p[1] for p in parts))
+        # Recall@4 against exact search within the environment (by score: ties count as found).
+        hits = total = 0
+        for x, v, r in zip(qtrajs[:300], qvecs[:300], many[:300]):
+            mask = envs == x.env
+            exact = np.sort(vectors[mask] @ v)[::-1][:4]
+            got = [h.score for h in r.trajectories]
+            hits += sum(1 for s in got if s >= exact[-1] - 1e-5)
+            total += len(exact)
+        report["retrieve"] = {
+            **percentiles(lat),
+            "in_process": percentiles(inside),
+            "client_vs_in_process_p50": round(float(np.percentile(lat, 50) / np.percentile(inside[: len(inside)], 50)), 2),
+            "many_queries_per_s": round(len(qtrajs) / many_s, 1),
+            "recall@4": round(hits / total, 4),
+        }
+        res = ray.get([s.resources.remote() for s in client.shards])
+        n_stored = sum(r["trajectories"] for r in res)
+        report["memory"] = {
+            "shard_rss_bytes_per_trajectory": round(sum(r["rss_bytes"] for r in res) / n_stored, 1),
+            "disk_bytes_per_trajectory": round(sum(r["disk_bytes"] for r in res) / n_stored, 1),
+            "stored": n_stored,
+            "per_shard": [r["trajectories"] for r in res],
+        }
+        pur = ray.get([s.label_purity.remote("workflow") for s in client.shards])
+        stats = client.stats()
+        report["clusters"] = {
+            "count": stats["clusters"],
+            "splits": stats["splits"],
+            "purity": round(sum(p["agree"] for p in pur) / max(1, sum(p["total"] for p in pur)), 4),
+            "labels": 31,
+        }
+        dep.stop("scale")
+    finally:
+        ray.shutdown()
+    print(json.dumps(report, indent=2))
+    r, l, m, c = report["retrieve"], report["load"], report["memory"], report["clusters"]
+    print(f"\n{args.n:,} trajectories through the coordinator, {args.shards} shards, offline policy", file=sys.stderr)
+    for name, value, goal in (
+        ("load (trajectories/s)", l["per_s"], ">= 2,000 sustained"),
+        ("slowest 50k window (trajectories/s)", l["slowest_window_per_s"], ""),
+        ("retrieve p50 (ms)", r["p50_ms"], "<= 10"),
+        ("retrieve p99 (ms)", r["p99_ms"], "<= 50"),
+        ("retrieve_many (queries/s)", r["many_queries_per_s"], ">= 2,000"),
+        ("recall@4 vs exact", r["recall@4"], ">= 0.95"),
+        ("client / in-process p50", r["client_vs_in_process_p50"], ""),
+        ("shard RSS per trajectory (bytes)", m["shard_rss_bytes_per_trajectory"], ""),
+        ("disk per trajectory (bytes)", m["disk_bytes_per_trajectory"], ""),
+        ("clusters / purity", f"{c['count']} / {c['purity']}", ""),
+    ):
+        print(f"{name:<40}{value!s:>16}  {goal}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
