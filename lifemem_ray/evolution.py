@@ -206,6 +206,33 @@ def fold_member(record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: s
     record.updated = now
 
 
+IN_BATCH_WINDOW = 256  # earlier items of a batch searched for in-batch neighbours
+
+
+def _earlier_neighbours(vecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each item, its k most similar items among the ``IN_BATCH_WINDOW`` before it
+    (index -1 where there are fewer). Blocked, so a large batch costs linear time: the
+    clusters opened further back in the batch are candidates anyway (see plan)."""
+    n = len(vecs)
+    sims = np.full((n, k), -np.inf, dtype=np.float32)
+    idx = np.full((n, k), -1, dtype=np.int64)
+    w = IN_BATCH_WINDOW
+    for start in range(0, n, w):
+        stop = min(n, start + w)
+        lo = max(0, start - w)
+        block = vecs[start:stop] @ vecs[lo:stop].T  # rows: this block; columns: window + block
+        rows = np.arange(start, stop)[:, None]
+        cols = np.arange(lo, stop)[None, :]
+        block = np.where((cols < rows) & (cols >= rows - w), block, -np.inf)
+        kk = min(k, block.shape[1])
+        top = np.argpartition(-block, kk - 1, axis=1)[:, :kk]
+        top_s = np.take_along_axis(block, top, 1)
+        valid = np.isfinite(top_s)
+        sims[start:stop, :kk] = np.where(valid, top_s, -np.inf)
+        idx[start:stop, :kk] = np.where(valid, top + lo, -1)
+    return sims, idx
+
+
 def _cos(vec: np.ndarray, total: np.ndarray) -> float:
     norm = math.sqrt(float(total @ total))
     return float(vec @ total) / norm if norm > 0 else 0.0
@@ -248,16 +275,11 @@ class BatchPlanner:
         now = time.time()
         n = len(items)
         vecs = np.stack([it.vec for it in items]) if n else np.zeros((0, self.dim), np.float32)
-        gram = vecs @ vecs.T if n else np.zeros((0, 0))
         # Sums are float64: compare in float64 (a mixed-dtype dot would cast on every call).
         vec64 = vecs.astype(np.float64)
         wvec64 = np.stack([it.wvec for it in items]).astype(np.float64) if n else np.zeros((0, self.wdim))
         k = self.config.top_k
-        # Each item's k most similar earlier items of the batch, in one vectorised pass.
-        kk = min(k, max(n - 1, 1))
-        if n > 1:
-            masked = np.where(np.tri(n, n, -1, dtype=bool), gram, -np.inf)
-            near_all = np.argpartition(-masked, kk - 1, axis=1)[:, :kk] if n > kk else np.tile(np.arange(n), (n, 1))
+        near_s, near_j = _earlier_neighbours(vecs, k)
         plan = BatchPlan(placements=[], clusters={})
         init_labels = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
         placements = plan.placements
@@ -282,9 +304,9 @@ class BatchPlanner:
                 continue
             # Top-k neighbours: stored ones (from the index) and earlier items of this batch.
             pool: list[tuple[float, int]] = [] if i < init_count else [(s, c) for c, s in neighbours[i]]
-            if i:
-                row = gram[i]
-                pool.extend((float(row[j]), placements[j].cluster) for j in near_all[i] if j < i)
+            for sim, j in zip(near_s[i], near_j[i]):
+                if j >= 0:
+                    pool.append((float(sim), placements[j].cluster))
             pool.sort(key=lambda sc: -sc[0])
             hits: dict[int, int] = {}
             for _, cid in pool[:k]:
