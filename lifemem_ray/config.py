@@ -137,11 +137,12 @@ class LLMConfig:
     max_answer_tokens: int = 512
     response_format: str = "json_object"  # json_object | json_schema | none
     skip_confident: bool = True  # let the offline policy decide unambiguous joins
+    min_cluster_size: int = 3  # smaller clusters keep offline descriptions and skills (no calls)
 
     def validate(self) -> None:
         _choice(self, "backend", ("offline", "openai"))
         _choice(self, "response_format", ("json_object", "json_schema", "none"))
-        _positive(self, "timeout_s", "concurrency", "items_per_call", "max_item_chars", "max_answer_tokens")
+        _positive(self, "timeout_s", "concurrency", "items_per_call", "max_item_chars", "max_answer_tokens", "min_cluster_size")
         if self.max_retries < 0:
             raise ConfigError("llm.max_retries: must be >= 0")
         _in_range(self, "temperature", 0.0, 2.0)

@@ -621,12 +621,19 @@ class Memory:
         return record.count > evo.split_min_size and record.mrl < evo.split_mrl_threshold and record.count >= record.no_split_until
 
     def _needs_skill(self, record: ClusterRecord) -> bool:
-        return record.skill_n == 0 or record.count >= record.skill_n * (1.0 + self.config.evolution.skill_refresh_growth)
+        """Every cluster has a skill from its creation on. With an LLM, a cluster gets an LLM
+        skill once it has ``llm.min_cluster_size`` members, then again each time it has grown
+        by ``evolution.skill_refresh_growth`` (the paper's budget: few, well-fed calls)."""
+        if record.skill_n == 0:
+            return True
+        if self.decider is not None and record.skill_by == "offline" and record.count >= self.config.llm.min_cluster_size:
+            return True
+        return record.count >= record.skill_n * (1.0 + self.config.evolution.skill_refresh_growth)
 
     def _needs_description(self, record: ClusterRecord) -> bool:
-        """With an LLM: describe a cluster once it has two members, then each time it has grown
-        by ``description_refresh_growth`` since the last attempt (lazy, to save calls)."""
-        return record.count >= max(2.0, record.description_n * (1.0 + self.config.evolution.description_refresh_growth))
+        """With an LLM: describe a cluster once it has ``llm.min_cluster_size`` members, then
+        each time it has grown by ``description_refresh_growth`` since the last attempt."""
+        return record.count >= max(float(self.config.llm.min_cluster_size), record.description_n * (1.0 + self.config.evolution.description_refresh_growth))
 
     @staticmethod
     def _example_task(record: ClusterRecord) -> str:
@@ -833,7 +840,7 @@ class Memory:
             names: list[str] = []
             if flags.get("skill"):
                 text, by = None, "offline"
-                if self.decider is not None:
+                if self.decider is not None and count >= self.config.llm.min_cluster_size:
                     text = self.decider.distil(self._view(cid), trajs)
                     by = "llm" if text else "fallback"
                 fields.update(skill=text or self.policy.distil(infos), skill_by=by, skill_n=count)
