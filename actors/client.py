@@ -89,17 +89,19 @@ class MemoryClient:
         self._next += 1
         return ray.get(actor.embed.remote(texts))
 
-    def retrieve(self, task: str, env: str, k: int | None = None, *, vector: Any = None, token_budget: int | None = None) -> Retrieval:
-        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget)[0]
+    def retrieve(self, task: str, env: str | None, k: int | None = None, *, vector: Any = None, token_budget: int | None = None, skills: bool = True) -> Retrieval:
+        """Like :meth:`lifemem_ray.memory.Memory.retrieve` (``env=None``: every environment)."""
+        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills)[0]
 
     def retrieve_many(
         self,
         tasks: Sequence[str],
-        envs: Sequence[str] | str,
+        envs: Sequence[str | None] | str,
         k: int | None = None,
         *,
         vectors: Any = None,
         token_budget: int | None = None,
+        skills: bool = True,
     ) -> list[Retrieval]:
         tasks = list(tasks)
         envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
@@ -110,7 +112,7 @@ class MemoryClient:
         k = self.config.retrieval.k if k is None else k
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self._embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
-        refs = [shard.retrieve_many.remote(tasks, envs, k, vecs) for shard in self.shards]
+        refs = [shard.retrieve_many.remote(tasks, envs, k, vecs, None, skills) for shard in self.shards]
         try:
             per_shard = ray.get(refs)
         except actor_failures() as exc:

@@ -95,8 +95,8 @@ class MemoryShard:
         return self.memory.add_items(batch.items())
 
     # -- reading -----------------------------------------------------------------------------
-    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray, token_budget: int | None = None) -> list[Retrieval]:
-        return self.memory.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget)
+    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None], k: int, vectors: np.ndarray, token_budget: int | None = None, skills: bool = True) -> list[Retrieval]:
+        return self.memory.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills)
 
     def timed_retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[list[Retrieval], float]:
         """retrieve_many and the seconds it took inside this process (to separate Ray's share)."""

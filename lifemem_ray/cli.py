@@ -27,13 +27,18 @@ class CommandError(Exception):
     """An error to report to the user as one line (no traceback)."""
 
 
-def _config(args: argparse.Namespace) -> MemoryConfig:
+def _set_overrides(args: argparse.Namespace) -> dict[str, str]:
     overrides: dict[str, Any] = {}
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
         overrides[key.strip()] = value
+    return overrides
+
+
+def _config(args: argparse.Namespace) -> MemoryConfig:
+    overrides = {k: v for k, v in _set_overrides(args).items() if not k.startswith("experiment.")}
     if getattr(args, "llm_base_url", None):
         overrides["llm.base_url"] = args.llm_base_url
         overrides.setdefault("llm.backend", "openai")
@@ -318,6 +323,50 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """The lifelong experiment: rollout workers on Ray against a memory per mode."""
+    import ray
+
+    from .actors.experiment import run_experiment
+    from .actors.rollout import print_progress
+    from .lifelong import ExperimentConfig
+
+    config = _config(args)
+    overrides = {k.split(".", 1)[1]: v for k, v in _set_overrides(args).items() if k.startswith("experiment.")}
+    for flag in ("workers", "stream", "agent", "output"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[flag] = value
+    if args.envs:
+        overrides["envs"] = args.envs
+    if args.modes:
+        overrides["modes"] = args.modes
+    if config.llm.backend == "openai" and "agent" not in overrides:
+        overrides["agent"] = "react"  # an endpoint is configured: the LLM agent acts
+    exp = ExperimentConfig.load(args.config, overrides=overrides)
+    if args.address:
+        ray.init(address=args.address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    else:
+        # A local Ray for this run: logical CPUs leave room for the workers beside the memory's actors.
+        cpus = max(4, (os.cpu_count() or 2) + exp.workers)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=args.verbose, logging_level=logging.WARNING)
+    try:
+        report = run_experiment(exp, config, progress=None if args.quiet else print_progress)
+    finally:
+        ray.shutdown()
+    out = exp.output_dir
+
+    def text() -> str:
+        md = (out / "report.md").read_text()
+        tp = report["throughput"]
+        return (md + f"\n{tp['episodes']} episodes, {tp['steps_per_s']:.0f} steps/s, memory p50 {tp['memory_p50_ms']:.1f} ms, "
+                f"{report['seconds']:.0f} s in all.\nReport: {out / 'report.md'}, {out / 'report.json'}; plots: "
+                + ", ".join(report["plots"]))
+
+    _emit(args, report, text)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -349,6 +398,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", parents=[common, llm], help="build a memory from the shipped sample and query it")
     p.add_argument("--store", metavar="DIR", help="where to build it (default: a new temporary folder)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("run", parents=[common, llm], help="run a lifelong experiment (rollout workers, OP/BwT table, plots)")
+    p.add_argument("--address", help="Ray cluster to run on (default: a local Ray started for the run)")
+    p.add_argument("--envs", nargs="+", metavar="ENV", help="environments in stream order (default: experiment.envs)")
+    p.add_argument("--modes", nargs="+", metavar="MODE", help="memory modes: none trajectory global-skills lifemem")
+    p.add_argument("--workers", type=int, help="rollout workers")
+    p.add_argument("--stream", choices=("similarity", "random", "buffer"))
+    p.add_argument("--agent", help="exemplar | react | random | gold | noisy-gold")
+    p.add_argument("--output", metavar="DIR", help="where the report goes (default: runs/<name>)")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("ingest", parents=[remote, common, llm], help="add trajectories from JSONL files")
     p.add_argument("paths", nargs="+", metavar="PATH", help="JSONL files (.jsonl, .jsonl.gz, or - for stdin)")

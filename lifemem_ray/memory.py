@@ -716,7 +716,7 @@ class Memory:
                 counters = src.get_meta("counters", stxn, {}) or {}
             moved = {"clusters": 0, "trajectories": 0, "skipped": 0}
             mask = (1 << 40) - 1
-            top_vid = top_cid = 0
+            top_vid = 0
             with self._lock:
                 work: list[tuple[int | None, int]] = [(rec.id, vid) for rec, members in records for vid in members] + [(None, v) for v in pending]
                 for start in range(0, len(work), chunk):
@@ -1105,25 +1105,30 @@ class Memory:
     def retrieve(
         self,
         task: str,
-        env: str,
+        env: str | None,
         k: int | None = None,
         *,
         vector: Any = None,
         token_budget: int | None = None,
+        skills: bool = True,
     ) -> Retrieval:
-        """Top-k trajectories of ``env`` most similar to ``task``, plus the skills of their clusters."""
-        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget)[0]
+        """Top-k trajectories of ``env`` most similar to ``task``, plus the skills of their clusters.
+
+        ``env=None`` searches every environment (the unstructured-pool baseline the
+        lifelong experiments compare against); ``skills=False`` leaves skills out."""
+        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills)[0]
 
     def retrieve_many(
         self,
         tasks: Sequence[str],
-        envs: Sequence[str] | str,
+        envs: Sequence[str | None] | str,
         k: int | None = None,
         *,
         vectors: Any = None,
         token_budget: int | None = None,
+        skills: bool = True,
     ) -> list[Retrieval]:
-        """Many queries in one embedding call and one batched index search."""
+        """Many queries in one embedding call and one batched index search (``None`` envs: all)."""
         self._check_open()
         tasks = list(tasks)
         if isinstance(envs, str):
@@ -1134,18 +1139,28 @@ class Memory:
         for i, (task, env) in enumerate(zip(tasks, envs)):
             if not isinstance(task, str) or not task.strip():
                 raise ValueError(f"tasks[{i}]: expected a non-empty string")
-            if not isinstance(env, str) or not env.strip():
-                raise ValueError(f"envs[{i}]: expected a non-empty environment name")
+            if env is not None and (not isinstance(env, str) or not env.strip()):
+                raise ValueError(f"envs[{i}]: expected a non-empty environment name or None (all environments)")
         k = self.config.retrieval.k if k is None else k
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k: expected a positive integer, got {k!r}")
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
+        with_skills = skills
         if not tasks:
             return []
         if vectors is None:
             vectors = self.embedder.embed(tasks)
         queries = _unit_rows(vectors, len(tasks), self.dim, "vectors")
-        scores, ids = self.index.search_envs(queries, k, envs)
+        scoped = [i for i, env in enumerate(envs) if env is not None]
+        if len(scoped) == len(envs):
+            scores, ids = self.index.search_envs(queries, k, envs)
+        else:
+            scores = np.full((len(envs), k), -np.inf, dtype=np.float32)
+            ids = np.full((len(envs), k), -1, dtype=np.int64)
+            if scoped:
+                scores[scoped], ids[scoped] = self.index.search_envs(queries[scoped], k, [envs[i] for i in scoped])
+            pooled = [i for i, env in enumerate(envs) if env is None]
+            scores[pooled], ids[pooled] = self.index.search(queries[pooled], k)
         out: list[Retrieval] = []
         with self.store.read() as txn:
             for task, env, row_s, row_i in zip(tasks, envs, scores, ids):
@@ -1160,7 +1175,7 @@ class Memory:
                     traj = got[0]
                     cid = self.store.cluster_of(txn, int(vid))
                     hits.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(s), cid, traj))
-                    if cid is not None and cid not in skills and len(skills) < self.config.retrieval.max_skills:
+                    if with_skills and cid is not None and cid not in skills and len(skills) < self.config.retrieval.max_skills:
                         record = self.store.get_cluster(txn, cid)
                         if record is not None and record.skill.strip():
                             skills[cid] = RetrievedSkill(cid, record.skill, float(s))

@@ -50,7 +50,7 @@ class RetrievedSkill:
 @dataclass
 class Retrieval:
     task: str
-    env: str
+    env: str | None  # None: retrieved from every environment
     trajectories: list[RetrievedTrajectory] = field(default_factory=list)
     skills: list[RetrievedSkill] = field(default_factory=list)
     context: str = ""

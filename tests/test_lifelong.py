@@ -1,0 +1,132 @@
+"""The lifelong protocol's pure parts: streams, OP/BwT, transfer events, config, reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lifemem_ray.config import ConfigError
+from lifemem_ray.envs.base import Task
+from lifemem_ray.lifelong import ExperimentConfig, ScoreTable, build_stream, metrics, render_markdown, transfer_events, write_plots
+
+
+def _tasks(env: str, n: int) -> list[Task]:
+    return [Task(env, f"{env}-{i}", f"do {i} in {env}") for i in range(n)]
+
+
+def test_metrics_follow_equations_8_and_9():
+    # Three environments learnt in order; values as in the paper's appendix C layout.
+    t = ScoreTable(["a", "b", "c"])
+    t.add_row("a", {"a": 50.0})
+    t.add_row("b", {"a": 40.0, "b": 80.0})
+    t.add_row("c", {"a": 60.0, "b": 77.0, "c": 30.0})
+    m = metrics(t)
+    assert m["op"] == pytest.approx((60 + 77 + 30) / 3)
+    # BwT over i < N: a (60-50)/50 = +20%, b (77-80)/80 = -3.75%
+    assert m["bwt"] == pytest.approx(100 * ((60 - 50) / 50 + (77 - 80) / 80) / 2)
+    assert m["bwt_terms"] == 2 and m["bwt_undefined"] == 0
+
+
+def test_paper_example_bwt_term():
+    t = ScoreTable(["miniwob", "mind2web"])
+    t.add_row("miniwob", {"miniwob": 77.08})
+    t.add_row("mind2web", {"miniwob": 75.00, "mind2web": 40.0})
+    assert metrics(t)["bwt"] == pytest.approx(-2.70, abs=0.005)
+
+
+def test_bwt_with_zero_baseline_is_left_out_and_counted():
+    t = ScoreTable(["a", "b"])
+    t.add_row("a", {"a": 0.0})
+    t.add_row("b", {"a": 30.0, "b": 10.0})
+    m = metrics(t)
+    assert m["bwt"] is None and m["bwt_undefined"] == 1 and m["op"] == pytest.approx(20.0)
+
+
+def test_transfer_events_use_the_five_point_band():
+    t = ScoreTable(["a", "b", "c"])
+    t.add_row("a", {"a": 50.0})
+    t.add_row("b", {"a": 54.9, "b": 20.0})  # unchanged
+    t.add_row("c", {"a": 44.0, "b": 26.0, "c": 1.0})  # a degraded, b improved
+    assert transfer_events(t) == {"improved": 1, "unchanged": 1, "degraded": 1}
+
+
+def test_similarity_stream_groups_by_environment_in_order():
+    train = {"x": _tasks("x", 3), "y": _tasks("y", 2)}
+    phases = build_stream("similarity", train, ["y", "x"])
+    assert [p.label for p in phases] == ["y", "x"]
+    assert [t.env for t in phases[0].tasks] == ["y", "y"]
+    assert phases[1].evaluate == ("y", "x")
+
+
+@pytest.mark.parametrize("kind", ["random", "buffer"])
+def test_random_streams_shuffle_deterministically_and_cover_everything(kind):
+    train = {"x": _tasks("x", 10), "y": _tasks("y", 10), "z": _tasks("z", 10)}
+    a = build_stream(kind, train, ["x", "y", "z"], seed=3)
+    b = build_stream(kind, train, ["x", "y", "z"], seed=3)
+    c = build_stream(kind, train, ["x", "y", "z"], seed=4)
+    assert [p.tasks for p in a] == [p.tasks for p in b]
+    assert [p.tasks for p in a] != [p.tasks for p in c]
+    assert len(a) == 3 and sum(len(p.tasks) for p in a) == 30
+    assert sorted(t.id for p in a for t in p.tasks) == sorted(t.id for ts in train.values() for t in ts)
+    envs_first_chunk = {t.env for t in a[0].tasks}
+    assert set(a[0].evaluate) == envs_first_chunk
+
+
+def test_stream_errors_name_the_problem():
+    with pytest.raises(ValueError, match="stream"):
+        build_stream("nope", {"x": _tasks("x", 1)}, ["x"])
+    with pytest.raises(ValueError, match="no training tasks"):
+        build_stream("similarity", {"x": _tasks("x", 1)}, ["x", "y"])
+
+
+def test_experiment_config_sources_and_validation(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[experiment]\nname = "t"\nenvs = ["sql", "websearch"]\ntrain_tasks = 4\nworkers = 3\n'
+        '[experiment.env_options.sql]\nn_train = 10\n[retrieval]\nk = 4\n'
+    )
+    exp = ExperimentConfig.load(path, environ={"LIFEMEM_EXPERIMENT_WORKERS": "5"}, overrides={"stream": "buffer"})
+    assert exp.envs == ["sql", "websearch"] and exp.train_tasks == 4 and exp.workers == 5 and exp.stream == "buffer"
+    assert exp.env_options == {"sql": {"n_train": 10}}
+    assert ExperimentConfig.load(environ={"LIFEMEM_EXPERIMENT_ENVS": "a, b"}).envs == ["a", "b"]
+    with pytest.raises(ConfigError, match="experiment.bogus"):
+        ExperimentConfig.load(overrides={"bogus": 1})
+    with pytest.raises(ConfigError, match="experiment.stream"):
+        ExperimentConfig.load(overrides={"stream": "sideways"})
+    with pytest.raises(ConfigError, match="experiment.modes"):
+        ExperimentConfig.load(overrides={"modes": ["lifemem", "magic"]})
+    with pytest.raises(ConfigError, match="experiment.agent"):
+        ExperimentConfig.load(overrides={"agent": "oracle"})
+    with pytest.raises(ConfigError, match="workers"):
+        ExperimentConfig.load(overrides={"workers": "0"})
+    with pytest.raises(ConfigError, match="expected an integer"):
+        ExperimentConfig.load(overrides={"workers": "many"})
+
+
+def _report(tmp_path):
+    t = ScoreTable(["a", "b"])
+    t.add_row("a", {"a": 50.0})
+    t.add_row("b", {"a": 60.0, "b": 20.0})
+    t.self_learn = {"a": 45.0, "b": 25.0}
+    mode = {"table": t.to_dict(), "metrics": metrics(t), "transfer": transfer_events(t)}
+    return {
+        "config": ExperimentConfig(name="r", envs=["a", "b"]).to_dict(),
+        "modes": {"none": mode, "lifemem": mode},
+        "memory": {"trajectories": 9, "clusters": 3, "cluster_sizes": [5, 3, 1],
+                   "clusters_per_env": {"a": {"single_env": 2, "shared": 1}, "b": {"single_env": 0, "shared": 1}}},
+    }
+
+
+def test_markdown_and_plots(tmp_path):
+    report = _report(tmp_path)
+    md = render_markdown(report)
+    assert "| lifemem | 40.00 | 20.00 | 1 | 0 | 0 |" in md
+    assert "| *self-learn* | 45.00 | 25.00 |" in md
+    assert "| b | 60.00 | 20.00 |" in md
+    json.dumps(report)
+    pytest.importorskip("matplotlib")
+    written = write_plots(report, tmp_path / "plots")
+    assert sorted(p.name for p in written) == ["cluster_sizes.png", "cluster_types.png", "table_heatmap.png"]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000

@@ -1,0 +1,171 @@
+"""Rollout workers on Ray against a real memory deployment: faults, stored-once, the
+lifelong experiment end to end (real environments, real Ray, real LMDB/FAISS), the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL_ACTORS
+
+ray = pytest.importorskip("ray")
+
+from lifemem_ray.actors import deployment as dep  # noqa: E402
+from lifemem_ray.actors.client import MemoryClient  # noqa: E402
+from lifemem_ray.actors.experiment import run_experiment  # noqa: E402
+from lifemem_ray.actors.rollout import EpisodeSpec, RolloutPool  # noqa: E402
+from lifemem_ray.config import MemoryConfig  # noqa: E402
+from lifemem_ray.envs import make_env  # noqa: E402
+from lifemem_ray.lifelong import ExperimentConfig  # noqa: E402
+from lifemem_ray.rollout import EpisodeLimits  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def memory(ray_local, tmp_path_factory):
+    ns = "rollout-test"
+    config = MemoryConfig().replace({**SMALL_ACTORS, "cluster.namespace": ns})
+    store = tmp_path_factory.mktemp("rollout-memory")
+    dep.deploy(store, config, shards=2)
+    client = MemoryClient.connect(namespace=ns, config=config)
+    yield ns, config, client
+    dep.stop(ns)
+
+
+def _fast_envs() -> list[str]:
+    envs = ["sql"]
+    try:
+        make_env("twx-coin").close()
+        envs.append("twx-coin")
+    except Exception:
+        pass
+    return envs
+
+
+def test_workers_store_each_task_once_through_crash_hang_and_failure(memory, tmp_path):
+    ns, config, client = memory
+    tasks = make_env("sql").tasks("train", limit=8)
+    # The workers' "sql" is the fault-injecting wrapper around the real one: task 1 kills its
+    # worker process, task 3 hangs (the step limit fires, the env is replaced), task 5 raises in step.
+    env_options = {"sql": {"adapter": "faulty", "inner": "sql", "marker_dir": str(tmp_path),
+                           "crash_on": [tasks[1].id], "hang_on": [tasks[3].id], "fail_on": [tasks[5].id]}}
+    before = client.stats()["trajectories"]
+    spec = EpisodeSpec(run="faults", phase="learn-00", mode="lifemem", agent="gold", namespace=ns, write=True)
+    progress: list[dict] = []
+    with RolloutPool(2, env_options=env_options, config=config, limits=EpisodeLimits(step_timeout_s=2.0), worker_cpus=0.1,
+                     progress=progress.append, progress_every_s=0.2) as pool:
+        outcomes = pool.run(tasks, spec)
+        replaced = pool.replaced
+    assert [o.error for o in outcomes] == [None] * len(tasks)
+    assert all(o.success for o in outcomes) and [o.task.id for o in outcomes] == [t.id for t in tasks]
+    attempts = {o.task.id: o.attempts for o in outcomes}
+    assert attempts[tasks[1].id] == 2 and replaced == 1  # the crash: retried on a fresh worker
+    assert {o.stored for o in outcomes} <= {"added", "pending"}
+    by_id = {o.task.id: o for o in outcomes}
+    assert by_id[tasks[3].id].summary["env_restarts"] >= 1 and by_id[tasks[5].id].summary["env_restarts"] >= 1
+    assert client.stats()["trajectories"] == before + len(tasks)
+    assert progress[-1]["episodes"] == len(tasks) and progress[-1]["success_rate"] == 1.0 and progress[-1]["retries"] == 1
+    for key in ("steps_per_s", "memory_p50_ms", "episodes_per_s"):
+        assert progress[-1][key] > 0
+    # A retry after a lost acknowledgement maps to the same ids: nothing is stored twice.
+    with RolloutPool(1, config=config, worker_cpus=0.1) as pool:
+        again = pool.run(tasks[:3], spec)
+    assert [o.stored for o in again] == ["duplicate"] * 3
+    assert client.stats()["trajectories"] == before + len(tasks)
+
+
+def test_a_task_that_always_fails_is_reported_not_dropped(memory, tmp_path):
+    ns, config, client = memory
+    task = make_env("sql").tasks("test", limit=1)[0]
+    bad = task.__class__(task.env, "sql-unknown", task.instruction, task.split, {}, task.metadata)  # the env rejects it
+    spec = EpisodeSpec(run="bad", phase="eval-00", mode="none", agent="gold")
+    with RolloutPool(1, config=config, worker_cpus=0.1, max_attempts=2) as pool:
+        [outcome] = pool.run([bad], spec)
+    assert outcome.error is not None and "TaskError" in outcome.error or "Error" in (outcome.error or "")
+    assert not outcome.success and outcome.attempts == 1  # a bad task is not retried
+
+
+def test_retrieval_modes_from_a_worker(memory):
+    ns, config, client = memory
+    tasks = make_env("sql").tasks("test", limit=2)
+    with RolloutPool(1, config=config, worker_cpus=0.1) as pool:
+        out = {}
+        for mode in ("none", "trajectory", "lifemem", "global-skills"):
+            spec = EpisodeSpec(run="modes", phase=f"eval-{mode}", mode=mode, agent="exemplar",
+                               namespace=None if mode in ("none", "global-skills") else ns, global_skill="1. Inspect first.")
+            out[mode] = pool.run(tasks, spec, return_trajectories=True)
+    assert all(o.error is None for outs in out.values() for o in outs)
+    assert out["none"][0].summary["memory_s"] == 0.0
+    assert out["lifemem"][0].summary["memory_s"] > 0
+    # Global retrieval (trajectory mode) searches every environment, same-env (lifemem) only sql.
+    hits_global = client.retrieve(tasks[0].instruction, None, 4, skills=False)
+    hits_env = client.retrieve(tasks[0].instruction, "sql", 4)
+    assert hits_global.skills == [] and all(h.env == "sql" for h in hits_env.trajectories)
+
+
+def test_lifelong_experiment_end_to_end(ray_local, tmp_path):
+    envs = _fast_envs() + (["websearch"] if _has("websearch") else [])
+    exp = ExperimentConfig(name="e2e", envs=envs, train_tasks=4, test_tasks=3, workers=2, worker_cpus=0.1,
+                           modes=["none", "trajectory", "global-skills", "lifemem"], output=str(tmp_path / "run"), self_learn=True)
+    mconf = MemoryConfig().replace(SMALL_ACTORS)
+    report = run_experiment(exp, mconf, progress=None)
+    out = tmp_path / "run"
+    assert (out / "report.json").is_file() and (out / "report.md").is_file()
+    assert sorted(Path(p).name for p in report["plots"]) == ["cluster_sizes.png", "cluster_types.png", "table_heatmap.png"]
+    saved = json.loads((out / "report.json").read_text())
+    for mode in exp.modes:
+        table = saved["modes"][mode]["table"]
+        # Lower-triangular: after phase j, the environments 1..j.
+        assert [sorted(row) for row in table["rows"]] == [sorted(envs[: j + 1]) for j in range(len(envs))]
+        assert sorted(table["self_learn"]) == sorted(envs)
+        assert saved["modes"][mode]["failed_tasks"] == 0
+        assert saved["modes"][mode]["metrics"]["op"] is not None
+    # The LifeMem memory holds every learning trajectory once, environments never mixed in a cluster.
+    assert saved["memory"]["trajectories"] == 4 * len(envs)
+    assert saved["memory"]["mixed_env_clusters"] == 0
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    learn = [e for e in episodes if "learn" in e["id"].split("/")[1]]
+    assert len({e["id"] for e in learn}) == len(learn)
+    assert all({"agent_s", "env_s", "memory_s", "total_s"} <= set(e) for e in episodes)
+    assert report["throughput"]["steps_per_s"] > 0
+
+
+def test_buffer_stream_commits_in_batches(ray_local, tmp_path):
+    exp = ExperimentConfig(name="buf", envs=["sql"], train_tasks=7, test_tasks=2, workers=1, worker_cpus=0.1, stream="buffer",
+                           modes=["lifemem"], self_learn=False, output=str(tmp_path / "run"))
+    report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
+    assert report["memory"]["trajectories"] == 7
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert all(e["stored"] is None for e in episodes)  # the driver committed them, in caches of 5 then 2
+
+
+def _has(name: str) -> bool:
+    try:
+        make_env(name).close()
+        return True
+    except Exception:
+        return False
+
+
+def test_cli_run_writes_the_report(ray_local, tmp_path):
+    address = ray_local.get_runtime_context().gcs_address
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        '[experiment]\nname = "cli"\nenvs = ["sql"]\ntrain_tasks = 3\ntest_tasks = 2\nworkers = 1\nworker_cpus = 0.1\n'
+        f'modes = ["none", "lifemem"]\nself_learn = false\noutput = "{tmp_path / "out"}"\n'
+        '[cluster]\nshard_cpus = 0.1\ncoordinator_cpus = 0.1\nembedder_cpus = 0.1\n'
+    )
+    proc = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--address", address, "--quiet"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| lifemem |" in proc.stdout and "report.md" in proc.stdout
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["memory"]["trajectories"] == 3
+    bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--set", "experiment.stream=sideways"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 1 and "experiment.stream" in bad.stderr
