@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -36,6 +36,8 @@ from .errors import actor_failures
 __all__ = ["MEMORY_MODES", "EpisodeSpec", "RolloutPool", "RolloutWorker", "TaskOutcome", "print_progress"]
 
 log = logging.getLogger(__name__)
+
+VECTOR_CACHE = 4096  # task embeddings a worker keeps
 
 # none: no memory (ReAct). trajectory: top-k over the whole pool, no skills (Synapse-like).
 # global-skills: one skill profile distilled over the whole unclustered pool, no exemplars
@@ -102,6 +104,7 @@ class RolloutWorker:
         self._envs: dict[str, Environment] = {}
         self._agents: dict[str, Agent] = {}
         self._clients: dict[str, Any] = {}
+        self._vectors: OrderedDict[str, Any] = OrderedDict()  # instruction -> embedding (templated tasks repeat)
         self.env_restarts = 0
 
     def ping(self) -> int:
@@ -138,6 +141,17 @@ class RolloutWorker:
             client = self._clients[namespace] = MemoryClient.connect(namespace=namespace, config=self.config)
         return client
 
+    def _vector(self, client: Any, text: str) -> Any:
+        """The task's embedding, computed once: used for retrieval and again for the add."""
+        vec = self._vectors.get(text)
+        if vec is None:
+            vec = self._vectors[text] = client._embed([text])[0]
+            if len(self._vectors) > VECTOR_CACHE:
+                self._vectors.popitem(last=False)
+        else:
+            self._vectors.move_to_end(text)
+        return vec
+
     # -- one task ----------------------------------------------------------------------
     def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Retrieval | None] | None:
         if spec.mode == "none":
@@ -153,8 +167,8 @@ class RolloutWorker:
             return profile
         client = self._client(spec.namespace)  # type: ignore[arg-type]
         if spec.mode == "trajectory":
-            return lambda task: client.retrieve(task.instruction, None, spec.k, skills=False)
-        return lambda task: client.retrieve(task.instruction, task.env, spec.k)
+            return lambda task: client.retrieve(task.instruction, None, spec.k, skills=False, vector=self._vector(client, task.instruction))
+        return lambda task: client.retrieve(task.instruction, task.env, spec.k, vector=self._vector(client, task.instruction))
 
     def run(self, task: Task, spec: EpisodeSpec, return_trajectory: bool = False) -> dict[str, Any]:
         """Run ``task``; a hung or failing environment is replaced and the task retried
@@ -183,21 +197,22 @@ class RolloutWorker:
                 self._drop_env(task.env)
         else:
             raise RuntimeError(f"task {task.env}/{task.id} failed {self.env_retries + 1} times with a fresh environment: {last_error}")
-        stored = None
+        ack = None
         submit_s = 0.0
         if spec.write:
+            # Submitted, not awaited: the pool holds the acknowledgement and counts the task
+            # done only once it arrived, while this worker already runs the next episode.
             t0 = time.perf_counter()
-            try:
-                stored = self._client(spec.namespace).add(result.trajectory).result().status  # type: ignore[arg-type]
-            except IdConflictError:
-                # An earlier attempt of this task (on a worker that died after the ack) stored
-                # a different run of it: the memory keeps the first, as promised.
-                stored = "conflict-existing"
+            client = self._client(spec.namespace)  # type: ignore[arg-type]
+            traj = result.trajectory
+            vector = self._vectors.get(traj.query_text)
+            ack = client.add(traj, vector=vector).ref
             submit_s = time.perf_counter() - t0
         summary = result.summary()
         summary.update(worker=self.worker_id, submit_s=round(submit_s, 6), env_restarts=self.env_restarts,
                        memory_s=round(result.timings["memory_s"] + submit_s, 6))
-        return {"summary": summary, "stored": stored, "trajectory": result.trajectory.to_dict() if return_trajectory else None}
+        return {"summary": summary, "ack": [ack] if ack is not None else None,
+                "trajectory": result.trajectory.to_dict() if return_trajectory else None}
 
     def close(self) -> None:
         for name in list(self._envs):
@@ -277,16 +292,19 @@ class RolloutPool:
         results: list[TaskOutcome | None] = [None] * len(tasks)
         free = list(range(self.size))
         inflight: dict[Any, tuple[int, int, int, float]] = {}  # ref -> (task index, attempt, worker index, deadline)
+        acks: dict[Any, tuple[int, int, TaskOutcome, float]] = {}  # memory acknowledgement -> (task, attempt, outcome, sent)
         deadline_s = self.limits.episode_timeout_s * 1.5 + 60.0  # past the worker's own limits: it is stuck
         stats = _Progress(len(tasks), spec.phase)
         last_report = time.monotonic()
-        while queue or inflight:
+        while queue or inflight or acks:
             while queue and free:
                 i, attempt = queue.popleft()
                 w = free.pop()
                 ref = self.workers[w].run.remote(tasks[i], spec, return_trajectories)
                 inflight[ref] = (i, attempt, w, time.monotonic() + deadline_s)
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5) if inflight else ([], [])
+            if not inflight and acks:
+                ray.wait(list(acks), num_returns=1, timeout=0.5)
             now = time.monotonic()
             for ref in ready:
                 i, attempt, w, _ = inflight.pop(ref)
@@ -307,9 +325,36 @@ class RolloutPool:
                         self._retry_or_fail(queue, results, tasks, i, attempt, f"{type(cause).__name__}: {cause}", stats, on_result)
                     continue
                 free.append(w)
-                outcome = TaskOutcome(tasks[i], out["summary"], out["trajectory"], out["stored"], attempt)
+                outcome = TaskOutcome(tasks[i], out["summary"], out["trajectory"], None, attempt)
                 outcome.summary["attempts"] = attempt
-                self._finish(results, outcome, i, stats, on_result)
+                if out["ack"]:
+                    acks[out["ack"][0]] = (i, attempt, outcome, time.monotonic())
+                else:
+                    self._finish(results, outcome, i, stats, on_result)
+            if acks:
+                done_acks, _ = ray.wait(list(acks), num_returns=len(acks), timeout=0)
+                for ref in done_acks:
+                    i, attempt, outcome, submitted = acks.pop(ref)
+                    try:
+                        outcome.stored = ray.get(ref)[0].status
+                    except IdConflictError:
+                        # An earlier attempt of this task stored a different run of it (its worker
+                        # died after the commit): the memory keeps the first, as promised.
+                        outcome.stored = "conflict-existing"
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+                        if isinstance(cause, IdConflictError):
+                            outcome.stored = "conflict-existing"
+                        else:
+                            self._retry_or_fail(queue, results, tasks, i, attempt, f"not stored: {type(cause).__name__}: {cause}", stats, on_result)
+                            continue
+                    except (ray.exceptions.OwnerDiedError, *actor_failures()) as exc:
+                        # The worker that submitted it died before the acknowledgement: unknown
+                        # whether it was stored; the retry has the same id, so at most once.
+                        self._retry_or_fail(queue, results, tasks, i, attempt, f"acknowledgement lost: {type(exc).__name__}", stats, on_result)
+                        continue
+                    outcome.summary["ack_s"] = round(time.monotonic() - submitted, 6)
+                    self._finish(results, outcome, i, stats, on_result)
             for ref, (i, attempt, w, deadline) in list(inflight.items()):
                 if now > deadline:  # hung beyond the worker's own limits: kill it
                     del inflight[ref]
@@ -317,7 +362,7 @@ class RolloutPool:
                     self._replace(w)
                     free.append(w)
                     self._retry_or_fail(queue, results, tasks, i, attempt, f"worker stuck past {deadline_s:.0f} s", stats, on_result)
-            if self.progress is not None and (now - last_report >= self.progress_every_s or not (queue or inflight)):
+            if self.progress is not None and (now - last_report >= self.progress_every_s or not (queue or inflight or acks)):
                 self.progress(stats.snapshot())
                 last_report = now
         return [r for r in results if r is not None]

@@ -92,10 +92,12 @@ class RandomAgent(Agent):
         self._rng = random.Random(task_seed(self.seed, task))
         self._last = None
 
-    def _explore(self, info: dict[str, Any]) -> AgentStep:
+    def _explore(self, info: dict[str, Any], exclude: set[str] = frozenset()) -> AgentStep:  # type: ignore[assignment]
         valid = list(info.get("valid_actions") or [])
         if not valid:
             return AgentStep("look", "no valid actions listed: looking around")
+        fresh = [a for a in valid if a not in exclude]
+        valid = fresh or valid
         if len(valid) > 1 and self._last in valid:
             valid.remove(self._last)  # do not repeat an action just taken
         action = self._rng.choice(sorted(valid))
@@ -111,15 +113,19 @@ class ExemplarAgent(RandomAgent):
 
     Each exemplar keeps an alignment pointer: after every action the agent takes, the
     pointer moves past the exemplar step it matches (looking a few steps ahead), so an
-    exemplar is followed in order even when the two runs differ for a while. Successful
+    exemplar is followed in order even when the two runs differ for a while. Where an
+    exemplar met (almost) the current observation (word overlap >= ``state_match``), its
+    next action there is proposed too, at half weight: a state-to-action neighbour. Successful
     exemplars weigh more than failed ones; an action whose best match scores below
     ``min_match`` is not imitated.
     """
 
     name = "exemplar"
 
-    def __init__(self, seed: int = 0, *, min_match: float = 0.5, lookahead: int = 3, failed_weight: float = 0.25) -> None:
+    def __init__(self, seed: int = 0, *, min_match: float = 0.5, lookahead: int = 3, failed_weight: float = 0.25,
+                 state_match: float = 0.6) -> None:
         super().__init__(seed)
+        self.state_match = state_match
         if not 0.0 < min_match <= 1.0:
             raise ValueError(f"ExemplarAgent: min_match must be in (0, 1], got {min_match!r}")
         self.min_match = min_match
@@ -141,15 +147,26 @@ class ExemplarAgent(RandomAgent):
                 weight = max(hit.score, 0.0) * (1.0 if traj.outcome.success is not False else self.failed_weight)
                 self._exemplars.append((traj, weight))
         self._pos = [0] * len(self._exemplars)
+        self._tried: set[tuple[int, str]] = set()
         self.imitated = self.explored = 0
 
     def act(self, observation: str, info: dict[str, Any]) -> AgentStep:
         valid = info.get("valid_actions")
         proposals: dict[str, float] = {}
+        seen = _words(observation)
+        state = hash(observation)
         for (traj, weight), pos in zip(self._exemplars, self._pos):
             if pos < len(traj.steps):
                 wanted = traj.steps[pos].action
                 proposals[wanted] = proposals.get(wanted, 0.0) + weight
+            # State matching: where the exemplar saw (almost) this observation, what did it do next?
+            before = _words(traj.initial_observation)
+            for step in traj.steps:
+                if before and seen:
+                    sim = len(before & seen) / len(before | seen)
+                    if sim >= self.state_match:
+                        proposals[step.action] = proposals.get(step.action, 0.0) + weight * sim * 0.5
+                before = _words(step.observation)
         best: tuple[float, str] | None = None
         if proposals:
             if valid:
@@ -159,7 +176,7 @@ class ExemplarAgent(RandomAgent):
                         sim = action_similarity(action, wanted)
                         if sim >= self.min_match:
                             score += weight * sim
-                    if score > 0 and (best is None or score > best[0]):
+                    if score > 0 and (state, action) not in self._tried and (best is None or score > best[0]):
                         best = (score, action)
             else:  # free-form environment: repeat the best-supported exemplar action
                 wanted, weight = max(proposals.items(), key=lambda kv: (kv[1], kv[0]))
@@ -168,8 +185,9 @@ class ExemplarAgent(RandomAgent):
             step = AgentStep(best[1], f"following {len(proposals)} exemplar step(s)")
             self.imitated += 1
         else:
-            step = self._explore(info)
+            step = self._explore(info, exclude={a for (st, a) in self._tried if st == state})
             self.explored += 1
+        self._tried.add((state, step.action))  # never the same action twice in the same state: no loops
         self._advance(step.action)
         self._last = step.action
         return step

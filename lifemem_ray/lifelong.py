@@ -54,7 +54,7 @@ class ExperimentConfig:
     """One lifelong experiment, the ``[experiment]`` table of a run file."""
 
     name: str = "lifelong"
-    envs: list[str] = field(default_factory=lambda: ["twx-coin", "twx-sorting", "twx-mapreader"])
+    envs: list[str] = field(default_factory=lambda: ["twx-coin", "twx-mapreader", "twx-twc", "twx-arithmetic"])
     train_tasks: int = 20  # per environment
     test_tasks: int = 10
     stream: str = "similarity"
