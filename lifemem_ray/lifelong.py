@@ -318,7 +318,7 @@ def write_plots(report: Mapping[str, Any], directory: str | Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     modes = report["modes"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.0 * len(modes), 3.8), squeeze=False, gridspec_kw={"wspace": 0.55})
     for ax, (mode, res) in zip(axes[0], modes.items()):
         table = res["table"]
         envs, rows = table["envs"], table["rows"]

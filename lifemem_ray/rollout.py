@@ -150,8 +150,15 @@ def run_episode(
         retrieval = retrieve(task)
         t_memory += time.perf_counter() - t0
     gold = None
-    if agent.uses_gold:
-        gold = env.gold_actions(task)
+    if agent.uses_gold:  # a planner may take long (ALFWorld): bounded by the episode's time, not a step's
+        left = deadline - time.perf_counter()
+        t0 = time.perf_counter()
+        try:
+            gold = guard.call(env.gold_actions, task, timeout=max(left, 0.001), what=f"{task.env}/{task.id}: gold_actions")
+        except EnvHung:
+            raise EpisodeTimeout(f"task {task.env}/{task.id}: episode exceeded {limits.episode_timeout_s:g} s (in gold_actions)") from None
+        finally:
+            t_env += time.perf_counter() - t0
     t0 = time.perf_counter()
     agent.start(task, observation, info, retrieval, gold)
     t_agent += time.perf_counter() - t0

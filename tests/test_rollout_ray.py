@@ -169,3 +169,48 @@ def test_cli_run_writes_the_report(ray_local, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--set", "experiment.stream=sideways"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 1 and "experiment.stream" in bad.stderr
+
+
+# Each real environment through the Ray workers: a few gold episodes, stored in the memory.
+# Options keep them small; an environment whose package is absent is skipped by name.
+REAL_ENVS = {
+    "sql": {},
+    "websearch": {},
+    "twx-coin": {},
+    "twx-cookingworld": {},
+    "bfcl": {},
+    "tau2-retail": {},
+    "scienceworld": {"task_names": ["find-living-thing"], "variations_per_task_train": 2, "variations_per_task_test": 1},
+    "alfworld": {},
+}
+
+
+def test_gold_rollouts_on_every_installed_environment(memory):
+    ns, config, client = memory
+    available, missing = {}, []
+    for name, options in REAL_ENVS.items():
+        try:
+            env = make_env(name, **options)
+        except Exception as exc:  # EnvUnavailable, ImportError: the package or data is not here
+            missing.append(f"{name} ({type(exc).__name__})")
+            continue
+        try:
+            tasks = env.tasks("train", limit=2)
+        finally:
+            env.close()
+        available[name] = tasks
+    if len(available) < 3:
+        pytest.skip(f"fewer than three environments installed; missing: {', '.join(missing)}")
+    tasks = [t for ts in available.values() for t in ts]
+    before = client.stats()["trajectories"]
+    spec = EpisodeSpec(run="real", phase="learn-00", mode="lifemem", agent="gold", namespace=ns, write=True)
+    with RolloutPool(2, env_options={n: REAL_ENVS[n] for n in available}, config=config, worker_cpus=0.1,
+                     limits=EpisodeLimits(step_timeout_s=120, episode_timeout_s=400)) as pool:
+        outcomes = pool.run(tasks, spec)
+    failures = {o.task.id: o.error or o.summary for o in outcomes if not o.success}
+    assert not failures, failures
+    assert {o.stored for o in outcomes} <= {"added", "pending"}
+    assert client.stats()["trajectories"] == before + len(tasks)
+    for name in available:
+        hits = client.retrieve(available[name][0].instruction, name, 2)
+        assert hits.trajectories and all(h.env == name for h in hits.trajectories)
