@@ -293,8 +293,9 @@ class ReActAgent(Agent):
         if self._pending is not None:
             self._history.append((self._pending, observation))
         valid: Sequence[str] | None = info.get("valid_actions")
-        prompt = act_prompt(self._instruction, self._context, self._history[:-1] if self._history else [], observation, valid,
-                            char_budget=self.history_chars)
+        # The latest action's result is the current observation: shown once, in full.
+        shown = self._history[:-1] + [(self._history[-1][0], "")] if self._history else []
+        prompt = act_prompt(self._instruction, self._context, shown, observation, valid, char_budget=self.history_chars)
         by_key = {" ".join(a.lower().split()): a for a in valid} if valid else {}
 
         def check(data: dict[str, Any]) -> tuple[AgentStep | None, list[str]]:

@@ -37,6 +37,7 @@ from .model import Trajectory
 from .prompts import (
     DESCRIPTION_MAX_CHARS,
     GROUP_LABEL_MAX_CHARS,
+    MEMORY_OPERATIONS,
     OPERATIONS,
     SKILL_MAX_CHARS,
     Prompt,
@@ -816,7 +817,8 @@ class LLMDecider:
     # -- bookkeeping -------------------------------------------------------------------
 
     def usage(self) -> dict[str, dict[str, float]]:
-        return self.client.usage()
+        """The memory's operations only (an agent sharing the client counts under ``act``)."""
+        return {op: v for op, v in self.client.usage().items() if op in MEMORY_OPERATIONS}
 
     def close(self) -> None:
         self.client.close()

@@ -28,6 +28,7 @@ from .model import Step, Trajectory
 __all__ = [
     "DESCRIPTION_MAX_CHARS",
     "GROUP_LABEL_MAX_CHARS",
+    "MEMORY_OPERATIONS",
     "OPERATIONS",
     "ACT_SYSTEM_PROMPT",
     "act_prompt",
@@ -42,7 +43,8 @@ __all__ = [
     "split_prompt",
 ]
 
-OPERATIONS = ("assign", "partition", "describe", "split", "distil", "act")
+MEMORY_OPERATIONS = ("assign", "partition", "describe", "split", "distil")
+OPERATIONS = MEMORY_OPERATIONS + ("act",)  # act: the ReAct agent of the rollouts
 
 DESCRIPTION_MAX_CHARS = 300
 GROUP_LABEL_MAX_CHARS = 64
@@ -412,7 +414,9 @@ def act_prompt(
     budget = max(1000, char_budget - sum(len(p) for p in parts) - len(observation))
     lines: list[str] = []
     for n, (action, obs) in enumerate(reversed(list(history)), 1):
-        line = f"Action {len(history) - n + 1}: {_one_line(action, 300)}\n<observation>{_one_line(obs, 600)}</observation>"
+        line = f"Action {len(history) - n + 1}: {_one_line(action, 300)}"
+        if obs:
+            line += f"\n<observation>{_one_line(obs, 600)}</observation>"
         if sum(len(x) for x in lines) + len(line) > budget:
             lines.append(f"({len(history) - n + 1} earlier steps omitted)")
             break

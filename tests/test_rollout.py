@@ -186,6 +186,9 @@ def test_react_agent_acts_from_validated_answers_with_memory_in_the_prompt():
         finally:
             agent.close()
         first = stub.requests[0]["messages"]
+        second = stub.requests[1]["messages"][1]["content"]
+    # The latest action is in the history; its result is the current observation.
+    assert "Action 1: go north" in second and "<observation>Room 1.</observation>" in second
     assert result.success and [s.action for s in result.trajectory.steps] == env.gold_actions(task)
     assert agent.calls == 3 and agent.invalid == 0
     user = first[1]["content"]

@@ -214,3 +214,33 @@ def test_gold_rollouts_on_every_installed_environment(memory):
     for name in available:
         hits = client.retrieve(available[name][0].instruction, name, 2)
         assert hits.trajectories and all(h.env == name for h in hits.trajectories)
+
+
+def test_experiment_with_the_llm_agent_through_an_openai_endpoint(ray_local, tmp_path):
+    """`run` with an endpoint: the ReAct agent acts in the Ray workers (its prompts carry the
+    memory's context) and the coordinator's decisions go to the same server."""
+    from openai_stub import OpenAIStub, Reply
+
+    def act(request: dict):
+        system = request["messages"][0]["content"]
+        if not system.startswith("You are an agent"):
+            return None  # a memory operation: the stub's sensible answer
+        user = request["messages"][1]["content"]
+        if "Action 1:" in user:  # second turn: answer
+            return Reply.json({"thought": "done", "action": "Action: Answer\nFinal Answer: []"})
+        return Reply.json({"thought": "look first", "action": "Operation: SELECT 1;"})
+
+    with OpenAIStub(responder=act, sensible=True) as stub:
+        mconf = MemoryConfig().replace({**SMALL_ACTORS, "llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
+                                        "llm.timeout_s": 20})
+        exp = ExperimentConfig(name="llm", envs=["sql"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1, agent="react",
+                               learn_agent="gold", modes=["none", "lifemem"], self_learn=False, output=str(tmp_path / "run"))
+        report = run_experiment(exp, mconf, progress=None)
+        acts = [r for r in stub.requests if r["messages"][0]["content"].startswith("You are an agent")]
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    evals = [e for e in episodes if "/eval-" in e["id"]]
+    assert len(evals) == 4 and report["modes"]["lifemem"]["failed_tasks"] == 0
+    assert len(acts) == 2 * len(evals)  # two turns per test episode, none while the gold agent learnt
+    with_memory = [r for r in acts if "Experience from memory" in r["messages"][1]["content"]]
+    assert len(with_memory) == 4  # the lifemem mode's two episodes, both turns
+    assert report["memory"]["trajectories"] == 3
