@@ -18,7 +18,8 @@ import ray
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.memory import AddResult, pack_trajectories
 from lifemem_ray.model import Trajectory
-from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
+from lifemem_ray.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
+from lifemem_ray.storage import record_to_trajectory
 
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
@@ -112,7 +113,7 @@ class MemoryClient:
         k = self.config.retrieval.k if k is None else k
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self._embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
-        refs = [shard.retrieve_many.remote(tasks, envs, k, vecs, None, skills) for shard in self.shards]
+        refs = [shard.search_records.remote(envs, k, vecs, skills) for shard in self.shards]
         try:
             per_shard = ray.get(refs)
         except actor_failures() as exc:
@@ -120,8 +121,13 @@ class MemoryClient:
         out = []
         max_skills = self.config.retrieval.max_skills
         for q, (task, env) in enumerate(zip(tasks, envs)):
-            hits = sorted((h for part in per_shard for h in part[q].trajectories), key=lambda h: -h.score)[:k]
-            texts = {s.cluster_id: s.text for part in per_shard for s in part[q].skills}
+            # Merge by score (stable across shards), then decode only the k winners.
+            best = sorted((h for part in per_shard for h in part[q][0]), key=lambda h: -h[0])[:k]
+            hits = []
+            for score, cid, raw in best:
+                traj = record_to_trajectory(raw)[0]
+                hits.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(score), cid, traj))
+            texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
             skills: list[RetrievedSkill] = []
             for hit in hits:
                 if hit.cluster_id in texts and all(s.cluster_id != hit.cluster_id for s in skills) and len(skills) < max_skills:

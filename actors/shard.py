@@ -10,6 +10,7 @@ call re-executed after the actor restarted stores nothing twice.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -38,6 +39,11 @@ class MemoryShard:
         self.path = Path(path)
         # Splits and skills must never stall ingest: they run in the engine's own thread.
         config = config.replace({"evolution.background_maintenance": True})
+        # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
+        # other actors of the node (small batches per environment make that costly).
+        import faiss
+
+        faiss.omp_set_num_threads(max(1, math.ceil(config.cluster.shard_cpus)))
         self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
         self.started = time.time()
         self.busy_seconds = {"candidates": 0.0, "commit": 0.0, "known": 0.0}
@@ -97,6 +103,9 @@ class MemoryShard:
     # -- reading -----------------------------------------------------------------------------
     def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None], k: int, vectors: np.ndarray, token_budget: int | None = None, skills: bool = True) -> list[Retrieval]:
         return self.memory.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills)
+
+    def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[Any]:
+        return self.memory.search_records(vectors, envs, k, skills=skills)
 
     def timed_retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[list[Retrieval], float]:
         """retrieve_many and the seconds it took inside this process (to separate Ray's share)."""

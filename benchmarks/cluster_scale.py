@@ -67,6 +67,7 @@ def main() -> None:
         gen_s = 0.0
         started = time.perf_counter()
         loaded = 0
+        last_stages: dict[str, float] = {}
         for part in range(0, args.n, chunk):
             t = time.perf_counter()
             trajs = list(generate(min(chunk, args.n - part), seed=1000 + part // chunk, length_scale=LENGTH_SCALE, id_prefix=f"s{part // chunk}"))
@@ -85,8 +86,11 @@ def main() -> None:
             for f in pending:
                 f.result(timeout=3600)
             loaded += len(trajs)
-            windows.append({"stored": loaded, "per_s": round(len(trajs) / (time.perf_counter() - t), 1)})
-            print(f"{loaded:>9,} stored  {windows[-1]['per_s']:>8,.0f}/s", file=sys.stderr, flush=True)
+            stages = ray.get(client.coordinator.stats.remote())["stage_seconds"]
+            delta = {k: round(v - last_stages.get(k, 0.0), 2) for k, v in stages.items()}
+            last_stages = stages
+            windows.append({"stored": loaded, "per_s": round(len(trajs) / (time.perf_counter() - t), 1), "stage_seconds": delta})
+            print(f"{loaded:>9,} stored  {windows[-1]['per_s']:>8,.0f}/s  coordinator stages (s): {delta}", file=sys.stderr, flush=True)
         load_s = time.perf_counter() - started - gen_s
         report["generate"] = {"seconds": round(gen_s, 1), "per_s": round(args.n / gen_s, 1), "json_chars_mean": round(statistics.mean(lengths)), "json_chars_median": statistics.median(lengths)}
         report["load"] = {"per_s": round(args.n / load_s, 1), "seconds": round(load_s, 1), "slowest_window_per_s": min(w["per_s"] for w in windows), "windows": windows}

@@ -94,6 +94,9 @@ class IndexConfig:
     nlist: int = 0  # 0: chosen from the size (about 4 * sqrt(n))
     nprobe: int = 0  # 0: calibrated to reach target_recall at (re)training
     target_recall: float = 0.97
+    # Share of the calibrated nprobe the evolution's neighbour search uses: it needs the
+    # clusters of the nearest trajectories, not exact neighbours (retrieval uses all of it).
+    candidate_nprobe_fraction: float = 0.5
     use_gpu: str = "auto"  # auto | yes | no
 
     def validate(self) -> None:
@@ -101,6 +104,7 @@ class IndexConfig:
         if self.nlist < 0 or self.nprobe < 0:
             raise ConfigError("index.nlist and index.nprobe: must be >= 0 (0 = automatic)")
         _in_range(self, "target_recall", 0.5, 1.0)
+        _in_range(self, "candidate_nprobe_fraction", 0.01, 1.0)
         _choice(self, "use_gpu", ("auto", "yes", "no"))
 
 

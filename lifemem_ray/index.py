@@ -192,9 +192,12 @@ class VectorIndex:
         return _merge(parts, k)
 
     def search_envs(
-        self, queries: np.ndarray, k: int, envs: Sequence[str]
+        self, queries: np.ndarray, k: int, envs: Sequence[str], *, nprobe_fraction: float = 1.0
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Like :meth:`search`, but query ``i`` is restricted to ``envs[i]``; queries are batched per env."""
+        """Like :meth:`search`, but query ``i`` is restricted to ``envs[i]``; queries are batched per env.
+
+        ``nprobe_fraction`` < 1 probes that share of an IVF environment's calibrated lists
+        (faster, approximate: for callers that need the neighbourhood, not exact neighbours)."""
         queries = _as_matrix(queries, self.dim, "queries")
         k = _as_k(k)
         if isinstance(envs, str):
@@ -214,15 +217,18 @@ class VectorIndex:
                 if e is None:
                     continue
                 rows = np.flatnonzero(inverse == g)
-                scores[rows], ids[rows] = self._search_env(name, e, queries[rows], k)
+                scores[rows], ids[rows] = self._search_env(name, e, queries[rows], k, nprobe_fraction)
         return scores, ids
 
-    def _search_env(self, name: str, e: _Env, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search_env(self, name: str, e: _Env, queries: np.ndarray, k: int, nprobe_fraction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """One env's top-k; IVF rows that came back short are redone exhaustively."""
         want = min(k, e.ntotal)
         searcher = self._searcher(name, e, want)
         if searcher is e.index and e.kind == "flat":
             scores, ids = _flat_search(e, queries, want)
+        elif searcher is e.index and e.kind == "ivf" and nprobe_fraction < 1.0:
+            nprobe = max(1, int(round(e.nprobe * nprobe_fraction)))
+            scores, ids = searcher.search(queries, want, params=faiss.SearchParametersIVF(nprobe=nprobe))
         else:
             scores, ids = searcher.search(queries, want)
         if e.kind == "ivf":

@@ -434,7 +434,8 @@ class Memory:
                 combined = self._centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
                 found.extra = self._centroids.search(combined, evo.centroid_candidates)
             if evo.neighbour_scope == "env":
-                scores, ids = self.index.search_envs(queries, evo.top_k, list(envs))
+                scores, ids = self.index.search_envs(queries, evo.top_k, list(envs),
+                                                     nprobe_fraction=self.config.index.candidate_nprobe_fraction)
             elif len(self.index):
                 scores, ids = self.index.search(queries, evo.top_k)
             else:
@@ -1182,6 +1183,50 @@ class Memory:
                 skill_list = list(skills.values())
                 context, tokens = render_context(hits, skill_list, budget)
                 out.append(Retrieval(task=task, env=env, trajectories=hits, skills=skill_list, context=context, tokens=tokens))
+        return out
+
+    def search_records(
+        self, vectors: Any, envs: Sequence[str | None], k: int, *, skills: bool = True
+    ) -> list[tuple[list[tuple[float, int | None, bytes]], dict[int, str]]]:
+        """Per query: the top-k hits as (score, cluster id, stored record bytes) and the skills
+        of their clusters. What a shard returns to a client that merges several shards: the
+        records travel undecoded and only the merged winners are decoded."""
+        self._check_open()
+        envs = list(envs)
+        queries = _unit_rows(vectors, len(envs), self.dim, "vectors")
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k: expected a positive integer, got {k!r}")
+        if not envs:
+            return []
+        scoped = [i for i, env in enumerate(envs) if env is not None]
+        if len(scoped) == len(envs):
+            scores, ids = self.index.search_envs(queries, k, envs)
+        else:
+            scores = np.full((len(envs), k), -np.inf, dtype=np.float32)
+            ids = np.full((len(envs), k), -1, dtype=np.int64)
+            if scoped:
+                scores[scoped], ids[scoped] = self.index.search_envs(queries[scoped], k, [envs[i] for i in scoped])
+            pooled = [i for i, env in enumerate(envs) if env is None]
+            scores[pooled], ids[pooled] = self.index.search(queries[pooled], k)
+        out = []
+        max_skills = self.config.retrieval.max_skills
+        with self.store.read() as txn:
+            for row_s, row_i in zip(scores, ids):
+                hits: list[tuple[float, int | None, bytes]] = []
+                texts: dict[int, str] = {}
+                for s, vid in zip(row_s.tolist(), row_i.tolist()):
+                    if vid < 0:
+                        continue
+                    raw = self.store.trajectory_bytes(txn, vid)
+                    if raw is None:
+                        continue
+                    cid = self.store.cluster_of(txn, vid)
+                    hits.append((s, cid, raw))
+                    if skills and cid is not None and cid not in texts and len(texts) < max_skills:
+                        record = self.store.get_cluster(txn, cid)
+                        if record is not None and record.skill.strip():
+                            texts[cid] = record.skill
+                out.append((hits, texts))
         return out
 
     # -- reading ---------------------------------------------------------------------------

@@ -532,6 +532,10 @@ class MemoryStore:
         raw = txn.get(pack_u64(vid), db=self.db["vclu"])
         return None if raw is None else unpack_u64(raw)
 
+    def trajectory_bytes(self, txn: lmdb.Transaction, vid: int) -> bytes | None:
+        """The stored record as is (:func:`record_to_trajectory` decodes it): cheap to ship."""
+        return txn.get(pack_u64(vid), db=self.db["traj"])
+
     def trajectory(self, txn: lmdb.Transaction, vid: int) -> tuple[Trajectory, dict[str, Any]] | None:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else record_to_trajectory(raw)

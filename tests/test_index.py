@@ -264,6 +264,20 @@ def test_ivf_recall_on_held_out_queries(grown: tuple[VectorIndex, list[str]], cl
     assert recall(got, truth) >= 0.95
 
 
+def test_candidate_search_probes_fewer_lists_and_stays_close(grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]) -> None:
+    """The evolution's neighbour search (nprobe_fraction < 1) is approximate, never short."""
+    ivf_index = grown[0]
+    e = ivf_index._envs["big"]
+    assert e.kind == "ivf" and e.nprobe >= 2
+    queries = clustered["queries"]
+    full_s, full = ivf_index.search_envs(queries, 4, ["big"] * len(queries))
+    part_s, part = ivf_index.search_envs(queries, 4, ["big"] * len(queries), nprobe_fraction=0.5)
+    few_s, few = ivf_index.search_envs(queries, 4, ["big"] * len(queries), nprobe_fraction=0.01)  # one list
+    assert (part >= 0).all() and (few >= 0).all() and part.shape == full.shape
+    assert recall(few, full) < recall(part, full) < 1.0  # fewer lists, fewer exact neighbours
+    assert (part_s <= full_s + 1e-5).all() and (few_s <= part_s + 1e-5).all()  # never better than probing more
+
+
 def test_ivf_restricted_search_never_returns_fewer_than_available(clustered: dict[str, object]) -> None:
     """With nprobe=1 the probed list is far smaller than k: the row is redone exhaustively."""
     rng = np.random.default_rng(7)
