@@ -97,14 +97,21 @@ class IndexConfig:
     # Share of the calibrated nprobe the evolution's neighbour search uses: it needs the
     # clusters of the nearest trajectories, not exact neighbours (retrieval uses all of it).
     candidate_nprobe_fraction: float = 0.5
+    candidate_max_codes: int = 1024  # vectors scanned per query at most in that search (0: no limit)
+    # An IVF environment is retrained (more lists) once it holds this many times its
+    # training size: smaller keeps lists short (faster search), larger retrains less often.
+    retrain_growth: float = 2.0
     use_gpu: str = "auto"  # auto | yes | no
 
     def validate(self) -> None:
         _positive(self, "exact_max")
+        if self.candidate_max_codes < 0:
+            raise ConfigError("index.candidate_max_codes: must be >= 0 (0 = no limit)")
         if self.nlist < 0 or self.nprobe < 0:
             raise ConfigError("index.nlist and index.nprobe: must be >= 0 (0 = automatic)")
         _in_range(self, "target_recall", 0.5, 1.0)
         _in_range(self, "candidate_nprobe_fraction", 0.01, 1.0)
+        _in_range(self, "retrain_growth", 1.25, 100.0)
         _choice(self, "use_gpu", ("auto", "yes", "no"))
 
 
@@ -230,12 +237,7 @@ class MemoryConfig:
         config = cls()
         if path is not None:
             path = Path(path)
-            try:
-                data = tomllib.loads(path.read_text(encoding="utf-8"))
-            except FileNotFoundError:
-                raise ConfigError(f"{path}: config file not found") from None
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+            data = read_toml(path)
             # A run file may hold other tables ([experiment], ...); [memory.*] or top-level sections.
             data = data.get("memory", data)
             for section, values in data.items():
@@ -262,6 +264,16 @@ class MemoryConfig:
             for dotted, value in overrides.items():
                 _set(config, dotted, value, "override")
         return config.validate()
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's tables; a missing or malformed file is a ConfigError naming it."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
 
 def _sections(config: MemoryConfig) -> list[str]:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from .config import EvolutionConfig, LLMConfig
-from .decisions import Assignment, AssignRequest, Candidate, ClusterView, Decider
+from .decisions import AssignRequest, Candidate, ClusterView, Decider
 from .model import Trajectory
 from .policy import OfflinePolicy
 from .storage import ClusterRecord

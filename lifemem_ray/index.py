@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 PAD_SCORE = float("-inf")  # score of a padding slot (fewer than k results exist)
 PAD_ID = -1  # id of a padding slot
 
-_RETRAIN_GROWTH = 4  # retrain an IVF env when it holds this many times its training size
 _MIN_PER_CENTROID = 39  # nlist <= n / 39: k-means gets enough points per centroid
 _TRAIN_PER_CENTROID = 40  # training sample: at most this many points per centroid
 _KMEANS_ITERS = 10  # few iterations: training must stay fast on 2 cores
@@ -124,7 +123,7 @@ class VectorIndex:
                 self._envs[env] = self._build(ids, vectors)
                 self._dirty.add(env)
             elif (e.kind == "flat" and total > self.config.exact_max) or (
-                e.kind == "ivf" and total > _RETRAIN_GROWTH * e.trained_size
+                e.kind == "ivf" and total > self.config.retrain_growth * e.trained_size
             ):
                 old_ids, old_vecs = _export(e)
                 self._envs[env] = self._build(np.concatenate([old_ids, ids]), np.concatenate([old_vecs, vectors]))
@@ -192,12 +191,14 @@ class VectorIndex:
         return _merge(parts, k)
 
     def search_envs(
-        self, queries: np.ndarray, k: int, envs: Sequence[str], *, nprobe_fraction: float = 1.0
+        self, queries: np.ndarray, k: int, envs: Sequence[str], *, nprobe_fraction: float = 1.0, max_codes: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`search`, but query ``i`` is restricted to ``envs[i]``; queries are batched per env.
 
-        ``nprobe_fraction`` < 1 probes that share of an IVF environment's calibrated lists
-        (faster, approximate: for callers that need the neighbourhood, not exact neighbours)."""
+        For callers that need the neighbourhood, not exact neighbours (faster, approximate):
+        ``nprobe_fraction`` < 1 probes that share of an IVF environment's calibrated lists;
+        ``max_codes`` > 0 stops scanning after that many vectors per query (near-duplicate
+        trajectories pile up in a few huge lists, which would otherwise be scanned whole)."""
         queries = _as_matrix(queries, self.dim, "queries")
         k = _as_k(k)
         if isinstance(envs, str):
@@ -217,18 +218,21 @@ class VectorIndex:
                 if e is None:
                     continue
                 rows = np.flatnonzero(inverse == g)
-                scores[rows], ids[rows] = self._search_env(name, e, queries[rows], k, nprobe_fraction)
+                scores[rows], ids[rows] = self._search_env(name, e, queries[rows], k, nprobe_fraction, max_codes)
         return scores, ids
 
-    def _search_env(self, name: str, e: _Env, queries: np.ndarray, k: int, nprobe_fraction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    def _search_env(
+        self, name: str, e: _Env, queries: np.ndarray, k: int, nprobe_fraction: float = 1.0, max_codes: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """One env's top-k; IVF rows that came back short are redone exhaustively."""
         want = min(k, e.ntotal)
         searcher = self._searcher(name, e, want)
         if searcher is e.index and e.kind == "flat":
             scores, ids = _flat_search(e, queries, want)
-        elif searcher is e.index and e.kind == "ivf" and nprobe_fraction < 1.0:
+        elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or max_codes > 0):
             nprobe = max(1, int(round(e.nprobe * nprobe_fraction)))
-            scores, ids = searcher.search(queries, want, params=faiss.SearchParametersIVF(nprobe=nprobe))
+            params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=max(max_codes, want) if max_codes > 0 else 0)
+            scores, ids = searcher.search(queries, want, params=params)
         else:
             scores, ids = searcher.search(queries, want)
         if e.kind == "ivf":

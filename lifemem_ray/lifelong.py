@@ -26,12 +26,11 @@ import json
 import math
 import os
 import random
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .config import ConfigError, _coerce
+from .config import ConfigError, _coerce, read_toml
 from .envs.base import Task
 
 __all__ = [
@@ -118,12 +117,7 @@ class ExperimentConfig:
         config = cls()
         if path is not None:
             path = Path(path)
-            try:
-                data = tomllib.loads(path.read_text(encoding="utf-8"))
-            except FileNotFoundError:
-                raise ConfigError(f"{path}: config file not found") from None
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+            data = read_toml(path)
             table = data.get("experiment", {})
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: 'experiment' must be a table")

@@ -435,7 +435,8 @@ class Memory:
                 found.extra = self._centroids.search(combined, evo.centroid_candidates)
             if evo.neighbour_scope == "env":
                 scores, ids = self.index.search_envs(queries, evo.top_k, list(envs),
-                                                     nprobe_fraction=self.config.index.candidate_nprobe_fraction)
+                                                     nprobe_fraction=self.config.index.candidate_nprobe_fraction,
+                                                     max_codes=self.config.index.candidate_max_codes)
             elif len(self.index):
                 scores, ids = self.index.search(queries, evo.top_k)
             else:
@@ -1152,16 +1153,7 @@ class Memory:
         if vectors is None:
             vectors = self.embedder.embed(tasks)
         queries = _unit_rows(vectors, len(tasks), self.dim, "vectors")
-        scoped = [i for i, env in enumerate(envs) if env is not None]
-        if len(scoped) == len(envs):
-            scores, ids = self.index.search_envs(queries, k, envs)
-        else:
-            scores = np.full((len(envs), k), -np.inf, dtype=np.float32)
-            ids = np.full((len(envs), k), -1, dtype=np.int64)
-            if scoped:
-                scores[scoped], ids[scoped] = self.index.search_envs(queries[scoped], k, [envs[i] for i in scoped])
-            pooled = [i for i, env in enumerate(envs) if env is None]
-            scores[pooled], ids[pooled] = self.index.search(queries[pooled], k)
+        scores, ids = self._search(queries, envs, k)
         out: list[Retrieval] = []
         with self.store.read() as txn:
             for task, env, row_s, row_i in zip(tasks, envs, scores, ids):
@@ -1185,6 +1177,19 @@ class Memory:
                 out.append(Retrieval(task=task, env=env, trajectories=hits, skills=skill_list, context=context, tokens=tokens))
         return out
 
+    def _search(self, queries: np.ndarray, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k per query within its environment, or over every environment where it is None."""
+        scoped = [i for i, env in enumerate(envs) if env is not None]
+        if len(scoped) == len(envs):
+            return self.index.search_envs(queries, k, list(envs))
+        scores = np.full((len(envs), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(envs), k), -1, dtype=np.int64)
+        if scoped:
+            scores[scoped], ids[scoped] = self.index.search_envs(queries[scoped], k, [envs[i] for i in scoped])
+        pooled = [i for i, env in enumerate(envs) if env is None]
+        scores[pooled], ids[pooled] = self.index.search(queries[pooled], k)
+        return scores, ids
+
     def search_records(
         self, vectors: Any, envs: Sequence[str | None], k: int, *, skills: bool = True
     ) -> list[tuple[list[tuple[float, int | None, bytes]], dict[int, str]]]:
@@ -1198,16 +1203,7 @@ class Memory:
             raise ValueError(f"k: expected a positive integer, got {k!r}")
         if not envs:
             return []
-        scoped = [i for i, env in enumerate(envs) if env is not None]
-        if len(scoped) == len(envs):
-            scores, ids = self.index.search_envs(queries, k, envs)
-        else:
-            scores = np.full((len(envs), k), -np.inf, dtype=np.float32)
-            ids = np.full((len(envs), k), -1, dtype=np.int64)
-            if scoped:
-                scores[scoped], ids[scoped] = self.index.search_envs(queries[scoped], k, [envs[i] for i in scoped])
-            pooled = [i for i, env in enumerate(envs) if env is None]
-            scores[pooled], ids[pooled] = self.index.search(queries[pooled], k)
+        scores, ids = self._search(queries, envs, k)
         out = []
         max_skills = self.config.retrieval.max_skills
         with self.store.read() as txn:

@@ -230,7 +230,7 @@ def clustered() -> dict[str, object]:
 def grown(clustered: dict[str, object]) -> tuple[VectorIndex, list[str]]:
     """Grown in batches past exact_max=2000: flat, then IVF, then retrained after 4x growth."""
     ids, vectors = clustered["ids"], clustered["vectors"]
-    index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000))
+    index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=4.0))
     kinds = []
     for start in range(0, 18_000, 2000):
         index.add("big", ids[start : start + 2000], vectors[start : start + 2000])
@@ -251,6 +251,17 @@ def test_switches_to_ivf_past_exact_max_and_retrains(grown: tuple[VectorIndex, l
     assert big["trained_size"] == 18_000
     assert 1 <= big["nlist"] <= 18_000 // 39
     assert 1 <= big["nprobe"] <= big["nlist"] and big["calibrated_recall"] >= 0.97
+
+
+def test_retrain_growth_is_configurable(clustered: dict[str, object]) -> None:
+    ids, vectors = clustered["ids"][:12_000], clustered["vectors"][:12_000]
+    trained = []
+    index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=2.0))
+    for start in range(0, 12_000, 2000):
+        index.add("e", ids[start : start + 2000], vectors[start : start + 2000])
+        trained.append(index.stats()["envs"]["e"]["trained_size"])
+    # IVF at 4000 (past exact_max), retrained past 2 * 4000.
+    assert trained == [0, 4000, 4000, 4000, 10_000, 10_000]
 
 
 def test_ivf_recall_on_held_out_queries(grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]) -> None:
@@ -276,6 +287,8 @@ def test_candidate_search_probes_fewer_lists_and_stays_close(grown: tuple[Vector
     assert (part >= 0).all() and (few >= 0).all() and part.shape == full.shape
     assert recall(few, full) < recall(part, full) < 1.0  # fewer lists, fewer exact neighbours
     assert (part_s <= full_s + 1e-5).all() and (few_s <= part_s + 1e-5).all()  # never better than probing more
+    capped_s, capped = ivf_index.search_envs(queries, 4, ["big"] * len(queries), max_codes=8)
+    assert (capped >= 0).all() and recall(capped, full) < recall(part, full)  # scanning stops early, rows stay full
 
 
 def test_ivf_restricted_search_never_returns_fewer_than_available(clustered: dict[str, object]) -> None:

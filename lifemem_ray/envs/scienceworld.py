@@ -17,10 +17,10 @@ import os
 import random
 import shutil
 import subprocess
-import threading
 from typing import Any
 
 from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_TASK_NAMES", "ScienceWorldEnv"]
 
@@ -43,7 +43,6 @@ DEFAULT_TASK_NAMES: tuple[str, ...] = (
 # The simulator's simplifications ("easy" = all of them); a comma-separated list of these.
 SIMPLIFICATIONS = ("easy", "teleportAction", "selfWateringFlowerPots", "openContainers", "openDoors", "noElectricalAction")
 _SPLITS = ("train", "test")
-_ENV_LOCK = threading.Lock()  # JAVA_TOOL_OPTIONS is set process-wide while a JVM starts
 _MAX_ACTION_CHARS = 500
 
 
@@ -144,27 +143,18 @@ class ScienceWorldEnv(Environment):
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def _proc(self) -> subprocess.Popen | None:
-        gateway = getattr(self._sw, "_gateway", None)
-        return getattr(gateway, "java_process", None)
+        return gateway_process(self._sw)
 
     def _sim(self) -> Any:
         """The running simulator; starts the JVM (heap capped) on first use."""
         if self._sw is None:
             from scienceworld import ScienceWorldEnv as _SW
 
-            with _ENV_LOCK:
-                previous = os.environ.get("JAVA_TOOL_OPTIONS")
-                ours = f"-Xmx{self.java_heap_mb}m -XX:+UseSerialGC -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
-                os.environ["JAVA_TOOL_OPTIONS"] = f"{ours} {previous}" if previous else ours  # the user's options win
+            with java_options(f"-Xmx{self.java_heap_mb}m -XX:+UseSerialGC -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"):
                 try:
                     self._sw = _SW("", envStepLimit=10**9)  # our own max_steps ends episodes
                 except Exception as exc:
                     raise EnvUnavailable(f"scienceworld: cannot start the ScienceWorld JVM ({type(exc).__name__}: {exc}); needs Java 17: {INSTALL}") from exc
-                finally:
-                    if previous is None:
-                        os.environ.pop("JAVA_TOOL_OPTIONS", None)
-                    else:
-                        os.environ["JAVA_TOOL_OPTIONS"] = previous
             self._loaded = None
         return self._sw
 
@@ -190,24 +180,10 @@ class ScienceWorldEnv(Environment):
         self._done = True
         if sw is None:
             return
-        proc = getattr(getattr(sw, "_gateway", None), "java_process", None)
-        try:
-            sw.close()
-        except Exception:  # noqa: BLE001, S110  (a dead gateway: the process is killed below)
-            pass
-        sw.close = lambda: None  # the package's __del__ calls close() again
         tempdir = getattr(sw, "_obj_tree_tempdir", None)
+        stop_simulator(sw)
         if tempdir is not None:
             tempdir.cleanup()
-        if proc is not None:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
 
     def __del__(self) -> None:
         try:

@@ -11,13 +11,12 @@ keyword options override it (``numLocations=6``) and end up in ``Task.payload``.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import subprocess
-import threading
 from typing import Any
 
 from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_GAME_PARAMS", "VARIANTS", "TextWorldExpressEnv"]
 
@@ -40,7 +39,6 @@ VARIANTS = tuple(DEFAULT_GAME_PARAMS)
 _MAX_STEPS = {"coin": 40, "cookingworld": 40, "twc": 25, "mapreader": 30, "arithmetic": 15, "sorting": 20, "simonsays": 15, "peckingorder": 25}
 
 _FOLDS = {"train": "train", "test": "test"}  # our split -> the package's seed fold
-_ENV_LOCK = threading.Lock()  # JAVA_TOOL_OPTIONS is set process-wide while a JVM starts
 
 
 try:  # the package uses orjson when present
@@ -117,25 +115,18 @@ class TextWorldExpressEnv(Environment):
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def _proc(self) -> subprocess.Popen | None:
-        gateway = getattr(self._twx, "_gateway", None)
-        return getattr(gateway, "java_process", None)
+        return gateway_process(self._twx)
 
     def _sim(self) -> Any:
         """The running simulator; starts the JVM (heap capped) on first use."""
         if self._twx is None:
             from textworld_express import TextWorldExpressEnv as _TWX
 
-            with _ENV_LOCK:
-                previous = os.environ.get("JAVA_TOOL_OPTIONS")
-                if previous is None:  # respect options the user set
-                    os.environ["JAVA_TOOL_OPTIONS"] = f"-Xmx{int(self.jvm_heap_mb)}m -XX:+UseSerialGC -XX:TieredStopAtLevel=1"
+            with java_options(f"-Xmx{int(self.jvm_heap_mb)}m -XX:+UseSerialGC -XX:TieredStopAtLevel=1"):
                 try:
                     self._twx = _TWX(envStepLimit=10**9)  # our own max_steps ends episodes
                 except Exception as exc:
                     raise EnvUnavailable(f"{self.name}: cannot start the TextWorldExpress JVM ({exc}); needs Java 17: {INSTALL}") from exc
-                finally:
-                    if previous is None:
-                        os.environ.pop("JAVA_TOOL_OPTIONS", None)
             self._loaded = None
         return self._twx
 
@@ -158,21 +149,7 @@ class TextWorldExpressEnv(Environment):
         self._done = True
         if twx is None:
             return
-        proc = getattr(getattr(twx, "_gateway", None), "java_process", None)
-        try:
-            twx.close()
-        except Exception:  # a dead gateway: the process is handled below
-            pass
-        twx.close = lambda: None  # the package's __del__ calls close() again
-        if proc is not None:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+        stop_simulator(twx)
 
     def __del__(self) -> None:
         try:
