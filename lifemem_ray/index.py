@@ -224,9 +224,10 @@ class VectorIndex:
     def _search_env(
         self, name: str, e: _Env, queries: np.ndarray, k: int, nprobe_fraction: float = 1.0, max_codes: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One env's top-k; IVF rows that came back short are redone exhaustively."""
+        """One env's top-k; IVF rows that came back short are searched again with more lists."""
         want = min(k, e.ntotal)
         searcher = self._searcher(name, e, want)
+        nprobe = e.nprobe
         if searcher is e.index and e.kind == "flat":
             scores, ids = _flat_search(e, queries, want)
         elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or max_codes > 0):
@@ -236,11 +237,14 @@ class VectorIndex:
         else:
             scores, ids = searcher.search(queries, want)
         if e.kind == "ivf":
+            # The probed lists held fewer than `want` vectors (near-duplicate data leaves many
+            # lists empty): probe 4x as many lists for those rows, up to all of them (exact).
             short = np.flatnonzero((ids < 0).any(axis=1))
-            if len(short):
-                # The probed lists held fewer than `want` vectors: probing every list is exact.
-                params = faiss.SearchParametersIVF(nprobe=e.nlist)
+            while len(short) and nprobe < e.nlist:
+                nprobe = min(e.nlist, nprobe * 4)
+                params = faiss.SearchParametersIVF(nprobe=nprobe)
                 scores[short], ids[short] = e.index.search(queries[short], want, params=params)
+                short = short[(ids[short] < 0).any(axis=1)]
         scores = np.where(ids < 0, np.float32(PAD_SCORE), scores).astype(np.float32, copy=False)
         if want < k:
             pad_s, pad_i = _padding(len(queries), k - want)

@@ -292,7 +292,8 @@ def test_candidate_search_probes_fewer_lists_and_stays_close(grown: tuple[Vector
 
 
 def test_ivf_restricted_search_never_returns_fewer_than_available(clustered: dict[str, object]) -> None:
-    """With nprobe=1 the probed list is far smaller than k: the row is redone exhaustively."""
+    """With nprobe=1 the probed list is far smaller than k: the row is searched again with
+    4x the lists until it is full (all lists at the end: exact)."""
     rng = np.random.default_rng(7)
     ids, vectors = clustered["ids"][:6000], clustered["vectors"][:6000]
     index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, nprobe=1))
@@ -312,9 +313,9 @@ def test_ivf_restricted_search_never_returns_fewer_than_available(clustered: dic
     scores, got = index.search(queries, k, env="e")
     assert ((got >= 0).sum(axis=1) == k).all()
     want_scores, want = brute_force(queries, all_vecs, all_ids, k)
-    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
-    assert recall(got, want) > 0.999  # exhaustive: exact up to float ties
+    assert recall(got, want) > 0.85  # k=1000 from lists calibrated for k=10: approximate, never short
     assert sorted(got[0, :5].tolist()) == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(scores[:, 0], want_scores[:, 0], atol=1e-5)  # the best is always found
 
     _, everything = index.search(queries[:1], 10_000, env="e")
     assert (everything >= 0).sum() == 6005 and len(set(everything[0, :6005].tolist())) == 6005
