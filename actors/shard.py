@@ -38,7 +38,7 @@ class MemoryShard:
         self.index = index
         self.path = Path(path)
         # Splits and skills must never stall ingest: they run in the engine's own thread.
-        config = config.replace({"evolution.background_maintenance": True})
+        config = config.replace({"evolution.background_maintenance": True, "index.background_retrain": True})
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
         # other actors of the node (small batches per environment make that costly).
         import faiss

@@ -101,6 +101,7 @@ class IndexConfig:
     # An IVF environment is retrained (more lists) once it holds this many times its
     # training size: smaller keeps lists short (faster search), larger retrains less often.
     retrain_growth: float = 2.0
+    background_retrain: bool = False  # retrain on a thread while the old index keeps serving (shards: on)
     use_gpu: str = "auto"  # auto | yes | no
 
     def validate(self) -> None:

@@ -96,6 +96,9 @@ class VectorIndex:
         self._gpu_res: Any = None
         self._replicas: dict[str, Any] = {}  # env -> GPU copy of the CPU master, for search only
         self._dirty: set[str] = set()  # envs whose GPU copy is stale
+        # Background retrains (config.background_retrain): env -> (thread, ids added, ids removed since the export).
+        self._retraining: dict[str, tuple[threading.Thread, list[tuple[np.ndarray, np.ndarray]], set[int]]] = {}
+        self._retrain_error: BaseException | None = None
         if _want_gpu(self.config.use_gpu):
             self._gpu_res = faiss.StandardGpuResources()
 
@@ -122,6 +125,14 @@ class VectorIndex:
             if e is None:
                 self._envs[env] = self._build(ids, vectors)
                 self._dirty.add(env)
+            elif e.kind == "ivf" and total > self.config.retrain_growth * e.trained_size and self.config.background_retrain:
+                # Keep serving (and growing) the current index while a bigger one trains.
+                e.index.add_with_ids(vectors, ids)
+                self._add_to_replica(env, ids, vectors)
+                if env in self._retraining:
+                    self._retraining[env][1].append((ids.copy(), vectors.copy()))
+                else:
+                    self._start_retrain(env, e)
             elif (e.kind == "flat" and total > self.config.exact_max) or (
                 e.kind == "ivf" and total > self.config.retrain_growth * e.trained_size
             ):
@@ -131,7 +142,63 @@ class VectorIndex:
             else:
                 e.index.add_with_ids(vectors, ids)
                 self._add_to_replica(env, ids, vectors)
+                if env in self._retraining:
+                    self._retraining[env][1].append((ids.copy(), vectors.copy()))
             self._where.update(dict.fromkeys(ids.tolist(), env))
+
+    def _start_retrain(self, env: str, e: _Env) -> None:
+        """Build the bigger index from a copy on a thread; :meth:`_finish_retrain` swaps it in."""
+        ids, vecs = _export(e)
+        added: list[tuple[np.ndarray, np.ndarray]] = []
+        removed: set[int] = set()
+
+        def build() -> None:
+            try:
+                fresh = self._build(ids, vecs)
+            except BaseException as exc:  # noqa: BLE001 - reported by wait_retrains / the next add
+                log.exception("index: background retrain of %r failed", env)
+                with self._lock:
+                    self._retrain_error = exc
+                    self._retraining.pop(env, None)
+                return
+            self._finish_retrain(env, fresh)
+
+        thread = threading.Thread(target=build, name=f"lifemem-retrain-{env}", daemon=True)
+        self._retraining[env] = (thread, added, removed)
+        thread.start()
+
+    def _finish_retrain(self, env: str, fresh: _Env) -> None:
+        with self._lock:
+            entry = self._retraining.pop(env, None)
+            current = self._envs.get(env)
+            if entry is None or current is None or current.kind != "ivf":
+                return  # the env was emptied or shrunk back to flat meanwhile: drop the build
+            _, added, removed = entry
+            for ids, vecs in added:
+                keep = np.asarray([i not in removed for i in ids.tolist()], dtype=bool)
+                if keep.any():
+                    fresh.index.add_with_ids(vecs[keep], ids[keep])
+            gone = np.asarray(sorted(removed), dtype=np.int64)
+            if len(gone):
+                fresh.index.remove_ids(faiss.IDSelectorArray(len(gone), faiss.swig_ptr(gone)))
+            if fresh.ntotal != current.ntotal:  # cannot happen: keep the index that is complete
+                log.warning("index: retrain of %r holds %d vectors, the live index %d; keeping the live one", env, fresh.ntotal, current.ntotal)
+                return
+            self._envs[env] = fresh
+            self._dirty.add(env)
+
+    def wait_retrains(self, timeout_s: float | None = None) -> None:
+        """Wait for background retrains (tests, save points); re-raise a failed one."""
+        while True:
+            with self._lock:
+                threads = [t for t, _, _ in self._retraining.values()]
+                error, self._retrain_error = self._retrain_error, None
+            if error is not None:
+                raise VectorIndexError(f"a background retrain failed: {error}") from error
+            if not threads:
+                return
+            for t in threads:
+                t.join(timeout_s)
 
     def remove(self, ids: np.ndarray) -> int:
         """Remove ids wherever they are; unknown ids are ignored. Returns how many were removed."""
@@ -154,6 +221,8 @@ class VectorIndex:
                 if n != len(arr):  # cannot happen unless the index was changed behind our back
                     log.warning("index: env %r removed %d of %d ids", env, n, len(arr))
                 removed += int(n)
+                if env in self._retraining:
+                    self._retraining[env][2].update(members)
                 for i in members:
                     del self._where[i]
                 self._dirty.add(env)

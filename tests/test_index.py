@@ -466,3 +466,24 @@ def test_concurrent_adds_and_searches() -> None:
     assert len(index) == 2000 and index.count("env0") == 1000
     _, ids = index.search(vectors[:5], 1)
     np.testing.assert_array_equal(ids[:, 0], np.arange(5))
+
+
+def test_background_retrain_keeps_serving_and_loses_nothing(clustered: dict[str, object]) -> None:
+    """Adds and removes while a bigger IVF trains on a thread all land in the swapped index."""
+    ids, vectors = clustered["ids"][:14_000], clustered["vectors"][:14_000]
+    index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=2.0, background_retrain=True))
+    index.add("e", ids[:4000], vectors[:4000])  # flat -> IVF: synchronous
+    assert index.stats()["envs"]["e"]["trained_size"] == 4000
+    index.add("e", ids[4000:9000], vectors[4000:9000])  # past 2x: a retrain starts, the old index takes the adds
+    index.add("e", ids[9000:14_000], vectors[9000:14_000])  # during (or after) the retrain
+    index.remove(ids[:100])
+    assert index.count("e") == 13_900
+    _, got = index.search(vectors[9000:9010], 1, env="e")
+    assert got[:, 0].tolist() == ids[9000:9010].tolist()  # served throughout
+    index.wait_retrains()
+    st = index.stats()["envs"]["e"]
+    assert st["trained_size"] == 9000 and st["ntotal"] == 13_900
+    _, got = index.search(vectors[100:14_000:500], 1, env="e")
+    assert got[:, 0].tolist() == ids[100:14_000:500].tolist()
+    _, gone = index.search(vectors[:5], 10, env="e")
+    assert not set(ids[:5].tolist()) & set(gone.ravel().tolist())
