@@ -14,7 +14,6 @@ import time
 from typing import Any, Iterable
 
 import numpy as np
-import ray
 
 from lifemem_ray.config import EmbeddingConfig
 from lifemem_ray.importers import parse_record

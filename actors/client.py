@@ -16,10 +16,9 @@ import numpy as np
 import ray
 
 from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import AddResult, pack_trajectories
+from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
-from lifemem_ray.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
-from lifemem_ray.storage import record_to_trajectory
+from lifemem_ray.retrieval import Retrieval, assemble
 
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
@@ -83,7 +82,8 @@ class MemoryClient:
         return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None))
 
     # -- retrieving --------------------------------------------------------------------------
-    def _embed(self, texts: list[str]) -> np.ndarray:
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Embeddings of ``texts`` from the deployment's embedder actors (round robin)."""
         if not self.embedders:
             raise RuntimeError("no embedder actors in this deployment; pass vectors")
         actor = self.embedders[self._next % len(self.embedders)]
@@ -108,32 +108,28 @@ class MemoryClient:
         envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
         if len(envs) != len(tasks):
             raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
+        for i, task in enumerate(tasks):
+            if not isinstance(task, str) or not task.strip():
+                raise ValueError(f"tasks[{i}]: expected a non-empty string")
+        k = self.config.retrieval.k if k is None else k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k: expected a positive integer, got {k!r}")
         if not tasks:
             return []
-        k = self.config.retrieval.k if k is None else k
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
-        vecs = self._embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
+        vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
         refs = [shard.search_records.remote(envs, k, vecs, skills) for shard in self.shards]
         try:
             per_shard = ray.get(refs)
         except actor_failures() as exc:
             raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
-        out = []
         max_skills = self.config.retrieval.max_skills
+        out = []
         for q, (task, env) in enumerate(zip(tasks, envs)):
-            # Merge by score (stable across shards), then decode only the k winners.
-            best = sorted((h for part in per_shard for h in part[q][0]), key=lambda h: -h[0])[:k]
-            hits = []
-            for score, cid, raw in best:
-                traj = record_to_trajectory(raw)[0]
-                hits.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(score), cid, traj))
+            # Merge the shards' hits; only the k best are decoded.
+            hits = [h for part in per_shard for h in part[q][0]]
             texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
-            skills: list[RetrievedSkill] = []
-            for hit in hits:
-                if hit.cluster_id in texts and all(s.cluster_id != hit.cluster_id for s in skills) and len(skills) < max_skills:
-                    skills.append(RetrievedSkill(hit.cluster_id, texts[hit.cluster_id], hit.score))
-            context, tokens = render_context(hits, skills, budget)
-            out.append(Retrieval(task=task, env=env, trajectories=hits, skills=skills, context=context, tokens=tokens))
+            out.append(assemble(task, env, hits, texts, k, max_skills, budget))
         return out
 
     # -- state -----------------------------------------------------------------------------

@@ -263,7 +263,6 @@ class Coordinator:
         self.counters["rejected"] += len(failed)
 
         # 2. Vectors, embedded where a request brought none.
-        fresh_set = set(fresh)
         need = [i for i in fresh if not batch[owner[i]].embedded]
         if need:
             t0 = time.perf_counter()

@@ -4,7 +4,8 @@ A :class:`RolloutWorker` owns its environment instances (one per environment nam
 created on first use, replaced when one hangs or fails) and its agents. For each task it
 retrieves from the memory through :class:`~lifemem_ray.actors.client.MemoryClient`, runs
 the episode (:func:`lifemem_ray.rollout.run_episode`), and, when asked to, submits the
-trajectory (success or failure, with its outcome) and waits for the acknowledgement.
+trajectory (success or failure, with its outcome) and goes on; the pool counts the task
+done once the memory acknowledged it.
 
 :class:`RolloutPool` drives N workers in the manner of Ray's ``ActorPool``, with the
 fault handling rollouts need: a task whose worker dies, or that runs past its deadline
@@ -27,6 +28,7 @@ import ray
 from lifemem_ray.agents import Agent, make_agent
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.envs import Environment, Task, make_env
+from lifemem_ray.lifelong import MEMORY_MODES
 from lifemem_ray.memory import IdConflictError
 from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
 from lifemem_ray.rollout import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
@@ -39,10 +41,6 @@ log = logging.getLogger(__name__)
 
 VECTOR_CACHE = 4096  # task embeddings a worker keeps
 
-# none: no memory (ReAct). trajectory: top-k over the whole pool, no skills (Synapse-like).
-# global-skills: one skill profile distilled over the whole unclustered pool, no exemplars
-# (AutoSkill-like). lifemem: same-environment top-k plus their clusters' skills.
-MEMORY_MODES = ("none", "trajectory", "global-skills", "lifemem")
 
 
 @dataclass(frozen=True)
@@ -54,14 +52,14 @@ class EpisodeSpec:
     mode: str = "lifemem"
     agent: str = "exemplar"
     namespace: str | None = None  # the memory deployment; None with mode "none"
-    write: bool = False  # submit the trajectory to the memory (and wait for the ack)
+    write: bool = False  # submit the trajectory to the memory (the pool waits for the ack)
     global_skill: str = ""  # mode "global-skills": the profile to show
     k: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MEMORY_MODES:
             raise ValueError(f"mode: {self.mode!r} is not one of {', '.join(MEMORY_MODES)}")
-        if self.mode != "none" and self.namespace is None and self.mode != "global-skills":
+        if self.mode in ("trajectory", "lifemem") and self.namespace is None:
             raise ValueError(f"mode {self.mode!r} needs the memory deployment's namespace")
         if self.write and self.namespace is None:
             raise ValueError("write=True needs the memory deployment's namespace")
@@ -145,7 +143,7 @@ class RolloutWorker:
         """The task's embedding, computed once: used for retrieval and again for the add."""
         vec = self._vectors.get(text)
         if vec is None:
-            vec = self._vectors[text] = client._embed([text])[0]
+            vec = self._vectors[text] = client.embed([text])[0]
             if len(self._vectors) > VECTOR_CACHE:
                 self._vectors.popitem(last=False)
         else:

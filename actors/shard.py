@@ -101,9 +101,6 @@ class MemoryShard:
         return self.memory.add_items(batch.items())
 
     # -- reading -----------------------------------------------------------------------------
-    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None], k: int, vectors: np.ndarray, token_budget: int | None = None, skills: bool = True) -> list[Retrieval]:
-        return self.memory.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills)
-
     def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[Any]:
         return self.memory.search_records(vectors, envs, k, skills=skills)
 

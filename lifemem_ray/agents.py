@@ -142,8 +142,8 @@ class ExemplarAgent(RandomAgent):
         if memory is not None:
             for hit in memory.trajectories:
                 traj = hit.trajectory
-                if not traj.steps or traj.id.endswith(f"/{task.id}") and traj.env == task.env:
-                    continue
+                if traj.env == task.env and traj.metadata.get("task_id") == task.id:
+                    continue  # this very task's own earlier run: imitating it would be cheating
                 weight = max(hit.score, 0.0) * (1.0 if traj.outcome.success is not False else self.failed_weight)
                 self._exemplars.append((traj, weight))
         self._pos = [0] * len(self._exemplars)

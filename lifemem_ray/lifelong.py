@@ -34,6 +34,7 @@ from .config import ConfigError, _coerce, read_toml
 from .envs.base import Task
 
 __all__ = [
+    "MEMORY_MODES",
     "ExperimentConfig",
     "Phase",
     "ScoreTable",
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 STREAMS = ("similarity", "random", "buffer")
+# none: no memory (ReAct). trajectory: top-k over the whole pool, no skills (Synapse-like).
+# global-skills: one skill profile distilled over the whole unclustered pool, no exemplars
+# (AutoSkill-like). lifemem: same-environment top-k plus their clusters' skills.
+MEMORY_MODES = ("none", "trajectory", "global-skills", "lifemem")
 UNCHANGED_BAND = 5.0  # points (scores are 0-100)
 
 
@@ -76,15 +81,14 @@ class ExperimentConfig:
     def validate(self) -> "ExperimentConfig":
         from .agents import AGENTS
 
-        modes = ("none", "trajectory", "global-skills", "lifemem")
         if not self.envs:
             raise ConfigError("experiment.envs: name at least one environment")
         if len(set(self.envs)) != len(self.envs):
             raise ConfigError(f"experiment.envs: repeated names in {self.envs}")
         if self.stream not in STREAMS:
             raise ConfigError(f"experiment.stream: must be one of {', '.join(STREAMS)}; got {self.stream!r}")
-        if not self.modes or any(m not in modes for m in self.modes):
-            raise ConfigError(f"experiment.modes: each must be one of {', '.join(modes)}; got {self.modes}")
+        if not self.modes or any(m not in MEMORY_MODES for m in self.modes):
+            raise ConfigError(f"experiment.modes: each must be one of {', '.join(MEMORY_MODES)}; got {self.modes}")
         for key in ("agent", "learn_agent"):
             value = getattr(self, key)
             if value not in AGENTS and not (key == "learn_agent" and value == "same"):

@@ -27,7 +27,7 @@ from .evolution import BatchItem, BatchPlanner, ItemBatch, CandidateSet, Placeme
 from .index import VectorIndex
 from .model import Trajectory
 from .policy import MemberInfo, OfflinePolicy
-from .retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
+from .retrieval import Retrieval, assemble
 from .storage import ClusterRecord, MemoryStore, StoreError, pack_u64, record_to_trajectory
 from .workflow import action_tokens, workflow_summary, workflow_vector
 
@@ -1147,35 +1147,13 @@ class Memory:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k: expected a positive integer, got {k!r}")
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
-        with_skills = skills
         if not tasks:
             return []
         if vectors is None:
             vectors = self.embedder.embed(tasks)
-        queries = _unit_rows(vectors, len(tasks), self.dim, "vectors")
-        scores, ids = self._search(queries, envs, k)
-        out: list[Retrieval] = []
-        with self.store.read() as txn:
-            for task, env, row_s, row_i in zip(tasks, envs, scores, ids):
-                hits: list[RetrievedTrajectory] = []
-                skills: dict[int, RetrievedSkill] = {}
-                for s, vid in zip(row_s, row_i):
-                    if vid < 0:
-                        continue
-                    got = self.store.trajectory(txn, int(vid))
-                    if got is None:
-                        continue  # removed after the search
-                    traj = got[0]
-                    cid = self.store.cluster_of(txn, int(vid))
-                    hits.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(s), cid, traj))
-                    if with_skills and cid is not None and cid not in skills and len(skills) < self.config.retrieval.max_skills:
-                        record = self.store.get_cluster(txn, cid)
-                        if record is not None and record.skill.strip():
-                            skills[cid] = RetrievedSkill(cid, record.skill, float(s))
-                skill_list = list(skills.values())
-                context, tokens = render_context(hits, skill_list, budget)
-                out.append(Retrieval(task=task, env=env, trajectories=hits, skills=skill_list, context=context, tokens=tokens))
-        return out
+        found = self.search_records(vectors, envs, k, skills=skills)
+        max_skills = self.config.retrieval.max_skills
+        return [assemble(task, env, hits, texts, k, max_skills, budget) for task, env, (hits, texts) in zip(tasks, envs, found)]
 
     def _search(self, queries: np.ndarray, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k per query within its environment, or over every environment where it is None."""

@@ -14,7 +14,10 @@ from typing import Any
 
 from .model import Trajectory
 
-__all__ = ["RetrievedSkill", "RetrievedTrajectory", "Retrieval", "estimate_tokens", "render_context"]
+# One search hit as a store returns it: (score, cluster id, the stored record's bytes).
+RecordHit = tuple[float, "int | None", bytes]
+
+__all__ = ["RecordHit", "RetrievedSkill", "RetrievedTrajectory", "Retrieval", "assemble", "estimate_tokens", "render_context"]
 
 MIN_EXEMPLAR_TOKENS = 48
 
@@ -104,3 +107,30 @@ def render_context(trajectories: list[RetrievedTrajectory], skills: list[Retriev
             used += cost
     context = "\n\n".join(parts)
     return context, estimate_tokens(context)
+
+
+def assemble(
+    task: str,
+    env: str | None,
+    hits: list[RecordHit],
+    skill_texts: dict[int, str],
+    k: int,
+    max_skills: int,
+    budget: int,
+) -> Retrieval:
+    """The :class:`Retrieval` of one query from raw hits (of one store, or merged from
+    several shards): the best ``k`` by score decoded, then the skills of their clusters in
+    hit order. The engine and the sharded client both build their answers here, so they
+    agree by construction."""
+    from .storage import record_to_trajectory
+
+    best = sorted(hits, key=lambda h: -h[0])[:k]  # stable: ties keep store (shard) order
+    trajectories = []
+    skills: list[RetrievedSkill] = []
+    for score, cid, raw in best:
+        traj = record_to_trajectory(raw)[0]
+        trajectories.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(score), cid, traj))
+        if cid is not None and cid in skill_texts and len(skills) < max_skills and all(s.cluster_id != cid for s in skills):
+            skills.append(RetrievedSkill(cid, skill_texts[cid], float(score)))
+    context, tokens = render_context(trajectories, skills, budget)
+    return Retrieval(task=task, env=env, trajectories=trajectories, skills=skills, context=context, tokens=tokens)

@@ -142,6 +142,9 @@ def run_episode(
         finally:
             t_env += time.perf_counter() - t0
 
+    max_steps = limits.max_steps or env.max_steps
+    if max_steps < 1:
+        raise ValueError(f"environment {task.env!r}: max_steps must be >= 1, got {max_steps}")
     observation, info = env_call(env.reset, task, what="reset")
     instruction = info.get("instruction") or task.instruction
     retrieval: Retrieval | None = None
@@ -163,7 +166,6 @@ def run_episode(
     agent.start(task, observation, info, retrieval, gold)
     t_agent += time.perf_counter() - t0
 
-    max_steps = limits.max_steps or env.max_steps
     steps: list[Step] = []
     last: StepResult | None = None
     current = observation
@@ -194,8 +196,6 @@ def run_episode(
     }
     if last is not None and "score" in last.info and isinstance(last.info["score"], (int, float)):
         meta["score"] = float(last.info["score"])
-    if not steps:  # max_steps == 0 cannot happen (validated); keep the model's invariant anyway
-        steps.append(Step(action="(none)"))
     trajectory = Trajectory(
         env=task.env,
         task=instruction,

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .calls import literal_arg
 
 __all__ = ["BfclEnv"]
 
@@ -124,20 +125,6 @@ def _signature(doc: dict[str, Any]) -> str:
     return f"{doc['name']}({', '.join(parts)})"
 
 
-def _literal(node: ast.AST) -> Any:
-    """A literal argument value; accepts JSON's true/false/null too."""
-    try:
-        return ast.literal_eval(node)
-    except ValueError:
-        if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
-            return {"true": True, "false": False, "null": None}[node.id]
-        if isinstance(node, (ast.List, ast.Tuple)):
-            return [_literal(e) for e in node.elts]
-        if isinstance(node, ast.Dict):
-            return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-        raise
-
-
 Call = tuple[str, list[Any], dict[str, Any], str]  # name, args, kwargs, source text
 
 
@@ -188,12 +175,12 @@ def _parse_calls(text: str) -> list[Call]:
         else:
             raise ValueError("expected function calls like cd(folder='document')")
         try:
-            args = [_literal(a) for a in node.args]
+            args = [literal_arg(a) for a in node.args]
             kwargs = {}
             for kw in node.keywords:
                 if kw.arg is None:
                     raise ValueError
-                kwargs[kw.arg] = _literal(kw.value)
+                kwargs[kw.arg] = literal_arg(kw.value)
         except (ValueError, TypeError, SyntaxError, RecursionError):
             raise ValueError(f"arguments of {name} must be literal values (strings, numbers, lists, dicts, True/False/None)") from None
         calls.append((name, args, kwargs, ast.get_source_segment(text, node) or name))

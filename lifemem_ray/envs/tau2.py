@@ -37,6 +37,7 @@ import re
 from typing import Any
 
 from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .calls import literal_arg
 
 __all__ = ["Tau2Env"]
 
@@ -235,20 +236,6 @@ class _ScriptedUser:
         return " ".join([self.opening(), *self._facts(), *self.plain_extra]).strip()
 
 
-def _literal(node: ast.AST) -> Any:
-    """A literal argument value; accepts JSON's true/false/null too."""
-    try:
-        return ast.literal_eval(node)
-    except ValueError:
-        if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
-            return {"true": True, "false": False, "null": None}[node.id]
-        if isinstance(node, (ast.List, ast.Tuple)):
-            return [_literal(e) for e in node.elts]
-        if isinstance(node, ast.Dict):
-            return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-        raise
-
-
 def _parse_call(text: str) -> tuple[str, list[Any], dict[str, Any]]:
     """(name, positional args, keyword args) from call syntax or tau2/OpenAI-style JSON; ValueError if malformed."""
     text = _FENCE.sub("", _CALL_PREFIX.sub("", text.strip())).strip()
@@ -284,12 +271,12 @@ def _parse_call(text: str) -> tuple[str, list[Any], dict[str, Any]]:
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
         raise ValueError("expected one call like tool_name(arg=value)")
     try:
-        args = [_literal(a) for a in call.args]
+        args = [literal_arg(a) for a in call.args]
         kwargs = {}
         for kw in call.keywords:
             if kw.arg is None:
                 raise ValueError("**kwargs is not supported")
-            kwargs[kw.arg] = _literal(kw.value)
+            kwargs[kw.arg] = literal_arg(kw.value)
     except (ValueError, TypeError, SyntaxError, RecursionError):
         raise ValueError("arguments must be literal values (strings, numbers, lists, dicts, true/false/null)") from None
     return call.func.id, args, kwargs
