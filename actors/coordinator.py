@@ -33,10 +33,11 @@ import ray
 
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
-from lifemem_ray.evolution import BatchPlanner, CandidateSet, ItemBatch
+from lifemem_ray.evolution import MAX_PROVISIONAL_CANDIDATES, BatchPlanner, CandidateArrays, CandidateSet, ItemBatch
 from lifemem_ray.memory import WORKFLOW_DIM, AddResult, IdConflictError, pack_trajectories
 from lifemem_ray.model import Trajectory
 from lifemem_ray.policy import OfflinePolicy
+from lifemem_ray.storage import ClusterRecord
 
 from .errors import OverloadedError, ShardUnavailableError, actor_failures
 from .routing import RoutingTable
@@ -55,6 +56,38 @@ class _Request:
 
     def __len__(self) -> int:
         return len(self.batch)
+
+
+@dataclass
+class _Stage:
+    """One micro-batch on its way through the coordinator."""
+
+    requests: list[_Request]
+    whole: ItemBatch
+    owner: list[int]  # per trajectory: its request
+    results: list[AddResult | None] = field(default_factory=list)
+    failed: dict[int, Exception] = field(default_factory=dict)  # request -> why it is rejected
+    first: dict[str, int] = field(default_factory=dict)  # id -> its first position in the batch
+    fresh: list[int] = field(default_factory=list)  # positions to store
+    found: tuple[CandidateSet, dict[int, int]] | None = None  # merged candidates, cluster -> shard
+    error: Exception | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.whole)
+
+
+@dataclass
+class _Committed:
+    """What a micro-batch stored: the next batch, looked up before this commit, is planned with it."""
+
+    stored: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # id -> (fingerprint, cluster)
+    vecs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # the added trajectories
+    envs: list[str] = field(default_factory=list)
+    clusters: list[int] = field(default_factory=list)  # their clusters
+    states: dict[int, ClusterRecord] = field(default_factory=dict)  # the touched clusters after the commit
+    owner: dict[int, int] = field(default_factory=dict)  # cluster -> shard
+    opened: dict[str, list[int]] = field(default_factory=dict)  # env -> clusters this batch opened
 
 
 class Coordinator:
@@ -78,6 +111,7 @@ class Coordinator:
         self._wake: asyncio.Event | None = None
         self._space: asyncio.Condition | None = None
         self._loop_task: asyncio.Task | None = None
+        self._next: asyncio.Task | None = None  # the next micro-batch's lookups, started early
         self._paused = False
         self._idle: asyncio.Event | None = None
         self._next_embedder = 0
@@ -192,36 +226,56 @@ class Coordinator:
             self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop())
 
     async def _batch_loop(self) -> None:
+        """One micro-batch after another, pipelined: while a batch is planned (coordinator CPU),
+        the shards already look up the next one (ids, neighbours); that batch is then planned
+        with what the one before it stored (see :meth:`_absorb_previous`)."""
         assert self._wake is not None and self._space is not None and self._idle is not None
         wait = self.config.cluster.batch_wait_ms / 1000.0
-        size = self.config.cluster.batch_size
+        previous: _Committed | None = None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue and not self._paused:
-                # Let a micro-batch fill for a moment, unless it is already full.
-                first = self._queue[0].enqueued
-                while self._queued < size and time.monotonic() - first < wait:
-                    await asyncio.sleep(min(wait, 0.002))
-                batch: list[_Request] = []
-                count = 0
-                while self._queue and (not batch or count + len(self._queue[0]) <= size):
-                    request = self._queue.pop(0)
-                    batch.append(request)
-                    count += len(request)
+            while self._next is not None or (self._queue and not self._paused):
                 self._idle.clear()
+                if self._next is not None:
+                    stage, pipelined = await self._next, True
+                    self._next = None
+                else:
+                    # Let a micro-batch fill for a moment, unless it is already full.
+                    first = self._queue[0].enqueued
+                    while self._queued < self.config.cluster.batch_size and time.monotonic() - first < wait:
+                        await asyncio.sleep(min(wait, 0.002))
+                    stage, pipelined = await self._front(self._take()), False
                 try:
-                    await self._process(batch)
+                    previous = await self._back(stage, previous if pipelined else None)
                 except Exception as exc:  # the batch fails; the loop goes on
                     log.exception("micro-batch failed")
-                    for request in batch:
+                    previous = None
+                    for request in stage.requests:
                         if not request.future.done():
                             request.future.set_exception(exc)
                 finally:
-                    self._idle.set()
                     async with self._space:
-                        self._queued -= count
+                        self._queued -= stage.count
                         self._space.notify_all()
+                    if self._next is None:
+                        self._idle.set()
+
+    def _take(self) -> list[_Request]:
+        """The next micro-batch: whole requests, up to ``cluster.batch_size`` trajectories."""
+        size = self.config.cluster.batch_size
+        batch: list[_Request] = []
+        count = 0
+        while self._queue and (not batch or count + len(self._queue[0]) <= size):
+            request = self._queue.pop(0)
+            batch.append(request)
+            count += len(request)
+        return batch
+
+    def _start_next(self) -> None:
+        """Begin the next micro-batch's shard lookups now, if one is waiting (see _batch_loop)."""
+        if self._next is None and self._queue and not self._paused and self._initialised and self.config.cluster.pipeline:
+            self._next = asyncio.get_running_loop().create_task(self._front(self._take()))
 
     async def _call(self, shard: int, method: str, *args: Any) -> Any:
         """One shard call; a dead shard or node becomes a clear error naming it."""
@@ -233,37 +287,51 @@ class Coordinator:
                 f"shard {shard} ({self.shard_names[shard]}) is unavailable during {method}: {type(exc).__name__}: {exc}"
             ) from exc
 
-    async def _process(self, batch: list[_Request]) -> None:
+    async def _front(self, requests: list[_Request]) -> _Stage:
+        """Ids (stored anywhere?), vectors, and once the memory is initialised the neighbour
+        candidates: the shard-side half of a micro-batch. Never raises: a failure is kept
+        in the stage and fails its requests in :meth:`_back`."""
         self.counters["batches"] += 1
-        whole = _concat([r.batch for r in batch])
-        owner = [ri for ri, r in enumerate(batch) for _ in range(len(r))]
-        results: list[AddResult | None] = [None] * len(whole)
+        whole = _concat([r.batch for r in requests])
+        stage = _Stage(requests=requests, whole=whole, owner=[ri for ri, r in enumerate(requests) for _ in range(len(r))])
+        try:
+            await self._check_ids(stage)
+            if stage.fresh and self._initialised:
+                part = whole.select(stage.fresh)
+                t0 = time.perf_counter()
+                found = await asyncio.gather(*[self._call(s, "candidates", part.vecs, part.wvecs, part.envs) for s in range(len(self.shards))])
+                stage.found = self._merge(found)
+                self.stage_seconds["candidates"] += time.perf_counter() - t0
+        except Exception as exc:
+            stage.error = exc
+        return stage
 
+    async def _check_ids(self, stage: _Stage) -> None:
+        whole, owner = stage.whole, stage.owner
+        stage.results = [None] * len(whole)
         # 1. What is stored already, anywhere.
         t0 = time.perf_counter()
         known = await asyncio.gather(*[self._call(s, "known", whole.ids, whole.fingerprints) for s in range(len(self.shards))])
         self.stage_seconds["known"] += time.perf_counter() - t0
-        failed: dict[int, Exception] = {}
-        first: dict[str, int] = {}
+        failed = stage.failed
         fresh: list[int] = []
         for i, tid in enumerate(whole.ids):
             found = next((k[i] for k in known if k[i] is not None), None)
             if found is not None and found.status == "conflict":
                 failed.setdefault(owner[i], IdConflictError(f"trajectory id {tid!r} is stored with different content; nothing of this request was stored"))
             elif found is not None:
-                results[i] = found
-            elif tid in first:
-                if whole.fingerprints[first[tid]] != whole.fingerprints[i]:
+                stage.results[i] = found
+            elif tid in stage.first:
+                if whole.fingerprints[stage.first[tid]] != whole.fingerprints[i]:
                     failed.setdefault(owner[i], IdConflictError(f"trajectory id {tid!r} is repeated with different content; nothing of this request was stored"))
             else:
-                first[tid] = i
+                stage.first[tid] = i
                 fresh.append(i)
         # A conflicting request is rejected whole, also the part that another request shares.
         fresh = [i for i in fresh if owner[i] not in failed]
-        self.counters["rejected"] += len(failed)
 
         # 2. Vectors, embedded where a request brought none.
-        need = [i for i in fresh if not batch[owner[i]].embedded]
+        need = [i for i in fresh if not stage.requests[owner[i]].embedded]
         if need:
             t0 = time.perf_counter()
             whole.vecs[need] = await self._embed([whole.queries[i] for i in need])
@@ -275,18 +343,37 @@ class Coordinator:
         fresh = [i for i in fresh if owner[i] not in failed]
         if fresh:
             whole.vecs[fresh] /= np.linalg.norm(whole.vecs[fresh], axis=1, keepdims=True)
+        stage.fresh = fresh
+
+    async def _back(self, stage: _Stage, previous: _Committed | None) -> _Committed | None:
+        """Decide, commit and acknowledge a micro-batch; return what it stored, for the
+        next batch when that one's lookups ran before this commit."""
+        if stage.error is not None:
+            raise stage.error
+        whole, results, failed = stage.whole, stage.results, stage.failed
+        fresh = stage.fresh
+        if previous is not None:
+            fresh = self._dedupe_previous(stage, previous)
+        self.counters["rejected"] += len(failed)
 
         placed: dict[int, AddResult] = {}
         shard_error: dict[int, Exception] = {}
+        committed: _Committed | None = None
         if fresh:
-            if not self._initialised:
+            if stage.found is None and not self._initialised:
                 # Only what the initial partition needs goes to shard 0 this way.
                 info = await self._call(0, "info")
                 need_init = max(0, self.config.evolution.init_size - info["trajectories"])
                 placed, shard_error = await self._add_before_init(fresh[:need_init], whole)
                 fresh = fresh[need_init:]
             if fresh and self._initialised:
-                more, more_errors = await self._decide_and_commit(fresh, whole)
+                found = stage.found
+                if found is None:
+                    found = await self._candidates(whole.select(fresh))
+                elif len(fresh) != len(stage.fresh):  # some turned out stored by the previous batch
+                    row_of = {i: r for r, i in enumerate(stage.fresh)}
+                    found = _select_rows(found, [row_of[i] for i in fresh])
+                more, more_errors, committed = await self._decide_and_commit(fresh, whole, found, previous)
             else:
                 more, more_errors = await self._add_before_init(fresh, whole)
             placed.update(more)
@@ -295,14 +382,14 @@ class Coordinator:
             results[i] = result
         # Repeats of an id inside the batch point at the first occurrence.
         for i, tid in enumerate(whole.ids):
-            if results[i] is None and tid in first and first[tid] != i and first[tid] in placed:
-                results[i] = AddResult(tid, "duplicate", placed[first[tid]].cluster_id)
+            if results[i] is None and tid in stage.first and stage.first[tid] != i and stage.first[tid] in placed:
+                results[i] = AddResult(tid, "duplicate", placed[stage.first[tid]].cluster_id)
         self.counters["trajectories"] += sum(1 for r in placed.values() if r.status == "added")
         self.counters["duplicates"] += sum(1 for r in results if r is not None and r.status == "duplicate")
 
         # 3. Acknowledge each request whose trajectories are all committed.
         offset = 0
-        for ri, request in enumerate(batch):
+        for ri, request in enumerate(stage.requests):
             n = len(request)
             mine = results[offset : offset + n]
             error = failed.get(ri) or next((shard_error[i] for i in range(offset, offset + n) if i in shard_error), None)
@@ -314,6 +401,27 @@ class Coordinator:
                 else:
                     request.future.set_result(mine)
             offset += n
+        return committed
+
+    def _dedupe_previous(self, stage: _Stage, previous: _Committed) -> list[int]:
+        """Ids the previous batch stored after this batch's lookups: duplicates (or conflicts)."""
+        keep = []
+        for i in stage.fresh:
+            tid = stage.whole.ids[i]
+            got = previous.stored.get(tid)
+            if got is None:
+                keep.append(i)
+            elif got[0] == stage.whole.fingerprints[i]:
+                stage.results[i] = AddResult(tid, "duplicate", got[1])
+            else:
+                stage.failed.setdefault(stage.owner[i], IdConflictError(f"trajectory id {tid!r} is stored with different content; nothing of this request was stored"))
+        return [i for i in keep if stage.owner[i] not in stage.failed]
+
+    async def _candidates(self, part: ItemBatch) -> tuple[CandidateSet, dict[int, int]]:
+        t0 = time.perf_counter()
+        found = await asyncio.gather(*[self._call(s, "candidates", part.vecs, part.wvecs, part.envs) for s in range(len(self.shards))])
+        self.stage_seconds["candidates"] += time.perf_counter() - t0
+        return self._merge(found)
 
     async def _embed(self, texts: list[str]) -> np.ndarray:
         if not self.embedders:
@@ -346,15 +454,15 @@ class Coordinator:
         self.routing.put_meta("shard_loads", self._loads)
         return dict(zip(positions, out)), {}
 
-    async def _decide_and_commit(self, fresh: list[int], whole: ItemBatch) -> tuple[dict[int, AddResult], dict[int, Exception]]:
+    async def _decide_and_commit(
+        self, fresh: list[int], whole: ItemBatch, found: tuple[CandidateSet, dict[int, int]], previous: _Committed | None
+    ) -> tuple[dict[int, AddResult], dict[int, Exception], _Committed]:
         part = whole.select(fresh)
         items = part.items()
-        vectors, wvectors, envs = part.vecs, part.wvecs, part.envs
-        t0 = time.perf_counter()
-        found = await asyncio.gather(*[self._call(s, "candidates", vectors, wvectors, envs) for s in range(len(self.shards))])
-        merged, owner_of = self._merge(found)
+        merged, owner_of = found
+        if previous is not None:
+            _absorb_previous(part, merged, owner_of, previous, self.config.evolution.top_k)
         t1 = time.perf_counter()
-        self.stage_seconds["candidates"] += t1 - t0
         self.routing.set(owner_of.items())
         planner = BatchPlanner(
             merged.clusters,
@@ -366,8 +474,12 @@ class Coordinator:
             llm_config=self.config.llm,
         )
         extra = [[c for c, _ in row] for row in merged.extra]
+        # The shards look up the next micro-batch while this one is planned.
+        self._start_next()
         # Planning is CPU work (and LLM calls): off the event loop, so requests keep queueing.
         plan = await asyncio.to_thread(planner.plan, items, merged.neighbours, 0, extra)
+        if self._next is not None:
+            await asyncio.wait([self._next])  # its lookups must not see this batch half-committed
         t2 = time.perf_counter()
         self.stage_seconds["plan"] += t2 - t1
         counters = {"llm_requests": plan.llm_requests, "llm_fallbacks": plan.llm_fallbacks, "llm_skipped": plan.llm_skipped}
@@ -399,6 +511,8 @@ class Coordinator:
         placed: dict[int, AddResult] = {}
         errors: dict[int, Exception] = {}
         new_routes = []
+        committed = _Committed()
+        added_rows: list[int] = []
         for shard, outcome in zip(calls, outcomes):
             positions = per_shard[shard]
             if isinstance(outcome, BaseException):
@@ -406,33 +520,33 @@ class Coordinator:
                 for pos in positions:
                     errors[fresh[pos]] = outcome if isinstance(outcome, Exception) else RuntimeError(str(outcome))
                 continue
-            for pos, result in zip(positions, outcome):
+            done, states = outcome
+            committed.states.update(states)
+            for cid in states:
+                committed.owner[cid] = shard
+            for pos, result in zip(positions, done):
                 placed[fresh[pos]] = result
+                committed.stored[result.id] = (part.fingerprints[pos], result.cluster_id)
                 if result.cluster_id is not None:
                     new_routes.append((result.cluster_id, shard))
                 if result.status == "added":
                     self._loads[shard] += 1
+                    added_rows.append(pos)
+                    committed.clusters.append(result.cluster_id)
+                    if plan.placements[pos].cluster < 0:
+                        opened = committed.opened.setdefault(part.envs[pos], [])
+                        if result.cluster_id not in opened:
+                            opened.append(result.cluster_id)
+        committed.vecs = part.vecs[added_rows]
+        committed.envs = [part.envs[p] for p in added_rows]
         self.routing.set(new_routes)
         self.routing.put_meta("shard_loads", self._loads)
-        return placed, errors
+        return placed, errors, committed
 
-    def _merge(self, found: list[CandidateSet]) -> tuple[CandidateSet, dict[int, int]]:
+    def _merge(self, found: list[CandidateArrays]) -> tuple[CandidateSet, dict[int, int]]:
         """One candidate set from every shard's: the global top-k neighbours and best clusters."""
-        k = self.config.evolution.top_k
-        m = self.config.evolution.centroid_candidates
-        n = len(found[0].neighbours) if found else 0
-        merged = CandidateSet(neighbours=[[] for _ in range(n)], extra=[[] for _ in range(n)], clusters={})
-        owner_of: dict[int, int] = {}
-        for shard, part in enumerate(found):
-            merged.clusters.update(part.clusters)
-            for cid in part.clusters:
-                owner_of[cid] = shard
-            for row in range(n):
-                merged.neighbours[row].extend(part.neighbours[row])
-                merged.extra[row].extend(part.extra[row])
-        for row in range(n):
-            merged.neighbours[row] = sorted(merged.neighbours[row], key=lambda cs: -cs[1])[:k]
-            merged.extra[row] = sorted(merged.extra[row], key=lambda cs: -cs[1])[:m]
+        merged = CandidateArrays.merge(found, self.config.evolution.top_k, self.config.evolution.centroid_candidates)
+        owner_of = {cid: shard for shard, part in enumerate(found) for cid in part.clusters}
         return merged, owner_of
 
 
@@ -452,3 +566,38 @@ def _concat(batches: list[ItemBatch]) -> ItemBatch:
         tokens=[x for b in batches for x in b.tokens],
         flows=[x for b in batches for x in b.flows],
     )
+
+
+def _select_rows(found: tuple[CandidateSet, dict[int, int]], rows: list[int]) -> tuple[CandidateSet, dict[int, int]]:
+    merged, owner_of = found
+    return CandidateSet([merged.neighbours[r] for r in rows], [merged.extra[r] for r in rows], merged.clusters), owner_of
+
+
+def _absorb_previous(part: ItemBatch, merged: CandidateSet, owner_of: dict[int, int], previous: _Committed, k: int) -> None:
+    """Make candidates looked up before the previous batch's commit as if looked up after it.
+
+    The previous batch's trajectories join each item's neighbours (exact search within the
+    environment), the clusters it touched are planned with their committed states, and
+    the clusters it opened in an item's environment become candidates, as clusters opened
+    earlier in the same batch are. The result is what one batch twice the size would see.
+    """
+    merged.clusters.update(previous.states)
+    owner_of.update(previous.owner)
+    if len(previous.envs):
+        prev_envs = np.asarray(previous.envs, dtype=object)
+        envs = np.asarray(part.envs, dtype=object)
+        for env in set(part.envs) & set(previous.envs):
+            rows = np.flatnonzero(envs == env)
+            cols = np.flatnonzero(prev_envs == env)
+            sims = part.vecs[rows] @ previous.vecs[cols].T
+            kk = min(k, len(cols))
+            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+            top_s = np.take_along_axis(sims, top, 1)
+            for r, row_top, row_s in zip(rows.tolist(), top.tolist(), top_s.tolist()):
+                pool = merged.neighbours[r] + [(previous.clusters[cols[j]], s) for j, s in zip(row_top, row_s)]
+                merged.neighbours[r] = sorted(pool, key=lambda cs: -cs[1])[:k]
+    for r, env in enumerate(part.envs):
+        opened = previous.opened.get(env)
+        if opened:
+            have = {c for c, _ in merged.extra[r]}
+            merged.extra[r] = merged.extra[r] + [(c, 0.0) for c in opened[-MAX_PROVISIONAL_CANDIDATES:] if c not in have]

@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from lifemem_ray.config import MemoryConfig
-from lifemem_ray.evolution import CandidateSet, ItemBatch, Placement
+from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.memory import AddResult, ClusterInfo, Memory, known_ids
+from lifemem_ray.storage import ClusterRecord
 from lifemem_ray.retrieval import Retrieval
 
 __all__ = ["MemoryShard", "shard_namespace"]
@@ -75,14 +76,17 @@ class MemoryShard:
         self.busy_seconds["known"] += time.perf_counter() - t
         return out
 
-    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateSet:
+    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
         t = time.perf_counter()
-        out = self.memory.candidates_for(vectors, workflow_vectors, envs)
+        out = self.memory.candidate_arrays(vectors, workflow_vectors, envs)
         self.busy_seconds["candidates"] += time.perf_counter() - t
         return out
 
-    def commit(self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None) -> list[AddResult]:
-        """Store the coordinator's decisions. Idempotent: items already here are reported, not stored again."""
+    def commit(
+        self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
+    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
+        """Store the coordinator's decisions; return the results and the states of the clusters
+        they went to. Idempotent: items already here are reported, not stored again."""
         t = time.perf_counter()
         items = batch.items()
         results = known_ids(self.memory.store, batch.ids, batch.fingerprints)
@@ -92,8 +96,10 @@ class MemoryShard:
             for i, result in zip(fresh, placed):
                 results[i] = result
         self.memory._wake.set()  # maintenance (splits, skills) for what just changed
+        done = [r for r in results if r is not None]
+        states = self.memory.cluster_states(r.cluster_id for r in done if r.cluster_id is not None)
         self.busy_seconds["commit"] += time.perf_counter() - t
-        return [r for r in results if r is not None]
+        return done, states
 
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the

@@ -38,6 +38,41 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
 
 
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds used so far by this machine's processes, grouped by role (where the 2 cores go)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            times = proc.info["cpu_times"]
+        except (psutil.Error, TypeError):
+            continue
+        if times is None:
+            continue
+        if "ray::" in cmd:
+            role = cmd.split("ray::", 1)[1].split()[0].split(".")[0]
+        elif "cluster_scale" in cmd:
+            role = "driver"
+        elif "raylet" in cmd or "gcs_server" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd or "ray/autoscaler" in cmd:
+            role = "ray-system"
+        else:
+            continue
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    return out
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    import psutil
+
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(t)
+    return total - idle, total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1_000_000)
@@ -59,7 +94,6 @@ def main() -> None:
         dep.deploy(store / "memory", config, shards=args.shards)
         client = MemoryClient("scale", config)
         chunk = 50_000
-        queries_trajs, query_vecs = None, None
         windows = []
         lengths = []
         all_vecs = []
@@ -68,6 +102,8 @@ def main() -> None:
         started = time.perf_counter()
         loaded = 0
         last_stages: dict[str, float] = {}
+        last_cpu = cpu_by_process()
+        last_busy = [dict.fromkeys(("candidates", "commit", "known"), 0.0) for _ in client.shards]
         for part in range(0, args.n, chunk):
             t = time.perf_counter()
             trajs = list(generate(min(chunk, args.n - part), seed=1000 + part // chunk, length_scale=LENGTH_SCALE, id_prefix=f"s{part // chunk}"))
@@ -78,6 +114,7 @@ def main() -> None:
             all_envs.extend(x.env for x in trajs)
             gen_s += time.perf_counter() - t
             t = time.perf_counter()
+            busy0 = machine_cpu()
             pending = []
             for i in range(0, len(trajs), args.request):
                 pending.append(client.add_many(trajs[i : i + args.request], vecs[i : i + args.request]))
@@ -89,8 +126,20 @@ def main() -> None:
             stages = ray.get(client.coordinator.stats.remote())["stage_seconds"]
             delta = {k: round(v - last_stages.get(k, 0.0), 2) for k, v in stages.items()}
             last_stages = stages
-            windows.append({"stored": loaded, "per_s": round(len(trajs) / (time.perf_counter() - t), 1), "stage_seconds": delta})
+            wall = time.perf_counter() - t
+            busy1 = machine_cpu()
+            utilisation = round((busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1]), 3)
+            cpu = cpu_by_process()
+            cpu_delta = {k: round(v - last_cpu.get(k, 0.0), 1) for k, v in sorted(cpu.items()) if v - last_cpu.get(k, 0.0) >= 0.05}
+            last_cpu = cpu
+            busy = [info["busy_seconds"] for info in ray.get([s.info.remote() for s in client.shards])]
+            busy_delta = [{k: round(b[k] - lb[k], 1) for k in lb} for b, lb in zip(busy, last_busy)]
+            last_busy = busy
+            windows.append({"stored": loaded, "per_s": round(len(trajs) / wall, 1), "wall_s": round(wall, 1), "stage_seconds": delta,
+                            "shard_busy_seconds": busy_delta, "cpu_seconds": cpu_delta,
+                            "machine_cpu_busy": utilisation})
             print(f"{loaded:>9,} stored  {windows[-1]['per_s']:>8,.0f}/s  coordinator stages (s): {delta}", file=sys.stderr, flush=True)
+            print(f"{'':>18}shards busy (s): {busy_delta}  machine CPU busy {utilisation:.0%} while loading; cpu (s) since the last window, generation included: {cpu_delta}", file=sys.stderr, flush=True)
         load_s = time.perf_counter() - started - gen_s
         report["generate"] = {"seconds": round(gen_s, 1), "per_s": round(args.n / gen_s, 1), "json_chars_mean": round(statistics.mean(lengths)), "json_chars_median": statistics.median(lengths)}
         report["load"] = {"per_s": round(args.n / load_s, 1), "seconds": round(load_s, 1), "slowest_window_per_s": min(w["per_s"] for w in windows), "windows": windows}

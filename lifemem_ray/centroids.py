@@ -79,18 +79,22 @@ class ClusterCentroids:
 
     def search(self, queries: np.ndarray, m: int) -> list[list[tuple[int, float]]]:
         """The ``m`` best-scoring clusters per query (see :meth:`query`), best first."""
+        ids, scores = self.search_arrays(queries, m)
+        return [list(zip(row_c, row_s)) for row_c, row_s in zip(ids.tolist(), scores.tolist())]
+
+    def search_arrays(self, queries: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` as (ids, scores) arrays of shape (n, min(m, clusters))."""
         with self._lock:
             n = len(self._ids)
             if n == 0 or m <= 0:
-                return [[] for _ in range(len(queries))]
+                return np.zeros((len(queries), 0), np.int64), np.zeros((len(queries), 0), np.float32)
             scores = queries @ self._matrix.T
             m = min(m, n)
             top = np.argpartition(-scores, m - 1, axis=1)[:, :m]
             top_s = np.take_along_axis(scores, top, 1)
             order = np.argsort(-top_s, axis=1)
             top, top_s = np.take_along_axis(top, order, 1), np.take_along_axis(top_s, order, 1)
-            ids = self._ids[top]
-        return [[(int(c), float(s)) for c, s in zip(row_c, row_s)] for row_c, row_s in zip(ids, top_s)]
+            return self._ids[top], top_s.astype(np.float32, copy=False)
 
 
 def _unit(vec: np.ndarray) -> np.ndarray:

@@ -180,6 +180,9 @@ class ClusterConfig:
     shards: int = 2
     batch_size: int = 512  # the coordinator's micro-batch
     batch_wait_ms: float = 20.0  # how long a micro-batch waits to fill
+    # The shards look up the next micro-batch while the coordinator plans the current one;
+    # that batch is then planned with what the current one stored (as one batch twice the size).
+    pipeline: bool = True
     max_pending: int = 50_000  # trajectories queued at the coordinator; beyond, callers wait
     overload_timeout_s: float = 60.0  # a caller waiting longer than this gets OverloadedError
     embedders: int = 1  # embedding actors (one per GPU where there are GPUs)

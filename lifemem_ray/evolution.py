@@ -25,7 +25,7 @@ from .model import Trajectory
 from .policy import OfflinePolicy
 from .storage import ClusterRecord
 
-__all__ = ["BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateSet", "Placement", "add_member", "fold_member", "new_cluster_record"]
+__all__ = ["BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateArrays", "CandidateSet", "Placement", "add_member", "fold_member", "new_cluster_record"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,49 @@ class CandidateSet:
 
 
 @dataclass
+class CandidateArrays:
+    """:class:`CandidateSet` as arrays, padded with cluster id -1 (score -inf): what a shard
+    sends, cheap to build, pickle and merge for thousands of items at once."""
+
+    neighbour_ids: np.ndarray  # (n, k) int64 cluster ids of the top-k stored neighbours, best first
+    neighbour_scores: np.ndarray  # (n, k) float32
+    extra_ids: np.ndarray  # (n, m) int64 best clusters by centroid score, best first
+    extra_scores: np.ndarray  # (n, m) float32
+    clusters: dict[int, ClusterRecord]
+
+    def to_set(self) -> CandidateSet:
+        return CandidateSet(
+            neighbours=_rows(self.neighbour_ids, self.neighbour_scores),
+            extra=_rows(self.extra_ids, self.extra_scores),
+            clusters=self.clusters,
+        )
+
+    @staticmethod
+    def merge(parts: Sequence["CandidateArrays"], k: int, m: int) -> CandidateSet:
+        """The global top-k neighbours and top-m clusters over several stores' candidates
+        (stable: equal scores keep the stores' order)."""
+        clusters: dict[int, ClusterRecord] = {}
+        for part in parts:
+            clusters.update(part.clusters)
+        return CandidateSet(
+            neighbours=_rows(*_top(np.hstack([p.neighbour_ids for p in parts]), np.hstack([p.neighbour_scores for p in parts]), k)),
+            extra=_rows(*_top(np.hstack([p.extra_ids for p in parts]), np.hstack([p.extra_scores for p in parts]), m)),
+            clusters=clusters,
+        )
+
+
+def _top(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if ids.shape[1] == 0:
+        return ids, scores
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(scores, order, 1)
+
+
+def _rows(ids: np.ndarray, scores: np.ndarray) -> list[list[tuple[int, float]]]:
+    return [[(c, s) for c, s in zip(row_c, row_s) if c >= 0] for row_c, row_s in zip(ids.tolist(), scores.tolist())]
+
+
+@dataclass
 class BatchPlan:
     placements: list[Placement]
     clusters: dict[int, ClusterRecord]  # working states while planning (the store recomputes them at commit)
@@ -233,6 +276,23 @@ def _earlier_neighbours(vecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
     return sims, idx
 
 
+class _SumNorms:
+    """Norms of clusters' running sums, recomputed only when a cluster changed (its version):
+    most candidates of an item are scored again for the next items unchanged."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[int, int, float, float]] = {}
+
+    def of(self, record: ClusterRecord) -> tuple[float, float]:
+        got = self._cache.get(id(record))
+        if got is not None and got[0] == record.version and got[1] == record.count:
+            return got[2], got[3]
+        tn = math.sqrt(float(record.tsum @ record.tsum))
+        wn = math.sqrt(float(record.wsum @ record.wsum))
+        self._cache[id(record)] = (record.version, record.count, tn, wn)
+        return tn, wn
+
+
 def _cos(vec: np.ndarray, total: np.ndarray) -> float:
     norm = math.sqrt(float(total @ total))
     return float(vec @ total) / norm if norm > 0 else 0.0
@@ -280,6 +340,7 @@ class BatchPlanner:
         wvec64 = np.stack([it.wvec for it in items]).astype(np.float64) if n else np.zeros((0, self.wdim))
         k = self.config.top_k
         near_s, near_j = _earlier_neighbours(vecs, k)
+        near_s, near_j = near_s.tolist(), near_j.tolist()  # Python floats: the loop below is per item
         plan = BatchPlan(placements=[], clusters={})
         init_labels = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
         placements = plan.placements
@@ -289,6 +350,7 @@ class BatchPlanner:
         k = self.config.top_k
         want_views = self.decider is not None
         lowest = -(max(init_labels) + 1) if init_labels else 0  # last provisional id handed out
+        norms = _SumNorms()
         provisional_by_env: dict[str, list[int]] = {}
         if init_labels:
             for label, it in zip(init_labels, items):
@@ -323,8 +385,9 @@ class BatchPlanner:
                 record = work.get(cid) or self.live.get(cid)
                 if record is None or record.count == 0:
                     continue
-                ts = _cos(vec64[i], record.tsum)
-                ws = _cos(wvec64[i], record.wsum)
+                tn, wn = norms.of(record)
+                ts = float(vec64[i] @ record.tsum) / tn if tn > 0 else 0.0
+                ws = float(wvec64[i] @ record.wsum) / wn if wn > 0 else 0.0
                 scored.append((self.policy.score(ts, ws), cid, ts, ws))
             scored.sort(key=lambda x: -x[0])
             candidates: list[Candidate] = []

@@ -23,7 +23,7 @@ from .centroids import ClusterCentroids
 from .config import MemoryConfig
 from .decisions import ClusterView, Decider
 from .embedding import DIM as MINILM_DIM, Embedder
-from .evolution import BatchItem, BatchPlanner, ItemBatch, CandidateSet, Placement, _cos, add_member, fold_member, new_cluster_record
+from .evolution import BatchItem, BatchPlanner, CandidateArrays, CandidateSet, ItemBatch, Placement, _cos, add_member, fold_member, new_cluster_record
 from .index import VectorIndex
 from .model import Trajectory
 from .policy import MemberInfo, OfflinePolicy
@@ -422,39 +422,41 @@ class Memory:
         return self.candidates_for(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items])
 
     def candidates_for(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateSet:
-        """:meth:`candidates` from the vectors alone (what a shard receives from the coordinator)."""
+        """:meth:`candidates` from the vectors alone."""
+        return self.candidate_arrays(vectors, workflow_vectors, envs).to_set()
+
+    def candidate_arrays(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
+        """:meth:`candidates_for` as arrays (what a shard sends the coordinator)."""
         evo = self.config.evolution
         n = len(vectors)
-        found = CandidateSet(neighbours=[[] for _ in range(n)], extra=[[] for _ in range(n)], clusters={})
-        if not n:
-            return found
         queries = np.asarray(vectors, dtype=np.float32)
+        extra_ids, extra_scores = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
         with self._lock:
-            if evo.centroid_candidates:
+            if n and evo.centroid_candidates:
                 combined = self._centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
-                found.extra = self._centroids.search(combined, evo.centroid_candidates)
-            if evo.neighbour_scope == "env":
-                scores, ids = self.index.search_envs(queries, evo.top_k, list(envs),
-                                                     nprobe_fraction=self.config.index.candidate_nprobe_fraction,
-                                                     max_codes=self.config.index.candidate_max_codes)
-            elif len(self.index):
-                scores, ids = self.index.search(queries, evo.top_k)
+                extra_ids, extra_scores = self._centroids.search_arrays(combined, evo.centroid_candidates)
+            if n and evo.neighbour_scope == "env":
+                scores, vids = self.index.search_envs(queries, evo.top_k, list(envs),
+                                                      nprobe_fraction=self.config.index.candidate_nprobe_fraction,
+                                                      max_codes=self.config.index.candidate_max_codes)
+            elif n and len(self.index):
+                scores, vids = self.index.search(queries, evo.top_k)
             else:
-                scores, ids = np.zeros((n, 0)), np.zeros((n, 0), dtype=np.int64)
+                scores, vids = np.zeros((n, 0), np.float32), np.zeros((n, 0), dtype=np.int64)
+            # Each distinct neighbour's cluster once (near-duplicate queries share neighbours).
+            unique, inverse = np.unique(vids, return_inverse=True)
+            cluster_of = np.full(len(unique), -1, dtype=np.int64)
             with self.store.read() as txn:
-                for row, (row_s, row_i) in enumerate(zip(scores, ids)):
-                    for s, vid in zip(row_s, row_i):
-                        if vid < 0:
-                            continue
-                        cid = self.store.cluster_of(txn, int(vid))
+                for j, vid in enumerate(unique.tolist()):
+                    if vid >= 0:
+                        cid = self.store.cluster_of(txn, vid)
                         if cid is not None and cid in self._clusters:
-                            found.neighbours[row].append((cid, float(s)))
-            for row in found.neighbours + found.extra:
-                for cid, _ in row:
-                    record = self._clusters.get(cid)
-                    if record is not None:
-                        found.clusters[cid] = record
-        return found
+                            cluster_of[j] = cid
+            ids = cluster_of[inverse.reshape(vids.shape)] if vids.size else np.zeros(vids.shape, np.int64)
+            scores = np.where(ids >= 0, scores, np.float32(-np.inf)).astype(np.float32, copy=False)
+            named = np.unique(np.concatenate([ids.ravel(), extra_ids.ravel()])).tolist()
+            clusters = {cid: self._clusters[cid] for cid in named if cid in self._clusters}
+        return CandidateArrays(ids, scores, extra_ids, extra_scores, clusters)
 
     def _pending_items(self) -> list[BatchItem]:
         items = []
@@ -1214,6 +1216,12 @@ class Memory:
         with self.store.read() as txn:
             vid = self.store.lookup_id(txn, trajectory_id)
             return None if vid is None else self.store.cluster_of(txn, vid)
+
+    def cluster_states(self, cluster_ids: Iterable[int]) -> dict[int, ClusterRecord]:
+        """Copies of these clusters' live states (those still live): what a coordinator plans
+        the next batch with when that batch's candidates were searched before this commit."""
+        with self._lock:
+            return {cid: self._clusters[cid].copy() for cid in set(cluster_ids) if cid in self._clusters}
 
     def clusters(self, env: str | None = None) -> list[ClusterInfo]:
         """Live clusters, largest first; with ``env``, those holding trajectories of it."""

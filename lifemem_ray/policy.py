@@ -105,7 +105,7 @@ class OfflinePolicy:
         """
         if not scores:
             return None, 1.0
-        best = int(np.argmax(scores))
+        best = max(range(len(scores)), key=scores.__getitem__)  # the first of equal scores, like argmax
         margin = abs(scores[best] - self.config.join_threshold)
         return (best if scores[best] >= self.config.join_threshold else None), margin
 
