@@ -22,9 +22,10 @@ import numpy as np
 
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
+from lifemem_ray.index import set_faiss_threads
 from lifemem_ray.memory import AddResult, ClusterInfo, Memory, known_ids
-from lifemem_ray.storage import ClusterRecord
 from lifemem_ray.retrieval import Retrieval
+from lifemem_ray.storage import ClusterRecord
 
 __all__ = ["MemoryShard", "shard_namespace"]
 
@@ -42,9 +43,7 @@ class MemoryShard:
         config = config.replace({"evolution.background_maintenance": True, "index.background_retrain": True})
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
         # other actors of the node (small batches per environment make that costly).
-        import faiss
-
-        faiss.omp_set_num_threads(max(1, math.ceil(config.cluster.shard_cpus)))
+        set_faiss_threads(max(1, math.ceil(config.cluster.shard_cpus)))
         self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
         self.started = time.time()
         self.busy_seconds = {"candidates": 0.0, "commit": 0.0, "known": 0.0}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,7 +85,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args()
 
-    store = args.store or Path(tempfile.mkdtemp(prefix="lifemem-scale-"))
+    store = args.store or Path(tempfile.mkdtemp(prefix="lifemem-scale-"))  # removed at the end (a 1M store is ~8 GB)
     overrides = {"cluster.namespace": "scale", "cluster.batch_size": args.request, "cluster.embedders": 1}
     overrides.update(dict(item.split("=", 1) for item in args.set))
     config = MemoryConfig.load(overrides=overrides)
@@ -196,6 +197,8 @@ def main() -> None:
         dep.stop("scale")
     finally:
         ray.shutdown()
+        if args.store is None:
+            shutil.rmtree(store, ignore_errors=True)
     print(json.dumps(report, indent=2))
     r, l, m, c = report["retrieve"], report["load"], report["memory"], report["clusters"]
     print(f"\n{args.n:,} trajectories through the coordinator, {args.shards} shards, offline policy", file=sys.stderr)

@@ -35,7 +35,7 @@ import numpy as np
 
 from .config import IndexConfig
 
-__all__ = ["PAD_ID", "PAD_SCORE", "VectorIndex", "VectorIndexError"]
+__all__ = ["PAD_ID", "PAD_SCORE", "VectorIndex", "VectorIndexError", "set_faiss_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,27 @@ _GPU_MAX_K = 2048  # FAISS GPU k-selection and nprobe limit
 _MANIFEST = "manifest.json"
 _FORMAT = 1
 _MAX_ID = np.iinfo(np.int64).max
+
+
+# FAISS 1.15 computes inner products without BLAS while queries * dim < distance_compute_blas_threshold
+# (default 128,000: fewer than 333 queries at dim 384). That default suits many OpenMP threads; with
+# one thread per actor, as here, the sequential path is ~4x slower than BLAS for the IVF coarse
+# quantizer on the few hundred queries per environment a batch brings (facebookresearch/faiss#5109
+# measures the one-thread crossover at queries * dim ~ 800). Older FAISS compares the query count
+# alone with a default of 20, so only the newer semantics (a default in the thousands) is retuned.
+_BLAS_WORK_PER_THREAD = 800
+_BLAS_THRESHOLD_IS_WORK = faiss.cvar.distance_compute_blas_threshold >= 1000
+
+
+def set_faiss_threads(threads: int | None = None) -> None:
+    """Set FAISS's OpenMP threads (None: keep them) and the BLAS switch-over that suits them."""
+    if threads is not None:
+        faiss.omp_set_num_threads(max(1, int(threads)))
+    if _BLAS_THRESHOLD_IS_WORK:
+        faiss.cvar.distance_compute_blas_threshold = _BLAS_WORK_PER_THREAD * faiss.omp_get_max_threads()
+
+
+set_faiss_threads()
 
 
 class VectorIndexError(ValueError):
@@ -311,7 +332,7 @@ class VectorIndex:
             short = np.flatnonzero((ids < 0).any(axis=1))
             while len(short) and nprobe < e.nlist:
                 nprobe = min(e.nlist, nprobe * 4)
-                params = faiss.SearchParametersIVF(nprobe=nprobe)
+                params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=max(max_codes, want) if max_codes > 0 else 0)
                 scores[short], ids[short] = e.index.search(queries[short], want, params=params)
                 short = short[(ids[short] < 0).any(axis=1)]
         scores = np.where(ids < 0, np.float32(PAD_SCORE), scores).astype(np.float32, copy=False)

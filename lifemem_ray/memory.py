@@ -1199,7 +1199,9 @@ class Memory:
                     cid = self.store.cluster_of(txn, vid)
                     hits.append((s, cid, raw))
                     if skills and cid is not None and cid not in texts and len(texts) < max_skills:
-                        record = self.store.get_cluster(txn, cid)
+                        # The live view (replaced whole on every commit, never edited in place)
+                        # instead of decoding the stored record with its sums for one string.
+                        record = self._clusters.get(cid) or self.store.get_cluster(txn, cid)  # split meanwhile
                         if record is not None and record.skill.strip():
                             texts[cid] = record.skill
                 out.append((hits, texts))
