@@ -23,6 +23,8 @@ from lifemem_ray.retrieval import Retrieval, assemble
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
 
+RETRIEVE_CHUNK = 128  # queries per shard call in retrieve_many (answers are decoded while later chunks are searched)
+
 __all__ = ["AddFuture", "MemoryClient"]
 
 
@@ -118,18 +120,22 @@ class MemoryClient:
             return []
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
-        refs = [shard.search_records.remote(envs, k, vecs, skills) for shard in self.shards]
-        try:
-            per_shard = ray.get(refs)
-        except actor_failures() as exc:
-            raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
+        # Every chunk is asked at once; while this process decodes one chunk's answers the
+        # shards already search the next ones.
+        chunks = [(start, min(len(tasks), start + RETRIEVE_CHUNK)) for start in range(0, len(tasks), RETRIEVE_CHUNK)]
+        refs = [[shard.search_records.remote(envs[a:b], k, vecs[a:b], skills) for shard in self.shards] for a, b in chunks]
         max_skills = self.config.retrieval.max_skills
         out = []
-        for q, (task, env) in enumerate(zip(tasks, envs)):
-            # Merge the shards' hits; only the k best are decoded.
-            hits = [h for part in per_shard for h in part[q][0]]
-            texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
-            out.append(assemble(task, env, hits, texts, k, max_skills, budget))
+        for (a, b), chunk_refs in zip(chunks, refs):
+            try:
+                per_shard = ray.get(chunk_refs)
+            except actor_failures() as exc:
+                raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
+            for q, (task, env) in enumerate(zip(tasks[a:b], envs[a:b])):
+                # Merge the shards' hits; only the k best are decoded.
+                hits = [h for part in per_shard for h in part[q][0]]
+                texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
+                out.append(assemble(task, env, hits, texts, k, max_skills, budget))
         return out
 
     # -- state -----------------------------------------------------------------------------
@@ -167,7 +173,8 @@ class MemoryClient:
         return {"ok": all(r["ok"] for r in reports), "shards": reports}
 
     def maintain(self) -> int:
-        """Run every shard's queued splits and skills now (they also run in the background)."""
+        """Run every shard's queued splits and skills now and wait for its index retrains
+        (all of which also run in the background)."""
         return sum(ray.get([s.maintain.remote() for s in self.shards]))
 
     def snapshot(self, directory: str | Path) -> dict[str, Any]:

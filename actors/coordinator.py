@@ -117,7 +117,7 @@ class Coordinator:
         self._next_embedder = 0
         self._loads = self.routing.get_meta("shard_loads", [0] * len(self.shards))
         self._initialised = bool(self.routing.get_meta("initialised", False))
-        self.counters = {"requests": 0, "trajectories": 0, "batches": 0, "duplicates": 0, "rejected": 0, "overloaded": 0}
+        self.counters = {"requests": 0, "trajectories": 0, "batches": 0, "pipelined": 0, "duplicates": 0, "rejected": 0, "overloaded": 0}
         # Seconds spent per stage of the micro-batch pipeline, to see where time goes.
         self.stage_seconds = {"known": 0.0, "embed": 0.0, "prepare": 0.0, "candidates": 0.0, "plan": 0.0, "commit": 0.0}
 
@@ -240,6 +240,7 @@ class Coordinator:
                 if self._next is not None:
                     stage, pipelined = await self._next, True
                     self._next = None
+                    self.counters["pipelined"] += 1
                 else:
                     # Let a micro-batch fill for a moment, unless it is already full.
                     first = self._queue[0].enqueued

@@ -152,7 +152,10 @@ class MemoryShard:
         return self.memory.verify()
 
     def maintain(self) -> int:
-        return self.memory.maintain()
+        """Run queued splits and skills now and let background index retrains finish."""
+        done = self.memory.maintain()
+        self.memory.index.wait_retrains()
+        return done
 
     def export_records(self, path: str) -> dict[str, int]:
         return self.memory.export(path)

@@ -3,7 +3,8 @@
 Generates ``--n`` synthetic trajectories (12 environments, ground-truth workflow
 labels, text lengths like the released data) with vectors made directly (no
 embedding model), loads them through the coordinator of a ``--shards`` deployment
-with the offline policy, then measures at full size: single ``retrieve`` through
+with the offline policy, lets the background work the load started finish (splits,
+skills, index retrains; timed), then measures at full size: single ``retrieve`` through
 ``MemoryClient`` (p50/p99), ``retrieve_many`` queries/s, recall@4 against exact
 search, the client-vs-in-process ratio for the same queries, memory per stored
 trajectory, and cluster purity against the labels.
@@ -150,14 +151,24 @@ def main() -> None:
         # Queries: new tasks of the same generator (not stored).
         qtrajs = list(generate(args.queries, seed=99, length_scale=0.1, id_prefix="q"))
         qvecs = text_vectors([x.task for x in qtrajs])
+        # Once right after the load, while splits, skills and index retrains it started still run;
+        # then the same after they finished (the memory at rest), best of three.
+        t = time.perf_counter()
+        client.retrieve_many([x.task for x in qtrajs], [x.env for x in qtrajs], 4, vectors=qvecs)
+        busy_many_s = time.perf_counter() - t
+        t = time.perf_counter()
+        client.maintain()
+        settle_s = time.perf_counter() - t
         lat = []
         for x, v in zip(qtrajs[:500], qvecs[:500]):
             t = time.perf_counter()
             client.retrieve(x.task, x.env, 4, vector=v)
             lat.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        many = client.retrieve_many([x.task for x in qtrajs], [x.env for x in qtrajs], 4, vectors=qvecs)
-        many_s = time.perf_counter() - t
+        many_s = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            many = client.retrieve_many([x.task for x in qtrajs], [x.env for x in qtrajs], 4, vectors=qvecs)
+            many_s = min(many_s, time.perf_counter() - t)
         # In-process share: the same single queries timed inside the shard actors.
         inside = []
         for x, v in zip(qtrajs[:200], qvecs[:200]):
@@ -176,6 +187,8 @@ def main() -> None:
             "in_process": percentiles(inside),
             "client_vs_in_process_p50": round(float(np.percentile(lat, 50) / np.percentile(inside[: len(inside)], 50)), 2),
             "many_queries_per_s": round(len(qtrajs) / many_s, 1),
+            "many_queries_per_s_right_after_load": round(len(qtrajs) / busy_many_s, 1),
+            "settle_seconds": round(settle_s, 1),
             "recall@4": round(hits / total, 4),
         }
         res = ray.get([s.resources.remote() for s in client.shards])
@@ -208,6 +221,7 @@ def main() -> None:
         ("retrieve p50 (ms)", r["p50_ms"], "<= 10"),
         ("retrieve p99 (ms)", r["p99_ms"], "<= 50"),
         ("retrieve_many (queries/s)", r["many_queries_per_s"], ">= 2,000"),
+        ("  right after the load (queries/s)", r["many_queries_per_s_right_after_load"], ""),
         ("recall@4 vs exact", r["recall@4"], ">= 0.95"),
         ("client / in-process p50", r["client_vs_in_process_p50"], ""),
         ("shard RSS per trajectory (bytes)", m["shard_rss_bytes_per_trajectory"], ""),

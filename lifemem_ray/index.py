@@ -146,7 +146,7 @@ class VectorIndex:
             if e is None:
                 self._envs[env] = self._build(ids, vectors)
                 self._dirty.add(env)
-            elif e.kind == "ivf" and total > self.config.retrain_growth * e.trained_size and self.config.background_retrain:
+            elif e.kind == "ivf" and total > _retrain_at(env, e, self.config.retrain_growth) and self.config.background_retrain:
                 # Keep serving (and growing) the current index while a bigger one trains.
                 e.index.add_with_ids(vectors, ids)
                 self._add_to_replica(env, ids, vectors)
@@ -155,7 +155,7 @@ class VectorIndex:
                 else:
                     self._start_retrain(env, e)
             elif (e.kind == "flat" and total > self.config.exact_max) or (
-                e.kind == "ivf" and total > self.config.retrain_growth * e.trained_size
+                e.kind == "ivf" and total > _retrain_at(env, e, self.config.retrain_growth)
             ):
                 old_ids, old_vecs = _export(e)
                 self._envs[env] = self._build(np.concatenate([old_ids, ids]), np.concatenate([old_vecs, vectors]))
@@ -568,6 +568,14 @@ class VectorIndex:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _retrain_at(env: str, e: _Env, growth: float) -> float:
+    """Size at which an IVF environment is retrained: ``growth`` times its trained size, plus
+    up to a quarter of that growth, fixed per environment. Environments that grow together
+    (one stream feeds them all) would otherwise all retrain in the same few seconds."""
+    spread = (zlib.crc32(env.encode("utf-8")) % 1024) / 1024 * 0.25
+    return e.trained_size * (growth + (growth - 1.0) * spread)
 
 
 def _want_gpu(mode: str) -> bool:

@@ -90,6 +90,15 @@ class Step:
         return {"thought": self.thought, "action": self.action, "observation": self.observation}
 
     @classmethod
+    def trusted(cls, action: str, thought: str, observation: str) -> "Step":
+        """A step without validation: only for what this project validated before storing."""
+        step = object.__new__(cls)
+        object.__setattr__(step, "action", action)
+        object.__setattr__(step, "thought", thought)
+        object.__setattr__(step, "observation", observation)
+        return step
+
+    @classmethod
     def from_dict(cls, data: Any, where: str = "step") -> "Step":
         if not isinstance(data, Mapping):
             raise InvalidTrajectoryError(f"{where}: expected an object, got {type(data).__name__}")
@@ -204,6 +213,20 @@ class Trajectory:
             object.__setattr__(self, "id", self.fingerprint)
         elif not self.id.strip():
             raise InvalidTrajectoryError("id: must not be blank")
+
+    @classmethod
+    def trusted(
+        cls, *, env: str, task: str, steps: tuple[Step, ...], outcome: Outcome, id: str, initial_observation: str,
+        metadata: dict[str, Any], fingerprint: str = "",
+    ) -> "Trajectory":
+        """A trajectory without validation: only for records this project validated before
+        storing them. Decoding retrieved records is retrieval's hot path; re-checking every
+        string of every step there cost more than the search."""
+        traj = object.__new__(cls)
+        for name, value in (("env", env), ("task", task), ("steps", steps), ("outcome", outcome), ("id", id),
+                            ("initial_observation", initial_observation), ("metadata", metadata), ("_fingerprint", fingerprint)):
+            object.__setattr__(traj, name, value)
+        return traj
 
     @property
     def fingerprint(self) -> str:

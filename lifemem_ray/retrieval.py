@@ -128,7 +128,7 @@ def assemble(
     trajectories = []
     skills: list[RetrievedSkill] = []
     for score, cid, raw in best:
-        traj = record_to_trajectory(raw)[0]
+        traj = record_to_trajectory(raw, trusted=True)[0]
         trajectories.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(score), cid, traj))
         if cid is not None and cid in skill_texts and len(skills) < max_skills and all(s.cluster_id != cid for s in skills):
             skills.append(RetrievedSkill(cid, skill_texts[cid], float(score)))

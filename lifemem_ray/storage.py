@@ -209,17 +209,32 @@ def trajectory_to_record(traj: Trajectory, tokens: list[str], added: float) -> b
     )
 
 
-def record_to_trajectory(data: bytes) -> tuple[Trajectory, dict[str, Any]]:
+def record_to_trajectory(data: bytes, *, trusted: bool = False) -> tuple[Trajectory, dict[str, Any]]:
+    """Decode a stored record; ``trusted`` skips re-validating what was validated when it was
+    stored (retrieval decodes thousands per second; checks and exports keep validating)."""
     d = _unpackb(data)
-    traj = Trajectory(
-        env=d["env"],
-        task=d["task"],
-        steps=tuple(Step(thought=t, action=a, observation=o) for t, a, o in d["steps"]),
-        outcome=Outcome(success=d["out"][0], reward=d["out"][1]),
-        id=d["id"],
-        initial_observation=d["io"],
-        metadata=d["meta"],
-    )
+    if trusted:
+        out = d["out"]
+        traj = Trajectory.trusted(
+            env=d["env"],
+            task=d["task"],
+            steps=tuple(Step.trusted(a, t, o) for t, a, o in d["steps"]),
+            outcome=Outcome(success=out[0], reward=out[1]),
+            id=d["id"],
+            initial_observation=d["io"],
+            metadata=d["meta"],
+            fingerprint=d["fp"],
+        )
+    else:
+        traj = Trajectory(
+            env=d["env"],
+            task=d["task"],
+            steps=tuple(Step(thought=t, action=a, observation=o) for t, a, o in d["steps"]),
+            outcome=Outcome(success=d["out"][0], reward=d["out"][1]),
+            id=d["id"],
+            initial_observation=d["io"],
+            metadata=d["meta"],
+        )
     return traj, {"fingerprint": d["fp"], "tokens": d["wf"], "added": d["t"]}
 
 

@@ -247,7 +247,7 @@ def test_switches_to_ivf_past_exact_max_and_retrains(grown: tuple[VectorIndex, l
     big, side = stats["envs"]["big"], stats["envs"]["side"]
     assert side["kind"] == "flat" and side["ntotal"] == 2000
     assert big["kind"] == "ivf" and big["ntotal"] == 18_000
-    # Trained at 4000 when it switched, retrained once it exceeded 4 * 4000.
+    # Trained at 4000 when it switched, retrained once it exceeded 4 * 4000 (plus the env's spread).
     assert big["trained_size"] == 18_000
     assert 1 <= big["nlist"] <= 18_000 // 39
     assert 1 <= big["nprobe"] <= big["nlist"] and big["calibrated_recall"] >= 0.97
@@ -260,7 +260,7 @@ def test_retrain_growth_is_configurable(clustered: dict[str, object]) -> None:
     for start in range(0, 12_000, 2000):
         index.add("e", ids[start : start + 2000], vectors[start : start + 2000])
         trained.append(index.stats()["envs"]["e"]["trained_size"])
-    # IVF at 4000 (past exact_max), retrained past 2 * 4000.
+    # IVF at 4000 (past exact_max), retrained past 2 * 4000 (plus the env's spread, < 1000 here).
     assert trained == [0, 4000, 4000, 4000, 10_000, 10_000]
 
 
@@ -487,3 +487,13 @@ def test_background_retrain_keeps_serving_and_loses_nothing(clustered: dict[str,
     assert got[:, 0].tolist() == ids[100:14_000:500].tolist()
     _, gone = index.search(vectors[:5], 10, env="e")
     assert not set(ids[:5].tolist()) & set(gone.ravel().tolist())
+
+
+def test_environments_growing_together_retrain_at_different_sizes() -> None:
+    from lifemem_ray.index import _Env, _retrain_at
+
+    e = _Env(index=None, kind="ivf", trained_size=10_000)
+    points = {env: _retrain_at(env, e, 2.0) for env in ("alfworld", "webshop", "sql", "tau2-retail", "bfcl", "scienceworld")}
+    assert all(20_000 <= p < 22_500 for p in points.values()), points
+    assert len({round(p) for p in points.values()}) == len(points), "a fixed, different point per environment"
+    assert _retrain_at("sql", e, 2.0) == points["sql"]

@@ -318,3 +318,40 @@ def test_closed_memory_refuses_work(tmp_path):
     m.close()
     with pytest.raises(StoreError, match="closed"):
         m.add(traj(1), rand_vecs(1)[0])
+
+
+def test_trusted_decode_of_stored_records_equals_the_validated_one():
+    from lifemem_ray.storage import record_to_trajectory, trajectory_to_record
+
+    traj = Trajectory(env="web", task="find a red mug", steps=(Step(action="search[red mug]", thought="look", observation="3 hits"),),
+                      outcome=Outcome(success=True, reward=1.0), id="t1", initial_observation="home page", metadata={"k": [1, "x"]})
+    raw = trajectory_to_record(traj, ["SEARCH"], 0.0)
+    checked, extra = record_to_trajectory(raw)
+    fast, fast_extra = record_to_trajectory(raw, trusted=True)
+    assert fast == checked == traj and fast_extra == extra
+    assert fast.fingerprint == traj.fingerprint and fast.render() == traj.render()
+
+
+def test_candidate_arrays_merge_keeps_the_best_across_stores_in_store_order():
+    from lifemem_ray.evolution import CandidateArrays
+
+    pad = -np.inf
+    a = CandidateArrays(np.array([[5, -1, 7]]), np.array([[0.9, pad, 0.5]], np.float32), np.array([[5]]), np.array([[0.8]], np.float32), {})
+    b = CandidateArrays(np.array([[9, 8, -1]]), np.array([[0.9, 0.7, pad]], np.float32), np.zeros((1, 0), np.int64), np.zeros((1, 0), np.float32), {})
+    merged = CandidateArrays.merge([a, b], k=3, m=2)
+    assert [c for c, _ in merged.neighbours[0]] == [5, 9, 8]  # equal scores: the first store first
+    assert [c for c, _ in merged.extra[0]] == [5]
+    assert a.to_set().neighbours == [[(5, pytest.approx(0.9)), (7, pytest.approx(0.5))]]
+
+
+def test_candidates_match_between_the_list_and_array_forms(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    with Memory.open(tmp_path / "m") as memory:
+        memory.add_many(trajs[:400], vecs[:400])
+        items = memory.prepare(trajs[400:460], vecs[400:460])
+        arrays = memory.candidate_arrays(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items])
+        found = memory.candidates(items)
+        assert found.neighbours == arrays.to_set().neighbours and found.extra == arrays.to_set().extra
+        assert all(row for row in found.neighbours) and set(found.clusters) == set(arrays.clusters)
+        live = {c.id for c in memory.clusters()}
+        assert {c for row in found.neighbours for c, _ in row} <= live

@@ -141,6 +141,38 @@ def test_retries_are_idempotent_and_conflicts_reject_the_request(deployment, dat
     assert single.status == "added" and client.stats()["trajectories"] == 301
 
 
+def test_pipelined_batches_see_what_the_batch_before_stored(deployment, data):
+    """The shards look up batch i+1 before batch i commits: repeats of batch i's ids in batch
+    i+1 are duplicates (or a conflict), never stored twice, and batch i+1 is planned with
+    batch i's trajectories and clusters (the same clustering as without pipelining)."""
+    trajs, vecs = data
+    client, _ = deployment(shards=2, **{"cluster.batch_size": 100})
+    changed = Trajectory(env=trajs[250].env, task="other content", steps=(Step(action="x"),), id=trajs[250].id)
+    # Each request is one micro-batch; a repeat and a conflict each follow the batch they clash with.
+    first = [client.add_many(trajs[i : i + 100], vecs[i : i + 100]) for i in (0, 100)]
+    repeat = client.add_many(trajs[100:200], vecs[100:200])
+    third = client.add_many(trajs[200:300], vecs[200:300])
+    conflict = client.add_many([trajs[300], changed], vecs[300:302])
+    rest = [client.add_many(trajs[i : i + 100], vecs[i : i + 100]) for i in range(300, 600, 100)]
+    results = [r for f in [*first, third, *rest] for r in f.result(timeout=300)]
+    assert [r.status for r in results] == ["added"] * 600
+    assert {r.status for r in repeat.result(timeout=300)} == {"duplicate"}
+    assert [r.cluster_id for r in repeat.result()] == [r.cluster_id for r in results[100:200]]
+    with pytest.raises(IdConflictError, match=trajs[250].id):
+        conflict.result(timeout=300)
+    stats = client.stats()
+    assert stats["trajectories"] == 600, "each trajectory stored once, nothing of the conflicting request"
+    assert stats["coordinator"]["counters"]["pipelined"] >= 3, stats["coordinator"]["counters"]
+    assert client.verify()["ok"]
+    # The clustering matches a deployment that decides one batch at a time.
+    serial, _ = deployment(shards=2, **{"cluster.batch_size": 100, "cluster.pipeline": False})
+    for i in range(0, 600, 100):
+        serial.add_many(trajs[i : i + 100], vecs[i : i + 100]).result(timeout=300)
+    assert serial.stats()["coordinator"]["counters"]["pipelined"] == 0
+    sizes = lambda c: sorted(x.count for x in c.clusters())  # noqa: E731
+    assert abs(len(sizes(client)) - len(sizes(serial))) <= 2, (sizes(client), sizes(serial))
+
+
 def test_overload_makes_callers_wait_then_fail(deployment, data):
     import ray
 
