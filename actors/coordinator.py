@@ -14,6 +14,13 @@ micro-batch the coordinator
    least-loaded shard) and acknowledges a request only after every shard it touched
    has committed.
 
+Batches are pipelined: steps 1 and 3 of the next micro-batch run on the shards while the
+coordinator plans the current one (step 4). That batch is then planned with what the
+current one stored, so it decides as if it had been looked up afterwards: the stored
+batch's trajectories join its neighbours (exact search within each environment), the
+clusters it touched are planned with their committed states, the clusters it opened
+are candidates, and its ids count as stored (``cluster.pipeline = false`` turns this off).
+
 A request whose ids conflict with stored content is rejected whole before anything
 of it is stored. A request that fails half-way (a shard died) may be retried: ids
 make adds idempotent.
@@ -240,7 +247,12 @@ class Coordinator:
                 if self._next is not None:
                     stage, pipelined = await self._next, True
                     self._next = None
-                    self.counters["pipelined"] += 1
+                    if previous is None:
+                        # The batch before failed after these lookups were made: it may have
+                        # stored part of itself, so look again rather than plan without it.
+                        stage, pipelined = await self._front(stage.requests), False
+                    else:
+                        self.counters["pipelined"] += 1
                 else:
                     # Let a micro-batch fill for a moment, unless it is already full.
                     first = self._queue[0].enqueued
