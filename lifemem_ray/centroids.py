@@ -77,13 +77,9 @@ class ClusterCentroids:
     def query(self, vectors: np.ndarray, workflow_vectors: np.ndarray) -> np.ndarray:
         return np.hstack([self._a * workflow_vectors, self._b * vectors]).astype(np.float32)
 
-    def search(self, queries: np.ndarray, m: int) -> list[list[tuple[int, float]]]:
-        """The ``m`` best-scoring clusters per query (see :meth:`query`), best first."""
-        ids, scores = self.search_arrays(queries, m)
-        return [list(zip(row_c, row_s)) for row_c, row_s in zip(ids.tolist(), scores.tolist())]
-
-    def search_arrays(self, queries: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` as (ids, scores) arrays of shape (n, min(m, clusters))."""
+    def search(self, queries: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``m`` best-scoring clusters per query (see :meth:`query`), best first, as
+        (ids, scores) arrays of shape (n, min(m, clusters))."""
         with self._lock:
             n = len(self._ids)
             if n == 0 or m <= 0:

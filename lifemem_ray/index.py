@@ -10,8 +10,10 @@ Each sub-index is exact (``IndexIDMap2(IndexFlatIP)``) while it holds at most
 ``config.exact_max`` vectors and becomes an ``IndexIVFFlat`` (inner product,
 spherical k-means, hash-table direct map) above that. Both keep the raw
 vectors, support ``remove_ids`` with arbitrary 63-bit ids and let us read the
-vectors back, so the index grows on its own: it is retrained when an
-environment has grown 4x since its last training (amortised O(1) per add).
+vectors back, so the index grows on its own: it is retrained (more lists)
+when an environment has grown ``config.retrain_growth`` times since its last
+training, amortised O(1) per add; with ``config.background_retrain`` on a thread
+while the old index keeps serving.
 
 Scores are inner products (cosine for the L2-normalised vectors callers store).
 Missing results are padded with score ``-inf`` and id ``-1``.
@@ -143,20 +145,11 @@ class VectorIndex:
                     raise VectorIndexError(f"ids: id {i} is already in the index (environment {self._where[i]!r})")
             e = self._envs.get(env)
             total = (e.ntotal if e is not None else 0) + len(ids)
+            retrain = e is not None and e.kind == "ivf" and total > _retrain_at(env, e, self.config.retrain_growth)
             if e is None:
                 self._envs[env] = self._build(ids, vectors)
                 self._dirty.add(env)
-            elif e.kind == "ivf" and total > _retrain_at(env, e, self.config.retrain_growth) and self.config.background_retrain:
-                # Keep serving (and growing) the current index while a bigger one trains.
-                e.index.add_with_ids(vectors, ids)
-                self._add_to_replica(env, ids, vectors)
-                if env in self._retraining:
-                    self._retraining[env][1].append((ids.copy(), vectors.copy()))
-                else:
-                    self._start_retrain(env, e)
-            elif (e.kind == "flat" and total > self.config.exact_max) or (
-                e.kind == "ivf" and total > _retrain_at(env, e, self.config.retrain_growth)
-            ):
+            elif (e.kind == "flat" and total > self.config.exact_max) or (retrain and not self.config.background_retrain):
                 old_ids, old_vecs = _export(e)
                 self._envs[env] = self._build(np.concatenate([old_ids, ids]), np.concatenate([old_vecs, vectors]))
                 self._dirty.add(env)
@@ -165,6 +158,9 @@ class VectorIndex:
                 self._add_to_replica(env, ids, vectors)
                 if env in self._retraining:
                     self._retraining[env][1].append((ids.copy(), vectors.copy()))
+                elif retrain:
+                    # Keep serving (and growing) the current index while a bigger one trains.
+                    self._start_retrain(env, e)
             self._where.update(dict.fromkeys(ids.tolist(), env))
 
     def _start_retrain(self, env: str, e: _Env) -> None:
@@ -318,12 +314,12 @@ class VectorIndex:
         want = min(k, e.ntotal)
         searcher = self._searcher(name, e, want)
         nprobe = e.nprobe
+        codes = max(max_codes, want) if max_codes > 0 else 0  # FAISS: 0 scans every probed list whole
         if searcher is e.index and e.kind == "flat":
             scores, ids = _flat_search(e, queries, want)
-        elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or max_codes > 0):
+        elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or codes):
             nprobe = max(1, int(round(e.nprobe * nprobe_fraction)))
-            params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=max(max_codes, want) if max_codes > 0 else 0)
-            scores, ids = searcher.search(queries, want, params=params)
+            scores, ids = searcher.search(queries, want, params=faiss.SearchParametersIVF(nprobe=nprobe, max_codes=codes))
         else:
             scores, ids = searcher.search(queries, want)
         if e.kind == "ivf":
@@ -332,7 +328,7 @@ class VectorIndex:
             short = np.flatnonzero((ids < 0).any(axis=1))
             while len(short) and nprobe < e.nlist:
                 nprobe = min(e.nlist, nprobe * 4)
-                params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=max(max_codes, want) if max_codes > 0 else 0)
+                params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=codes)
                 scores[short], ids[short] = e.index.search(queries[short], want, params=params)
                 short = short[(ids[short] < 0).any(axis=1)]
         scores = np.where(ids < 0, np.float32(PAD_SCORE), scores).astype(np.float32, copy=False)

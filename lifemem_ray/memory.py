@@ -434,7 +434,7 @@ class Memory:
         with self._lock:
             if n and evo.centroid_candidates:
                 combined = self._centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
-                extra_ids, extra_scores = self._centroids.search_arrays(combined, evo.centroid_candidates)
+                extra_ids, extra_scores = self._centroids.search(combined, evo.centroid_candidates)
             if n and evo.neighbour_scope == "env":
                 scores, vids = self.index.search_envs(queries, evo.top_k, list(envs),
                                                       nprobe_fraction=self.config.index.candidate_nprobe_fraction,
