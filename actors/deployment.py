@@ -56,17 +56,33 @@ def _alive_nodes() -> list[dict[str, Any]]:
     return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
 
 
-def _placement(shards: int, saved: list[str] | None) -> list[str]:
+def _placement(shards: int, saved: list[str] | None, store: Path | None = None) -> list[str]:
     """Node per shard: where it lived before (its files are there), else spread over the nodes.
-    Nodes with GPUs come first, so shards there can use GPU indices."""
+    Nodes with GPUs come first, so shards there can use GPU indices.
+
+    A shard whose node is gone (a Ray restart gives every node a new id) moves to a live
+    node that sees its files: the same machine after a restart, or any node of a shared
+    filesystem. Only a shard whose files no live node can see is an error."""
     alive = {n["NodeID"] for n in _alive_nodes()}
     if saved and len(saved) == shards:
+        placed = list(saved)
         missing = [i for i, node in enumerate(saved) if node not in alive]
+        if missing and store is not None:
+            nodes = {n["NodeID"]: n.get("Resources", {}) for n in _alive_nodes()}
+            seen = _nodes_seeing(sorted(nodes), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
+            for i, where in zip(missing, seen):
+                if where:  # nodes marked for shards first, the head last, then the fewest shards so far
+                    placed[i] = min(where, key=lambda node: (
+                        not nodes[node].get(SHARD_RESOURCE), bool(nodes[node].get("node:__internal_head__")), placed.count(node), node))
+            missing = [i for i in missing if placed[i] not in alive]
         if missing:
             raise RuntimeError(
-                f"shard(s) {missing} are pinned to node(s) that are gone; restore the memory from a snapshot into a new deployment"
+                f"shard(s) {missing} are pinned to node(s) that are gone and no live node sees their files "
+                f"under {store}; restore the memory from a snapshot into a new deployment"
             )
-        return list(saved)
+        if placed != saved:
+            log.warning("shards moved to the live nodes that see their files: %s -> %s", saved, placed)
+        return placed
     nodes = _alive_nodes()
     # Nodes marked for shards (custom resource `lifemem_shard`, see cluster_configs/) first;
     # else worker nodes; else any. The head keeps the coordinator.
@@ -74,6 +90,26 @@ def _placement(shards: int, saved: list[str] | None) -> list[str]:
     workers = marked or [n for n in nodes if not n.get("Resources", {}).get("node:__internal_head__")] or nodes
     workers.sort(key=lambda n: (-n.get("Resources", {}).get("GPU", 0), n["NodeID"]))
     return [workers[i % len(workers)]["NodeID"] for i in range(shards)]
+
+
+def _files_exist(paths: list[str]) -> list[bool]:
+    return [Path(p).is_file() for p in paths]
+
+
+def _nodes_seeing(nodes: list[str], paths: list[Path], timeout_s: float = 60.0) -> list[list[str]]:
+    """For each path, the nodes on which it exists (one zero-CPU task per node)."""
+    probe = ray.remote(num_cpus=0, max_retries=0)(_files_exist)
+    refs = {
+        node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote([str(p) for p in paths])
+        for node in nodes
+    }
+    answers: dict[str, list[bool]] = {}
+    for node, ref in refs.items():
+        try:
+            answers[node] = ray.get(ref, timeout=timeout_s)
+        except Exception:  # a node that cannot answer is not a place for a shard
+            log.warning("node %s did not answer the shard-file probe", node, exc_info=True)
+    return [[node for node, seen in answers.items() if seen[i]] for i in range(len(paths))]
 
 
 def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards: int | None = None, dim: int | None = None) -> dict[str, Any]:
@@ -98,7 +134,7 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
             routing.close()
             raise RuntimeError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
         dim = saved["dim"]
-        nodes = _placement(count, saved.get("nodes"))
+        nodes = _placement(count, saved.get("nodes"), store)
     else:
         count = shards or config.cluster.shards
         dim = dim or MINILM_DIM

@@ -80,6 +80,18 @@ def main() -> None:
         hit = client2.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0])
         report["retrieve_after"] = [h.id for h in hit.trajectories]
         dep.stop("mn2")
+
+        # The original store again: shard 1's node is gone, but its files are on this
+        # machine, so the live nodes see them and the shard moves to one of them.
+        config3 = MemoryConfig().replace({"cluster.namespace": "mn3", **ACTORS})
+        reopened = dep.deploy(root / "store", config3)
+        report["reopened_nodes"] = reopened["nodes"]
+        report["reopened_on_workers"] = set(reopened["nodes"]) <= worker_ids - {victim.node_id}
+        client3 = MemoryClient("mn3", config3)
+        report["reopened"] = client3.stats()["trajectories"]
+        report["reopened_verify_ok"] = client3.verify()["ok"]
+        report["reopened_retrieve"] = [h.id for h in client3.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0]).trajectories]
+        dep.stop("mn3")
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -23,3 +23,7 @@ def test_node_loss_is_reported_and_a_snapshot_brings_the_memory_back(tmp_path):
     # The memory comes back from the last snapshot.
     assert report["after"] == 400 and report["verify_ok"]
     assert report["retrieve_after"]
+    # The original store reopens although a shard's node is gone: its files are still here.
+    assert report["reopened_on_workers"], report["reopened_nodes"]
+    assert report["reopened"] >= 400 and report["reopened_verify_ok"]
+    assert report["reopened_retrieve"] == report["retrieve_after"]
