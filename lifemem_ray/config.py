@@ -94,10 +94,15 @@ class IndexConfig:
     nlist: int = 0  # 0: chosen from the size (about 4 * sqrt(n))
     nprobe: int = 0  # 0: calibrated to reach target_recall at (re)training
     target_recall: float = 0.97
+    calibration_k: int = 4  # nprobe is calibrated on recall@calibration_k: the k searches use (retrieval.k, evolution.top_k)
     # Share of the calibrated nprobe the evolution's neighbour search uses: it needs the
     # clusters of the nearest trajectories, not exact neighbours (retrieval uses all of it).
     candidate_nprobe_fraction: float = 0.5
     candidate_max_codes: int = 1024  # vectors scanned per query at most in that search (0: no limit)
+    # Vectors any other IVF search scans per query at most. Near-duplicate trajectories pile
+    # up in a few huge lists; the cap bounds their cost. It applies only to environments
+    # whose nprobe calibration reaches target_recall with it in place (0: no limit).
+    search_max_codes: int = 2048
     # An IVF environment is retrained (more lists) once it holds this many times its
     # training size: smaller keeps lists short (faster search), larger retrains less often.
     retrain_growth: float = 2.0
@@ -105,9 +110,10 @@ class IndexConfig:
     use_gpu: str = "auto"  # auto | yes | no
 
     def validate(self) -> None:
-        _positive(self, "exact_max")
-        if self.candidate_max_codes < 0:
-            raise ConfigError("index.candidate_max_codes: must be >= 0 (0 = no limit)")
+        _positive(self, "exact_max", "calibration_k")
+        for key in ("candidate_max_codes", "search_max_codes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"index.{key}: must be >= 0 (0 = no limit)")
         if self.nlist < 0 or self.nprobe < 0:
             raise ConfigError("index.nlist and index.nprobe: must be >= 0 (0 = automatic)")
         _in_range(self, "target_recall", 0.5, 1.0)

@@ -48,7 +48,6 @@ _MIN_PER_CENTROID = 39  # nlist <= n / 39: k-means gets enough points per centro
 _TRAIN_PER_CENTROID = 40  # training sample: at most this many points per centroid
 _KMEANS_ITERS = 10  # few iterations: training must stay fast on 2 cores
 _CAL_QUERIES = 200  # stored vectors used as queries when calibrating nprobe
-_CAL_K = 10  # nprobe is calibrated on recall@10
 _SEED = 20240611  # sampling and k-means are seeded: rebuilds are reproducible
 _EXACT_CHUNK = 65536  # database rows per block in brute-force calibration
 _SCORE_BLOCK = 1 << 22  # at most this many query-vector scores in memory at once (16 MiB)
@@ -92,7 +91,8 @@ class _Env:
     nlist: int = 0
     nprobe: int = 0
     trained_size: int = 0  # vectors present at the last (re)training
-    recall: float | None = None  # calibrated recall@10 at nprobe (None: not calibrated)
+    recall: float | None = None  # calibrated recall@calibration_k at nprobe (None: not calibrated)
+    max_codes: int = 0  # vectors a search scans per query at most when trained_size were stored (0: no cap)
     flat: Any = None  # flat kind: the IndexFlatIP inside the IDMap2, whose storage we search with numpy
 
     @property
@@ -314,7 +314,11 @@ class VectorIndex:
         want = min(k, e.ntotal)
         searcher = self._searcher(name, e, want)
         nprobe = e.nprobe
-        codes = max(max_codes, want) if max_codes > 0 else 0  # FAISS: 0 scans every probed list whole
+        codes = max_codes
+        if codes <= 0 and e.max_codes:
+            # The calibrated cap, grown with the lists since (adds until the next retrain).
+            codes = math.ceil(e.max_codes * max(1.0, e.ntotal / max(1, e.trained_size)))
+        codes = max(codes, want) if codes > 0 else 0  # FAISS: 0 scans every probed list whole
         if searcher is e.index and e.kind == "flat":
             scores, ids = _flat_search(e, queries, want)
         elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or codes):
@@ -380,6 +384,7 @@ class VectorIndex:
                         "nprobe": e.nprobe,
                         "trained_size": e.trained_size,
                         "calibrated_recall": e.recall,
+                        "max_codes": e.max_codes,
                     }
                     for name, e in sorted(self._envs.items())
                 },
@@ -418,6 +423,7 @@ class VectorIndex:
                         "nprobe": e.nprobe,
                         "trained_size": e.trained_size,
                         "recall": e.recall,
+                        "max_codes": e.max_codes,
                         "bytes": size,
                         "crc32": crc,
                     }
@@ -427,6 +433,7 @@ class VectorIndex:
                 "dim": self.dim,
                 "stamp": int(stamp),
                 "count": len(self._where),
+                "calibration": self._calibration(),  # what the IVF envs' nprobe and scan caps are calibrated for
                 "envs": entries,
             }
             tmp = directory / (_MANIFEST + ".tmp")
@@ -486,12 +493,16 @@ class VectorIndex:
                     nprobe=int(entry["nprobe"]),
                     trained_size=int(entry["trained_size"]),
                     recall=entry.get("recall"),
+                    max_codes=int(entry.get("max_codes", 0)),
                 )
                 _check_loaded(e, index.dim)
                 if e.ntotal != entry["count"] or e.ntotal == 0:
                     raise ValueError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")
                 if e.kind == "ivf" and index.config.nprobe:
                     e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
+                    e.max_codes = 0
+                elif e.kind == "ivf" and manifest.get("calibration") != index._calibration():
+                    index._calibrate_env(e)  # calibrated for another k, target or scan cap: calibrate for these
                 ids = _export_ids(e)
                 before = len(index._where)
                 index._where.update(dict.fromkeys(ids.tolist(), name))
@@ -529,16 +540,39 @@ class VectorIndex:
         sample_size = min(n, _TRAIN_PER_CENTROID * nlist)
         sample = vectors if sample_size == n else vectors[np.sort(rng.choice(n, sample_size, replace=False))]
         ivf.train(np.ascontiguousarray(sample))
+        ivf = _without_empty_lists(ivf, vectors)
+        nlist = ivf.nlist
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct + remove_ids with arbitrary ids
         ivf.add_with_ids(vectors, ids)
-        recall: float | None = None
+        e = _Env(index=ivf, kind="ivf", nlist=nlist, nprobe=min(self.config.nprobe, nlist) if self.config.nprobe else nlist, trained_size=n)
         if self.config.nprobe:
-            nprobe = min(self.config.nprobe, nlist)
+            ivf.nprobe = e.nprobe
         else:
-            nprobe, recall = _calibrate(ivf, ids, vectors, nlist, self.config.target_recall, rng)
-        ivf.nprobe = nprobe
-        log.debug("index: built IVF nlist=%d nprobe=%d over %d vectors", nlist, nprobe, n)
-        return _Env(index=ivf, kind="ivf", nlist=nlist, nprobe=nprobe, trained_size=n, recall=recall)
+            self._calibrate_env(e, ids, vectors, rng)
+        log.debug("index: built IVF nlist=%d nprobe=%d max_codes=%d over %d vectors", nlist, e.nprobe, e.max_codes, n)
+        return e
+
+    def _calibration(self) -> dict[str, Any]:
+        c = self.config
+        return {"k": c.calibration_k, "target_recall": c.target_recall, "search_max_codes": c.search_max_codes, "nprobe": c.nprobe}
+
+    def _calibrate_env(
+        self, e: _Env, ids: np.ndarray | None = None, vectors: np.ndarray | None = None, rng: np.random.Generator | None = None
+    ) -> None:
+        """Set an IVF env's nprobe and scan cap to the cheapest reaching target_recall.
+
+        Caps are tried from 1/16 of ``search_max_codes`` up to all of it (a smaller cap
+        scans less, whatever the nprobe), each with nprobe calibrated under it; where none
+        reaches the target (many near neighbours in one huge list), the env is
+        calibrated and searched without a cap."""
+        if ids is None or vectors is None:
+            ids, vectors = _export(e)
+        rng = rng if rng is not None else np.random.default_rng(_SEED)
+        top = self.config.search_max_codes
+        k = self.config.calibration_k
+        caps = sorted({max(k + 1, top >> shift) for shift in range(5)}) + [0] if top else [0]
+        e.nprobe, e.recall, e.max_codes = _calibrate(e.index, ids, vectors, e.nlist, self.config.target_recall, rng, caps, k)
+        e.index.nprobe = e.nprobe
 
     # ------------------------------------------------------------------ GPU
 
@@ -730,19 +764,41 @@ def _first_not_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray
     return np.take_along_axis(ids, order, 1)[:, :k]
 
 
+def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> Any:
+    """The trained IVF, or an equivalent one without the lists none of ``vectors`` falls in.
+
+    Near-duplicate trajectories leave most k-means centroids without a single point (the
+    copies cannot be split). A query near such a centroid probes empty lists, comes back
+    short and has to be searched again with more lists. Dropping those centroids changes
+    no stored vector's list (each sits in its nearest centroid's, which is kept)."""
+    _, assign = ivf.quantizer.search(vectors, 1)
+    used = np.unique(assign[assign >= 0])
+    if len(used) == ivf.nlist or len(used) == 0:
+        return ivf
+    quantizer = faiss.IndexFlatIP(ivf.d)
+    quantizer.add(ivf.quantizer.reconstruct_n(0, ivf.nlist)[used])
+    compact = faiss.IndexIVFFlat(quantizer, ivf.d, len(used), faiss.METRIC_INNER_PRODUCT)
+    if not compact.is_trained:  # FAISS marks it trained when the quantizer holds nlist centroids
+        raise RuntimeError("IVF without empty lists: the compacted quantizer was not accepted as trained")
+    return compact
+
+
 def _calibrate(
-    ivf: Any, ids: np.ndarray, vectors: np.ndarray, nlist: int, target: float, rng: np.random.Generator
-) -> tuple[int, float]:
-    """Smallest nprobe in 1, 2, 4, ..., nlist reaching ``target`` recall@10 on stored vectors as queries.
+    ivf: Any, ids: np.ndarray, vectors: np.ndarray, nlist: int, target: float, rng: np.random.Generator,
+    caps: Sequence[int] = (0,), k: int = 4,
+) -> tuple[int, float, int]:
+    """``(nprobe, recall, cap)``: the smallest nprobe in 1, 2, 4, ..., nlist reaching ``target``
+    recall@k on stored vectors as queries, scanning at most ``cap`` vectors per query (0: no
+    limit), for the first cap in ``caps`` that reaches it (else the last cap, all lists).
 
     Recall is counted by score: a returned neighbour is correct when it is at least as
     similar as the exact k-th neighbour. With exact duplicates (common in real logs) an
     id-based count would punish the index for picking a different one of equal vectors.
     """
     n = len(ids)
-    k = min(_CAL_K, n - 1)
+    k = min(k, n - 1)
     if k < 1:
-        return nlist, 1.0
+        return nlist, 1.0, 0
     sample = np.sort(rng.choice(n, min(_CAL_QUERIES, n), replace=False))
     queries, self_ids = vectors[sample], ids[sample]
     exact = _exact_topk(queries, vectors, k + 1)
@@ -752,17 +808,21 @@ def _calibrate(
     threshold = np.sort(exact_scores, axis=1)[:, ::-1][:, k] - 1e-5  # k-th best after the query itself
     ladder = [1 << p for p in range(max(1, nlist).bit_length()) if (1 << p) < nlist] + [nlist]
     recall = 1.0
-    for nprobe in ladder:
-        scores, got = ivf.search(queries, k + 1, params=faiss.SearchParametersIVF(nprobe=nprobe))
-        # Drop the query itself (or, if it was not returned, the weakest result).
-        drop = np.where((got == self_ids[:, None]).any(axis=1), np.argmax(got == self_ids[:, None], axis=1), k)
-        keep = np.ones_like(got, dtype=bool)
-        keep[np.arange(len(got)), drop] = False
-        hits = ((scores >= threshold[:, None]) & (got >= 0) & keep).sum(axis=1)
-        recall = float((hits / k).mean())
-        if recall >= target:
-            return nprobe, recall
-    return nlist, recall
+    for cap in caps:
+        for nprobe in ladder:
+            params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=max(cap, k + 1) if cap else 0)
+            scores, got = ivf.search(queries, k + 1, params=params)
+            # Drop the query itself (or, if it was not returned, the weakest result).
+            drop = np.where((got == self_ids[:, None]).any(axis=1), np.argmax(got == self_ids[:, None], axis=1), k)
+            keep = np.ones_like(got, dtype=bool)
+            keep[np.arange(len(got)), drop] = False
+            hits = ((scores >= threshold[:, None]) & (got >= 0) & keep).sum(axis=1)
+            recall = float((hits / k).mean())
+            if recall >= target:
+                return nprobe, recall, cap
+            if cap and nprobe * n >= 4 * cap * nlist:
+                break  # the probed lists hold 4x the cap: more lists would not be reached
+    return nlist, recall, caps[-1]
 
 
 def _check_loaded(e: _Env, dim: int) -> None:

@@ -497,3 +497,71 @@ def test_environments_growing_together_retrain_at_different_sizes() -> None:
     assert all(20_000 <= p < 22_500 for p in points.values()), points
     assert len({round(p) for p in points.values()}) == len(points), "a fixed, different point per environment"
     assert _retrain_at("sql", e, 2.0) == points["sql"]
+
+
+def _duplicate_heavy(rng: np.random.Generator, dim: int = 16) -> np.ndarray:
+    """Four trajectories repeated 1,500 times each (one huge IVF list apiece) beside 3,000 spread ones."""
+    templates = random_vectors(rng, 4, dim)
+    return np.vstack([np.repeat(templates, 1500, axis=0), random_vectors(rng, 3000, dim)])
+
+
+def _scanned_per_query(index: VectorIndex, queries: np.ndarray, env: str) -> float:
+    faiss.cvar.indexIVF_stats.reset()
+    index.search(queries, 4, env)
+    return faiss.cvar.indexIVF_stats.ndis / len(queries)
+
+
+def test_scan_cap_is_calibrated_and_bounds_the_scan_of_huge_lists() -> None:
+    rng = np.random.default_rng(31)
+    vectors = _duplicate_heavy(rng)
+    ids = random_ids(rng, len(vectors))
+    capped = VectorIndex(16, IndexConfig(exact_max=512, search_max_codes=1024))
+    uncapped = VectorIndex(16, IndexConfig(exact_max=512, search_max_codes=0))
+    for index in (capped, uncapped):
+        index.add("e", ids, vectors)
+    info = capped.stats()["envs"]["e"]
+    # The smallest of 1024/16 ... 1024 that still reaches the target recall.
+    assert info["kind"] == "ivf" and info["max_codes"] in (64, 128, 256, 512, 1024) and info["calibrated_recall"] >= 0.97
+    assert uncapped.stats()["envs"]["e"]["max_codes"] == 0
+    repeats = vectors[::1500][:4]
+    # A repeated trajectory's list holds 1,500 equal vectors: scanned whole without the cap.
+    assert _scanned_per_query(uncapped, repeats, "e") >= 1500
+    assert _scanned_per_query(capped, repeats, "e") <= info["max_codes"]
+    # Equal vectors are equally good answers: the capped search finds top scores all the same.
+    got, _ = capped.search(repeats, 4, "e")
+    assert np.allclose(got, 1.0, atol=1e-5)
+    spread = vectors[6000:6200]
+    truth, _ = brute_force(spread, vectors, ids, 4)
+    got, _ = capped.search(spread, 4, "e")
+    assert (got >= truth[:, -1:] - 1e-5).mean() >= 0.9
+
+
+def test_scan_cap_is_dropped_where_it_would_cost_recall() -> None:
+    rng = np.random.default_rng(32)
+    # Tight clusters of distinct (not equal) vectors: a few huge lists whose exact
+    # neighbours a 32-vector scan of a list would mostly miss.
+    vectors = sphere_mixture(rng, random_vectors(rng, 3, 16), 6000, 0.02)
+    ids = random_ids(rng, len(vectors))
+    index = VectorIndex(16, IndexConfig(exact_max=512, search_max_codes=32))
+    index.add("e", ids, vectors)
+    info = index.stats()["envs"]["e"]
+    assert info["max_codes"] == 0 and info["calibrated_recall"] >= 0.97
+    truth, _ = brute_force(vectors[:200], vectors, ids, 4)
+    got, _ = index.search(vectors[:200], 4, "e")
+    assert (got >= truth[:, -1:] - 1e-5).mean() >= 0.95
+
+
+def test_a_saved_index_is_recalibrated_for_another_scan_cap(tmp_path: Path) -> None:
+    rng = np.random.default_rng(33)
+    vectors = _duplicate_heavy(rng)
+    ids = random_ids(rng, len(vectors))
+    index = VectorIndex(16, IndexConfig(exact_max=512, search_max_codes=1024))
+    index.add("e", ids, vectors)
+    index.save(tmp_path, stamp=7)
+    assert json.loads((tmp_path / "manifest.json").read_text())["calibration"]["search_max_codes"] == 1024
+    same, stamp = VectorIndex.load(tmp_path, 16, IndexConfig(exact_max=512, search_max_codes=1024))
+    assert stamp == 7 and same.stats()["envs"]["e"] == index.stats()["envs"]["e"]
+    other, _ = VectorIndex.load(tmp_path, 16, IndexConfig(exact_max=512, search_max_codes=0))
+    info = other.stats()["envs"]["e"]
+    assert info["max_codes"] == 0 and info["calibrated_recall"] >= 0.97
+    assert _scanned_per_query(other, vectors[::1500][:4], "e") >= 1500
