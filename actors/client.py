@@ -1,9 +1,10 @@
 """MemoryClient: the sharded memory from any process of the cluster (rollout workers too).
 
 Adds go through the coordinator and resolve on acknowledgement; retrievals go
-straight to the shards (one call per shard for many queries) and are merged here
-exactly as the single-process engine orders them: top-k by score, then the skills
-of those trajectories' clusters in order of first appearance.
+straight to the shards (one call per shard for many queries; for more than a few
+queries, a second call fetches only the records that won the merge) and are merged
+here exactly as the single-process engine orders them: top-k by score, then the
+skills of those trajectories' clusters in order of first appearance.
 """
 
 from __future__ import annotations
@@ -18,14 +19,23 @@ import ray
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
-from lifemem_ray.retrieval import Retrieval, assemble
+from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
 
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
 
-RETRIEVE_CHUNK = 128  # queries per shard call in retrieve_many (answers are decoded while later chunks are searched)
+RETRIEVE_CHUNK = 128  # queries whose records one shard call fetches in retrieve_many (decoded while the next chunk is fetched)
+SEARCH_CHUNK = 256  # queries per shard search call in retrieve_many (a multiple of RETRIEVE_CHUNK)
+ONE_ROUND_MAX = 16  # up to this many queries, shards send records with their hits (one round trip, least latency)
 
 __all__ = ["AddFuture", "MemoryClient"]
+
+
+def _shard_answers(refs: list[Any]) -> list[Any]:
+    try:
+        return ray.get(refs)
+    except actor_failures() as exc:
+        raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -120,21 +130,69 @@ class MemoryClient:
             return []
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
-        # Every chunk is asked at once; while this process decodes one chunk's answers the
-        # shards already search the next ones.
-        chunks = [(start, min(len(tasks), start + RETRIEVE_CHUNK)) for start in range(0, len(tasks), RETRIEVE_CHUNK)]
-        refs = [[shard.search_records.remote(envs[a:b], k, vecs[a:b], skills) for shard in self.shards] for a, b in chunks]
+        with paused_gc():
+            if len(tasks) <= ONE_ROUND_MAX or len(self.shards) == 1:
+                return self._retrieve_one_round(tasks, envs, k, vecs, skills, budget)
+            return self._retrieve_two_rounds(tasks, envs, k, vecs, skills, budget)
+
+    def _retrieve_one_round(self, tasks: list[str], envs: list[str | None], k: int, vecs: np.ndarray, skills: bool, budget: int) -> list[Retrieval]:
+        """Each shard sends its top-k with their records; the least latency for a few queries."""
+        refs = [shard.search_records.remote(envs, k, vecs, skills) for shard in self.shards]
+        per_shard = _shard_answers(refs)
         max_skills = self.config.retrieval.max_skills
         out = []
-        for (a, b), chunk_refs in zip(chunks, refs):
-            try:
-                per_shard = ray.get(chunk_refs)
-            except actor_failures() as exc:
-                raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
+        for q, (task, env) in enumerate(zip(tasks, envs)):
+            hits = [h for part in per_shard for h in part[q][0]]
+            texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
+            out.append(assemble(task, env, hits, texts, k, max_skills, budget))
+        return out
+
+    def _retrieve_two_rounds(self, tasks: list[str], envs: list[str | None], k: int, vecs: np.ndarray, skills: bool, budget: int) -> list[Retrieval]:
+        """Shards send scores and ids, the top-k across shards is chosen here, then only those
+        records are fetched: a shard's records that lose the merge never travel. Searches go
+        out at once in large chunks (FAISS is cheaper per query on more queries of an
+        environment); records come back in smaller chunks, each fetched while the one
+        before is decoded."""
+        per_search = max(RETRIEVE_CHUNK, SEARCH_CHUNK // RETRIEVE_CHUNK * RETRIEVE_CHUNK)
+        starts = list(range(0, len(tasks), per_search))
+        searches = [[shard.search_hits.remote(envs[a : a + per_search], k, vecs[a : a + per_search]) for shard in self.shards] for a in starts]
+        merged: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        owner = np.repeat(np.arange(len(self.shards)), k)  # column of the merged rows -> shard
+
+        def fetch(a: int, b: int) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, Any]]]:
+            n, offset = divmod(a, per_search)
+            if n not in merged:
+                merged.pop(n - 1, None)
+                parts = _shard_answers(searches[n])
+                scores, ids = np.hstack([p[0] for p in parts]), np.hstack([p[1] for p in parts])
+                best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties keep shard order, as assemble does
+                merged[n] = (np.take_along_axis(scores, best, 1), np.take_along_axis(ids, best, 1), owner[best])
+            scores, ids, shard_of = (x[offset : offset + b - a] for x in merged[n])
+            wanted = []
+            for i, shard in enumerate(self.shards):
+                at = np.flatnonzero(((shard_of == i) & (ids >= 0)).ravel())
+                if len(at):
+                    wanted.append((at, shard.hit_records.remote(ids.ravel()[at], skills)))
+            return scores, ids, wanted
+
+        chunks = [(a, min(len(tasks), a + RETRIEVE_CHUNK)) for a in range(0, len(tasks), RETRIEVE_CHUNK)]
+        max_skills = self.config.retrieval.max_skills
+        out: list[Retrieval] = []
+        ahead = fetch(*chunks[0])
+        for i, (a, b) in enumerate(chunks):
+            scores, ids, wanted = ahead
+            if i + 1 < len(chunks):
+                ahead = fetch(*chunks[i + 1])
+            answers = _shard_answers([ref for _, ref in wanted])
+            found: list[Any] = [None] * ids.size
+            texts: dict[int, str] = {}
+            for (at, _), (records, skill_texts) in zip(wanted, answers):
+                for pos, record in zip(at.tolist(), records):
+                    found[pos] = record
+                texts.update(skill_texts)
             for q, (task, env) in enumerate(zip(tasks[a:b], envs[a:b])):
-                # Merge the shards' hits; only the k best are decoded.
-                hits = [h for part in per_shard for h in part[q][0]]
-                texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
+                row = found[q * k : (q + 1) * k]
+                hits = [(s, hit[0], hit[1]) for s, hit in zip(scores[q].tolist(), row) if hit is not None]
                 out.append(assemble(task, env, hits, texts, k, max_skills, budget))
         return out
 

@@ -109,6 +109,12 @@ class MemoryShard:
     def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[Any]:
         return self.memory.search_records(vectors, envs, k, skills=skills)
 
+    def search_hits(self, envs: Sequence[str | None], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.memory.search_hits(vectors, envs, k)
+
+    def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
+        return self.memory.hit_records(ids, skills=skills)
+
     def timed_retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[list[Retrieval], float]:
         """retrieve_many and the seconds it took inside this process (to separate Ray's share)."""
         started = time.perf_counter()

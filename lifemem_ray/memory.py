@@ -27,7 +27,7 @@ from .evolution import BatchItem, BatchPlanner, CandidateArrays, CandidateSet, I
 from .index import VectorIndex
 from .model import Trajectory
 from .policy import MemberInfo, OfflinePolicy
-from .retrieval import Retrieval, assemble
+from .retrieval import Retrieval, assemble, paused_gc
 from .storage import ClusterRecord, MemoryStore, StoreError, pack_u64, record_to_trajectory
 from .workflow import action_tokens, workflow_summary, workflow_vector
 
@@ -1155,7 +1155,8 @@ class Memory:
             vectors = self.embedder.embed(tasks)
         found = self.search_records(vectors, envs, k, skills=skills)
         max_skills = self.config.retrieval.max_skills
-        return [assemble(task, env, hits, texts, k, max_skills, budget) for task, env, (hits, texts) in zip(tasks, envs, found)]
+        with paused_gc():
+            return [assemble(task, env, hits, texts, k, max_skills, budget) for task, env, (hits, texts) in zip(tasks, envs, found)]
 
     def _search(self, queries: np.ndarray, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-k per query within its environment, or over every environment where it is None."""
@@ -1176,36 +1177,58 @@ class Memory:
         """Per query: the top-k hits as (score, cluster id, stored record bytes) and the skills
         of their clusters. What a shard returns to a client that merges several shards: the
         records travel undecoded and only the merged winners are decoded."""
+        scores, ids = self.search_hits(vectors, envs, k)
+        records, skill_texts = self.hit_records(ids.ravel(), skills=skills)
+        max_skills = self.config.retrieval.max_skills
+        out = []
+        for q, row_s in enumerate(scores.tolist()):
+            hits: list[tuple[float, int | None, bytes]] = []
+            texts: dict[int, str] = {}
+            for s, found in zip(row_s, records[q * k : (q + 1) * k]):
+                if found is None:
+                    continue
+                cid, raw = found
+                hits.append((s, cid, raw))
+                if cid in skill_texts and cid not in texts and len(texts) < max_skills:
+                    texts[cid] = skill_texts[cid]
+            out.append((hits, texts))
+        return out
+
+    def search_hits(self, vectors: Any, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(scores (q, k), ids (q, k))`` of each query's top-k, padded with -inf / -1: the first
+        half of a sharded retrieval, which fetches records only for the winners across shards."""
         self._check_open()
         envs = list(envs)
         queries = _unit_rows(vectors, len(envs), self.dim, "vectors")
-        if not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k: expected a positive integer, got {k!r}")
         if not envs:
-            return []
-        scores, ids = self._search(queries, envs, k)
-        out = []
-        max_skills = self.config.retrieval.max_skills
+            return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
+        return self._search(queries, envs, k)
+
+    def hit_records(self, ids: Any, *, skills: bool = True) -> tuple[list[tuple[int | None, bytes] | None], dict[int, str]]:
+        """Per id: ``(cluster id, stored record bytes)``, or None where it is not stored (padding,
+        or removed since it was found); and the skill texts of those clusters (non-empty only)."""
+        self._check_open()
+        out: list[tuple[int | None, bytes] | None] = []
+        texts: dict[int, str] = {}
+        looked: set[int] = set()
         with self.store.read() as txn:
-            for row_s, row_i in zip(scores, ids):
-                hits: list[tuple[float, int | None, bytes]] = []
-                texts: dict[int, str] = {}
-                for s, vid in zip(row_s.tolist(), row_i.tolist()):
-                    if vid < 0:
-                        continue
-                    raw = self.store.trajectory_bytes(txn, vid)
-                    if raw is None:
-                        continue
-                    cid = self.store.cluster_of(txn, vid)
-                    hits.append((s, cid, raw))
-                    if skills and cid is not None and cid not in texts and len(texts) < max_skills:
-                        # The live view (replaced whole on every commit, never edited in place)
-                        # instead of decoding the stored record with its sums for one string.
-                        record = self._clusters.get(cid) or self.store.get_cluster(txn, cid)  # split meanwhile
-                        if record is not None and record.skill.strip():
-                            texts[cid] = record.skill
-                out.append((hits, texts))
-        return out
+            for vid in np.asarray(ids, dtype=np.int64).ravel().tolist():
+                raw = self.store.trajectory_bytes(txn, vid) if vid >= 0 else None
+                if raw is None:
+                    out.append(None)
+                    continue
+                cid = self.store.cluster_of(txn, vid)
+                out.append((cid, raw))
+                if skills and cid is not None and cid not in looked:
+                    looked.add(cid)
+                    # The live view (replaced whole on every commit, never edited in place)
+                    # instead of decoding the stored record with its sums for one string.
+                    record = self._clusters.get(cid) or self.store.get_cluster(txn, cid)  # split meanwhile
+                    if record is not None and record.skill.strip():
+                        texts[cid] = record.skill
+        return out, texts
 
     # -- reading ---------------------------------------------------------------------------
     def get(self, trajectory_id: str) -> Trajectory | None:

@@ -11,7 +11,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import msgpack
 
@@ -290,10 +290,8 @@ class Trajectory:
             metadata=metadata,
         )
 
-    def render(self, max_chars: int | None = None) -> str:
-        """A plain-text rendering for prompts, cut step-wise to ``max_chars``."""
-        head = f"Task: {self.query_text.strip()}"
-        parts = [head]
+    def _render_parts(self) -> Iterator[str]:
+        yield f"Task: {self.query_text.strip()}"
         for i, step in enumerate(self.steps, 1):
             lines = []
             for label, text in (("Thought", step.thought), ("Action", step.action), ("Observation", step.observation)):
@@ -301,15 +299,16 @@ class Trajectory:
                 if text:
                     # Imported turns often carry their own "Action 3:" label: do not say it twice.
                     lines.append(text if _LABELLED.match(text) else f"{label} {i}: {text}")
-            parts.append("\n".join(lines))
+            yield "\n".join(lines)
         if self.outcome.success is not None:
-            parts.append(f"Outcome: {'success' if self.outcome.success else 'failure'}")
-        if max_chars is None:
-            return "\n".join(parts)
+            yield f"Outcome: {'success' if self.outcome.success else 'failure'}"
+
+    def render(self, max_chars: int | None = None) -> str:
+        """A plain-text rendering for prompts, cut step-wise to ``max_chars``."""
         out: list[str] = []
         used = 0
-        for part in parts:
-            if used + len(part) + 1 > max_chars:
+        for part in self._render_parts():  # lazily: a cut rendering never formats the steps past it
+            if max_chars is not None and used + len(part) + 1 > max_chars:
                 room = max_chars - used - 1
                 if room > 40:
                     out.append(part[: room - 4] + " ...")

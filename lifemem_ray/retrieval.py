@@ -8,16 +8,20 @@ than a useful minimum is dropped rather than shown as a stub.
 
 from __future__ import annotations
 
+import gc
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from .model import Trajectory
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
 RecordHit = tuple[float, "int | None", bytes]
 
-__all__ = ["RecordHit", "RetrievedSkill", "RetrievedTrajectory", "Retrieval", "assemble", "estimate_tokens", "render_context"]
+__all__ = [
+    "RecordHit", "RetrievedSkill", "RetrievedTrajectory", "Retrieval", "assemble", "estimate_tokens", "paused_gc", "render_context",
+]
 
 MIN_EXEMPLAR_TOKENS = 48
 
@@ -134,3 +138,21 @@ def assemble(
             skills.append(RetrievedSkill(cid, skill_texts[cid], float(score)))
     context, tokens = render_context(trajectories, skills, budget)
     return Retrieval(task=task, env=env, trajectories=trajectories, skills=skills, context=context, tokens=tokens)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector while many results are assembled.
+
+    Decoding a thousand retrievals allocates some 100,000 small objects, none in a cycle.
+    The allocations trigger collector passes over every object the process holds; in a
+    Ray driver those passes cost a third of ``retrieve_many``'s CPU (measured at 1M
+    stored). Reference counting still frees everything at once; only cycle detection
+    waits until the block ends. Re-enables the collector only if it was enabled."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -66,7 +66,8 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
         assert b.skills and b.context
 
 
-def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_path):
+def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_path, monkeypatch):
+    from lifemem_ray.actors import client as client_module
     from lifemem_ray.actors.deployment import restore
 
     trajs, vecs = data
@@ -86,9 +87,15 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
     try:
         assert info["trajectories"] == 1500 and info["clusters"] == len(clusters)
         restored = MemoryClient(ns, config)
+        # Many queries: two rounds (hits, then the winners' records), in pipelined chunks of 7.
+        monkeypatch.setattr(client_module, "RETRIEVE_CHUNK", 7)
         got = restored.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
+        assert len(got) == len(expected)
         for a, b in zip(expected, got):
             same_retrieval(a, b)
+        # One query: one round (each shard sends its hits with their records).
+        for a, i in zip(expected[:5], queries[:5]):
+            same_retrieval(a, restored.retrieve(trajs[i].task, trajs[i].env, 4, vector=vecs[i]))
         assert {c.id for c in restored.clusters()} == clusters
         assert all(s["trajectories"] > 0 for s in restored.stats()["shards"])
         assert restored.verify()["ok"]
