@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import faiss
 import numpy as np
+from faiss.contrib.ivf_tools import add_preassigned
 
 from .config import IndexConfig
 
@@ -540,10 +541,11 @@ class VectorIndex:
         sample_size = min(n, _TRAIN_PER_CENTROID * nlist)
         sample = vectors if sample_size == n else vectors[np.sort(rng.choice(n, sample_size, replace=False))]
         ivf.train(np.ascontiguousarray(sample))
-        ivf = _without_empty_lists(ivf, vectors)
+        ivf, lists = _without_empty_lists(ivf, vectors)
         nlist = ivf.nlist
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct + remove_ids with arbitrary ids
-        ivf.add_with_ids(vectors, ids)
+        vectors, ids = np.ascontiguousarray(vectors, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64)
+        add_preassigned(ivf, vectors, lists, ids)  # the assignment is already known: not searched twice
         e = _Env(index=ivf, kind="ivf", nlist=nlist, nprobe=min(self.config.nprobe, nlist) if self.config.nprobe else nlist, trained_size=n)
         if self.config.nprobe:
             ivf.nprobe = e.nprobe
@@ -764,23 +766,27 @@ def _first_not_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray
     return np.take_along_axis(ids, order, 1)[:, :k]
 
 
-def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> Any:
-    """The trained IVF, or an equivalent one without the lists none of ``vectors`` falls in.
+def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> tuple[Any, np.ndarray]:
+    """The trained IVF, or an equivalent one without the lists none of ``vectors`` falls
+    in, and each vector's list in it.
 
     Near-duplicate trajectories leave most k-means centroids without a single point (the
     copies cannot be split). A query near such a centroid probes empty lists, comes back
     short and has to be searched again with more lists. Dropping those centroids changes
     no stored vector's list (each sits in its nearest centroid's, which is kept)."""
     _, assign = ivf.quantizer.search(vectors, 1)
-    used = np.unique(assign[assign >= 0])
-    if len(used) == ivf.nlist or len(used) == 0:
-        return ivf
+    assign = np.ascontiguousarray(assign[:, 0], dtype=np.int64)
+    used = np.unique(assign)
+    if len(used) == ivf.nlist or len(used) == 0 or used[0] < 0:
+        return ivf, assign
     quantizer = faiss.IndexFlatIP(ivf.d)
     quantizer.add(ivf.quantizer.reconstruct_n(0, ivf.nlist)[used])
     compact = faiss.IndexIVFFlat(quantizer, ivf.d, len(used), faiss.METRIC_INNER_PRODUCT)
     if not compact.is_trained:  # FAISS marks it trained when the quantizer holds nlist centroids
         raise RuntimeError("IVF without empty lists: the compacted quantizer was not accepted as trained")
-    return compact
+    renumber = np.full(ivf.nlist, -1, dtype=np.int64)
+    renumber[used] = np.arange(len(used))
+    return compact, renumber[assign]
 
 
 def _calibrate(
