@@ -24,8 +24,8 @@ from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
 
-RETRIEVE_CHUNK = 128  # queries whose records one shard call fetches in retrieve_many (decoded while the next chunk is fetched)
-SEARCH_CHUNK = 256  # queries per shard search call in retrieve_many (a multiple of RETRIEVE_CHUNK)
+RETRIEVE_CHUNK = 256  # queries whose records one shard call fetches in retrieve_many (decoded while the next chunk is fetched)
+SEARCH_CHUNK = 512  # queries per shard search call in retrieve_many (a multiple of RETRIEVE_CHUNK)
 ONE_ROUND_MAX = 16  # up to this many queries, shards send records with their hits (one round trip, least latency)
 
 __all__ = ["AddFuture", "MemoryClient"]

@@ -162,7 +162,7 @@ def main() -> None:
         qtrajs = list(generate(args.queries, seed=99, length_scale=0.1, id_prefix="q"))
         qvecs = text_vectors([x.task for x in qtrajs])
         # Once right after the load, while splits, skills and index retrains it started still run;
-        # then the same after they finished (the memory at rest), best of three.
+        # then the same after they finished (the memory at rest), median of ten calls of 1,000 queries.
         t = time.perf_counter()
         client.retrieve_many([x.task for x in qtrajs], [x.env for x in qtrajs], 4, vectors=qvecs)
         busy_many_s = time.perf_counter() - t
@@ -174,11 +174,11 @@ def main() -> None:
             t = time.perf_counter()
             client.retrieve(x.task, x.env, 4, vector=v)
             lat.append(time.perf_counter() - t)
-        many_s = float("inf")
-        for _ in range(3):
+        many_runs = []  # one call's rate varies by +-15% on this machine: the median of 10
+        for _ in range(10):
             t = time.perf_counter()
             many = client.retrieve_many([x.task for x in qtrajs], [x.env for x in qtrajs], 4, vectors=qvecs)
-            many_s = min(many_s, time.perf_counter() - t)
+            many_runs.append(len(qtrajs) / (time.perf_counter() - t))
         # In-process share: the same single queries timed inside the shard actors.
         inside = []
         for x, v in zip(qtrajs[:200], qvecs[:200]):
@@ -196,7 +196,8 @@ def main() -> None:
             **percentiles(lat),
             "in_process": percentiles(inside),
             "client_vs_in_process_p50": round(float(np.percentile(lat, 50) / np.percentile(inside[: len(inside)], 50)), 2),
-            "many_queries_per_s": round(len(qtrajs) / many_s, 1),
+            "many_queries_per_s": round(statistics.median(many_runs), 1),
+            "many_queries_per_s_best": round(max(many_runs), 1),
             "many_queries_per_s_right_after_load": round(len(qtrajs) / busy_many_s, 1),
             "settle_seconds": round(settle_s, 1),
             "recall@4": round(hits / total, 4),
@@ -230,7 +231,8 @@ def main() -> None:
         ("slowest 50k window (trajectories/s)", l.get("slowest_window_per_s", "reused"), ""),
         ("retrieve p50 (ms)", r["p50_ms"], "<= 10"),
         ("retrieve p99 (ms)", r["p99_ms"], "<= 50"),
-        ("retrieve_many (queries/s)", r["many_queries_per_s"], ">= 2,000"),
+        ("retrieve_many, median of 10 (queries/s)", r["many_queries_per_s"], ">= 2,000"),
+        ("  best of 10 (queries/s)", r["many_queries_per_s_best"], ""),
         ("  right after the load (queries/s)", r["many_queries_per_s_right_after_load"], ""),
         ("recall@4 vs exact", r["recall@4"], ">= 0.95"),
         ("client / in-process p50", r["client_vs_in_process_p50"], ""),

@@ -355,3 +355,53 @@ def test_candidates_match_between_the_list_and_array_forms(tmp_path, synthetic):
         assert all(row for row in found.neighbours) and set(found.clusters) == set(arrays.clusters)
         live = {c.id for c in memory.clusters()}
         assert {c for row in found.neighbours for c, _ in row} <= live
+
+
+def test_hits_then_records_is_what_search_records_returns(tmp_path, synthetic):
+    """The two halves a sharded client calls (ids first, then only the winners' records)
+    give the same hits and skills as the one-call form; padding and removed ids give None."""
+    trajs, vecs = synthetic
+    with Memory.open(tmp_path / "m") as m:
+        m.add_many(trajs[:120], vecs[:120])
+        m.maintain()
+        envs = [t.env for t in trajs[120:140]] + ["unknown-env"]
+        queries = np.vstack([vecs[120:140], vecs[:1]])
+        scores, ids = m.search_hits(queries, envs, 4)
+        assert scores.shape == ids.shape == (21, 4) and (ids[-1] == -1).all()
+        records, skills = m.hit_records(ids)
+        assert len(records) == ids.size and all(r is None for r in records[-4:])
+        one_call = m.search_records(queries, envs, 4)
+        for q, (hits, texts) in enumerate(one_call):
+            row = [(float(s), *r) for s, r in zip(scores[q], records[4 * q : 4 * q + 4]) if r is not None]
+            assert [(round(s, 6), c, raw) for s, c, raw in hits] == [(round(s, 6), c, raw) for s, c, raw in row]
+            assert bool(texts) == bool(hits) and all(skills[c] == text for c, text in texts.items())
+        gone = int(ids[0, 0])
+        with m.store.read() as txn:
+            victim = m.store.trajectory(txn, gone)[0].id
+        assert m.remove([victim]) == 1  # removed between the two halves: its record is None
+        assert m.hit_records(np.array([gone, -1]))[0] == [None, None]
+
+
+def test_paused_gc_restores_the_collector_state():
+    import gc
+
+    from lifemem_ray.retrieval import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves it as it found it
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # a caller that disabled it keeps it disabled
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError):
+        with paused_gc():
+            raise RuntimeError("boom")
+    assert gc.isenabled()
