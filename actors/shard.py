@@ -10,6 +10,8 @@ call re-executed after the actor restarted stores nothing twice.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import os
 import shutil
@@ -28,6 +30,20 @@ from lifemem_ray.retrieval import Retrieval
 from lifemem_ray.storage import ClusterRecord
 
 __all__ = ["MemoryShard", "shard_namespace"]
+
+
+def release_free_memory() -> int:
+    """Give the allocator's free memory back to the system (glibc ``malloc_trim``); returns 1 if any was.
+
+    Index retrains on background threads free hundreds of MB into per-thread malloc arenas
+    that glibc keeps. Measured after a 200k load: 6.0 instead of 6.9 kB of anonymous memory
+    per trajectory (reopened, the same shards hold 3.0 kB: FAISS lists grown by appends keep
+    spare capacity that a saved and reloaded index does not)."""
+    gc.collect()
+    try:
+        return int(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return 0
 
 
 def shard_namespace(index: int) -> int:
@@ -123,13 +139,17 @@ class MemoryShard:
 
     def resources(self) -> dict[str, Any]:
         """Resident memory of this process and bytes on disk of its store."""
-        rss = 0
+        status = {}
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    status[key] = int(value.split()[0]) * 1024
         disk = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-        return {"rss_bytes": rss, "disk_bytes": disk, "trajectories": len(self.memory)}
+        # RssFile is mostly LMDB pages this process has read through its map: page cache the
+        # kernel can drop, unlike RssAnon (the index, Python objects, allocator arenas).
+        return {"rss_bytes": status.get("VmRSS", 0), "anon_rss_bytes": status.get("RssAnon", 0),
+                "file_rss_bytes": status.get("RssFile", 0), "disk_bytes": disk, "trajectories": len(self.memory)}
 
     def label_purity(self, key: str) -> dict[str, int]:
         """Members agreeing with their cluster's majority of ``metadata[key]`` (ground-truth labels)."""
@@ -161,6 +181,7 @@ class MemoryShard:
         """Run queued splits and skills now and let background index retrains finish."""
         done = self.memory.maintain()
         self.memory.index.wait_retrains()
+        release_free_memory()
         return done
 
     def export_records(self, path: str) -> dict[str, int]:

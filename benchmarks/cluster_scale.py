@@ -206,6 +206,8 @@ def main() -> None:
         n_stored = sum(r["trajectories"] for r in res)
         report["memory"] = {
             "shard_rss_bytes_per_trajectory": round(sum(r["rss_bytes"] for r in res) / n_stored, 1),
+            "shard_anon_rss_bytes_per_trajectory": round(sum(r["anon_rss_bytes"] for r in res) / n_stored, 1),
+            "shard_file_rss_bytes_per_trajectory": round(sum(r["file_rss_bytes"] for r in res) / n_stored, 1),
             "disk_bytes_per_trajectory": round(sum(r["disk_bytes"] for r in res) / n_stored, 1),
             "stored": n_stored,
             "per_shard": [r["trajectories"] for r in res],
@@ -237,6 +239,7 @@ def main() -> None:
         ("recall@4 vs exact", r["recall@4"], ">= 0.95"),
         ("client / in-process p50", r["client_vs_in_process_p50"], ""),
         ("shard RSS per trajectory (bytes)", m["shard_rss_bytes_per_trajectory"], ""),
+        ("  of it anonymous / LMDB pages (bytes)", f"{m['shard_anon_rss_bytes_per_trajectory']} / {m['shard_file_rss_bytes_per_trajectory']}", ""),
         ("disk per trajectory (bytes)", m["disk_bytes_per_trajectory"], ""),
         ("clusters / purity", f"{c['count']} / {c['purity']}", ""),
     ):

@@ -8,7 +8,9 @@ touches that environment's vectors. A global search merges the per-env top-k.
 
 Each sub-index is exact (``IndexIDMap2(IndexFlatIP)``) while it holds at most
 ``config.exact_max`` vectors and becomes an ``IndexIVFFlat`` (inner product,
-spherical k-means, hash-table direct map) above that. Both keep the raw
+spherical k-means without the lists no vector falls in, hash-table direct map) above
+that, with nprobe and a per-query scan cap calibrated together on stored vectors to
+reach ``config.target_recall``. Both keep the raw
 vectors, support ``remove_ids`` with arbitrary 63-bit ids and let us read the
 vectors back, so the index grows on its own: it is retrained (more lists)
 when an environment has grown ``config.retrain_growth`` times since its last
@@ -503,7 +505,8 @@ class VectorIndex:
                     e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
                     e.max_codes = 0
                 elif e.kind == "ivf" and manifest.get("calibration") != index._calibration():
-                    index._calibrate_env(e)  # calibrated for another k, target or scan cap: calibrate for these
+                    log.info("index: %s was calibrated for %s; calibrating for %s", name, manifest.get("calibration"), index._calibration())
+                    index._calibrate_env(e)
                 ids = _export_ids(e)
                 before = len(index._where)
                 index._where.update(dict.fromkeys(ids.tolist(), name))
