@@ -95,7 +95,7 @@ class _Env:
     nprobe: int = 0
     trained_size: int = 0  # vectors present at the last (re)training
     recall: float | None = None  # calibrated recall@calibration_k at nprobe (None: not calibrated)
-    max_codes: int = 0  # vectors a search scans per query at most when trained_size were stored (0: no cap)
+    max_codes: int = 0  # per-query scan cap at trained_size vectors, grown in proportion since (0: no cap)
     flat: Any = None  # flat kind: the IndexFlatIP inside the IDMap2, whose storage we search with numpy
 
     @property
@@ -576,7 +576,10 @@ class VectorIndex:
         top = self.config.search_max_codes
         k = self.config.calibration_k
         caps = sorted({max(k + 1, top >> shift) for shift in range(5)}) + [0] if top else [0]
-        e.nprobe, e.recall, e.max_codes = _calibrate(e.index, ids, vectors, e.nlist, self.config.target_recall, rng, caps, k)
+        e.nprobe, e.recall, cap = _calibrate(e.index, ids, vectors, e.nlist, self.config.target_recall, rng, caps, k)
+        # Stored relative to trained_size: searches scale it by the growth since (a loaded env
+        # may be calibrated after it has grown).
+        e.max_codes = max(k + 1, math.ceil(cap * e.trained_size / max(e.trained_size, e.ntotal))) if cap else 0
         e.index.nprobe = e.nprobe
 
     # ------------------------------------------------------------------ GPU
