@@ -1,8 +1,8 @@
 """MemoryClient: the sharded memory from any process of the cluster (rollout workers too).
 
 Adds go through the coordinator and resolve on acknowledgement; retrievals go
-straight to the shards (one call per shard for many queries; for more than a few
-queries, a second call fetches only the records that won the merge) and are merged
+straight to the shards (for a few queries, one call per shard; for more, chunked
+searches and then a second call that fetches only the records that won the merge) and are merged
 here exactly as the single-process engine orders them: top-k by score, then the
 skills of those trajectories' clusters in order of first appearance.
 """
@@ -131,7 +131,7 @@ class MemoryClient:
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
         with paused_gc():
-            if len(tasks) <= ONE_ROUND_MAX or len(self.shards) == 1:
+            if len(tasks) <= ONE_ROUND_MAX:
                 return self._retrieve_one_round(tasks, envs, k, vecs, skills, budget)
             return self._retrieve_two_rounds(tasks, envs, k, vecs, skills, budget)
 

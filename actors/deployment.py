@@ -63,17 +63,17 @@ def _placement(shards: int, saved: list[str] | None, store: Path | None = None) 
     A shard whose node is gone (a Ray restart gives every node a new id) moves to a live
     node that sees its files: the same machine after a restart, or any node of a shared
     filesystem. Only a shard whose files no live node can see is an error."""
-    alive = {n["NodeID"] for n in _alive_nodes()}
+    nodes = _alive_nodes()
+    alive = {n["NodeID"]: n.get("Resources", {}) for n in nodes}
     if saved and len(saved) == shards:
         placed = list(saved)
         missing = [i for i, node in enumerate(saved) if node not in alive]
         if missing and store is not None:
-            nodes = {n["NodeID"]: n.get("Resources", {}) for n in _alive_nodes()}
-            seen = _nodes_seeing(sorted(nodes), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
+            seen = _nodes_seeing(sorted(alive), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
             for i, where in zip(missing, seen):
                 if where:  # nodes marked for shards first, the head last, then the fewest shards so far
                     placed[i] = min(where, key=lambda node: (
-                        not nodes[node].get(SHARD_RESOURCE), bool(nodes[node].get("node:__internal_head__")), placed.count(node), node))
+                        not alive[node].get(SHARD_RESOURCE), bool(alive[node].get("node:__internal_head__")), placed.count(node), node))
             missing = [i for i in missing if placed[i] not in alive]
         if missing:
             raise RuntimeError(
@@ -83,7 +83,6 @@ def _placement(shards: int, saved: list[str] | None, store: Path | None = None) 
         if placed != saved:
             log.warning("shards moved to the live nodes that see their files: %s -> %s", saved, placed)
         return placed
-    nodes = _alive_nodes()
     # Nodes marked for shards (custom resource `lifemem_shard`, see cluster_configs/) first;
     # else worker nodes; else any. The head keeps the coordinator.
     marked = [n for n in nodes if n.get("Resources", {}).get(SHARD_RESOURCE)]

@@ -35,9 +35,9 @@ __all__ = ["MemoryShard", "shard_namespace"]
 def release_free_memory() -> int:
     """Give the allocator's free memory back to the system (glibc ``malloc_trim``); returns 1 if any was.
 
-    Index retrains on background threads free hundreds of MB into per-thread malloc arenas
+    Index retrains on background threads free large buffers into per-thread malloc arenas
     that glibc keeps. Measured after a 200k load: 6.0 instead of 6.9 kB of anonymous memory
-    per trajectory (reopened, the same shards hold 3.0 kB: FAISS lists grown by appends keep
+    per trajectory (about 90 MB a shard) (reopened, the same shards hold 3.0 kB: FAISS lists grown by appends keep
     spare capacity that a saved and reloaded index does not)."""
     gc.collect()
     try:

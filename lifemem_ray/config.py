@@ -99,9 +99,9 @@ class IndexConfig:
     # clusters of the nearest trajectories, not exact neighbours (retrieval uses all of it).
     candidate_nprobe_fraction: float = 0.5
     candidate_max_codes: int = 1024  # vectors scanned per query at most in that search (0: no limit)
-    # Vectors any other IVF search scans per query at most. Near-duplicate trajectories pile
-    # up in a few huge lists; the cap bounds their cost. It applies only to environments
-    # whose nprobe calibration reaches target_recall with it in place (0: no limit).
+    # The most vectors an IVF search scans per query. Near-duplicate trajectories pile up in
+    # a few huge lists; a cap bounds their cost. Calibration picks, per environment, the
+    # smallest of 1/16 ... 1x this cap that still reaches target_recall, or none (0: no cap).
     search_max_codes: int = 2048
     # An IVF environment is retrained (more lists) once it holds this many times its
     # training size: smaller keeps lists short (faster search), larger retrains less often.

@@ -317,11 +317,12 @@ class VectorIndex:
         want = min(k, e.ntotal)
         searcher = self._searcher(name, e, want)
         nprobe = e.nprobe
-        codes = max_codes
-        if codes <= 0 and e.max_codes:
-            # The calibrated cap, grown with the lists since (adds until the next retrain).
-            codes = math.ceil(e.max_codes * max(1.0, e.ntotal / max(1, e.trained_size)))
-        codes = max(codes, want) if codes > 0 else 0  # FAISS: 0 scans every probed list whole
+        # Both the caller's cap and the env's calibrated one (grown with the lists since the
+        # last retrain) are upper bounds: the smaller applies. FAISS: 0 scans every probed list whole.
+        caps = [max_codes] if max_codes > 0 else []
+        if e.max_codes:
+            caps.append(math.ceil(e.max_codes * max(1.0, e.ntotal / max(1, e.trained_size))))
+        codes = max(min(caps), want) if caps else 0
         if searcher is e.index and e.kind == "flat":
             scores, ids = _flat_search(e, queries, want)
         elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or codes):

@@ -145,8 +145,8 @@ def paused_gc() -> Iterator[None]:
     """Hold off Python's cyclic garbage collector while many results are assembled.
 
     Decoding a thousand retrievals allocates some 100,000 small objects, none in a cycle.
-    The allocations trigger collector passes over every object the process holds; in a
-    Ray driver those passes cost a third of ``retrieve_many``'s CPU (measured at 1M
+    The allocations trigger collector passes over the objects the process holds; pausing
+    them cut a Ray driver's CPU per 1,000 queries from 416 to about 350 ms (measured at 1M
     stored). Reference counting still frees everything at once; only cycle detection
     waits until the block ends. Re-enables the collector only if it was enabled."""
     enabled = gc.isenabled()
