@@ -107,6 +107,9 @@ class IndexConfig:
     # training size: smaller keeps lists short (faster search), larger retrains less often.
     retrain_growth: float = 2.0
     background_retrain: bool = False  # retrain on a thread while the old index keeps serving (shards: on)
+    # CPU niceness of that thread (Linux; 0: as the caller): a retrain then takes CPU that
+    # ingest and search leave idle instead of slowing them while it runs.
+    retrain_nice: int = 19
     use_gpu: str = "auto"  # auto | yes | no
 
     def validate(self) -> None:
@@ -119,6 +122,7 @@ class IndexConfig:
         _in_range(self, "target_recall", 0.5, 1.0)
         _in_range(self, "candidate_nprobe_fraction", 0.01, 1.0)
         _in_range(self, "retrain_growth", 1.25, 100.0)
+        _in_range(self, "retrain_nice", 0, 19)
         _choice(self, "use_gpu", ("auto", "yes", "no"))
 
 

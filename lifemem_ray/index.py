@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import uuid
 import zlib
@@ -125,6 +126,9 @@ class VectorIndex:
         # Background retrains (config.background_retrain): env -> (thread, ids added, ids removed since the export).
         self._retraining: dict[str, tuple[threading.Thread, list[tuple[np.ndarray, np.ndarray]], set[int]]] = {}
         self._retrain_error: BaseException | None = None
+        # Finished background builds, adopted (the adds since applied, under the lock) by the
+        # next add, search or wait_retrains: never by the low-priority thread that built them.
+        self._ready: dict[str, _Env] = {}
         if _want_gpu(self.config.use_gpu):
             self._gpu_res = faiss.StandardGpuResources()
 
@@ -143,6 +147,7 @@ class VectorIndex:
         if len(uniq) != len(ids):
             raise VectorIndexError(f"ids: id {int(uniq[counts > 1][0])} appears more than once in the batch")
         with self._lock:
+            self._adopt_ready()
             for i in ids.tolist():
                 if i in self._where:
                     raise VectorIndexError(f"ids: id {i} is already in the index (environment {self._where[i]!r})")
@@ -173,6 +178,7 @@ class VectorIndex:
         removed: set[int] = set()
 
         def build() -> None:
+            _lower_thread_priority(self.config.retrain_nice)
             try:
                 fresh = self._build(ids, vecs)
             except BaseException as exc:  # noqa: BLE001 - reported by wait_retrains / the next add
@@ -181,11 +187,19 @@ class VectorIndex:
                     self._retrain_error = exc
                     self._retraining.pop(env, None)
                 return
-            self._finish_retrain(env, fresh)
+            # No lock here: at low priority this thread could hold it for long (a dict
+            # assignment is atomic under the GIL; _adopt_ready pops under the lock).
+            self._ready[env] = fresh
 
         thread = threading.Thread(target=build, name=f"lifemem-retrain-{env}", daemon=True)
         self._retraining[env] = (thread, added, removed)
         thread.start()
+
+    def _adopt_ready(self) -> None:
+        """Swap in the background builds that have finished (caller holds the lock)."""
+        while self._ready:
+            env = next(iter(self._ready))
+            self._finish_retrain(env, self._ready.pop(env))
 
     def _finish_retrain(self, env: str, fresh: _Env) -> None:
         with self._lock:
@@ -211,6 +225,7 @@ class VectorIndex:
         """Wait for background retrains (tests, save points); re-raise a failed one."""
         while True:
             with self._lock:
+                self._adopt_ready()
                 threads = [t for t, _, _ in self._retraining.values()]
                 error, self._retrain_error = self._retrain_error, None
             if error is not None:
@@ -269,6 +284,7 @@ class VectorIndex:
         if env is not None:
             _check_env(env)
         with self._lock:
+            self._adopt_ready()
             if env is not None:
                 e = self._envs.get(env)
                 if e is None or len(queries) == 0:
@@ -302,6 +318,7 @@ class VectorIndex:
             return scores, ids
         names, inverse = np.unique(np.asarray(envs, dtype=object), return_inverse=True)
         with self._lock:
+            self._adopt_ready()
             for g, name in enumerate(names.tolist()):
                 e = self._envs.get(name)
                 if e is None:
@@ -615,6 +632,18 @@ def _retrain_at(env: str, e: _Env, growth: float) -> float:
     (one stream feeds them all) would otherwise all retrain in the same few seconds."""
     spread = (zlib.crc32(env.encode("utf-8")) % 1024) / 1024 * 0.25
     return e.trained_size * (growth + (growth - 1.0) * spread)
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's niceness to ``nice`` (Linux keeps one per thread; OpenMP
+    workers this thread starts inherit it). Elsewhere, or where refused, it stays as it is."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as exc:
+        log.debug("index: could not lower the retrain thread's priority: %s", exc)
 
 
 def _want_gpu(mode: str) -> bool:

@@ -11,7 +11,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 
@@ -21,6 +21,7 @@ __all__ = [
     "Step",
     "Trajectory",
     "content_hash",
+    "render_text",
 ]
 
 MAX_ID_LENGTH = 512
@@ -290,31 +291,43 @@ class Trajectory:
             metadata=metadata,
         )
 
-    def _render_parts(self) -> Iterator[str]:
-        yield f"Task: {self.query_text.strip()}"
-        for i, step in enumerate(self.steps, 1):
-            lines = []
-            for label, text in (("Thought", step.thought), ("Action", step.action), ("Observation", step.observation)):
-                text = text.strip()
-                if text:
-                    # Imported turns often carry their own "Action 3:" label: do not say it twice.
-                    lines.append(text if _LABELLED.match(text) else f"{label} {i}: {text}")
-            yield "\n".join(lines)
-        if self.outcome.success is not None:
-            yield f"Outcome: {'success' if self.outcome.success else 'failure'}"
-
     def render(self, max_chars: int | None = None) -> str:
         """A plain-text rendering for prompts, cut step-wise to ``max_chars``."""
-        out: list[str] = []
-        used = 0
-        for part in self._render_parts():  # lazily: a cut rendering never formats the steps past it
-            if max_chars is not None and used + len(part) + 1 > max_chars:
-                room = max_chars - used - 1
-                if room > 40:
-                    out.append(part[: room - 4] + " ...")
-                else:
-                    out.append("...")
-                break
-            out.append(part)
-            used += len(part) + 1
-        return "\n".join(out)
+        steps = ((s.thought, s.action, s.observation) for s in self.steps)
+        return render_text(self.query_text, steps, self.outcome.success, max_chars)
+
+
+def _render_parts(query_text: str, steps: Iterable[Sequence[str]], success: bool | None) -> Iterator[str]:
+    yield f"Task: {query_text.strip()}"
+    match = _LABELLED.match
+    for i, (thought, action, observation) in enumerate(steps, 1):
+        lines = []
+        # Imported turns often carry their own "Action 3:" label: do not say it twice (the
+        # first-letter test skips the regex where it cannot match; unrolled: the hot path).
+        if thought := thought.strip():
+            lines.append(thought if thought[0] in "TtAaOo" and match(thought) else f"Thought {i}: {thought}")
+        if action := action.strip():
+            lines.append(action if action[0] in "TtAaOo" and match(action) else f"Action {i}: {action}")
+        if observation := observation.strip():
+            lines.append(observation if observation[0] in "TtAaOo" and match(observation) else f"Observation {i}: {observation}")
+        yield "\n".join(lines)
+    if success is not None:
+        yield f"Outcome: {'success' if success else 'failure'}"
+
+
+def render_text(query_text: str, steps: Iterable[Sequence[str]], success: bool | None, max_chars: int | None = None) -> str:
+    """:meth:`Trajectory.render` from plain fields: steps as (thought, action, observation).
+    Retrieval renders stored records through this without building Step objects."""
+    out: list[str] = []
+    used = 0
+    for part in _render_parts(query_text, steps, success):  # lazily: a cut rendering never formats the steps past it
+        if max_chars is not None and used + len(part) + 1 > max_chars:
+            room = max_chars - used - 1
+            if room > 40:
+                out.append(part[: room - 4] + " ...")
+            else:
+                out.append("...")
+            break
+        out.append(part)
+        used += len(part) + 1
+    return "\n".join(out)

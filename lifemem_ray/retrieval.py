@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .model import Trajectory
+from .model import Trajectory, render_text
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
 RecordHit = tuple[float, "int | None", bytes]
@@ -31,14 +31,55 @@ def estimate_tokens(text: str) -> int:
     return math.ceil(len(text) / 4)
 
 
-@dataclass(frozen=True, slots=True)
 class RetrievedTrajectory:
-    id: str
-    env: str
-    task: str
-    score: float
-    cluster_id: int | None
-    trajectory: Trajectory
+    """One retrieved exemplar. ``trajectory`` is decoded from the stored record on first use:
+    most callers read only the rendered context, ids and scores, and building the Step
+    objects of every hit cost the sharded client a fifth of its CPU. Only the record's bytes
+    are kept (no containers for the garbage collector to traverse while results are held)."""
+
+    __slots__ = ("id", "env", "task", "score", "cluster_id", "_trajectory", "_record", "_fields")
+
+    def __init__(
+        self, id: str, env: str, task: str, score: float, cluster_id: int | None,
+        trajectory: Trajectory | None = None, *, record: bytes | None = None, fields: dict[str, Any] | None = None,
+    ) -> None:
+        if (trajectory is None) == (record is None):
+            raise TypeError("RetrievedTrajectory needs a trajectory or a stored record (one of them)")
+        self.id, self.env, self.task, self.score, self.cluster_id = id, env, task, score, cluster_id
+        self._trajectory, self._record = trajectory, record
+        self._fields = fields  # the record decoded, held only while the result is assembled
+
+    def _decoded(self) -> dict[str, Any]:
+        from .storage import record_fields
+
+        return self._fields if self._fields is not None else record_fields(self._record)  # type: ignore[arg-type]
+
+    @property
+    def trajectory(self) -> Trajectory:
+        if self._trajectory is None:
+            from .storage import fields_to_trajectory
+
+            self._trajectory = fields_to_trajectory(self._decoded())
+            self._record = self._fields = None
+        return self._trajectory
+
+    def render(self, max_chars: int | None = None) -> str:
+        """``self.trajectory.render(max_chars)``, without building it when it is not yet."""
+        if self._trajectory is not None:
+            return self._trajectory.render(max_chars)
+        d = self._decoded()
+        return render_text(d["task"] if d["task"].strip() else d["io"], d["steps"], d["out"][0], max_chars)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RetrievedTrajectory):
+            return NotImplemented
+        return (self.id, self.env, self.task, self.score, self.cluster_id, self.trajectory) == (
+            other.id, other.env, other.task, other.score, other.cluster_id, other.trajectory)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RetrievedTrajectory(id={self.id!r}, env={self.env!r}, score={self.score:.4f}, cluster_id={self.cluster_id!r})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "env": self.env, "task": self.task, "score": round(self.score, 6), "cluster_id": self.cluster_id}
@@ -100,7 +141,7 @@ def render_context(trajectories: list[RetrievedTrajectory], skills: list[Retriev
             # trajectory cannot crowd out the rest.
             share = max(MIN_EXEMPLAR_TOKENS, room // (len(trajectories) - n + 1))
             prefix = f"[Example {n}]\n"
-            text = prefix + hit.trajectory.render(max_chars=share * 4 - len(prefix) - 4)
+            text = prefix + hit.render(max_chars=share * 4 - len(prefix) - 4)
             c = estimate_tokens(text) + 1
             if c > room:
                 continue
@@ -126,17 +167,19 @@ def assemble(
     several shards): the best ``k`` by score decoded, then the skills of their clusters in
     hit order. The engine and the sharded client both build their answers here, so they
     agree by construction."""
-    from .storage import record_to_trajectory
+    from .storage import record_fields
 
     best = sorted(hits, key=lambda h: -h[0])[:k]  # stable: ties keep store (shard) order
     trajectories = []
     skills: list[RetrievedSkill] = []
     for score, cid, raw in best:
-        traj = record_to_trajectory(raw, trusted=True)[0]
-        trajectories.append(RetrievedTrajectory(traj.id, traj.env, traj.task, float(score), cid, traj))
+        d = record_fields(raw)
+        trajectories.append(RetrievedTrajectory(d["id"], d["env"], d["task"], float(score), cid, record=raw, fields=d))
         if cid is not None and cid in skill_texts and len(skills) < max_skills and all(s.cluster_id != cid for s in skills):
             skills.append(RetrievedSkill(cid, skill_texts[cid], float(score)))
     context, tokens = render_context(trajectories, skills, budget)
+    for hit in trajectories:
+        hit._fields = None  # decoded again on demand: the bytes alone stay with the result
     return Retrieval(task=task, env=env, trajectories=trajectories, skills=skills, context=context, tokens=tokens)
 
 

@@ -214,17 +214,7 @@ def record_to_trajectory(data: bytes, *, trusted: bool = False) -> tuple[Traject
     stored (retrieval decodes thousands per second; checks and exports keep validating)."""
     d = _unpackb(data)
     if trusted:
-        out = d["out"]
-        traj = Trajectory.trusted(
-            env=d["env"],
-            task=d["task"],
-            steps=tuple(Step.trusted(a, t, o) for t, a, o in d["steps"]),
-            outcome=Outcome(success=out[0], reward=out[1]),
-            id=d["id"],
-            initial_observation=d["io"],
-            metadata=d["meta"],
-            fingerprint=d["fp"],
-        )
+        traj = fields_to_trajectory(d)
     else:
         traj = Trajectory(
             env=d["env"],
@@ -236,6 +226,27 @@ def record_to_trajectory(data: bytes, *, trusted: bool = False) -> tuple[Traject
             metadata=d["meta"],
         )
     return traj, {"fingerprint": d["fp"], "tokens": d["wf"], "added": d["t"]}
+
+
+def record_fields(data: bytes) -> dict[str, Any]:
+    """A stored record's plain fields (``env``, ``task``, ``io``, ``steps`` as [thought,
+    action, observation], ``out``, ...): what retrieval renders, without building objects."""
+    return _unpackb(data)
+
+
+def fields_to_trajectory(d: dict[str, Any]) -> Trajectory:
+    """The trajectory of :func:`record_fields`' output, trusted (validated when stored)."""
+    out = d["out"]
+    return Trajectory.trusted(
+        env=d["env"],
+        task=d["task"],
+        steps=tuple(Step.trusted(a, t, o) for t, a, o in d["steps"]),
+        outcome=Outcome(success=out[0], reward=out[1]),
+        id=d["id"],
+        initial_observation=d["io"],
+        metadata=d["meta"],
+        fingerprint=d["fp"],
+    )
 
 
 class _ResizeGate:

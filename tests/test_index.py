@@ -565,3 +565,41 @@ def test_a_saved_index_is_recalibrated_for_another_scan_cap(tmp_path: Path) -> N
     info = other.stats()["envs"]["e"]
     assert info["max_codes"] == 0 and info["calibrated_recall"] >= 0.97
     assert _scanned_per_query(other, vectors[::1500][:4], "e") >= 1500
+
+
+def test_background_retrain_runs_niced_and_is_adopted_by_the_next_search(clustered: dict[str, object], monkeypatch) -> None:
+    """The build thread runs at index.retrain_nice; it never takes the index lock to swap its
+    result in: the next search (here, no add follows) adopts it with the adds since."""
+    import os
+    import sys
+    import threading
+
+    import lifemem_ray.index as index_module
+
+    ids, vectors = clustered["ids"][:10_000], clustered["vectors"][:10_000]
+    index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=2.0, background_retrain=True, retrain_nice=7))
+    index.add("e", ids[:4000], vectors[:4000])
+    seen: dict[str, object] = {}
+    gate = threading.Event()
+    real_build = index._build
+
+    def build(*args):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen["main_nice"] = os.getpriority(os.PRIO_PROCESS, threading.main_thread().native_id)
+        gate.wait(30)
+        return real_build(*args)
+
+    monkeypatch.setattr(index, "_build", build)
+    index.add("e", ids[4000:9500], vectors[4000:9500])  # past 2.25x: the retrain starts and waits at the gate
+    index.add("e", ids[9500:10_000], vectors[9500:10_000])  # taken by the old index meanwhile
+    thread = index._retraining["e"][0]
+    gate.set()
+    thread.join(30)
+    assert not thread.is_alive() and "e" in index._ready  # built, not yet swapped in
+    assert index.stats()["envs"]["e"]["trained_size"] == 4000
+    _, got = index.search(vectors[9000:10_000:50], 1, env="e")  # adopts it first
+    assert got[:, 0].tolist() == ids[9000:10_000:50].tolist()
+    assert not index._ready and index.stats()["envs"]["e"]["trained_size"] == 9500 and index.count("e") == 10_000
+    if sys.platform.startswith("linux"):
+        assert seen["nice"] == max(7, seen["main_nice"])
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == seen["main_nice"]  # only that thread

@@ -405,3 +405,22 @@ def test_paused_gc_restores_the_collector_state():
         with paused_gc():
             raise RuntimeError("boom")
     assert gc.isenabled()
+
+
+def test_retrieved_exemplars_decode_their_trajectory_on_demand(tmp_path, synthetic):
+    from lifemem_ray.retrieval import RetrievedTrajectory, assemble
+    from lifemem_ray.storage import trajectory_to_record
+
+    trajs, vecs = synthetic
+    raw = [trajectory_to_record(t, ["w"], 0.0) for t in trajs[:3]]
+    got = assemble("q", trajs[0].env, [(0.5, 7, raw[1]), (0.9, 3, raw[0]), (0.1, None, raw[2])], {3: "skill"}, 2, 4, 3000)
+    first, second = got.trajectories
+    assert (first.id, first.score, first.cluster_id, second.id) == (trajs[0].id, 0.9, 3, trajs[1].id)
+    assert first._fields is None and first._trajectory is None  # only the bytes are kept
+    assert first.render(200) == trajs[0].render(200)
+    assert first.trajectory == trajs[0] and first.trajectory.fingerprint == trajs[0].fingerprint
+    assert first.render(200) == trajs[0].render(200)  # the same once decoded
+    assert first == RetrievedTrajectory(trajs[0].id, trajs[0].env, trajs[0].task, 0.9, 3, trajs[0])
+    assert first != second and [s.cluster_id for s in got.skills] == [3]
+    with pytest.raises(TypeError):
+        RetrievedTrajectory("a", "e", "t", 0.1, None)

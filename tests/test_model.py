@@ -50,3 +50,20 @@ def test_env_fallback_and_render():
     text = t.render()
     assert "Action 1: Search[x]" in text and "Action 1: Action 1" not in text
     assert len(Trajectory(env="e", task="t", steps=tuple(Step(action="a" * 100) for _ in range(50))).render(max_chars=500)) <= 500
+
+
+def test_render_text_from_plain_fields_matches_render():
+    from lifemem_ray.model import render_text
+
+    t = Trajectory(
+        env="e", task="  ", initial_observation="You are in a room.",
+        steps=(Step(thought="Thought 1: look", action="go north", observation=""), Step(thought="  ", action="a", observation="obs 2"),
+               Step(thought="think", action="ACTION 3: x", observation="Observation: y")),
+        outcome=Outcome(success=False),
+    )
+    fields = [(s.thought, s.action, s.observation) for s in t.steps]
+    for cut in (None, 30, 45, 80, 10_000):
+        assert render_text(t.query_text, fields, t.outcome.success, cut) == t.render(cut)
+    text = t.render()
+    assert text.startswith("Task: You are in a room.") and "Thought 1: Thought 1" not in text
+    assert "Observation 2: obs 2" in text and "Thought 2" not in text and text.endswith("Outcome: failure")
