@@ -107,8 +107,8 @@ class IndexConfig:
     # training size: smaller keeps lists short (faster search), larger retrains less often.
     retrain_growth: float = 2.0
     background_retrain: bool = False  # retrain on a thread while the old index keeps serving (shards: on)
-    # CPU niceness of that thread (Linux; 0: as the caller): a retrain then takes CPU that
-    # ingest and search leave idle instead of slowing them while it runs.
+    # CPU niceness of that thread (Linux; 0: as the caller): ingest and search threads of
+    # the same scheduling group (a Ray cluster's workers share the driver's) go first.
     retrain_nice: int = 19
     use_gpu: str = "auto"  # auto | yes | no
 

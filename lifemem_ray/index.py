@@ -51,6 +51,9 @@ PAD_ID = -1  # id of a padding slot
 _MIN_PER_CENTROID = 39  # nlist <= n / 39: k-means gets enough points per centroid
 _TRAIN_PER_CENTROID = 40  # training sample: at most this many points per centroid
 _KMEANS_ITERS = 10  # few iterations: training must stay fast on 2 cores
+# Above this many vectors, half as many: a build's k-means grows as n^1.5 and big retrains
+# run beside ingest (58k vectors: 8.1 -> 5.3 CPU-s, recall@4 0.986 -> 0.980, nprobe calibrated).
+_KMEANS_FEWER_ITERS_FROM = 20_000
 _CAL_QUERIES = 200  # stored vectors used as queries when calibrating nprobe
 _SEED = 20240611  # sampling and k-means are seeded: rebuilds are reproducible
 _EXACT_CHUNK = 65536  # database rows per block in brute-force calibration
@@ -553,7 +556,7 @@ class VectorIndex:
         nlist = max(1, min(nlist, n // _MIN_PER_CENTROID))
         quantizer = faiss.IndexFlatIP(self.dim)
         ivf = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        ivf.cp.niter = _KMEANS_ITERS
+        ivf.cp.niter = _KMEANS_ITERS if n < _KMEANS_FEWER_ITERS_FROM else _KMEANS_ITERS // 2
         ivf.cp.seed = _SEED
         ivf.cp.spherical = True  # unit-norm centroids suit inner product on normalised vectors
         ivf.cp.min_points_per_centroid = 1  # we size the sample ourselves; no FAISS warnings
@@ -628,9 +631,9 @@ class VectorIndex:
 
 def _retrain_at(env: str, e: _Env, growth: float) -> float:
     """Size at which an IVF environment is retrained: ``growth`` times its trained size, plus
-    up to a quarter of that growth, fixed per environment. Environments that grow together
+    up to half of that growth, fixed per environment. Environments that grow together
     (one stream feeds them all) would otherwise all retrain in the same few seconds."""
-    spread = (zlib.crc32(env.encode("utf-8")) % 1024) / 1024 * 0.25
+    spread = (zlib.crc32(env.encode("utf-8")) % 1024) / 1024 * 0.5
     return e.trained_size * (growth + (growth - 1.0) * spread)
 
 
