@@ -31,17 +31,17 @@ CHUNK = 50_000
 LENGTH_SCALE = 0.05  # as cluster_scale.py: only the task text feeds the vectors
 
 
-def _chunk(job: tuple[int, int, int]) -> tuple[np.ndarray, list[str]]:
+def _chunk(job: tuple[int, int]) -> tuple[np.ndarray, list[str]]:
     from lifemem_ray.synthetic import generate, text_vectors
 
-    seed, count, _ = job
+    seed, count = job
     trajs = list(generate(count, seed=seed, length_scale=LENGTH_SCALE, id_prefix=f"g{seed}"))
     return text_vectors([x.task for x in trajs]), [x.env for x in trajs]
 
 
 def make_data(n: int, seed_base: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
     """(vectors, envs) of ``n`` synthetic trajectories, generated in ``workers`` processes."""
-    jobs = [(seed_base + i, min(CHUNK, n - start), i) for i, start in enumerate(range(0, n, CHUNK))]
+    jobs = [(seed_base + i, min(CHUNK, n - start)) for i, start in enumerate(range(0, n, CHUNK))]
     with get_context("fork").Pool(workers) as pool:
         parts = pool.map(_chunk, jobs)
     return np.vstack([p[0] for p in parts]), np.asarray([e for p in parts for e in p[1]], dtype=object)
@@ -166,7 +166,6 @@ def main() -> None:
             del index, loaded
             report[name] = results[name]
             stage(f"searched on {name}")
-    report.update(results)
     report["gpu_over_cpu_batched"] = round(results["gpu"]["batched_queries_per_s"] / results["cpu"]["batched_queries_per_s"], 2)
     report["gpu_over_cpu_p50"] = round(results["cpu"]["p50_ms"] / results["gpu"]["p50_ms"], 2)
     report["embedding"] = embedding_check(args.model_path)

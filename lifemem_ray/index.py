@@ -74,12 +74,30 @@ _BLAS_WORK_PER_THREAD = 800
 _BLAS_THRESHOLD_IS_WORK = faiss.cvar.distance_compute_blas_threshold >= 1000
 
 
+_faiss_threads: int | None = None  # set_faiss_threads' count, applied in every thread that calls FAISS
+_thread_state = threading.local()
+
+
 def set_faiss_threads(threads: int | None = None) -> None:
-    """Set FAISS's OpenMP threads (None: keep them) and the BLAS switch-over that suits them."""
+    """Set FAISS's OpenMP threads (None: keep them) and the BLAS switch-over that suits them.
+
+    OpenMP keeps the count per thread: a thread started later (a Ray actor's call threads,
+    a background retrain) would use every core. VectorIndex applies it in each thread
+    that calls FAISS (:func:`_apply_faiss_threads`)."""
+    global _faiss_threads
     if threads is not None:
-        faiss.omp_set_num_threads(max(1, int(threads)))
+        _faiss_threads = max(1, int(threads))
+        faiss.omp_set_num_threads(_faiss_threads)
+        _thread_state.threads = _faiss_threads
     if _BLAS_THRESHOLD_IS_WORK:
         faiss.cvar.distance_compute_blas_threshold = _BLAS_WORK_PER_THREAD * faiss.omp_get_max_threads()
+
+
+def _apply_faiss_threads() -> None:
+    """This thread's OpenMP count as set_faiss_threads set it (once per thread and setting)."""
+    if _faiss_threads is not None and getattr(_thread_state, "threads", None) != _faiss_threads:
+        faiss.omp_set_num_threads(_faiss_threads)
+        _thread_state.threads = _faiss_threads
 
 
 set_faiss_threads()
@@ -149,6 +167,7 @@ class VectorIndex:
         uniq, counts = np.unique(ids, return_counts=True)
         if len(uniq) != len(ids):
             raise VectorIndexError(f"ids: id {int(uniq[counts > 1][0])} appears more than once in the batch")
+        _apply_faiss_threads()
         with self._lock:
             self._adopt_ready()
             for i in ids.tolist():
@@ -181,6 +200,7 @@ class VectorIndex:
         removed: set[int] = set()
 
         def build() -> None:
+            _apply_faiss_threads()
             _lower_thread_priority(self.config.retrain_nice)
             try:
                 fresh = self._build(ids, vecs)
@@ -286,6 +306,7 @@ class VectorIndex:
         k = _as_k(k)
         if env is not None:
             _check_env(env)
+        _apply_faiss_threads()
         with self._lock:
             self._adopt_ready()
             if env is not None:
@@ -320,6 +341,7 @@ class VectorIndex:
         if not envs:
             return scores, ids
         names, inverse = np.unique(np.asarray(envs, dtype=object), return_inverse=True)
+        _apply_faiss_threads()
         with self._lock:
             self._adopt_ready()
             for g, name in enumerate(names.tolist()):

@@ -607,3 +607,35 @@ def test_background_retrain_runs_niced_and_is_adopted_by_the_next_search(cluster
     if sys.platform.startswith("linux"):
         assert seen["nice"] == max(7, seen["main_nice"])
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == seen["main_nice"]  # only that thread
+
+
+def test_faiss_thread_count_holds_in_threads_started_later(monkeypatch) -> None:
+    """OpenMP keeps the count per thread: a Ray call thread or a retrain thread that searches
+    must use set_faiss_threads' count, not every core."""
+    import threading
+
+    import lifemem_ray.index as index_module
+
+    monkeypatch.setattr(index_module, "_faiss_threads", None)
+    before = faiss.omp_get_max_threads()
+    index_module.set_faiss_threads(1)
+    try:
+        rng = np.random.default_rng(5)
+        index = VectorIndex(8, IndexConfig())
+        index.add("e", np.arange(50), random_vectors(rng, 50, 8))
+        seen: dict[str, int] = {}
+
+        def call() -> None:
+            seen["fresh"] = faiss.omp_get_max_threads()
+            index.search(random_vectors(rng, 3, 8), 2, env="e")
+            seen["after"] = faiss.omp_get_max_threads()
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        assert seen["after"] == 1
+        if faiss.omp_get_max_threads() != seen["fresh"]:  # single-core machines start at 1 anyway
+            assert seen["fresh"] > 1
+    finally:
+        faiss.omp_set_num_threads(before)
+        index_module._thread_state.threads = None
