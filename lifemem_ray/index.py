@@ -56,7 +56,6 @@ _KMEANS_ITERS = 10  # few iterations: training must stay fast on 2 cores
 _KMEANS_FEWER_ITERS_FROM = 20_000
 _CAL_QUERIES = 200  # stored vectors used as queries when calibrating nprobe
 _SEED = 20240611  # sampling and k-means are seeded: rebuilds are reproducible
-_EXACT_CHUNK = 65536  # database rows per block in brute-force calibration
 _SCORE_BLOCK = 1 << 22  # at most this many query-vector scores in memory at once (16 MiB)
 _GPU_MAX_K = 2048  # FAISS GPU k-selection and nprobe limit
 _MANIFEST = "manifest.json"
@@ -803,23 +802,6 @@ def _export(e: _Env) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(id_parts).astype(np.int64, copy=False), np.concatenate(vec_parts)
 
 
-def _exact_topk(queries: np.ndarray, base: np.ndarray, k: int) -> np.ndarray:
-    """Row indices into ``base`` of each query's exact top-k by inner product (blocked matmul)."""
-    best_s = np.full((len(queries), 0), -np.inf, dtype=np.float32)
-    best_i = np.zeros((len(queries), 0), dtype=np.int64)
-    for start in range(0, len(base), _EXACT_CHUNK):
-        s = queries @ base[start : start + _EXACT_CHUNK].T
-        kk = min(k, s.shape[1])
-        top = np.argpartition(-s, kk - 1, axis=1)[:, :kk]
-        best_s = np.concatenate([best_s, np.take_along_axis(s, top, 1)], axis=1)
-        best_i = np.concatenate([best_i, top + start], axis=1)
-        if best_s.shape[1] > k:
-            keep = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
-            best_s, best_i = np.take_along_axis(best_s, keep, 1), np.take_along_axis(best_i, keep, 1)
-    order = np.argsort(-best_s, axis=1, kind="stable")
-    return np.take_along_axis(best_i, order, 1)
-
-
 def _first_not_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
     """Each row's first k ids that are not the query's own id (it is trivially found)."""
     is_self = ids == self_ids[:, None]
@@ -868,11 +850,8 @@ def _calibrate(
         return nlist, 1.0, 0
     sample = np.sort(rng.choice(n, min(_CAL_QUERIES, n), replace=False))
     queries, self_ids = vectors[sample], ids[sample]
-    exact = _exact_topk(queries, vectors, k + 1)
-    exact_scores = np.take_along_axis(queries @ vectors.T, exact, 1) if n <= _EXACT_CHUNK else np.einsum(
-        "qd,qkd->qk", queries, vectors[exact]
-    )
-    threshold = np.sort(exact_scores, axis=1)[:, ::-1][:, k] - 1e-5  # k-th best after the query itself
+    exact_scores, _ = faiss.knn(queries, vectors, k + 1, metric=faiss.METRIC_INNER_PRODUCT)  # best first
+    threshold = exact_scores[:, k] - 1e-5  # k-th best after the query itself
     ladder = [1 << p for p in range(max(1, nlist).bit_length()) if (1 << p) < nlist] + [nlist]
     recall = 1.0
     for cap in caps:
