@@ -639,3 +639,27 @@ def test_faiss_thread_count_holds_in_threads_started_later(monkeypatch) -> None:
     finally:
         faiss.omp_set_num_threads(before)
         index_module._thread_state.threads = None
+
+
+def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
+    """The recall calibration reports (exact neighbours from faiss.knn) equals a count made
+    independently with numpy on the same sample queries, at the nprobe and cap it chose."""
+    from lifemem_ray.index import _calibrate
+
+    rng = np.random.default_rng(47)
+    vectors = sphere_mixture(rng, random_vectors(rng, 40), 6000, 0.25)
+    ids = random_ids(rng, len(vectors))
+    index = VectorIndex(DIM, IndexConfig(exact_max=512))
+    index.add("e", ids, vectors)
+    ivf = index._envs["e"].index
+    nprobe, got_recall, cap = _calibrate(ivf, ids, vectors, ivf.nlist, 0.97, np.random.default_rng(5), (256, 0), 4)
+    sample = np.sort(np.random.default_rng(5).choice(len(ids), 200, replace=False))
+    queries = vectors[sample]
+    exact, _ = brute_force(queries, vectors, ids, 5)
+    threshold = exact[:, 4] - 1e-5  # the 4th best after the query itself
+    scores, found = ivf.search(queries, 5, params=faiss.SearchParametersIVF(nprobe=nprobe, max_codes=cap))
+    hits = []
+    for row, own in enumerate(ids[sample]):
+        others = [s for s, i in zip(scores[row], found[row]) if i != own and i >= 0][:4]
+        hits.append(sum(s >= threshold[row] for s in others) / 4)
+    assert got_recall >= 0.97 and got_recall == pytest.approx(float(np.mean(hits)), abs=1e-9)
