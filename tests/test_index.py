@@ -644,7 +644,7 @@ def test_faiss_thread_count_holds_in_threads_started_later(monkeypatch) -> None:
 def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
     """The recall calibration reports (exact neighbours from faiss.knn) equals a count made
     independently with numpy on the same sample queries, at the nprobe and cap it chose."""
-    from lifemem_ray.index import _calibrate
+    from lifemem_ray.index import _CAL_QUERIES, _calibrate
 
     rng = np.random.default_rng(47)
     vectors = sphere_mixture(rng, random_vectors(rng, 40), 6000, 0.25)
@@ -653,7 +653,7 @@ def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
     index.add("e", ids, vectors)
     ivf = index._envs["e"].index
     nprobe, got_recall, cap = _calibrate(ivf, ids, vectors, ivf.nlist, 0.97, np.random.default_rng(5), (256, 0), 4)
-    sample = np.sort(np.random.default_rng(5).choice(len(ids), 200, replace=False))
+    sample = np.sort(np.random.default_rng(5).choice(len(ids), min(_CAL_QUERIES, len(ids)), replace=False))
     queries = vectors[sample]
     exact, _ = brute_force(queries, vectors, ids, 5)
     threshold = exact[:, 4] - 1e-5  # the 4th best after the query itself
