@@ -4,10 +4,10 @@ The ``scienceworld`` package runs its Scala simulator in a JVM reached over py4j
 instance holds one JVM (heap capped through ``JAVA_TOOL_OPTIONS``), started on first use,
 reused across tasks and killed by ``close()``. Tasks are the package's own variations:
 the first ``variations_per_task_train`` of each kind's *train* variations and the first
-``variations_per_task_test`` of its *test* variations (the dev fold is left out). Steps go
-straight to the simulator: the package's ``step`` makes four extra round trips per step
-(look, inventory, task description, and the valid actions as a py4j list, element by
-element), which would triple the cost of a step.
+``variations_per_task_test`` of its *test* variations (None: all of them; the dev fold is
+left out). Steps go straight to the simulator: the package's ``step`` makes four extra
+round trips per step (look, inventory, task description, and the valid actions as a py4j
+list, element by element), which would triple the cost of a step.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class ScienceWorldEnv(Environment):
     def __init__(
         self,
         task_names: list[str] | None = None,
-        variations_per_task_train: int = 5,
-        variations_per_task_test: int = 2,
+        variations_per_task_train: int | None = 5,
+        variations_per_task_test: int | None = 2,
         simplification: str = "easy",
         java_heap_mb: int = 384,
         max_steps: int = 40,
@@ -102,8 +102,8 @@ class ScienceWorldEnv(Environment):
             if known[name] not in resolved:
                 resolved.append(known[name])
         for what, n in (("variations_per_task_train", variations_per_task_train), ("variations_per_task_test", variations_per_task_test)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"ScienceWorldEnv: {what} must be an int >= 0, got {n!r}")
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ValueError(f"ScienceWorldEnv: {what} must be an int >= 0 or None (every variation of the fold), got {n!r}")
         if not isinstance(simplification, str):
             raise TypeError(f"ScienceWorldEnv: simplification must be a string, got {simplification!r}")
         unknown = [s for s in simplification.split(",") if s and s not in SIMPLIFICATIONS]
@@ -224,7 +224,9 @@ class ScienceWorldEnv(Environment):
             for name in self.task_names:
                 available = self._variations(name, split)
                 n = self.variations[split]
-                if n > len(available):
+                if n is None:
+                    n = len(available)
+                elif n > len(available):
                     raise ValueError(f"scienceworld: {name} has {len(available)} {split} variations, asked for {n}")
                 keys.extend((name, v) for v in available[:n])
             random.Random(seed).shuffle(keys)
