@@ -90,7 +90,7 @@ class MemoryClient:
 
         The trajectories are encoded and their workflows abstracted here, in the caller's
         process, so the coordinator only routes and decides."""
-        batch = pack_trajectories(list(trajectories), vectors, self.dim)
+        batch = pack_trajectories(list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
         return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None))
 
     # -- retrieving --------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class Coordinator:
     # -- the client API ------------------------------------------------------------------------
     async def add_many(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[AddResult]:
         """Acknowledged (returned) once every trajectory of the request is committed on its shard."""
-        batch = await asyncio.to_thread(pack_trajectories, list(trajectories), vectors, self.dim)
+        batch = await asyncio.to_thread(pack_trajectories, list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
         return await self.add_batch(batch, vectors is not None)
 
     async def add_batch(self, batch: ItemBatch, embedded: bool) -> list[AddResult]:
@@ -142,6 +142,9 @@ class Coordinator:
         self._ensure_loop()
         if not isinstance(batch, ItemBatch):
             raise TypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
+        if batch.features != self.config.evolution.workflow_features:
+            raise ValueError(f"batch: packed with workflow features {batch.features!r}, the deployment uses "
+                             f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)")
         if len(batch) and batch.vecs.shape != (len(batch), self.dim):
             raise ValueError(f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}")
         if not len(batch):
@@ -578,7 +581,15 @@ def _concat(batches: list[ItemBatch]) -> ItemBatch:
         wvecs=np.vstack([b.wvecs for b in batches]).astype(np.float32),
         tokens=[x for b in batches for x in b.tokens],
         flows=[x for b in batches for x in b.flows],
+        features=_one_featurizer(batches),
     )
+
+
+def _one_featurizer(batches: list[ItemBatch]) -> str:
+    kinds = {b.features for b in batches}
+    if len(kinds) != 1:
+        raise ValueError(f"batches packed with different workflow featurizers {sorted(kinds)}; every client needs one evolution.workflow_features")
+    return kinds.pop()
 
 
 def _stored_differently(tid: str) -> IdConflictError:

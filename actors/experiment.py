@@ -23,9 +23,8 @@ from lifemem_ray.config import MemoryConfig
 from lifemem_ray.envs import Task, make_env
 from lifemem_ray.lifelong import ExperimentConfig, Phase, ScoreTable, build_stream, metrics, render_markdown, transfer_events, write_plots
 from lifemem_ray.model import Trajectory
-from lifemem_ray.policy import MemberInfo, OfflinePolicy
+from lifemem_ray.policy import OfflinePolicy
 from lifemem_ray.rollout import EpisodeLimits
-from lifemem_ray.workflow import action_tokens
 
 from . import deployment as dep
 from .client import MemoryClient
@@ -58,8 +57,7 @@ def _slug(text: str) -> str:
 
 def _global_skill(trajectories: Sequence[Trajectory], policy: OfflinePolicy) -> str:
     """One profile over the whole unclustered pool (the AutoSkill-like baseline)."""
-    members = [MemberInfo(tuple(action_tokens(t)), t.outcome.success, t.env, t.task) for t in trajectories]
-    return policy.distil(members) if members else ""
+    return policy.distil(trajectories) if trajectories else ""
 
 
 class _ModeRun:

@@ -103,6 +103,7 @@ class MemoryShard:
         """Store the coordinator's decisions; return the results and the states of the clusters
         they went to. Idempotent: items already here are reported, not stored again."""
         t = time.perf_counter()
+        self.memory.check_features(batch.features)
         items = batch.items()
         results = known_ids(self.memory.store, batch.ids, batch.fingerprints)
         fresh = [i for i, r in enumerate(results) if r is None]
@@ -119,6 +120,7 @@ class MemoryShard:
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the
         initial partition exists, all go to one shard through here)."""
+        self.memory.check_features(batch.features)
         return self.memory.add_items(batch.items())
 
     # -- reading -----------------------------------------------------------------------------

@@ -49,9 +49,19 @@ class EvolutionConfig:
     description_refresh_growth: float = 1.0  # with an LLM: re-describe after this growth
     batch_size: int = 256  # add_many processes input in batches of this size
     background_maintenance: bool = False  # splits/skills in a thread instead of inline
+    # How workflow vectors are computed (lifemem_ray.steps): "roles" adds the abstract steps
+    # (verb frames, argument roles) to the action tokens; "tokens" uses the tokens alone. A
+    # store keeps the featurizer it was created with.
+    workflow_features: str = "roles"
+    # > 0: maintenance merges two clusters of one environment whose members resemble each
+    # other across them at least this times as much as within the tighter one (and that
+    # the split rule would not split again); 0: no merges.
+    merge_ratio: float = 0.0
 
     def validate(self) -> None:
         _positive(self, "init_size", "top_k", "split_min_size", "skill_sample_size", "batch_size")
+        _choice(self, "workflow_features", ("roles", "tokens"))
+        _in_range(self, "merge_ratio", 0.0, 1.0)
         _in_range(self, "split_mrl_threshold", 0.0, 1.0)
         _choice(self, "neighbour_scope", ("env", "global"))
         if self.centroid_candidates < 0:
@@ -66,12 +76,16 @@ class EvolutionConfig:
 class PolicyConfig:
     """The offline policy's decision weights (see lifemem_ray.policy)."""
 
-    join_threshold: float = 0.55  # combined similarity needed to join a cluster
+    join_threshold: float = 0.6  # combined similarity needed to join a cluster (the floor when density_ratio > 0)
     workflow_weight: float = 0.6  # weight of action-workflow similarity vs text similarity
     confident_margin: float = 0.15  # with an LLM: offline decisions this clear skip the call
+    # > 0: a cluster's join threshold adapts to its density, this times its R over the
+    # combined vectors (never below join_threshold); 0: join_threshold for every cluster.
+    density_ratio: float = 0.7
 
     def validate(self) -> None:
         _in_range(self, "join_threshold", 0.0, 1.0)
+        _in_range(self, "density_ratio", 0.0, 1.0)
         _in_range(self, "workflow_weight", 0.0, 1.0)
         _in_range(self, "confident_margin", 0.0, 1.0)
 

@@ -12,7 +12,10 @@ from typing import Protocol, Sequence
 
 from .model import Trajectory
 
-__all__ = ["Assignment", "AssignRequest", "Candidate", "ClusterView", "Decider"]
+__all__ = ["Assignment", "AssignRequest", "Candidate", "ClusterView", "Decider", "Groups"]
+
+# A grouping: one label per item (0..g-1, in the answer's order) and one description per group.
+Groups = tuple[list[int], list[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +67,11 @@ class Decider(Protocol):
 
     def assign(self, requests: Sequence[AssignRequest]) -> list[Assignment | None]: ...
 
-    def partition(self, trajectories: Sequence[Trajectory]) -> list[int] | None: ...
+    def partition(self, trajectories: Sequence[Trajectory]) -> Groups | None: ...
 
     def describe(self, cluster: ClusterView) -> str | None: ...
 
-    def split(self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int) -> list[int] | None: ...
+    def split(self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int) -> Groups | None: ...
 
     def distil(self, cluster: ClusterView, members: Sequence[Trajectory]) -> str | None: ...
 

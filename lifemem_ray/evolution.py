@@ -100,12 +100,13 @@ class ItemBatch:
     wvecs: np.ndarray  # (n, wdim) float32
     tokens: list[list[str]]
     flows: list[str]
+    features: str  # the workflow featurizer that computed wvecs (evolution.workflow_features)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     @classmethod
-    def of(cls, items: Sequence[BatchItem]) -> "ItemBatch":
+    def of(cls, items: Sequence[BatchItem], features: str) -> "ItemBatch":
         return cls(
             ids=[it.id for it in items],
             envs=[it.env for it in items],
@@ -117,6 +118,7 @@ class ItemBatch:
             wvecs=np.stack([it.wvec for it in items]) if items else np.zeros((0, 0), np.float32),
             tokens=[it.tokens for it in items],
             flows=[it.flow for it in items],
+            features=features,
         )
 
     def items(self) -> list[BatchItem]:
@@ -140,6 +142,7 @@ class ItemBatch:
             wvecs=self.wvecs[pos] if pos else self.wvecs[:0],
             tokens=[self.tokens[i] for i in pos],
             flows=[self.flows[i] for i in pos],
+            features=self.features,
         )
 
 
@@ -342,7 +345,8 @@ class BatchPlanner:
         near_s, near_j = _earlier_neighbours(vecs, k)
         near_s, near_j = near_s.tolist(), near_j.tolist()  # Python floats: the loop below is per item
         plan = BatchPlan(placements=[], clusters={})
-        init_labels = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
+        groups = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
+        init_labels, init_descriptions = groups if groups is not None else (None, [])
         placements = plan.placements
         candidates_of: list[list[Candidate]] = []
         margins: list[float] = []
@@ -359,7 +363,8 @@ class BatchPlanner:
                     ids.append(-(label + 1))
         for i, item in enumerate(items):
             if init_labels is not None and i < init_count:
-                placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm"))
+                placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm",
+                                            description=init_descriptions[init_labels[i]] or None))
                 candidates_of.append([])
                 margins.append(1.0)
                 self._apply(work, placements[i].cluster, item, now, born="init")
@@ -381,6 +386,7 @@ class BatchPlanner:
             for cid in provisional_by_env.get(item.env, ())[-MAX_PROVISIONAL_CANDIDATES:]:
                 hits.setdefault(cid, 0)
             scored: list[tuple[float, int, float, float]] = []
+            thresholds: list[float] = []
             for cid in hits:
                 record = work.get(cid) or self.live.get(cid)
                 if record is None or record.count == 0:
@@ -389,14 +395,17 @@ class BatchPlanner:
                 ts = float(vec64[i] @ record.tsum) / tn if tn > 0 else 0.0
                 ws = float(wvec64[i] @ record.wsum) / wn if wn > 0 else 0.0
                 scored.append((self.policy.score(ts, ws), cid, ts, ws))
-            scored.sort(key=lambda x: -x[0])
+                thresholds.append(self.policy.threshold(record.count, tn, wn))
+            order = sorted(range(len(scored)), key=lambda j: -scored[j][0])
+            scored = [scored[j] for j in order]
+            thresholds = [thresholds[j] for j in order]
             candidates: list[Candidate] = []
             if want_views:
                 for score, cid, ts, ws in scored:
                     record = work.get(cid) or self.live[cid]
                     view = ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs))
                     candidates.append(Candidate(view, score, ts, ws, hits[cid]))
-            choice, margin = self.policy.decide([x[0] for x in scored])
+            choice, margin = self.policy.decide([x[0] for x in scored], thresholds)
             by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
             if choice is None:
                 lowest -= 1
@@ -416,16 +425,22 @@ class BatchPlanner:
             self._ask_decider(plan, items, candidates_of, margins, init_count)
         return plan
 
-    def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> list[int] | None:
-        """Initial groups from the LLM as dense labels 0..g-1, or None (offline instead)."""
+    def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> tuple[list[int], list[str]] | None:
+        """Initial groups from the LLM as dense labels 0..g-1 with a description each, or None
+        (offline instead)."""
         assert self.decider is not None
-        labels = self.decider.partition([it.traj for it in items])
+        groups = self.decider.partition([it.traj for it in items])
         plan.llm_requests += 1
-        if labels is None or len(labels) != len(items):
+        if groups is None or len(groups[0]) != len(items):
             plan.llm_fallbacks += len(items)
             return None
+        labels, descriptions = groups
         dense: dict[int, int] = {}
-        return [dense.setdefault(label, len(dense)) for label in labels]
+        out = [dense.setdefault(label, len(dense)) for label in labels]
+        described = [""] * len(dense)
+        for label, d in dense.items():
+            described[d] = descriptions[label] if 0 <= label < len(descriptions) else ""
+        return out, described
 
     # -- internals -------------------------------------------------------------------------
     def _apply(self, work: dict[int, ClusterRecord], cid: int, item: BatchItem, now: float, born: str) -> None:

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 import openai
 
 from .config import LLMConfig
-from .decisions import Assignment, AssignRequest, ClusterView
+from .decisions import Assignment, AssignRequest, ClusterView, Groups
 from .model import Trajectory
 from .prompts import (
     DESCRIPTION_MAX_CHARS,
@@ -778,11 +778,7 @@ class LLMDecider:
 
     # -- partition / split -------------------------------------------------------------
 
-    def partition(self, trajectories: Sequence[Trajectory]) -> list[int] | None:
-        groups = self.partition_groups(trajectories)
-        return None if groups is None else groups[0]
-
-    def partition_groups(self, trajectories: Sequence[Trajectory]) -> tuple[list[int], list[str]] | None:
+    def partition(self, trajectories: Sequence[Trajectory]) -> Groups | None:
         """Group labels per trajectory (0.. in answer order) and one description per group."""
         if not trajectories:
             return [], []
@@ -790,13 +786,7 @@ class LLMDecider:
         n = len(trajectories)
         return self.client.request(prompt, self.strong_model, lambda data: check_groups(data, n, prompt.schema))
 
-    def split(self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int) -> list[int] | None:
-        groups = self.split_groups(cluster, members, max_parts)
-        return None if groups is None else groups[0]
-
-    def split_groups(
-        self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int
-    ) -> tuple[list[int], list[str]] | None:
+    def split(self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int) -> Groups | None:
         """Child labels per member (0.. in answer order, at least 2 groups) and their descriptions."""
         prompt = split_prompt(cluster, members, max_parts, self.config.max_item_chars, self.prompt_char_budget)
         n = len(members)

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -23,19 +22,22 @@ from .centroids import ClusterCentroids
 from .config import MemoryConfig
 from .decisions import ClusterView, Decider
 from .embedding import DIM as MINILM_DIM, Embedder
-from .evolution import BatchItem, BatchPlanner, CandidateArrays, CandidateSet, ItemBatch, Placement, _cos, add_member, fold_member, new_cluster_record
+from .evolution import MAX_FLOWS, BatchItem, BatchPlanner, CandidateArrays, CandidateSet, ItemBatch, Placement, _cos, add_member, fold_member, new_cluster_record
 from .index import VectorIndex
 from .model import Trajectory
-from .policy import MemberInfo, OfflinePolicy
+from .migrate import LEGACY_FEATURES, migrate_features, stored_features
+from .policy import OfflinePolicy
 from .retrieval import Retrieval, assemble, paused_gc
 from .storage import ClusterRecord, MemoryStore, StoreError, pack_u64, record_to_trajectory
-from .workflow import action_tokens, workflow_summary, workflow_vector
+from .steps import FEATURES_VERSION, featurize, features_id
+from .workflow import workflow_summary
 
 __all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError", "known_ids", "pack_trajectories", "prepare_items"]
 
 log = logging.getLogger(__name__)
 
 WORKFLOW_DIM = 256
+MERGE_CANDIDATES = 4  # nearest clusters (by the policy's centroid score) a cluster may merge with
 MINILM_NAME = "all-MiniLM-L6-v2"
 
 
@@ -104,6 +106,11 @@ class ClusterInfo:
         }
 
 
+def _unit(vec: np.ndarray) -> np.ndarray:
+    norm = float(np.linalg.norm(vec))
+    return (vec / norm if norm > 0 else vec).astype(np.float32)
+
+
 def _unit_rows(vectors: Any, n: int, dim: int, what: str) -> np.ndarray:
     """Validated, L2-normalised float32 (n, dim) vectors, or a clear error."""
     try:
@@ -166,6 +173,7 @@ class Memory:
         self._closed = False
         try:
             self.decider = decider if decider is not None else self._default_decider()
+            self.features = self._open_features()
             self._load_state()
         except BaseException:
             self.store.close()
@@ -210,6 +218,32 @@ class Memory:
 
             return LLMDecider(self.config.llm)
         return None
+
+    def _open_features(self) -> str:
+        """The workflow featurizer of this store: the config's (``evolution.workflow_features``).
+        A store written by an older featurizer is migrated when opened for writing (see
+        :mod:`lifemem_ray.migrate`); one written with another featurizer is refused."""
+        kind = self.config.evolution.workflow_features
+        target = features_id(kind)
+        stored = stored_features(self.store)
+        if stored == target:
+            return kind
+        with self.store.read() as txn:
+            empty = self.store.count_trajectories(txn) == 0
+        stored_kind, _, version = stored.rpartition("-v")
+        if not version.isdigit() or int(version) > FEATURES_VERSION:
+            raise StoreError(f"{self.path}: workflow features {stored!r} come from a newer version of lifemem-ray (this one writes {target!r}); upgrade it")
+        if stored_kind != kind and stored != LEGACY_FEATURES and not empty:
+            raise StoreError(f"{self.path}: the store's workflow features are {stored!r}, but evolution.workflow_features is {kind!r}; "
+                             f"set evolution.workflow_features = {stored_kind!r} to open it, or export it and ingest it into a new store")
+        if self.read_only:
+            log.warning("%s: workflow features %s are older than %s; searches are unaffected, and a writable open migrates them", self.path, stored, target)
+            return kind
+        if empty:
+            self.store.write(lambda txn: self.store.put_meta(txn, "workflow_features", target))
+        else:
+            migrate_features(self.store, kind, target, fold_member, self._needs_split, time.time())
+        return kind
 
     def _load_state(self) -> None:
         """Live clusters into memory; the FAISS index from its saved copy if fresh, else from LMDB."""
@@ -352,11 +386,18 @@ class Memory:
             out.append(result)
         return out
 
+    def check_features(self, features: str) -> None:
+        """Refuse items whose workflow vectors another featurizer computed (a client whose
+        ``evolution.workflow_features`` differs from this store's)."""
+        if features != self.features:
+            raise ValueError(f"{self.path}: items carry {features!r} workflow vectors, this store holds {self.features!r} ones; "
+                             f"set evolution.workflow_features = {self.features!r} where the trajectories are packed")
+
     def prepare(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[BatchItem]:
         """Batch items: task vectors (embedded here when not given), action tokens, workflow vectors."""
         if vectors is None:
             vectors = self.embedder.embed([t.query_text for t in trajectories])
-        return prepare_items(trajectories, vectors, self.dim)
+        return prepare_items(trajectories, vectors, self.dim, self.features)
 
     def add_items(self, items: list[BatchItem]) -> list[AddResult]:
         """:meth:`add_many` for prepared items (vectors included): the engine decides and commits."""
@@ -545,7 +586,7 @@ class Memory:
                     # Offline descriptions are cheap: refreshed on every change. description_n
                     # only schedules LLM descriptions, so it is left alone here.
                     example = items[founder].query if cid < 0 else self._example_task(record)
-                    record.description = self.policy.describe(record.count, record.envs, record.flows, example)
+                    record.description = self.policy.describe(record.count, record.envs, record.flows, example, record.skill)
                     record.description_by = "offline"
                 self.store.put_cluster(txn, record)
                 self.store.add_todo(
@@ -554,6 +595,7 @@ class Memory:
                     split=self._needs_split(record),
                     skill=self._needs_skill(record),
                     describe=llm_mode and self._needs_description(record),
+                    merge=self.config.evolution.merge_ratio > 0,
                 )
                 final[cid] = record
             entries = []
@@ -814,6 +856,17 @@ class Memory:
                         cleared.append((cid, ("split",)))
                 with self.store.read() as txn:
                     todos = self.store.todos(txn)
+                for cid, flags in sorted(todos.items()):
+                    if not flags.get("merge") or (max_ops is not None and done >= max_ops):
+                        continue
+                    if self._stopping():
+                        return done
+                    if cid in self._clusters and self._merge(cid):
+                        done += 1
+                    else:
+                        cleared.append((cid, ("merge",)))
+                with self.store.read() as txn:
+                    todos = self.store.todos(txn)
                 work = [(cid, f) for cid, f in sorted(todos.items()) if f.get("skill") or f.get("describe")]
                 if max_ops is not None:
                     work = work[: max(0, max_ops - done)]
@@ -836,10 +889,11 @@ class Memory:
         """New skills and descriptions for the queued clusters (LLM calls run concurrently)."""
 
         def one(cid: int, flags: dict[str, bool]) -> tuple[int, dict[str, Any], tuple[str, ...]] | None:
-            sample = self._sample_members(cid, full=self.decider is not None)
+            sample = self._sample_members(cid)
             if sample is None:
                 return None
-            count, infos, trajs = sample
+            record, trajs = sample
+            count = record.count
             fields: dict[str, Any] = {}
             names: list[str] = []
             if flags.get("skill"):
@@ -847,7 +901,11 @@ class Memory:
                 if self.decider is not None and count >= self.config.llm.min_cluster_size:
                     text = self.decider.distil(self._view(cid), trajs)
                     by = "llm" if text else "fallback"
-                fields.update(skill=text or self.policy.distil(infos), skill_by=by, skill_n=count)
+                skill = text or self.policy.distil(trajs)
+                fields.update(skill=skill, skill_by=by, skill_n=count)
+                if record.description_by != "llm":  # the offline description names the procedure's steps
+                    fields.update(description=self.policy.describe(count, record.envs, record.flows, self._example_task(record), skill),
+                                  description_by="offline")
                 names.append("skill")
             if flags.get("describe"):
                 if self.decider is not None:
@@ -935,10 +993,12 @@ class Memory:
             if snapshot is None:
                 return False
             version, vids, tv, wv, briefs = snapshot
-            labels = None
+            labels, descriptions = None, None
             by = "offline"
             if self.decider is not None:
-                labels = self._llm_split(cid, tv, wv, vids)
+                answer = self._llm_split(cid, tv, wv, vids)
+                if answer is not None:
+                    labels, descriptions = answer
                 by = "llm" if labels is not None else "fallback"
             if labels is None:
                 labels = self.policy.split(
@@ -957,16 +1017,18 @@ class Memory:
                     def no_split(txn: Any) -> None:
                         self.store.put_cluster(txn, parent)
                         self.store.clear_todo(txn, cid, "split")
+                        self._count(txn, "splits_refused")
 
                     self.store.write(no_split)
                     self._clusters[cid] = parent
                     return False
-                self._commit_split(parent, vids, tv, wv, briefs, labels, by)
+                self._commit_split(parent, vids, tv, wv, briefs, labels, by, descriptions)
                 return True
         return False
 
-    def _llm_split(self, cid: int, tv: np.ndarray, wv: np.ndarray, vids: list[int]) -> np.ndarray | None:
-        """The LLM groups a sample of members; the rest follow their nearest group."""
+    def _llm_split(self, cid: int, tv: np.ndarray, wv: np.ndarray, vids: list[int]) -> tuple[np.ndarray, list[str]] | None:
+        """The LLM groups a sample of members (and describes each group); the rest follow
+        their nearest group."""
         assert self.decider is not None
         evo = self.config.evolution
         n = len(vids)
@@ -978,9 +1040,10 @@ class Memory:
             shown = [got[0] for i in sample if (got := self.store.trajectory(txn, vids[i])) is not None]
         if len(shown) != len(sample):
             return None
-        answer = self.decider.split(view, shown, evo.split_max_parts)
-        if answer is None or len(answer) != len(sample) or len(set(answer)) < 2:
+        groups = self.decider.split(view, shown, evo.split_max_parts)
+        if groups is None or len(groups[0]) != len(sample) or len(set(groups[0])) < 2:
             return None
+        answer, described = groups
         w = self.config.policy.workflow_weight
         combined = np.hstack([wv * np.sqrt(w), tv * np.sqrt(1 - w)])
         groups = sorted(set(answer))
@@ -988,7 +1051,7 @@ class Memory:
         centres /= np.linalg.norm(centres, axis=1, keepdims=True)
         labels = np.argmax(combined @ centres.T, axis=1)
         labels[sample] = [groups.index(g) for g in answer]
-        return labels
+        return labels, [described[g] if 0 <= g < len(described) else "" for g in groups]
 
     def _commit_split(
         self,
@@ -999,7 +1062,10 @@ class Memory:
         briefs: list[tuple],
         labels: np.ndarray,
         by: str,
+        descriptions: list[str] | None = None,
     ) -> None:
+        """Replace ``parent`` by one child per label; a child's description is the LLM's for
+        its group when given (``descriptions[i]`` for the i-th label in sorted order)."""
         now = time.time()
         parts = sorted(set(labels.tolist()))
         children: list[ClusterRecord] = []
@@ -1017,12 +1083,16 @@ class Memory:
 
         def write(txn: Any) -> None:
             ids = self.store.next_cluster_ids(txn, len(children))
-            for child, child_id, example in zip(children, ids, examples):
+            for n, (child, child_id, example) in enumerate(zip(children, ids, examples)):
                 child.id = child_id
-                child.description = self.policy.describe(child.count, child.envs, child.flows, example)
-                child.description_by = "offline"
+                described = descriptions[n] if descriptions is not None and n < len(descriptions) else ""
+                if described:
+                    child.description, child.description_by, child.description_n = described, "llm", child.count
+                else:
+                    child.description = self.policy.describe(child.count, child.envs, child.flows, example)
+                    child.description_by = "offline"
                 self.store.put_cluster(txn, child)
-                self.store.add_todo(txn, child_id, skill=True, split=self._needs_split(child), describe=llm_mode)
+                self.store.add_todo(txn, child_id, skill=True, split=self._needs_split(child), describe=llm_mode and child.description_by != "llm")
             entries = []
             for n, vid in enumerate(vids):
                 child_id = ids[parts.index(int(labels[n]))]
@@ -1034,9 +1104,7 @@ class Memory:
             self.store.put_cluster(txn, tomb)
             self.store.clear_todo(txn, parent.id)
             self.store.append_log(txn, entries)
-            counters = self.store.get_meta("counters", txn, {}) or {}
-            counters["splits"] = counters.get("splits", 0) + 1
-            self.store.put_meta(txn, "counters", counters)
+            self._count(txn, "splits")
 
         self.store.write(write)
         self._clusters.pop(parent.id, None)
@@ -1046,29 +1114,89 @@ class Memory:
         self._centroids.update(children)
         log.info("split cluster %d (n=%d, R=%.3f) into %s", parent.id, parent.count, parent.mrl, [c.count for c in children])
 
-    def _sample_members(self, cid: int, *, full: bool) -> tuple[int, list[MemberInfo], list[Trajectory]] | None:
-        """An even sample of the members (at most ``skill_sample_size``): their briefs, and the
-        whole trajectories when ``full`` (for LLM prompts). Read outside the engine lock."""
+    def _count(self, txn: Any, name: str) -> None:
+        """Add one to the store's counter ``name`` (stats) inside the caller's transaction."""
+        counters = self.store.get_meta("counters", txn, {}) or {}
+        counters[name] = counters.get(name, 0) + 1
+        self.store.put_meta(txn, "counters", counters)
+
+    def _merge(self, cid: int) -> bool:
+        """Merge cluster ``cid`` with the cluster of its environment it has converged with, if
+        any (:meth:`OfflinePolicy.should_merge`); the larger one absorbs the smaller."""
+        evo = self.config.evolution
+        with self._lock:
+            record = self._clusters.get(cid)
+            if record is None:
+                return False
+            row = self._centroids.query(_unit(record.tsum)[None, :], _unit(record.wsum)[None, :])
+            ids, _ = self._centroids.search(row, MERGE_CANDIDATES + 1)
+            for other_id in ids[0].tolist():
+                other = self._clusters.get(int(other_id))
+                if other is None or other.id == cid or set(other.envs) != set(record.envs):
+                    continue
+                if self.policy.should_merge(record, other, ratio=evo.merge_ratio, tau=evo.split_mrl_threshold, max_size=evo.split_min_size):
+                    keep, gone = (record, other) if (record.count, -record.id) >= (other.count, -other.id) else (other, record)
+                    self._commit_merge(keep, gone)
+                    return True
+        return False
+
+    def _commit_merge(self, keep: ClusterRecord, gone: ClusterRecord) -> None:
+        """Move ``gone``'s members into ``keep`` in one transaction; ``gone`` becomes a tombstone
+        pointing at ``keep`` (decisions naming it resolve there, as for a split)."""
+        now = time.time()
+        merged = keep.copy()
+        merged.count += gone.count
+        merged.tsum = merged.tsum + gone.tsum
+        merged.wsum = merged.wsum + gone.wsum
+        for env, n in gone.envs.items():
+            merged.envs[env] = merged.envs.get(env, 0) + n
+        for flow, n in gone.flows.items():
+            key = flow if flow in merged.flows or len(merged.flows) < MAX_FLOWS else "(other)"
+            merged.flows[key] = merged.flows.get(key, 0) + n
+        merged.successes += gone.successes
+        merged.failures += gone.failures
+        merged.version += 1
+        merged.updated = now
+        tomb = gone.copy()
+        tomb.split_into = [keep.id]
+        tomb.updated = now
+        llm_mode = self.decider is not None
+
+        def write(txn: Any) -> None:
+            entries = []
+            for vid in self.store.members(txn, gone.id):
+                self.store.set_cluster_of(txn, vid, keep.id, previous=gone.id)
+                brief = self.store.brief(txn, vid)
+                entries.append({"vid": vid, "id": brief[4] if brief else "", "cluster": keep.id, "from": gone.id, "op": "merge", "by": "offline", "t": now})
+            self.store.put_cluster(txn, merged)
+            self.store.put_cluster(txn, tomb)
+            self.store.clear_todo(txn, gone.id)
+            self.store.add_todo(txn, keep.id, skill=True, merge=True, split=self._needs_split(merged),
+                                describe=llm_mode and self._needs_description(merged))
+            self.store.append_log(txn, entries)
+            self._count(txn, "merges")
+
+        self.store.write(write)
+        self._clusters.pop(gone.id, None)
+        self._clusters[keep.id] = merged
+        self._centroids.remove([gone.id])
+        self._centroids.update([merged])
+        log.debug("merged cluster %d (n=%d) into %d (n=%d)", gone.id, gone.count, keep.id, keep.count)
+
+    def _sample_members(self, cid: int) -> tuple[ClusterRecord, list[Trajectory]] | None:
+        """The cluster's state and an even sample of its members (at most ``skill_sample_size``),
+        decoded: the offline skill reads their actions, the LLM their whole text. Read outside
+        the engine lock."""
         with self._lock:
             record = self._clusters.get(cid)
             if record is None:
                 return None
-            count = record.count
         with self.store.read() as txn:
             vids = self.store.members(txn, cid)
             size = self.config.evolution.skill_sample_size
             picks = vids if len(vids) <= size else [vids[int(i)] for i in np.linspace(0, len(vids) - 1, size).round()]
-            infos: list[MemberInfo] = []
-            trajs: list[Trajectory] = []
-            for vid in picks:
-                brief = self.store.brief(txn, vid)
-                if brief is None:
-                    continue
-                tokens, success, env, task = brief[:4]
-                infos.append(MemberInfo(tokens=tuple(tokens), success=success, env=env, task=task))
-                if full:
-                    trajs.append(self.store.trajectory(txn, vid)[0])  # type: ignore[index]
-        return count, infos, trajs
+            trajs = [got[0] for vid in picks if (got := self.store.trajectory(txn, vid)) is not None]
+        return record, trajs
 
     def _view(self, cid: int, examples: tuple[Trajectory, ...] = ()) -> ClusterView | None:
         record = self._clusters.get(cid)
@@ -1310,6 +1438,9 @@ class Memory:
             },
             "mixed_env_clusters": sum(1 for r in records if len(r.envs) > 1),
             "splits": int(counters.get("splits", 0)),
+            # Splits the rule called for where the members showed no structure to split on.
+            "splits_refused": int(counters.get("splits_refused", 0)),
+            "merges": int(counters.get("merges", 0)),
             "maintenance_queued": todo,
             "llm": {
                 "backend": self.config.llm.backend if self.decider is not None else "offline",
@@ -1434,17 +1565,21 @@ class Memory:
         self.close()
 
 
-def prepare_items(trajectories: Sequence[Trajectory], vectors: Any, dim: int) -> list[BatchItem]:
-    """Batch items from trajectories and their task vectors (validated, normalised)."""
-    vectors = _unit_rows(vectors, len(trajectories), dim, "vectors")
+def prepare_items(trajectories: Sequence[Trajectory], vectors: Any, dim: int, features: str = "roles") -> list[BatchItem]:
+    """Batch items from trajectories and their task vectors (validated, normalised), with the
+    workflow featurizer ``features`` (``evolution.workflow_features``)."""
+    return _featurized(trajectories, _unit_rows(vectors, len(trajectories), dim, "vectors"), features)
+
+
+def _featurized(trajectories: Sequence[Trajectory], vectors: np.ndarray, features: str) -> list[BatchItem]:
     items: list[BatchItem] = []
     for traj, vec in zip(trajectories, vectors):
-        tokens = action_tokens(traj)
-        items.append(BatchItem.of(traj, vec, _workflow_vector(tuple(tokens)), tokens, workflow_summary(tokens)))
+        tokens, wvec = featurize(traj, features, WORKFLOW_DIM)
+        items.append(BatchItem.of(traj, vec, wvec, tokens, workflow_summary(tokens)))
     return items
 
 
-def pack_trajectories(trajectories: Sequence[Trajectory], vectors: Any, dim: int) -> ItemBatch:
+def pack_trajectories(trajectories: Sequence[Trajectory], vectors: Any, dim: int, features: str = "roles") -> ItemBatch:
     """Trajectories ready to travel: encoded once, tokens and workflow vectors computed.
 
     Without ``vectors`` the task vectors are zeros, to be embedded where a model is
@@ -1452,14 +1587,8 @@ def pack_trajectories(trajectories: Sequence[Trajectory], vectors: Any, dim: int
     for i, traj in enumerate(trajectories):
         if not isinstance(traj, Trajectory):
             raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
-    if vectors is None:
-        items = [
-            BatchItem.of(t, np.zeros(dim, np.float32), _workflow_vector(tuple(tok := action_tokens(t))), tok, workflow_summary(tok))
-            for t in trajectories
-        ]
-    else:
-        items = prepare_items(trajectories, vectors, dim)
-    return ItemBatch.of(items)
+    vecs = np.zeros((len(trajectories), dim), np.float32) if vectors is None else _unit_rows(vectors, len(trajectories), dim, "vectors")
+    return ItemBatch.of(_featurized(trajectories, vecs, features), features)
 
 
 def known_ids(store: MemoryStore, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
@@ -1475,15 +1604,6 @@ def known_ids(store: MemoryStore, ids: Sequence[str], fingerprints: Sequence[str
                 status = "duplicate" if store.fingerprint_of(txn, vid) == fp else "conflict"
                 out.append(AddResult(tid, status, store.cluster_of(txn, vid)))
     return out
-
-
-@lru_cache(maxsize=1 << 16)
-def _workflow_vector(tokens: tuple[str, ...]) -> np.ndarray:
-    """Workflow vectors repeat (many trajectories share one action sequence): computed once each."""
-    # Rounded to float16 precision, as stored: running sums then match a recomputation exactly.
-    vec = workflow_vector(tokens, WORKFLOW_DIM).astype(np.float16).astype(np.float32)
-    vec.setflags(write=False)
-    return vec
 
 
 def _remove_member(record: ClusterRecord, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, flow: str, now: float) -> None:

@@ -1,62 +1,41 @@
 """The offline policy: LifeMem's decisions without a language model.
 
 * join or new: a candidate cluster's score mixes the structural similarity of
-  action workflows (cosine of workflow vectors, see :mod:`lifemem_ray.workflow`)
-  with the text similarity of goals; the best candidate is joined when its score
-  reaches ``policy.join_threshold``, else a new cluster opens.
-* split: spherical k-means over the members' workflow vectors, choosing the
-  smallest number of parts whose children are homogeneous (R >= tau) or small.
-* descriptions and skills: read off the members, i.e. the recurring action
-  pattern in its usual order, what successful runs end with, what failed runs
-  do more often. Skills use the environment-invariant canonical action
-  categories, never environment-specific names.
+  action workflows (cosine of workflow vectors, see :mod:`lifemem_ray.workflow` and
+  :mod:`lifemem_ray.steps`) with the text similarity of goals; the best candidate is
+  joined when its score reaches ``policy.join_threshold``, else a new cluster opens.
+* split (the paper's rule decides *whether*: n > L and R < tau; this decides *how*):
+  spherical k-means over the members' vectors, the smallest number of parts whose
+  children are homogeneous (R >= tau) or no larger than L, else the number of parts
+  (up to ``evolution.split_max_parts``) whose children are the most homogeneous. Only
+  members that are all the same vector show no structure to split on.
+* skills: the ordered procedure the successful members follow (:mod:`lifemem_ray.skills`);
+  descriptions: that procedure's first steps, where the cluster occurs, an example goal.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+import math
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .config import PolicyConfig
-from .workflow import canonical_token, workflow_summary
+from .model import Trajectory
+from .skills import distil_procedure
+from .workflow import workflow_summary
 
-__all__ = ["MemberInfo", "OfflinePolicy", "spherical_kmeans"]
+if TYPE_CHECKING:
+    from .storage import ClusterRecord
 
-# What each canonical action category asks of an agent, phrased without any
-# environment's vocabulary, so a skill transfers across environments.
-_CATEGORY_ADVICE: dict[str, str] = {
-    "SEARCH": "search for candidates using the goal's key terms and constraints",
-    "INSPECT": "inspect the most promising candidate in detail before relying on it",
-    "NAVIGATE": "move to the place or page where the needed object or information is",
-    "INPUT": "enter the required values exactly as the goal states them",
-    "SELECT": "choose the option or element that satisfies the constraints",
-    "QUERY": "query the data source for exactly the fields the goal asks for",
-    "MODIFY": "make the requested change only after confirming the target and its current state",
-    "COMPUTE": "compute derived values explicitly rather than estimating them",
-    "ANSWER": "give the final answer in the required format once the evidence supports it",
-    "COMMIT": "commit the final action only after every constraint has been checked",
-    "THINK": "reason about what is still missing before acting",
-    "MANIPULATE": "pick up, place or use objects in the order the goal implies",
-    "OTHER": "take the environment-specific step the workflow requires",
-}
+__all__ = ["OfflinePolicy", "skill_step_texts", "spherical_kmeans"]
+
+MAX_DESCRIBED_STEPS = 5
 
 
 def _unit(vec: np.ndarray) -> np.ndarray:
     norm = float(np.linalg.norm(vec))
     return vec / norm if norm > 0 else vec
-
-
-@dataclass(frozen=True, slots=True)
-class MemberInfo:
-    """What distillation needs of one member: its abstract actions and outcome."""
-
-    tokens: tuple[str, ...]
-    success: bool | None
-    env: str
-    task: str
 
 
 def spherical_kmeans(x: np.ndarray, k: int, *, seed: int = 0, iterations: int = 30) -> np.ndarray:
@@ -97,28 +76,67 @@ class OfflinePolicy:
         w = self.config.workflow_weight
         return min(1.0, max(0.0, w * workflow_similarity + (1.0 - w) * text_similarity))
 
-    def decide(self, scores: Sequence[float]) -> tuple[int | None, float]:
+    def threshold(self, count: int, text_norm: float, workflow_norm: float) -> float:
+        """The score a trajectory needs to join a cluster of ``count`` members whose running sums
+        have these norms. ``policy.density_ratio`` = 0: ``policy.join_threshold`` for every
+        cluster. Else the threshold adapts to the cluster's density: ``density_ratio`` times its
+        mean resultant length R over the combined vectors (the mean cosine of its members to
+        its centroid), never below ``join_threshold``; a tight cluster asks for a close match,
+        a diffuse one accepts what resembles its members as much as they resemble each other.
+        A single member says nothing of density: a singleton asks for ``join_threshold``."""
+        base = self.config.join_threshold
+        ratio = self.config.density_ratio
+        if ratio <= 0 or count < 2:  # one member says nothing of a cluster's density
+            return base
+        w = self.config.workflow_weight
+        r = math.sqrt(w * workflow_norm * workflow_norm + (1.0 - w) * text_norm * text_norm) / count
+        return max(base, ratio * min(r, 1.0))
+
+    def decide(self, scores: Sequence[float], thresholds: Sequence[float] | None = None) -> tuple[int | None, float]:
         """Index of the candidate to join (or None for new) and the decision's margin.
 
-        The margin is the distance of the best score from the threshold: small
-        margins are the ambiguous cases worth an LLM call.
+        ``scores`` are best first; the best candidate whose score reaches its threshold
+        (``thresholds[i]``, else ``policy.join_threshold``) is joined. The margin is the
+        distance of the best score from its threshold: small margins are the ambiguous cases
+        worth an LLM call.
         """
         if not scores:
             return None, 1.0
-        best = max(range(len(scores)), key=scores.__getitem__)  # the first of equal scores, like argmax
-        margin = abs(scores[best] - self.config.join_threshold)
-        return (best if scores[best] >= self.config.join_threshold else None), margin
+        limits = thresholds if thresholds is not None else [self.config.join_threshold] * len(scores)
+        margin = abs(scores[0] - limits[0])
+        for j, (score, limit) in enumerate(zip(scores, limits)):
+            if score >= limit:
+                return j, margin
+        return None, margin
+
+    # -- merge -----------------------------------------------------------------------------
+    def should_merge(self, a: "ClusterRecord", b: "ClusterRecord", *, ratio: float, tau: float, max_size: int) -> bool:
+        """Whether two clusters have converged on one workflow: their members resemble each
+        other across the two (mean cross cosine over the combined vectors) at least ``ratio``
+        times as much as within the tighter one, and the merged cluster would not meet the split
+        rule (n > L with R < tau) at once."""
+        if ratio <= 0 or a.count <= 0 or b.count <= 0:
+            return False
+        w = self.config.workflow_weight
+        n = a.count + b.count
+        if n > max_size and float(np.linalg.norm(a.wsum + b.wsum)) / n < tau:
+            return False
+        cross = (w * float(a.wsum @ b.wsum) + (1.0 - w) * float(a.tsum @ b.tsum)) / (a.count * b.count)
+        within = [_mean_pairwise(r, w) for r in (a, b) if r.count >= 2]
+        reference = min(within) if within else self.threshold(1, 1.0, 1.0)
+        return cross >= ratio * reference
 
     # -- split -----------------------------------------------------------------------------
-    def split(self, workflow_vectors: np.ndarray, *, tau: float, min_size: int, max_parts: int, seed: int) -> np.ndarray | None:
-        """Labels for a finer partition, or None when the members show no structure to split on."""
-        n = workflow_vectors.shape[0]
-        if n < 2:
+    def split(self, vectors: np.ndarray, *, tau: float, min_size: int, max_parts: int, seed: int) -> np.ndarray | None:
+        """Labels 0..p-1 of a finer partition of the members' vectors, or None when they are
+        all one vector (nothing to split on)."""
+        n = vectors.shape[0]
+        if n < 2 or not (vectors != vectors[0]).any():
             return None
         best: tuple[float, np.ndarray] | None = None
         for k in range(2, min(max_parts, n) + 1):
-            labels = spherical_kmeans(workflow_vectors, k, seed=seed)
-            parts = [workflow_vectors[labels == j] for j in np.unique(labels)]
+            labels = spherical_kmeans(vectors, k, seed=seed)
+            parts = [vectors[labels == j] for j in np.unique(labels)]
             if len(parts) < 2:
                 continue
             mrls = [float(np.linalg.norm(p.mean(axis=0))) for p in parts]
@@ -127,104 +145,51 @@ class OfflinePolicy:
             weighted = sum(r * len(p) for r, p in zip(mrls, parts)) / n
             if best is None or weighted > best[0] + 1e-9:
                 best = (weighted, labels)
-        if best is None:
-            return None
-        # Only split when it makes the parts clearly more homogeneous than the whole.
-        whole = float(np.linalg.norm(workflow_vectors.mean(axis=0)))
-        if best[0] - whole < 0.02:
-            return None
-        return _relabel(best[1])
+        return None if best is None else _relabel(best[1])
 
     # -- descriptions and skills -----------------------------------------------------------
-    def describe(self, count: int, envs: dict[str, int], flows: dict[str, int], example_task: str) -> str:
-        """One line: the dominant workflow, where it occurs, and an example goal."""
-        flow = max(flows.items(), key=lambda kv: kv[1])[0] if flows else "unknown steps"
-        share = (flows.get(flow, 0) / count) if count else 0.0
+    def describe(self, count: int, envs: dict[str, int], flows: dict[str, int], example_task: str, skill: str = "") -> str:
+        """One line: the cluster's procedure (the first steps of its offline skill, else its most
+        common action sequence), where it occurs, and an example goal."""
+        steps = skill_step_texts(skill)[:MAX_DESCRIBED_STEPS]
+        if steps:
+            flow = " -> ".join(steps) + (" -> ..." if len(skill_step_texts(skill)) > MAX_DESCRIBED_STEPS else "")
+            lead = "Workflow"
+        else:
+            known = {f: n for f, n in flows.items() if f != "(other)"}
+            flow = max(known.items(), key=lambda kv: kv[1])[0] if known else "varied steps"
+            lead = "Workflow" if count and known.get(flow, 0) / count >= 0.5 else "Mostly"
         env_text = ", ".join(f"{e} ({n})" for e, n in sorted(envs.items(), key=lambda kv: -kv[1])[:3])
         example = " ".join(example_task.split())[:120]
-        lead = "Workflow" if share >= 0.5 else "Mostly"
         return f"{lead}: {flow} [{count} trajectories; {env_text}]. Example goal: {example}"
 
-    def distil(self, members: Sequence[MemberInfo]) -> str:
-        """An environment-invariant skill: the usual order of action categories, and what
-        distinguishes runs that succeeded from runs that failed."""
-        if not members:
-            return ""
-        seqs = [_collapse([canonical_token(t) for t in m.tokens]) for m in members]
-        successes = [s for s, m in zip(seqs, members) if m.success is True]
-        failures = [s for s, m in zip(seqs, members) if m.success is False]
-        basis = successes or seqs
-        order = _usual_order(basis)
-        lengths = sorted(len(m.tokens) for m in members)
-        lines = []
-        for i, category in enumerate(order, 1):
-            lines.append(f"{i}. {_CATEGORY_ADVICE.get(category, _CATEGORY_ADVICE['OTHER']).capitalize()}.")
-        if not lines:
-            lines.append("1. " + _CATEGORY_ADVICE["OTHER"].capitalize() + ".")
-        notes = []
-        median = lengths[len(lengths) // 2]
-        notes.append(f"Runs of this workflow usually take about {median} actions ({lengths[0]}-{lengths[-1]}).")
-        if successes:
-            endings = Counter(s[-1] for s in successes if s)
-            if endings:
-                ending, n = endings.most_common(1)[0]
-                if n / len(successes) >= 0.5:
-                    notes.append(f"Successful runs end by a {ending.lower()} step: " + _CATEGORY_ADVICE.get(ending, _CATEGORY_ADVICE["OTHER"]) + ".")
-        if successes and failures:
-            ok = _category_rates(successes)
-            ko = _category_rates(failures)
-            worse = sorted(((ko[c] - ok.get(c, 0.0), c) for c in ko), reverse=True)
-            if worse and worse[0][0] > 0.2:
-                notes.append(f"Failed runs repeat {worse[0][1].lower()} steps more often: change approach instead of repeating.")
-            loops = sum(_has_loop(s) for s in failures) / len(failures)
-            if loops > 0.3:
-                notes.append("Avoid repeating the same action when it produced no progress.")
-        return "\n".join(lines + notes)
+    def distil(self, members: Sequence[Trajectory]) -> str:
+        """The skill of a cluster from a sample of its members: its ordered procedure with the
+        usual length, the steps successful runs end with and the usual failure."""
+        return distil_procedure(members)
 
     @staticmethod
     def flow_key(tokens: Sequence[str]) -> str:
         return workflow_summary(list(tokens))[:200]
 
 
-def _relabel(labels: np.ndarray) -> np.ndarray:
-    _, dense = np.unique(labels, return_inverse=True)
-    return dense
-
-
-def _collapse(seq: list[str]) -> list[str]:
-    out: list[str] = []
-    for token in seq:
-        if not out or out[-1] != token:
-            out.append(token)
+def skill_step_texts(skill: str) -> list[str]:
+    """The numbered step lines of a skill (``1. pick up thermometer`` -> ``pick up thermometer``)."""
+    out = []
+    for line in skill.splitlines():
+        head, dot, rest = line.strip().partition(". ")
+        if dot and head.isdigit() and rest.strip():
+            out.append(rest.strip())
     return out
 
 
-def _usual_order(seqs: list[list[str]], min_share: float = 0.5, max_len: int = 8) -> list[str]:
-    """Categories present in at least half the runs, ordered by where they first appear."""
-    if not seqs:
-        return []
-    first_pos: dict[str, list[float]] = {}
-    for seq in seqs:
-        seen: set[str] = set()
-        for i, token in enumerate(seq):
-            if token not in seen:
-                seen.add(token)
-                first_pos.setdefault(token, []).append(i / max(len(seq) - 1, 1))
-    common = [(np.mean(p), c) for c, p in first_pos.items() if len(p) / len(seqs) >= min_share]
-    if not common:
-        common = [(np.mean(p), c) for c, p in sorted(first_pos.items(), key=lambda kv: -len(kv[1]))[:3]]
-    return [c for _, c in sorted(common)][:max_len]
+def _mean_pairwise(record: "ClusterRecord", w: float) -> float:
+    """Mean cosine between two distinct members, over the combined vectors, from the sums alone."""
+    n = record.count
+    squared = w * float(record.wsum @ record.wsum) + (1.0 - w) * float(record.tsum @ record.tsum)
+    return (squared - n) / (n * (n - 1))
 
 
-def _category_rates(seqs: list[list[str]]) -> dict[str, float]:
-    counts: Counter[str] = Counter()
-    total = 0
-    for seq in seqs:
-        counts.update(seq)
-        total += len(seq)
-    return {c: n / total for c, n in counts.items()} if total else {}
-
-
-def _has_loop(seq: list[str]) -> bool:
-    pairs = list(zip(seq, seq[1:]))
-    return len(pairs) >= 4 and Counter(pairs).most_common(1)[0][1] >= 3
+def _relabel(labels: np.ndarray) -> np.ndarray:
+    _, dense = np.unique(labels, return_inverse=True)
+    return dense

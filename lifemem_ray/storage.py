@@ -536,6 +536,20 @@ class MemoryStore:
         if cluster_id is not None:
             self.set_cluster_of(txn, item.vid, cluster_id)
 
+    def rewrite_workflow(self, txn: lmdb.Transaction, vid: int, workflow_vector: np.ndarray, tokens: list[str]) -> None:
+        """Replace a stored trajectory's workflow vector and action tokens (the text vector, the
+        environment and the rest of its brief stay): what a featurizer migration rewrites."""
+        key = pack_u64(vid)
+        raw_vec = txn.get(key, db=self.db["vec"])
+        raw_brief = txn.get(key, db=self.db["brief"])
+        if raw_vec is None or raw_brief is None:
+            raise StoreError(f"{self.path}: trajectory {vid} has no stored vectors or brief; run `lifemem-ray check`")
+        code, vec, _ = self.unpack_vectors(raw_vec)
+        brief = list(_unpackb(raw_brief))
+        brief[0] = tokens
+        txn.put(key, self.pack_vectors(code, vec, workflow_vector), db=self.db["vec"])
+        txn.put(key, _packb(brief), db=self.db["brief"])
+
     def delete_trajectory(self, txn: lmdb.Transaction, vid: int, trajectory_id: str) -> None:
         key = pack_u64(vid)
         txn.delete(key, db=self.db["traj"])

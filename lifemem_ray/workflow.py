@@ -26,35 +26,40 @@ Tokens (:func:`action_tokens`, one or more per step, lower case):
   ``click_xpath``, ``type``, ``press``, ... (at most 16 per step).
 * plain text: a short acknowledgement (``OK.``) -> ``ack``; prose (a sentence, several
   lines, or more than 12 words; e.g. taubench's final reply) -> ``respond``; else
-  the first word, letters only (scienceworld ``open``, ``look``, ``wait1`` -> ``wait``).
+  the first word, letters only (scienceworld ``open``, ``look``, ``wait1`` -> ``wait``);
+  a movement verb with a direction (``move east``) -> ``go``; ``open`` / ``close`` of
+  anything but a door (``open fridge 1``) -> ``open:obj`` / ``close:obj``.
 * no action (a thought-only turn) -> ``think``; nothing usable -> ``other``.
 
 Categories (:func:`canonical_token`), chosen so that the same functional move gets
 the same name in every environment:
 
-========  ==================================================================
-SEARCH    find candidates by keywords: search, toolsearcher, find_*, *search*
-INSPECT   read what is already at hand: lookup, look, examine, read, inventory,
-          use (a thermometer), get_*, list_*, check_*, click:info
-NAVIGATE  move without choosing: go, open, close, teleport, scroll, press,
-          movemouse, click:back / click:next / click:prev
-INPUT     enter free text: type, fill
-SELECT    choose an element or object: click, click_xpath, click_option,
-          select, pick, take, focus
-QUERY     structured data retrieval: sql:select, sqlinterpreter, loaddb,
-          filterdb, getvalue, query_*
-MODIFY    change state: sql:insert / update / delete / create ..., cancel_*,
-          modify_*, exchange_*, return_*, update_*, add_*, set_*, move, put,
-          pour, mix, activate, deactivate
-COMPUTE   calculate, *calculat*, compute
-ANSWER    give the result: finish, answer, respond, submit
-COMMIT    an irreversible transaction: click:buy, buy, book_*, reserve_*,
-          schedule_*, rent_*, request_*, create_*, pay*
-THINK     a turn with no action
-OTHER     ack, wait, anything unknown
-========  ==================================================================
+==========  ==================================================================
+SEARCH      find candidates by keywords: search, toolsearcher, find_*, *search*
+INSPECT     read what is already at hand: lookup, look, examine, read, inventory,
+            use (a thermometer), get_*, list_*, check_*, click:info
+NAVIGATE    move without choosing: go (move east), open / close a door, teleport,
+            scroll, press, movemouse, click:back / click:next / click:prev
+INPUT       enter free text: type, fill
+SELECT      choose an element or object: click, click_xpath, click_option,
+            select, focus
+MANIPULATE  handle a physical object: pick, take, put, place, move (an object),
+            drop, pour, open:obj / close:obj
+QUERY       structured data retrieval: sql:select, sqlinterpreter, loaddb,
+            filterdb, getvalue, query_*
+MODIFY      change state: sql:insert / update / delete / create ..., cancel_*,
+            modify_*, exchange_*, return_*, update_*, add_*, set_*, mix, heat,
+            cool, clean, slice, cook, activate, deactivate
+COMPUTE     calculate, *calculat*, compute
+ANSWER      give the result: finish, answer, respond, submit
+COMMIT      an irreversible transaction: click:buy, buy, book_*, reserve_*,
+            schedule_*, rent_*, request_*, create_*, pay*
+THINK       a turn with no action
+OTHER       ack, wait, anything unknown
+==========  ==================================================================
 
-Features (:func:`workflow_features`): raw-token unigrams (weighted ``1 + ln(count)``),
+Token features (:func:`workflow_features`; :mod:`lifemem_ray.steps` adds the abstract
+steps' frames and argument roles to them): raw-token unigrams (weighted ``1 + ln(count)``),
 bigrams over the run-collapsed sequence (start ``^`` and end ``$`` markers) and a
 self-loop flag per repeated token, and the same over categories at 0.6 weight, so
 a repeated loop does not dominate. Vectors are signed feature hashes (blake2b,
@@ -80,6 +85,7 @@ __all__ = [
     "CATEGORIES",
     "action_tokens",
     "canonical_token",
+    "hashed_vector",
     "step_tokens",
     "workflow_features",
     "workflow_summary",
@@ -88,7 +94,7 @@ __all__ = [
 ]
 
 CATEGORIES = (
-    "SEARCH", "INSPECT", "NAVIGATE", "INPUT", "SELECT", "QUERY",
+    "SEARCH", "INSPECT", "NAVIGATE", "INPUT", "SELECT", "MANIPULATE", "QUERY",
     "MODIFY", "COMPUTE", "ANSWER", "COMMIT", "THINK", "OTHER",
 )  # fmt: skip
 
@@ -108,6 +114,11 @@ _SQL_FENCED = re.compile(r"```[ \t]*(?:sql|mysql|sqlite|postgresql)?[ \t]*\n?[ \
 _SQL_BARE = re.compile(
     r"^[ \t]*(select|insert|update|delete|with|create|drop|alter|replace|truncate|show|describe|pragma)\b",
     re.I | re.M,
+)
+# "Operation: UPDATE ..." on one line (how a skill's step names a statement).
+_SQL_INLINE = re.compile(
+    r"^[ \t]*Operation[ \t]*:?[ \t]*(select|insert|update|delete|with|create|drop|alter|replace|truncate|show|describe|pragma)\b",
+    re.I,
 )
 _AGENT_CALL = re.compile(r"\bagent\.([A-Za-z_]\w{0,47})\s*\(")
 _CALL = re.compile(r"([A-Za-z_][\w.]{0,95})[ \t]*[\[(]")
@@ -130,6 +141,9 @@ _CLICK_SUFFIX = {
     "description": "click:info", "features": "click:info", "reviews": "click:info", "attributes": "click:info",
 }  # fmt: skip
 _ACKS = frozenset({"ok", "okay", "sure", "understood", "got it", "yes", "alright", "noted", "ok sure"})
+_MOVE_VERBS = frozenset({"move", "go", "walk", "run", "head", "travel"})
+_DIRECTIONS = frozenset("north south east west up down northeast northwest southeast southwest left right forward backward".split())
+_DOOR = re.compile(r"\b(?:door|gate|doorway|hatch)\b", re.I)
 _PROSE_STARTS = frozenset(
     "i i'm i've i'll i'd we we've we'll you your the this that these it it's here there thank thanks sorry "
     "hello hi dear unfortunately great please based according since as to in my our".split()
@@ -194,7 +208,7 @@ def _name(raw: str) -> str:
 
 
 def _sql_token(s: str) -> str:
-    m = _SQL_FENCED.search(s) or _SQL_BARE.search(s)
+    m = _SQL_FENCED.search(s) or _SQL_BARE.search(s) or _SQL_INLINE.search(s)
     if not m:
         return "sql:other"
     return "sql:" + _SQL_KINDS.get(m.group(1).lower(), "other")
@@ -243,7 +257,13 @@ def _plain_token(s: str) -> str:
     m = _LETTERS.search(first)
     if not m:
         return "other"
-    return m.group(0)[:MAX_TOKEN_CHARS]
+    verb = m.group(0)[:MAX_TOKEN_CHARS]
+    second = words[1].lower().strip(",.:;!?\"'") if len(words) > 1 else ""
+    if verb in _MOVE_VERBS and second in _DIRECTIONS:
+        return "go"  # move east, walk north: navigation, not moving an object
+    if verb in ("open", "close") and len(words) > 1 and not _DOOR.search(stripped):
+        return verb + ":obj"  # open fridge 1: a container, not a way
+    return verb
 
 
 # --------------------------------------------------------------------------- categories
@@ -263,8 +283,11 @@ _EXACT: dict[str, str] = {
     "type": "INPUT", "fill": "INPUT", "input": "INPUT", "type_text": "INPUT",
     # SELECT
     "click": "SELECT", "click_xpath": "SELECT", "click_option": "SELECT", "click_element": "SELECT",
-    "select": "SELECT", "choose": "SELECT", "pick": "SELECT", "take": "SELECT", "focus": "SELECT",
-    "tap": "SELECT",
+    "select": "SELECT", "choose": "SELECT", "focus": "SELECT", "tap": "SELECT",
+    # MANIPULATE
+    "pick": "MANIPULATE", "take": "MANIPULATE", "put": "MANIPULATE", "place": "MANIPULATE", "move": "MANIPULATE",
+    "drop": "MANIPULATE", "pour": "MANIPULATE", "grab": "MANIPULATE", "open:obj": "MANIPULATE",
+    "close:obj": "MANIPULATE",
     # QUERY
     "sqlinterpreter": "QUERY", "loaddb": "QUERY", "filterdb": "QUERY", "getvalue": "QUERY",
     "sql:select": "QUERY", "sql:show": "QUERY", "sql:describe": "QUERY", "sql:explain": "QUERY",
@@ -272,9 +295,9 @@ _EXACT: dict[str, str] = {
     # MODIFY
     "sql:insert": "MODIFY", "sql:update": "MODIFY", "sql:delete": "MODIFY", "sql:create": "MODIFY",
     "sql:drop": "MODIFY", "sql:alter": "MODIFY", "sql:replace": "MODIFY", "sql:truncate": "MODIFY",
-    "sql:merge": "MODIFY", "move": "MODIFY", "put": "MODIFY", "pour": "MODIFY", "mix": "MODIFY",
-    "activate": "MODIFY", "deactivate": "MODIFY", "connect": "MODIFY", "disconnect": "MODIFY",
-    "drop": "MODIFY", "heat": "MODIFY", "cool": "MODIFY", "clean": "MODIFY", "toggle": "MODIFY",
+    "sql:merge": "MODIFY", "mix": "MODIFY", "activate": "MODIFY", "deactivate": "MODIFY", "connect": "MODIFY",
+    "disconnect": "MODIFY", "heat": "MODIFY", "cool": "MODIFY", "clean": "MODIFY", "toggle": "MODIFY",
+    "slice": "MODIFY", "chop": "MODIFY", "dice": "MODIFY", "cook": "MODIFY", "prepare": "MODIFY",
     # COMPUTE
     "calculate": "COMPUTE", "calculator": "COMPUTE", "compute": "COMPUTE", "eval": "COMPUTE",
     # ANSWER
@@ -313,7 +336,7 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("go_", "NAVIGATE"), ("goto", "NAVIGATE"), ("navigate", "NAVIGATE"), ("open", "NAVIGATE"),
     ("scroll", "NAVIGATE"), ("press", "NAVIGATE"), ("hover", "NAVIGATE"),
     ("type", "INPUT"), ("fill", "INPUT"), ("input", "INPUT"),
-    ("select", "SELECT"), ("choose", "SELECT"), ("pick", "SELECT"),
+    ("select", "SELECT"), ("choose", "SELECT"), ("pick", "MANIPULATE"),
     ("finish", "ANSWER"), ("answer", "ANSWER"), ("respond", "ANSWER"), ("reply", "ANSWER"),
     ("final", "ANSWER"),
     ("compute", "COMPUTE"), ("calc", "COMPUTE"),
@@ -376,13 +399,18 @@ def _empty_vector(dim: int) -> np.ndarray:
 
 
 def workflow_vector(tokens: Sequence[str], dim: int = DEFAULT_DIM) -> np.ndarray:
-    """A float32 unit vector of the workflow; the empty workflow has its own fixed vector."""
+    """A float32 unit vector of the token workflow; the empty workflow has its own fixed vector."""
+    return hashed_vector(workflow_features(tokens), dim)
+
+
+def hashed_vector(features: dict[str, float], dim: int = DEFAULT_DIM) -> np.ndarray:
+    """Signed feature hashing of weighted features into a float32 unit vector (no features:
+    the empty workflow's fixed vector)."""
     if dim < 2:
         raise ValueError(f"dim: must be at least 2, got {dim}")
-    feats = workflow_features(tokens)
-    idx = np.empty(len(feats), dtype=np.int64)
-    val = np.empty(len(feats), dtype=np.float64)
-    for i, (feat, w) in enumerate(feats.items()):
+    idx = np.empty(len(features), dtype=np.int64)
+    val = np.empty(len(features), dtype=np.float64)
+    for i, (feat, w) in enumerate(features.items()):
         h = _feature_hash(feat)
         idx[i] = h % dim
         val[i] = -w if (h >> 63) & 1 else w

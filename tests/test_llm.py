@@ -356,12 +356,12 @@ def test_partition_and_split(stub, make_decider):
                                {"items": [1, 2], "description": "Search and buy an item."}]}),  # 1 twice
         Reply.json({"groups": [{"items": [0], "description": "Find an object and place it."}]}),  # 1, 2 missing
     )
-    assert decider.partition_groups(trajectories) == (
+    assert decider.partition(trajectories) == (
         [1, 0, 1], ["Find an object and place it somewhere.", "Search the catalogue and buy the item."])
     assert decider.partition(trajectories) is None
     assert decider.partition(trajectories) is None
     assert {b["model"] for b in stub.requests} == {"strong-model"}
-    assert decider.partition([]) == []
+    assert decider.partition([]) == ([], [])
 
     stub.push(
         Reply.json({"groups": [{"items": [0, 1, 2, 3], "description": "Everything in one group here."}]}),  # < 2 groups
@@ -370,7 +370,7 @@ def test_partition_and_split(stub, make_decider):
     )
     members = [traj(i) for i in range(4)]
     assert decider.split(cluster(4), members, max_parts=3) is None
-    assert decider.split(cluster(4), members, max_parts=3) == [0, 1, 0, 1]
+    assert decider.split(cluster(4), members, max_parts=3) == ([0, 1, 0, 1], ["Search and buy an item.", "Compare prices before buying."])
     assert "between 2 and 3 finer workflows" in user_prompt(stub.requests[-1])
 
 

@@ -136,7 +136,7 @@ def test_prompt_injection_stays_data(tmp_path):
 
 
 def test_llm_split(tmp_path):
-    config = {"evolution.split_min_size": 20, "policy.join_threshold": 0.0}
+    config = {"evolution.split_min_size": 20, "policy.join_threshold": 0.0, "policy.density_ratio": 0.0}
     a = [Trajectory(env="shop", task=f"buy {i}", steps=(Step(action="search[x]"), Step(action="click[Buy Now]")), id=f"a{i}") for i in range(15)]
     b = [Trajectory(env="shop", task=f"look {i}", steps=(Step(action="look around"), Step(action="open door"), Step(action="wait1")), id=f"b{i}") for i in range(15)]
     with OpenAIStub(sensible=True) as stub:
@@ -147,6 +147,19 @@ def test_llm_split(tmp_path):
             assert stats["llm"]["by_operation"]["split"]["calls"] >= 1
             assert m.verify()["ok"]
             assert all(c.born == "split" for c in m.clusters())
+            # The LLM's descriptions of the groups it split into are the children's descriptions.
+            assert {c.description for c in m.clusters()} <= {f"Complete tasks that follow workflow number {i}." for i in (1, 2, 3, 4, 5, 6)}
+
+
+def test_the_initial_partition_keeps_the_llms_group_descriptions(tmp_path, data):
+    trajs, vecs = data
+    picked = [0, 1, 2, 3, 4]
+    with OpenAIStub(sensible=True) as stub:
+        with Memory.open(tmp_path / "m", llm_config(stub.base_url)) as m:
+            m.add_many([trajs[i] for i in picked], vecs[picked])
+            clusters = m.clusters()
+    assert len(clusters) == len({trajs[i].env for i in picked})  # the stub groups by environment
+    assert {c.description for c in clusters} == {f"Complete tasks that follow workflow number {i + 1}." for i in range(len(clusters))}
 
 
 def test_unreachable_server_falls_back_everywhere(tmp_path, data):

@@ -174,7 +174,7 @@ def test_distil_is_an_invariant_skill_or_none(decider):
 
 def test_partition_covers_every_trajectory_or_is_none(decider):
     trajs = [traj("shop", 10), traj("household", 11), traj("shop", 12), traj("household", 13)]
-    groups = decider.partition_groups(trajs)
+    groups = decider.partition(trajs)
     if groups is not None:
         labels, descriptions = groups
         assert len(labels) == len(trajs)

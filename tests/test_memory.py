@@ -103,7 +103,7 @@ def test_evolution_groups_by_workflow(tmp_path, synthetic):
 
 
 def test_split_when_large_and_diverse(tmp_path):
-    config = MemoryConfig().replace({"evolution.split_min_size": 20, "policy.join_threshold": 0.0})
+    config = MemoryConfig().replace({"evolution.split_min_size": 20, "policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
     with Memory.open(tmp_path / "m", config) as m:
         # Everything joins (threshold 0) one cluster although there are two workflows.
         a = [traj(i, "shop", ("search[x]", "click[B1]", "click[Buy Now]")) for i in range(15)]
@@ -301,7 +301,7 @@ def test_store_map_grows_by_itself(tmp_path):
 
 
 def test_background_maintenance(tmp_path):
-    config = MemoryConfig().replace({"evolution.background_maintenance": True, "evolution.split_min_size": 20, "policy.join_threshold": 0.0})
+    config = MemoryConfig().replace({"evolution.background_maintenance": True, "evolution.split_min_size": 20, "policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
     with Memory.open(tmp_path / "m", config) as m:
         a = [traj(i, "shop", ("search[x]", "click[B1]", "click[Buy Now]")) for i in range(15)]
         b = [traj(100 + i, "shop", ("look around", "open door to kitchen", "focus on water", "wait1")) for i in range(15)]

@@ -146,6 +146,13 @@ def test_retries_are_idempotent_and_conflicts_reject_the_request(deployment, dat
     assert client.stats()["trajectories"] == 300, "nothing of the rejected request was stored"
     single = client.add(trajs[301], vecs[301]).result(timeout=300)
     assert single.status == "added" and client.stats()["trajectories"] == 301
+    # A client whose workflow featurizer differs from the deployment's is refused, whole.
+    from lifemem_ray.actors.client import MemoryClient
+
+    other = MemoryClient(client.namespace, client.config.replace({"evolution.workflow_features": "tokens"}))
+    with pytest.raises(ValueError, match="workflow features"):
+        other.add_many(trajs[302:304], vecs[302:304]).result(timeout=300)
+    assert client.stats()["trajectories"] == 301
 
 
 def test_pipelined_batches_see_what_the_batch_before_stored(deployment, data):
