@@ -1,0 +1,436 @@
+"""Workflow clusters and skills on labelled trajectories from real environments, beside equal-k baselines.
+
+Data (``lifemem_ray.datasets``): the installed environments played by their gold agents
+(noisy: ``--noise`` of the steps are a random valid action, which gives failures), each
+trajectory labelled from its environment's own task metadata. Two folds, generated from
+disjoint parts of every environment:
+
+* ``tune``: train folds (ScienceWorld train variations, TextWorldExpress train seeds, ALFWorld
+  valid_train + valid_seen, SQL train instances, the train halves of BFCL and tau2). Every
+  default and threshold of the offline clustering was chosen looking at this fold only.
+* ``report``: test folds (ScienceWorld test variations, TextWorldExpress test seeds, ALFWorld
+  valid_unseen, SQL test instances, the other halves of BFCL and tau2). Never tuned on.
+
+Each fold is ingested at two scales (``small``: a stratified sample of about 500; ``full``:
+all of it, about 3,000) in two orders (``similarity``: one environment after another, each
+in its generator's order, grouped by task kind as the paper's similarity stream;
+``random``: shuffled, three seeds), through ``Memory.add_many`` with the offline policy.
+Per environment and overall, at every label level: clusters, purity, NMI, ARI; clusters
+that mix environments; splits done and refused. Beside them, spherical k-means with the
+memory's **own number of clusters per environment** (five seeds) over goal embeddings,
+over action-text embeddings, over the workflow vectors, and over the clusterer's own
+combined representation (what batch clustering of the same features reaches).
+
+Skill quality (report fold): every 10th trajectory per environment is held out (not
+ingested); its retrieval's first exemplar names a cluster, whose skill's ordered steps are
+compared with the held-out trajectory's action categories (normalised edit distance),
+beside the skill of a random other cluster of the same environment.
+
+Ablation (``--ablation``): the same on the report fold with each change of the offline
+clustering switched off in turn (config overrides; see ``ABLATION``).
+
+Prints JSON on stdout (also written to ``--out``) and a table on stderr. Asserts nothing.
+
+Usage: python benchmarks/cluster_quality.py [--data DIR] [--generate] [--workers 2] [--noise 0.05]
+       [--scales small,full] [--ablation] [--set section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from lifemem_ray.cluster_metrics import equal_k_baseline, partition_scores, sequence_distance
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
+from lifemem_ray.embedding import MiniLMEmbedder
+from lifemem_ray.memory import Memory
+from lifemem_ray.model import Trajectory
+from lifemem_ray.policy import skill_step_texts
+from lifemem_ray.steps import featurize
+from lifemem_ray.workflow import action_tokens, canonical_token, step_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_SIZE = 500
+SMALL_FLOOR = 30  # every environment keeps at least this many in the small sample (when it has them)
+BASELINE_SEEDS = (0, 1, 2, 3, 4)
+RANDOM_ORDER_SEEDS = (0, 1, 2)
+HOLDOUT_EVERY = 10
+# Each entry changes one thing of the default offline clustering (config overrides), so the
+# table shows what that piece buys: a feature switched off, a setting as it was before, or
+# an option the default leaves off.
+ABLATION: dict[str, dict[str, Any]] = {
+    "tokens only (no argument roles)": {"evolution.workflow_features": "tokens"},
+    "fixed join threshold (no density)": {"policy.density_ratio": 0.0},
+    "old threshold (0.55, no density)": {"policy.join_threshold": 0.55, "policy.density_ratio": 0.0},
+    "no splits (L = 1,000,000)": {"evolution.split_min_size": 1_000_000},
+    "merges on (ratio 0.9)": {"evolution.merge_ratio": 0.9},
+    "goal text only (workflow weight 0)": {"policy.workflow_weight": 0.0},
+    "workflow only (workflow weight 1)": {"policy.workflow_weight": 1.0},
+}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_or_generate(data: Path, fold: str, args: argparse.Namespace) -> list[Trajectory]:
+    path = data / f"{fold}.jsonl.gz"
+    wanted = {"fold": fold, "agent": "noisy-gold", "noise": args.noise, "scale": args.data_scale}
+    if path.exists() and not args.generate:
+        trajs, meta = load_set(path)
+        if all(meta.get(k) == v for k, v in wanted.items()):
+            return trajs
+        print(f"{path}: generated with {({k: meta.get(k) for k in wanted})}, not {wanted}: generating again", file=sys.stderr)
+    print(f"generating the {fold} fold (workers={args.workers}) ...", file=sys.stderr)
+    result = generate(default_sources(args.data_scale), fold, workers=args.workers, noise=args.noise, progress=_ticker(fold))
+    print(json.dumps(result.summary()), file=sys.stderr)
+    save_set(path, result.trajectories, {**wanted, "generation": result.summary()})
+    return result.trajectories
+
+
+def _ticker(what: str):
+    seen = [0]
+
+    def tick(n: int) -> None:
+        seen[0] += n
+        if seen[0] % 250 == 0:
+            print(f"  {what}: {seen[0]} episodes", file=sys.stderr, flush=True)
+
+    return tick
+
+
+def cached_vectors(embedder: MiniLMEmbedder, texts: list[str], cache: Path) -> np.ndarray:
+    key = hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16]
+    path = cache / f"vectors-{key}.npy"
+    if path.exists():
+        return np.load(path)
+    vecs = embedder.embed(texts)
+    np.save(path, vecs)
+    return vecs
+
+
+def action_text(traj: Trajectory) -> str:
+    return " ; ".join(s.action for s in traj.steps)
+
+
+def stratified_sample(trajs: list[Trajectory], size: int, seed: int = 0) -> list[int]:
+    """Positions of about ``size`` trajectories, each environment in proportion (floor SMALL_FLOOR),
+    keeping the set's order."""
+    by_env: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        by_env[t.env].append(i)
+    rng = random.Random(seed)
+    keep: list[int] = []
+    for env, idx in by_env.items():
+        want = min(len(idx), max(SMALL_FLOOR, round(size * len(idx) / len(trajs))))
+        keep.extend(rng.sample(idx, want))
+    return sorted(keep)
+
+
+def orders(trajs: list[Trajectory]) -> dict[str, list[int]]:
+    """similarity: environment after environment (LABEL_LEVELS order), each in generation order;
+    random-<seed>: shuffled."""
+    rank = {env: i for i, env in enumerate(LABEL_LEVELS)}
+    sim = sorted(range(len(trajs)), key=lambda i: (rank.get(trajs[i].env, len(rank)), i))
+    out = {"similarity": sim}
+    for seed in RANDOM_ORDER_SEEDS:
+        shuffled = list(range(len(trajs)))
+        random.Random(seed).shuffle(shuffled)
+        out[f"random-{seed}"] = shuffled
+    return out
+
+
+# --------------------------------------------------------------------------- one ingest
+
+
+def ingest(trajs: list[Trajectory], vecs: np.ndarray, order: list[int], config: MemoryConfig, tmp: Path,
+           held: list[Trajectory] | None = None, held_vecs: np.ndarray | None = None) -> dict[str, Any]:
+    """Store the trajectories in ``order``; the partition (trajectory id -> cluster id), counters,
+    and for held-out trajectories the clusters their retrievals name."""
+    path = tmp / f"m-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    with Memory.open(path, config) as memory:
+        memory.add_many([trajs[i] for i in order], vecs[order])
+        seconds = time.perf_counter() - t0
+        clusters = memory.clusters()
+        cluster_of = {tid: c.id for c in clusters for tid in memory.members(c.id)}
+        skills = {c.id: c.skill for c in clusters}
+        stats = memory.stats()
+        retrieved: list[int | None] = []
+        if held:
+            hits = memory.retrieve_many([t.query_text for t in held], [t.env for t in held], 1, vectors=held_vecs)
+            retrieved = [h.trajectories[0].cluster_id if h.trajectories else None for h in hits]
+    return {"cluster_of": cluster_of, "skills": skills, "stats": stats, "seconds": seconds, "retrieved": retrieved,
+            "envs_of_cluster": {c.id: dict(c.envs) for c in clusters}}
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def score_partition(trajs: list[Trajectory], assigned: Sequence[Any]) -> dict[str, Any]:
+    """Per environment and level: purity / NMI / ARI, and k (clusters holding the env)."""
+    per_env: dict[str, Any] = {}
+    by_env: dict[str, list[int]] = defaultdict(list)
+    envs_of: dict[str, set[str]] = defaultdict(set)
+    for i, t in enumerate(trajs):
+        by_env[t.env].append(i)
+        envs_of[str(assigned[i])].add(t.env)
+    for env, idx in sorted(by_env.items()):
+        pred = np.array([str(assigned[i]) for i in idx])
+        entry: dict[str, Any] = {"n": len(idx), "k": int(len(set(pred))), "mixed_clusters": sum(len(envs_of[c]) > 1 for c in set(pred))}
+        for level in LABEL_LEVELS.get(env, ()):
+            truth = np.array([label_of(trajs[i], level) or "?" for i in idx])
+            entry[level] = {**_rounded(partition_scores(pred, truth)), "labels": int(len(set(truth)))}
+        per_env[env] = entry
+    topic = np.array([f"{t.env}:{label_of(t, LABEL_LEVELS[t.env][-1])}" for t in trajs])
+    overall = _rounded(partition_scores(np.array([str(a) for a in assigned]), topic))
+    return {"per_env": per_env, "overall_topic": overall}
+
+
+def _rounded(scores: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in scores.items()}
+
+
+def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: dict[str, int]) -> dict[str, Any]:
+    """Spherical k-means per environment with the memory's k, for each representation and seed."""
+    by_env: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        by_env[t.env].append(i)
+    out: dict[str, Any] = {}
+    for name, vectors in reps.items():
+        runs = []
+        for seed in BASELINE_SEEDS:
+            assigned: list[str] = [""] * len(trajs)
+            for env, idx in by_env.items():
+                labels = equal_k_baseline(vectors[idx], k_of_env[env], seed=seed)
+                for i, lab in zip(idx, labels):
+                    assigned[i] = f"{env}/{lab}"
+            runs.append(score_partition(trajs, assigned))
+        out[name] = summarise_runs(runs)
+    return out
+
+
+def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean, min and max over runs of every figure (per env and level, and overall)."""
+    first = runs[0]
+    per_env: dict[str, Any] = {}
+    for env, entry in first["per_env"].items():
+        e: dict[str, Any] = {"n": entry["n"], "k": _spread([r["per_env"][env]["k"] for r in runs]),
+                             "mixed_clusters": _spread([r["per_env"][env]["mixed_clusters"] for r in runs])}
+        for level in LABEL_LEVELS.get(env, ()):
+            e[level] = {m: _spread([r["per_env"][env][level][m] for r in runs]) for m in ("purity", "nmi", "ari")}
+            e[level]["labels"] = entry[level]["labels"]
+        per_env[env] = e
+    overall = {m: _spread([r["overall_topic"][m] for r in runs]) for m in ("purity", "nmi", "ari")}
+    return {"per_env": per_env, "overall_topic": overall, "runs": len(runs)}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": round(float(a.mean()), 4), "min": round(float(a.min()), 4), "max": round(float(a.max()), 4)}
+
+
+def skill_steps(skill: str) -> list[str]:
+    """The action categories of a skill's numbered steps, read with the trajectories' own tokenizer."""
+    return [canonical_token(step_tokens(text)[0]) for text in skill_step_texts(skill)]
+
+
+def trajectory_categories(traj: Trajectory) -> list[str]:
+    cats = [canonical_token(t) for t in action_tokens(traj)]
+    return [c for i, c in enumerate(cats) if i == 0 or cats[i - 1] != c]
+
+
+def skill_quality(held: list[Trajectory], run: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Edit distance of the retrieved cluster's skill steps to each held-out trajectory, beside a
+    random other cluster of the same environment."""
+    rng = random.Random(seed)
+    clusters_of_env: dict[str, list[int]] = defaultdict(list)
+    for cid, envs in run["envs_of_cluster"].items():
+        for env in envs:
+            clusters_of_env[env].append(cid)
+    own: dict[str, list[float]] = defaultdict(list)
+    other: dict[str, list[float]] = defaultdict(list)
+    for traj, cid in zip(held, run["retrieved"]):
+        if cid is None:
+            continue
+        truth = trajectory_categories(traj)
+        own[traj.env].append(sequence_distance(skill_steps(run["skills"].get(cid, "")), truth))
+        rivals = [c for c in clusters_of_env[traj.env] if c != cid]
+        if rivals:
+            other[traj.env].append(sequence_distance(skill_steps(run["skills"].get(rng.choice(rivals), "")), truth))
+    per_env = {env: {"n": len(own[env]), "own_cluster": round(float(np.mean(own[env])), 4),
+                     "random_other_cluster": round(float(np.mean(other[env])), 4) if other[env] else None}
+               for env in sorted(own)}
+    flat_own = [d for v in own.values() for d in v]
+    flat_other = [d for v in other.values() for d in v]
+    return {"per_env": per_env, "overall": {"n": len(flat_own), "own_cluster": round(float(np.mean(flat_own)), 4) if flat_own else None,
+                                            "random_other_cluster": round(float(np.mean(flat_other)), 4) if flat_other else None}}
+
+
+# --------------------------------------------------------------------------- one fold
+
+
+def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarray, config: MemoryConfig, tmp: Path,
+                  with_skills: bool) -> dict[str, Any]:
+    held_idx = _holdout(trajs) if with_skills else []
+    held_set = set(held_idx)
+    keep = [i for i in range(len(trajs)) if i not in held_set]
+    train, tvecs, avecs = [trajs[i] for i in keep], vecs[keep], act_vecs[keep]
+    held, hvecs = [trajs[i] for i in held_idx], vecs[held_idx] if held_idx else None
+    wvecs = np.stack([featurize(t, config.evolution.workflow_features)[1] for t in train])
+    w = config.policy.workflow_weight
+    combined = np.hstack([np.sqrt(w) * wvecs, np.sqrt(1 - w) * tvecs])
+    reps = {"goal_embedding": tvecs, "action_text_embedding": avecs, "workflow_vector": wvecs, "own_features_batch": combined}
+    results: dict[str, Any] = {"n": len(train), "held_out": len(held)}
+    lifemem_runs, skill_runs, counts = [], [], []
+    for name, order in orders(train).items():
+        run = ingest(train, tvecs, order, config, tmp, held, hvecs)
+        scored = score_partition(train, [run["cluster_of"].get(t.id) for t in train])
+        lifemem_runs.append(scored)
+        counts.append({"order": name, "clusters": run["stats"]["clusters"], "splits": run["stats"]["splits"],
+                       "splits_refused": run["stats"].get("splits_refused", 0), "merges": run["stats"].get("merges", 0),
+                       "mixed_env_clusters": run["stats"]["mixed_env_clusters"], "seconds": round(run["seconds"], 2)})
+        if held:
+            skill_runs.append(skill_quality(held, run))
+        if name == "similarity":
+            results["similarity"] = scored
+    results["random"] = summarise_runs(lifemem_runs[1:])
+    results["runs"] = counts
+    k_of_env = {env: e["k"] for env, e in lifemem_runs[0]["per_env"].items()}  # similarity order's k
+    results["baselines_at_similarity_k"] = baselines(train, reps, k_of_env)
+    if skill_runs:
+        results["skills"] = skill_runs
+    results["verdicts"] = verdicts(results)
+    return results
+
+
+def _holdout(trajs: list[Trajectory]) -> list[int]:
+    seen: Counter = Counter()
+    out = []
+    for i, t in enumerate(trajs):
+        seen[t.env] += 1
+        if seen[t.env] % HOLDOUT_EVERY == 0:
+            out.append(i)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+BASELINES = ("goal_embedding", "action_text_embedding", "workflow_vector", "own_features_batch")
+NAMED_BASELINES = BASELINES[:3]  # the three the issue holds LifeMem against; the fourth is reported beside them
+
+
+def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per environment at its topic level: whether LifeMem (similarity order, and the mean of the
+    random orders) is above the best of the named baselines' means, on purity and on NMI."""
+    out = {}
+    sim, rnd, base = res["similarity"]["per_env"], res["random"]["per_env"], res["baselines_at_similarity_k"]
+    for env, e in sim.items():
+        level = LABEL_LEVELS[env][-1]
+        best = {m: max(base[b]["per_env"][env][level][m]["mean"] for b in NAMED_BASELINES) for m in ("purity", "nmi")}
+        ours = {m: min(e[level][m], rnd[env][level][m]["mean"]) for m in ("purity", "nmi")}
+        tie = all(abs(ours[m] - best[m]) < 5e-4 for m in best)
+        out[env] = {"workflows": e[level]["labels"], "best_baseline": best, "lifemem_worse_order": ours,
+                    "beats": all(ours[m] > best[m] for m in best), "ties": tie}
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = []
+    for fold, scales in report["folds"].items():
+        for scale, res in scales.items():
+            lines.append(f"\n{fold} fold, {scale} ({res['n']} stored): topic-level purity / NMI at the memory's k "
+                         "(k-means: mean of 5 seeds; LifeMem random: mean of 3 orders)")
+            lines.append(f"{'env':<14}{'k':>5} {'LifeMem sim':>12} {'LifeMem rand':>13} {'goal km':>11} {'action km':>11} "
+                         f"{'workflow km':>12} {'own-feat km':>12}  beats best named")
+            sim, rnd, base = res["similarity"]["per_env"], res["random"]["per_env"], res["baselines_at_similarity_k"]
+            for env, e in sim.items():
+                level = LABEL_LEVELS[env][-1]
+                cells = [f"{e[level]['purity']:.2f}/{e[level]['nmi']:.2f}", f"{rnd[env][level]['purity']['mean']:.2f}/{rnd[env][level]['nmi']['mean']:.2f}"]
+                for rep in BASELINES:
+                    b = base[rep]["per_env"][env][level]
+                    cells.append(f"{b['purity']['mean']:.2f}/{b['nmi']['mean']:.2f}")
+                widths = (12, 13, 11, 11, 12, 12)
+                lines.append(f"{env:<14}{e['k']:>5} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+                             + ("  yes" if res["verdicts"][env]["beats"] else "  tie" if res["verdicts"][env]["ties"] else "  no"))
+            for run in res["runs"][:2]:
+                lines.append(f"  {run['order']}: {run['clusters']} clusters, {run['splits']} splits, {run['splits_refused']} refused, "
+                             f"{run['merges']} merges, {run['mixed_env_clusters']} mixing environments, {run['seconds']} s")
+            if "skills" in res:
+                own = [r["overall"]["own_cluster"] for r in res["skills"]]
+                other = [r["overall"]["random_other_cluster"] for r in res["skills"]]
+                lines.append(f"  skills: step-category edit distance to {res['skills'][0]['overall']['n']} held-out trajectories: "
+                             f"{min(own):.3f}-{max(own):.3f} their retrieved cluster's skill vs {min(other):.3f}-{max(other):.3f} a random other cluster's (4 orders)")
+    if "ablation" in report:
+        lines.append(ablation_table(report))
+    return "\n".join(lines)
+
+
+def ablation_table(report: dict[str, Any]) -> str:
+    rows = {"default": report["folds"].get("report", {}).get("full"), **report["ablation"]}
+    envs = list(next(r for r in rows.values() if r)["similarity"]["per_env"])
+    lines = ["\nablation, report fold, full: topic-level purity / NMI, similarity order (clusters; skill distance own vs other)"]
+    lines.append(f"{'variant':<37}" + "".join(f"{e[:12]:>13}" for e in envs) + f"{'overall':>13}{'clusters':>9}{'skills':>13}")
+    for name, res in rows.items():
+        if not res:
+            continue
+        per = res["similarity"]["per_env"]
+        cells = [f"{per[e][LABEL_LEVELS[e][-1]]['purity']:.2f}/{per[e][LABEL_LEVELS[e][-1]]['nmi']:.2f}" for e in envs]
+        o = res["similarity"]["overall_topic"]
+        sk = res["skills"][0]["overall"] if res.get("skills") else {"own_cluster": float("nan"), "random_other_cluster": float("nan")}
+        lines.append(f"{name:<37}" + "".join(f"{c:>13}" for c in cells) + f"{o['purity']:.2f}/{o['nmi']:.2f}".rjust(13)
+                     + f"{res['runs'][0]['clusters']:>9}" + f"{sk['own_cluster']:.2f}/{sk['random_other_cluster']:.2f}".rjust(13))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=ROOT / "runs" / "cluster_quality" / "data")
+    parser.add_argument("--generate", action="store_true", help="generate the folds again even when cached")
+    parser.add_argument("--data-scale", type=float, default=1.0, help="multiplies every environment's task count")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--noise", type=float, default=0.05)
+    parser.add_argument("--folds", default="tune,report")
+    parser.add_argument("--scales", default="small,full")
+    parser.add_argument("--ablation", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cluster_quality" / "report.json")
+    args = parser.parse_args()
+    config = MemoryConfig.load(overrides=dict(item.split("=", 1) for item in args.set))
+    embedder = MiniLMEmbedder(config.embedding)
+    report: dict[str, Any] = {"config_overrides": args.set, "noise": args.noise, "folds": {}}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for fold in args.folds.split(","):
+            trajs = load_or_generate(args.data, fold, args)
+            vecs = cached_vectors(embedder, [t.query_text for t in trajs], args.data)
+            act_vecs = cached_vectors(embedder, [action_text(t) for t in trajs], args.data)
+            report["folds"][fold] = {}
+            for scale in args.scales.split(","):
+                pick = stratified_sample(trajs, SMALL_SIZE) if scale == "small" else list(range(len(trajs)))
+                sub = [trajs[i] for i in pick]
+                report["folds"][fold][scale] = evaluate_fold(sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report")
+                print(f"{fold}/{scale} done", file=sys.stderr, flush=True)
+            if args.ablation and fold == "report":
+                report["ablation"] = {name: evaluate_fold(trajs, vecs, act_vecs, config.replace(over), tmp, with_skills=True)
+                                      for name, over in ABLATION.items()}
+    text = json.dumps(report, indent=1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    print(table(report), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
