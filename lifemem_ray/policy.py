@@ -23,7 +23,6 @@ import numpy as np
 from .config import PolicyConfig
 from .model import Trajectory
 from .skills import distil_procedure
-from .workflow import workflow_summary
 
 if TYPE_CHECKING:
     from .storage import ClusterRecord
@@ -151,9 +150,9 @@ class OfflinePolicy:
     def describe(self, count: int, envs: dict[str, int], flows: dict[str, int], example_task: str, skill: str = "") -> str:
         """One line: the cluster's procedure (the first steps of its offline skill, else its most
         common action sequence), where it occurs, and an example goal."""
-        steps = skill_step_texts(skill)[:MAX_DESCRIBED_STEPS]
+        steps = skill_step_texts(skill)
         if steps:
-            flow = " -> ".join(steps) + (" -> ..." if len(skill_step_texts(skill)) > MAX_DESCRIBED_STEPS else "")
+            flow = " -> ".join(steps[:MAX_DESCRIBED_STEPS]) + (" -> ..." if len(steps) > MAX_DESCRIBED_STEPS else "")
             lead = "Workflow"
         else:
             known = {f: n for f, n in flows.items() if f != "(other)"}
@@ -167,10 +166,6 @@ class OfflinePolicy:
         """The skill of a cluster from a sample of its members: its ordered procedure with the
         usual length, the steps successful runs end with and the usual failure."""
         return distil_procedure(members)
-
-    @staticmethod
-    def flow_key(tokens: Sequence[str]) -> str:
-        return workflow_summary(list(tokens))[:200]
 
 
 def skill_step_texts(skill: str) -> list[str]:

@@ -43,7 +43,7 @@ from .model import Trajectory
 from .steps import AbstractStep, abstract_steps
 from .workflow import canonical_token
 
-__all__ = ["ProcedureStep", "distil_procedure", "mine_procedure", "procedure_summary"]
+__all__ = ["Procedure", "ProcedureStep", "distil_procedure", "mine_procedure", "render"]
 
 MIN_SUPPORT = 0.5  # a step is in the procedure when at least this share of the runs takes it
 LITERAL_SHARE = 0.6  # an argument is written literally when this share of the runs uses it
@@ -118,15 +118,6 @@ def render(p: Procedure) -> str:
     if p.failure:
         lines.append("Usual failure: " + p.failure + ".")
     return "\n".join(lines)
-
-
-def procedure_summary(members: Sequence[Trajectory], max_steps: int = 6) -> str:
-    """A short form for a cluster description: the first steps joined by arrows."""
-    p = mine_procedure(members)
-    texts = [s.text for s in p.steps[:max_steps]]
-    if len(p.steps) > max_steps:
-        texts.append(f"... ({len(p.steps) - max_steps} more)")
-    return " -> ".join(texts) or "(no common steps)"
 
 
 # --------------------------------------------------------------------------- mining
