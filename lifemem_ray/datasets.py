@@ -35,8 +35,8 @@ import dataclasses
 import gzip
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
-import queue
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -239,54 +239,78 @@ def _run_jobs(
     progress: Callable[[int], None] | None,
 ) -> None:
     """Keep up to ``workers`` processes busy, one job each; replace a worker whose episode
-    overruns ``timeout_s`` and go on with the rest of its job."""
+    overruns ``timeout_s`` and go on with the rest of its job.
+
+    Each worker writes to a pipe of its own, synchronously: a message is in the pipe before
+    the worker goes on, so a worker that dies (``os._exit``, a segfault) loses nothing it
+    reported, and the end of its pipe tells the parent it has read everything."""
     ctx = multiprocessing.get_context("spawn")
-    messages = ctx.Queue()
     waiting = list(range(len(jobs)))
-    running: dict[int, tuple[Any, _Job, float, int | None]] = {}  # job no -> (process, job, last heard, position)
+    running: dict[int, _Running] = {}
     remaining: dict[int, list[int] | None] = {j: None for j in waiting}  # positions still to play (None: unknown yet)
     while waiting or running:
         while waiting and len(running) < workers:
             j = waiting.pop(0)
             job = jobs[j] if remaining[j] is None else dataclasses.replace(jobs[j], positions=tuple(remaining[j]))
-            proc = ctx.Process(target=_worker, args=(j, job, messages), daemon=True)
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, args=(j, job, writer), daemon=True)
             proc.start()
-            running[j] = (proc, job, time.monotonic(), None)
-        try:
-            msg = messages.get(timeout=1.0)
-        except queue.Empty:
-            msg = None
-        if msg is not None:
+            writer.close()  # the child holds the only write end: its exit ends the pipe
+            running[j] = _Running(proc, job, reader, time.monotonic())
+        ended: list[int] = []
+        by_reader = {r.reader: j for j, r in running.items()}
+        for reader in multiprocessing.connection.wait(list(by_reader), timeout=1.0):
+            j = by_reader[reader]
+            try:
+                msg = reader.recv()
+            except (EOFError, OSError):
+                ended.append(j)
+                continue
             _handle(msg, jobs, running, remaining, done, result, progress)
         now = time.monotonic()
-        for j, (proc, job, heard, position) in list(running.items()):
-            overdue = position is not None and now - heard > timeout_s + 30  # the worker's own limit did not fire
-            if not overdue and (proc.is_alive() or msg is not None or not messages.empty()):
+        for j, run in list(running.items()):
+            overdue = run.position is not None and now - run.heard > timeout_s + 30  # the worker's own limit did not fire
+            if j not in ended and not overdue:
                 continue
             if overdue:
-                proc.kill()
-            proc.join(5)
+                run.proc.kill()
+            run.proc.join(5)
+            run.reader.close()
             del running[j]
             if remaining[j] is None:  # it never listed its tasks
-                result.unavailable[job.source.adapter] = f"the worker process exited with code {proc.exitcode} before it listed its tasks"
+                result.unavailable[run.job.source.adapter] = (
+                    f"the worker process exited with code {run.proc.exitcode} before it listed its tasks")
                 continue
-            if position is not None:  # killed, or crashed, in the middle of an episode
-                why = f"episode over {timeout_s:g} s" if overdue else f"worker crashed (exit code {proc.exitcode})"
-                result.skipped[f"{job.source.env}: {why}"] += 1
-                remaining[j] = [p for p in remaining[j] if p != position]
+            if run.position is not None:  # killed, or crashed, in the middle of an episode
+                why = f"episode over {timeout_s:g} s" if overdue else f"worker crashed (exit code {run.proc.exitcode})"
+                result.skipped[f"{run.job.source.env}: {why}"] += 1
+                remaining[j] = [p for p in remaining[j] if p != run.position]
             if remaining[j]:
                 waiting.append(j)
 
 
-def _handle(msg: tuple, jobs: list[_Job], running: dict, remaining: dict, done: dict, result: GenerationResult,
-            progress: Callable[[int], None] | None) -> None:
+@dataclass
+class _Running:
+    """A worker process at work on a job."""
+
+    proc: Any
+    job: _Job
+    reader: Any  # the read end of the worker's pipe
+    heard: float  # monotonic time of its last message
+    position: int | None = None  # the task position of the episode it is playing (None: between episodes)
+
+
+def _handle(msg: tuple, jobs: list[_Job], running: dict[int, _Running], remaining: dict, done: dict,
+            result: GenerationResult, progress: Callable[[int], None] | None) -> None:
     kind, j = msg[0], msg[1]
-    proc, job, _, _ = running.get(j, (None, jobs[j], 0.0, None))
+    run = running.get(j)
+    if run is not None:
+        run.heard = time.monotonic()
     if kind == "positions":
         remaining[j] = list(msg[2])
     elif kind == "start":
-        if j in running:
-            running[j] = (proc, job, time.monotonic(), msg[2])
+        if run is not None:
+            run.position = msg[2]
     elif kind in ("done", "skip"):
         position = msg[2]
         if remaining[j] is not None:
@@ -296,18 +320,19 @@ def _handle(msg: tuple, jobs: list[_Job], running: dict, remaining: dict, done: 
             if progress is not None:
                 progress(1)
         else:
-            result.skipped[f"{job.source.env}: {msg[3]}"] += 1
-        if j in running:
-            running[j] = (proc, job, time.monotonic(), None)
+            result.skipped[f"{jobs[j].source.env}: {msg[3]}"] += 1
+        if run is not None:
+            run.position = None
     elif kind == "unavailable":
-        result.unavailable[job.source.adapter] = msg[2]
+        result.unavailable[jobs[j].source.adapter] = msg[2]
         remaining[j] = []
     elif kind == "end":
         remaining[j] = []
 
 
 def _worker(j: int, job: _Job, messages: Any) -> None:
-    """Play a job's tasks in this process; report each episode as it ends."""
+    """Play a job's tasks in this process; report each episode as it ends (``messages``: the
+    write end of this worker's pipe; ``send`` returns once the message is in the pipe)."""
     from .agents import make_agent
     from .envs import make_env
     from .rollout import EpisodeLimits, EpisodeTimeout, EnvHung, run_episode
@@ -318,33 +343,31 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
         env = make_env(source.adapter, **source.options)
         tasks = env.tasks(split, limit=source.limit, seed=source.seed)
     except Exception as exc:  # a missing package, Java or data: the report names it
-        messages.put(("unavailable", j, f"{type(exc).__name__}: {exc}"[:500]))
+        messages.send(("unavailable", j, f"{type(exc).__name__}: {exc}"[:500]))
         return
     positions = list(range(len(tasks))) if job.positions is None else list(job.positions)
-    messages.put(("positions", j, positions))
+    messages.send(("positions", j, positions))
     agent = make_agent(job.agent, seed=source.seed, **({"epsilon": job.noise} if job.agent == "noisy-gold" else {}))
     limits = EpisodeLimits(step_timeout_s=job.timeout_s, episode_timeout_s=job.timeout_s)
     for position in positions:
         task = tasks[position]
-        messages.put(("start", j, position))
+        messages.send(("start", j, position))
         try:
             episode = run_episode(env, agent, task, trajectory_id=f"{job.fold}/{source.adapter}/{task.id}", limits=limits)
         except (EpisodeTimeout, EnvHung):
             # A helper thread may still run inside the environment (a planner, a hung call), and
             # closing it could block: leave at once; the parent goes on in a fresh process.
-            messages.put(("skip", j, position, f"episode over {job.timeout_s:g} s"))
-            messages.close()
-            messages.join_thread()
+            messages.send(("skip", j, position, f"episode over {job.timeout_s:g} s"))
             os._exit(3)
         except Exception as exc:  # the environment refused the task: counted, not hidden
-            messages.put(("skip", j, position, f"{type(exc).__name__}"))
+            messages.send(("skip", j, position, f"{type(exc).__name__}"))
             continue
         traj = episode.trajectory
         meta = {**traj.metadata, "labels": _labels(source, dict(traj.metadata)), "source_env": source.adapter, "fold": job.fold}
         meta.pop("timings", None)
         labelled = dataclasses.replace(traj, env=source.env, metadata=meta)
-        messages.put(("done", j, position, labelled.to_dict()))
-    messages.put(("end", j))
+        messages.send(("done", j, position, labelled.to_dict()))
+    messages.send(("end", j))
     env.close()
 
 

@@ -165,7 +165,7 @@ def test_join_without_id_or_bad_decision_is_invalid(stub, make_decider):
 
 
 def test_new_group_labels_do_not_merge_across_calls(stub, make_decider):
-    decider = make_decider(stub, items_per_call=1)
+    decider = make_decider(stub, items_per_call=1, concurrency=1)  # one call at a time: replies pair with items in order
     stub.push(*[Reply.json({"assignments": [{"item": k, "decision": "new", "new_group": "same"}]}) for k in range(2)])
     out = decider.assign([request(0), request(1)])
     assert out[0].new_group != out[1].new_group
