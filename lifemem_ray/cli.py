@@ -66,10 +66,12 @@ def _remote(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "address", None) or getattr(args, "namespace", None))
 
 
+HEAD_MARKER = "lifemem-ray-head.json"  # in the Ray session folder of a head `serve` started: its pid
+HEAD_START_S = 180
+
+
 def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: bool = False) -> Any:
     """Connect this process to Ray (the running cluster, or with ``start_local`` a new local head)."""
-    import subprocess
-
     import ray
 
     namespace = args.namespace or config.cluster.namespace
@@ -79,15 +81,70 @@ def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: boo
     except ConnectionError:
         if not (start_local and address == "auto"):
             raise CommandError(f"no Ray cluster found at {address!r}; start one (`ray start --head`) or run `lifemem-ray serve`") from None
-        # Logical CPUs: the deployment's actors reserve fractions, and bulk loads need room beside them.
-        cpus = str(max(4, 2 * (os.cpu_count() or 2)))
-        ray_bin = Path(sys.executable).with_name("ray")
-        cmd = [str(ray_bin), "start", "--head", f"--num-cpus={cpus}", "--include-dashboard=false", "--disable-usage-stats"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise CommandError(f"could not start a local Ray head: {proc.stderr.strip()[-500:]}") from None
-        ray.init(address="auto", namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        _start_local_head(namespace)
     return namespace
+
+
+def _start_local_head(namespace: str) -> None:
+    """A local Ray head that ``lifemem-ray stop --ray`` can stop alone: ``ray start --block`` in
+    a session of its own (its Ray processes are its children and end with it), its pid recorded
+    in the head's session folder."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import ray
+
+    # Logical CPUs: the deployment's actors reserve fractions, and bulk loads need room beside them.
+    cpus = str(max(4, 2 * (os.cpu_count() or 2)))
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--num-cpus={cpus}",
+           "--include-dashboard=false", "--disable-usage-stats"]
+    head = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + HEAD_START_S
+    while True:
+        if head.poll() is not None:
+            raise CommandError(f"could not start a local Ray head: `{' '.join(cmd)}` exited with code {head.returncode}")
+        try:
+            ray.init(address="auto", namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                os.killpg(head.pid, signal.SIGKILL)
+                raise CommandError(f"a local Ray head did not come up within {HEAD_START_S} s") from None
+            time.sleep(1.0)
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    (session / HEAD_MARKER).write_text(json.dumps({"pid": head.pid, "cmd": cmd}))
+
+
+def _stop_local_head() -> str:
+    """Stop the Ray head this machine's ``lifemem-ray serve`` started (by its pid), or say why not."""
+    import json
+    import signal
+    import time
+
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    marker = session / HEAD_MARKER
+    ray.shutdown()
+    if not marker.exists():
+        raise CommandError("the Ray cluster was not started by `lifemem-ray serve`, so it is left running; "
+                           "stop it the way it was started (by its address or pid)")
+    pid = int(json.loads(marker.read_text())["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)  # ray start --block stops its Ray processes on the way out
+    except ProcessLookupError:
+        return "the local Ray head had already stopped"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"stopped the local Ray head (pid {pid})"
+        time.sleep(0.5)
+    os.killpg(pid, signal.SIGKILL)  # its session: the head and the Ray processes it started, nothing else
+    return f"killed the local Ray head (pid {pid}) after 60 s"
 
 
 def _client(args: argparse.Namespace, config: MemoryConfig) -> Any:
@@ -109,19 +166,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    import subprocess
-
     from .actors.deployment import stop
 
     config = _config(args)
     namespace = _connect(args, config)
     stopped = stop(namespace)
-    if args.ray:
-        import ray
-
-        ray.shutdown()
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop"], capture_output=True, timeout=120)
-    _emit(args, {"stopped": stopped, "namespace": namespace}, lambda: f"stopped the deployment in {namespace!r}" if stopped else f"no deployment in {namespace!r}")
+    head = _stop_local_head() if args.ray else ""
+    said = f"stopped the deployment in {namespace!r}" if stopped else f"no deployment in {namespace!r}"
+    _emit(args, {"stopped": stopped, "namespace": namespace, **({"ray": head} if head else {})},
+          lambda: said + (f"; {head}" if head else ""))
     return 0
 
 
@@ -449,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("stop", parents=[remote, common], help="stop a deployment (closing every shard cleanly)")
-    p.add_argument("--ray", action="store_true", help="also stop the local Ray cluster")
+    p.add_argument("--ray", action="store_true", help="also stop the local Ray head `serve` started (only that one)")
     p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("snapshot", parents=[remote, common], help="consistent snapshot of every shard and the routing table")
