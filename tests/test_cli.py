@@ -51,7 +51,7 @@ def test_retrieve_json_shape(store):
         assert set(hit) == {"id", "env", "task", "score", "cluster_id"} and hit["env"] == "shop"
     assert data["skills"] and all(set(s) == {"cluster_id", "text"} and s["text"] for s in data["skills"])
     text = run("retrieve", "buy shoes", "--store", str(store / "store"), "--env", "shop", "--context")
-    assert "Examples of solved tasks" in text.stdout
+    assert "Examples of earlier runs" in text.stdout and ", succeeded]" in text.stdout
 
 
 def test_stats_clusters_export_check(store, tmp_path):
