@@ -28,7 +28,7 @@ import ray
 from lifemem_ray.agents import Agent, make_agent
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.envs import Environment, Task, make_env
-from lifemem_ray.lifelong import MEMORY_MODES
+from lifemem_ray.lifelong import MEMORY_MODES, RETRIEVING_MODES
 from lifemem_ray.memory import IdConflictError
 from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
 from lifemem_ray.rollout import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
@@ -55,11 +55,15 @@ class EpisodeSpec:
     write: bool = False  # submit the trajectory to the memory (the pool waits for the ack)
     global_skill: str = ""  # mode "global-skills": the profile to show
     k: int | None = None
+    seed: int | None = None  # the agents' seed (None: the worker's)
+    # Environment -> the stored environment to retrieve for it ("": the best-matching one):
+    # evaluation-only environments of a zero-shot transfer run.
+    routes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MEMORY_MODES:
             raise ValueError(f"mode: {self.mode!r} is not one of {', '.join(MEMORY_MODES)}")
-        if self.mode in ("trajectory", "lifemem") and self.namespace is None:
+        if self.mode in RETRIEVING_MODES and self.namespace is None:
             raise ValueError(f"mode {self.mode!r} needs the memory deployment's namespace")
         if self.write and self.namespace is None:
             raise ValueError("write=True needs the memory deployment's namespace")
@@ -100,7 +104,7 @@ class RolloutWorker:
         self.seed = seed
         self.env_retries = env_retries
         self._envs: dict[str, Environment] = {}
-        self._agents: dict[str, Agent] = {}
+        self._agents: dict[tuple[str, int], Agent] = {}  # (name, seed) -> agent
         self._clients: dict[str, Any] = {}
         self._vectors: OrderedDict[str, Any] = OrderedDict()  # instruction -> embedding (templated tasks repeat)
         self.env_restarts = 0
@@ -125,10 +129,11 @@ class RolloutWorker:
 
         threading.Thread(target=_close_quietly, args=(env,), daemon=True, name=f"close-{name}").start()
 
-    def _agent(self, name: str) -> Agent:
-        agent = self._agents.get(name)
+    def _agent(self, name: str, seed: int | None = None) -> Agent:
+        seed = self.seed if seed is None else seed
+        agent = self._agents.get((name, seed))
         if agent is None:
-            agent = self._agents[name] = make_agent(name, seed=self.seed, llm_config=self.config.llm)
+            agent = self._agents[(name, seed)] = make_agent(name, seed=seed, llm_config=self.config.llm)
         return agent
 
     def _client(self, namespace: str) -> Any:
@@ -152,6 +157,7 @@ class RolloutWorker:
 
     # -- one task ----------------------------------------------------------------------
     def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Retrieval | None] | None:
+        """What each mode shows the agent (see :data:`lifemem_ray.lifelong.MEMORY_MODES`)."""
         if spec.mode == "none":
             return None
         budget = self.config.retrieval.token_budget
@@ -160,19 +166,32 @@ class RolloutWorker:
 
             def profile(task: Task) -> Retrieval:
                 context, tokens = render_context([], skills, budget)
-                return Retrieval(task.instruction, None, [], skills, context, tokens)
+                return Retrieval(task.instruction, None, [], skills, context, tokens, budget)
 
             return profile
         client = self._client(spec.namespace)  # type: ignore[arg-type]
         if spec.mode == "trajectory":
             return lambda task: client.retrieve(task.instruction, None, spec.k, skills=False, vector=self._vector(client, task.instruction))
-        return lambda task: client.retrieve(task.instruction, task.env, spec.k, vector=self._vector(client, task.instruction))
+        routes = dict(spec.routes)
+
+        def same_env(task: Task) -> Retrieval:
+            vector = self._vector(client, task.instruction)
+            env = routes.get(task.env, task.env) or _best_matching_env(client, task.instruction, vector, spec.k)
+            if env is None:  # an empty memory
+                return Retrieval(task.instruction, task.env, [], [], "", 0, budget)
+            hit = client.retrieve(task.instruction, env, spec.k, skills=spec.mode != "lifemem-no-skills", vector=vector)
+            if spec.mode == "skills-only":
+                context, tokens = render_context([], hit.skills, budget)
+                return Retrieval(task.instruction, env, [], hit.skills, context, tokens, budget)
+            return hit
+
+        return same_env
 
     def run(self, task: Task, spec: EpisodeSpec, return_trajectory: bool = False) -> dict[str, Any]:
         """Run ``task``; a hung or failing environment is replaced and the task retried
         (up to ``env_retries`` times) before the error goes back to the pool."""
         retrieve = self._retriever(spec)
-        agent = self._agent(spec.agent)
+        agent = self._agent(spec.agent, spec.seed)
         tid = trajectory_id(spec.run, spec.phase, task)
         last_error: BaseException | None = None
         for attempt in range(self.env_retries + 1):
@@ -219,6 +238,17 @@ class RolloutWorker:
         for agent in self._agents.values():
             agent.close()
         self._agents.clear()
+
+
+def _best_matching_env(client: Any, text: str, vector: Any, k: int | None) -> str | None:
+    """The stored environment whose trajectories best match a task of an environment the
+    memory has never seen: the one with the largest summed score among the global top-k
+    (ties: the earlier hit). None for an empty memory."""
+    hits = client.retrieve(text, None, k, skills=False, vector=vector).trajectories
+    totals: dict[str, float] = {}
+    for hit in hits:
+        totals[hit.env] = totals.get(hit.env, 0.0) + max(hit.score, 0.0)
+    return max(totals, key=lambda env: totals[env]) if totals else None
 
 
 def _close_quietly(env: Environment) -> None:

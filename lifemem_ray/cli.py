@@ -386,7 +386,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = _config(args)
     overrides = {k.split(".", 1)[1]: v for k, v in _set_overrides(args).items() if k.startswith("experiment.")}
-    for flag in ("workers", "stream", "agent", "output"):
+    for flag in ("workers", "seeds", "stream", "agent", "output"):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[flag] = value
@@ -394,6 +394,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides["envs"] = args.envs
     if args.modes:
         overrides["modes"] = args.modes
+    if args.eval_envs is not None:
+        overrides["eval_envs"] = args.eval_envs
     if config.llm.backend == "openai" and "agent" not in overrides:
         overrides["agent"] = "react"  # an endpoint is configured: the LLM agent acts
     exp = ExperimentConfig.load(args.config, overrides=overrides)
@@ -455,10 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", parents=[common, llm], help="run a lifelong experiment (rollout workers, OP/BwT table, plots)")
     p.add_argument("--address", help="Ray cluster to run on (default: a local Ray started for the run)")
     p.add_argument("--envs", nargs="+", metavar="ENV", help="environments in stream order (default: experiment.envs)")
-    p.add_argument("--modes", nargs="+", metavar="MODE", help="memory modes: none trajectory global-skills lifemem")
+    p.add_argument("--eval-envs", nargs="*", metavar="ENV", help="evaluation-only environments: zero-shot transfer (default: experiment.eval_envs)")
+    p.add_argument("--modes", nargs="+", metavar="MODE",
+                   help="memory modes: none trajectory global-skills lifemem lifemem-no-skills skills-only (default: all)")
     p.add_argument("--workers", type=int, help="rollout workers")
+    p.add_argument("--seeds", type=int, help="runs with seeds seed..seed+N-1, pooled with bootstrap intervals (default: 3)")
     p.add_argument("--stream", choices=("similarity", "random", "buffer"))
-    p.add_argument("--agent", help="exemplar | react | random | gold | noisy-gold")
+    p.add_argument("--agent", help="skill-guided | exemplar | react | random | gold | noisy-gold")
     p.add_argument("--output", metavar="DIR", help="where the report goes (default: runs/<name>)")
     p.set_defaults(func=cmd_run)
 

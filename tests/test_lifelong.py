@@ -8,7 +8,19 @@ import pytest
 
 from lifemem_ray.config import ConfigError
 from lifemem_ray.envs.base import Task
-from lifemem_ray.lifelong import ExperimentConfig, ScoreTable, build_stream, metrics, render_markdown, transfer_events, write_plots
+from lifemem_ray.lifelong import (
+    ExperimentConfig,
+    ScoreTable,
+    SeedResult,
+    build_stream,
+    learnt_rows,
+    metrics,
+    overlap,
+    render_markdown,
+    summarise,
+    transfer_events,
+    write_plots,
+)
 
 
 def _tasks(env: str, n: int) -> list[Task]:
@@ -102,6 +114,78 @@ def test_experiment_config_sources_and_validation(tmp_path):
         ExperimentConfig.load(overrides={"workers": "0"})
     with pytest.raises(ConfigError, match="expected an integer"):
         ExperimentConfig.load(overrides={"workers": "many"})
+    with pytest.raises(ConfigError, match="experiment.seeds"):
+        ExperimentConfig.load(overrides={"seeds": 0})
+    with pytest.raises(ConfigError, match="episode_timeout_s"):
+        ExperimentConfig.load(overrides={"episode_timeout_s": float("nan")})
+    with pytest.raises(ConfigError, match="aliases"):
+        ExperimentConfig.load(overrides={"aliases": {"twx-sorting": "nowhere"}})
+    with pytest.raises(ConfigError, match="against 'none'"):
+        ExperimentConfig.load(overrides={"modes": ["lifemem"]})
+    with pytest.raises(ConfigError, match="repeated"):
+        ExperimentConfig.load(overrides={"eval_envs": ["twx-coin"]})
+
+
+def test_default_experiment_has_every_mode_transfer_and_the_skill_reader():
+    exp = ExperimentConfig().validate()
+    assert set(exp.modes) == {"none", "trajectory", "global-skills", "lifemem", "lifemem-no-skills", "skills-only"}
+    assert exp.eval_envs and exp.seeds >= 3 and exp.agent == "skill-guided" and not exp.learner_uses_memory
+    assert ExperimentConfig(learn_agent="same", agent="exemplar").learner_uses_memory
+
+
+def test_random_stream_bwt_baseline_is_where_training_ends():
+    # x is learnt in chunks 1 and 2: its gain between them is learning, not backward transfer.
+    x, y = _tasks("x", 2), _tasks("y", 2)
+    from lifemem_ray.lifelong import Phase
+
+    phases = [Phase(0, "chunk 1", (x[0], y[0]), ("x", "y")), Phase(1, "chunk 2", (x[1],), ("x", "y")),
+              Phase(2, "chunk 3", (y[1],), ("x", "y"))]
+    assert learnt_rows(phases) == {"x": 1, "y": 2}
+    t = ScoreTable(["x", "y"])
+    t.add_row("chunk 1", {"x": 10.0, "y": 50.0})
+    t.add_row("chunk 2", {"x": 40.0, "y": 50.0})
+    t.add_row("chunk 3", {"x": 20.0, "y": 60.0})
+    m = metrics(t, learnt_rows(phases))
+    assert m["bwt"] == pytest.approx(100 * (20 - 40) / 40) and m["bwt_terms"] == 1  # y is learnt until the end
+    assert transfer_events(t, learnt=learnt_rows(phases)) == {"improved": 0, "unchanged": 0, "degraded": 1}
+    assert metrics(t)["bwt"] == pytest.approx(100 * ((20 - 10) / 10 + (60 - 50) / 50) / 2)  # first-seen baseline
+
+
+def test_overlap_finds_repeated_gold_and_goals_but_not_a_shared_template():
+    train = [Task("e", "a", "find X"), Task("e", "b", "find Y")]
+    test = [Task("e", "c", "find X"), Task("e", "d", "find Z"), Task("e", "f", "find W")]
+    gold = {"a": ["go", "take x"], "b": ["take y"], "c": ["go", "take x2"], "d": ["take y"], "f": None}
+    assert overlap(train, test, gold) == {"gold": ["d"], "goal": ["c"], "one_template": []}
+    same = [Task("g", "a", "take the coin"), Task("g", "b", "take the coin")]
+    out = overlap(same, [Task("g", "c", "take the coin")], {"a": ["x"], "b": ["y"], "c": ["z"]})
+    assert out == {"gold": [], "goal": [], "one_template": ["c"]}
+
+
+def _seed(seed, none_rows, mem_rows, zero=None):
+    return SeedResult(seed, ["a", "b"], {"a": 0, "b": 1}, rows={"none": none_rows, "lifemem": mem_rows},
+                      zero_shot=zero or {})
+
+
+def test_summarise_pools_seeds_and_brackets_every_figure():
+    r0 = _seed(0, [{"a": [0, 1, 1, 0]}, {"a": [0, 1, 1, 0], "b": [0, 1]}],
+               [{"a": [1, 0, 1, 0]}, {"a": [1, 1, 1, 0], "b": [1, 1]}], {"none": {"z": [0, 0]}, "lifemem": {"z": [1, 0]}})
+    r1 = _seed(1, [{"a": [1, 0, 1, 0]}, {"a": [1, 0, 1, 0], "b": [0, 0]}],
+               [{"a": [1, 1, 0, 0]}, {"a": [1, 1, 0, 1], "b": [1, 0]}], {"none": {"z": [1, 0]}, "lifemem": {"z": [1, 1]}})
+    out = summarise([r0, r1], ["none", "lifemem"], ["a", "b"], bootstrap=300, seed=1)
+    mem = out["lifemem"]
+    assert mem["table"]["rows"][0]["a"] == pytest.approx(100 * 4 / 8)
+    assert mem["table"]["rows"][1] == pytest.approx({"a": 100 * 6 / 8, "b": 75.0})
+    assert mem["metrics"]["op"] == pytest.approx((75 + 75) / 2)
+    assert mem["metrics"]["bwt"] == pytest.approx(100 * (75 - 50) / 50)
+    assert mem["zero_shot"] == {"z": 75.0} and mem["zero_shot_gain"] == {"z": pytest.approx(75 - 25)}
+    for key in ("op", "bwt", "row/0/a", "row/1/b", "zero/z", "gain/z"):
+        low, high = mem["ci"][key]
+        assert low <= high
+    assert mem["ci"]["op"][0] <= mem["metrics"]["op"] <= mem["ci"]["op"][1]
+    assert out["none"]["zero_shot_gain"] == {"z": 0.0}
+    # Paired draws: none's rows repeat one evaluation, so its BwT is 0 in every draw.
+    assert out["none"]["ci"]["bwt"] == [0.0, 0.0]
+    assert summarise([r0], ["lifemem"], ["a", "b"], bootstrap=0)["lifemem"]["ci"]["op"] is None
 
 
 def _report(tmp_path):
@@ -111,7 +195,7 @@ def _report(tmp_path):
     t.self_learn = {"a": 45.0, "b": 25.0}
     mode = {"table": t.to_dict(), "metrics": metrics(t), "transfer": transfer_events(t)}
     return {
-        "config": ExperimentConfig(name="r", envs=["a", "b"]).to_dict(),
+        "config": ExperimentConfig(name="r", envs=["a", "b"], eval_envs=[]).to_dict(),
         "modes": {"none": mode, "lifemem": mode},
         "memory": {"trajectories": 9, "clusters": 3, "cluster_sizes": [5, 3, 1],
                    "clusters_per_env": {"a": {"single_env": 2, "shared": 1}, "b": {"single_env": 0, "shared": 1}}},
@@ -121,9 +205,12 @@ def _report(tmp_path):
 def test_markdown_and_plots(tmp_path):
     report = _report(tmp_path)
     md = render_markdown(report)
-    assert "| lifemem | 40.00 | 20.00 | 1 | 0 | 0 |" in md
-    assert "| *self-learn* | 45.00 | 25.00 |" in md
-    assert "| b | 60.00 | 20.00 |" in md
+    assert "| lifemem | 40.0 | 20.0 | 1 | 0 | 0 |" in md
+    assert "| *self-learn* | 45.0 | 25.0 |" in md
+    assert "| b | 60.0 | 20.0 |" in md
+    report["modes"]["lifemem"]["ci"] = {"op": [30.0, 50.0], "row/1/b": [5.0, 35.0]}
+    md = render_markdown(report)
+    assert "| lifemem | 40.0 [30.0, 50.0] | 20.0 |" in md and "| b | 60.0 | 20.0 [5.0, 35.0] |" in md
     json.dumps(report)
     pytest.importorskip("matplotlib")
     written = write_plots(report, tmp_path / "plots")

@@ -111,14 +111,16 @@ def test_retrieval_modes_from_a_worker(memory):
 
 def test_lifelong_experiment_end_to_end(ray_local, tmp_path):
     envs = _fast_envs() + (["websearch"] if _has("websearch") else [])
-    exp = ExperimentConfig(name="e2e", envs=envs, train_tasks=4, test_tasks=3, workers=2, worker_cpus=0.1,
-                           modes=["none", "trajectory", "global-skills", "lifemem"], output=str(tmp_path / "run"), self_learn=True)
+    exp = ExperimentConfig(name="e2e", envs=envs, eval_envs=[], train_tasks=4, test_tasks=3, workers=2, worker_cpus=0.1,
+                           modes=["none", "trajectory", "global-skills", "lifemem", "lifemem-no-skills", "skills-only"],
+                           agent="exemplar", seeds=2, bootstrap=50, output=str(tmp_path / "run"), self_learn=True, env_options={})
     mconf = MemoryConfig().replace(SMALL_ACTORS)
     report = run_experiment(exp, mconf, progress=None)
     out = tmp_path / "run"
     assert (out / "report.json").is_file() and (out / "report.md").is_file()
     assert sorted(Path(p).name for p in report["plots"]) == ["cluster_sizes.png", "cluster_types.png", "table_heatmap.png"]
     saved = json.loads((out / "report.json").read_text())
+    assert saved["seeds"] == [0, 1] and "collected once per seed" in saved["learner"]["collection"]
     for mode in exp.modes:
         table = saved["modes"][mode]["table"]
         # Lower-triangular: after phase j, the environments 1..j.
@@ -126,19 +128,51 @@ def test_lifelong_experiment_end_to_end(ray_local, tmp_path):
         assert sorted(table["self_learn"]) == sorted(envs)
         assert saved["modes"][mode]["failed_tasks"] == 0
         assert saved["modes"][mode]["metrics"]["op"] is not None
-    # The LifeMem memory holds every learning trajectory once, environments never mixed in a cluster.
+        ci = saved["modes"][mode]["ci"]
+        assert ci["op"][0] <= saved["modes"][mode]["metrics"]["op"] <= ci["op"][1]
+    # Every seed: each test task once per mode and row, the same tasks in every mode (paired outcomes).
+    for seed in saved["per_seed"]:
+        sizes = {mode: [{e: len(v) for e, v in row.items()} for row in rows] for mode, rows in seed["rows"].items()}
+        assert len({json.dumps(v, sort_keys=True) for v in sizes.values()}) == 1
+    # One shared memory per seed holds every learning trajectory once, environments never mixed in a cluster.
     assert saved["memory"]["trajectories"] == 4 * len(envs)
     assert saved["memory"]["mixed_env_clusters"] == 0
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
-    learn = [e for e in episodes if "learn" in e["id"].split("/")[1]]
-    assert len({e["id"] for e in learn}) == len(learn)
+    learn = [e for e in episodes if e["id"].split("/")[1] == "learn"]
+    assert len(learn) == 2 * 4 * len(envs) and len({e["id"] for e in learn}) == len(learn)  # collected once per seed
     assert all({"agent_s", "env_s", "memory_s", "total_s"} <= set(e) for e in episodes)
     assert report["throughput"]["steps_per_s"] > 0
+    md = (out / "report.md").read_text()
+    assert "| skills-only |" in md and " [" in md  # intervals printed
+
+
+def test_zero_shot_environment_is_routed_to_its_alias_or_the_best_match(ray_local, tmp_path):
+    exp = ExperimentConfig(name="zs", envs=["sql"], eval_envs=["sql-copy"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1,
+                           modes=["none", "lifemem", "skills-only"], agent="exemplar", seeds=1, bootstrap=20, self_learn=False,
+                           env_options={"sql-copy": {"adapter": "sql"}}, output=str(tmp_path / "run"))
+    report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
+    for mode in exp.modes:
+        assert sorted(report["modes"][mode]["zero_shot"]) == ["sql-copy"]
+        assert "sql-copy" in report["modes"][mode]["zero_shot_gain"]
+    assert report["modes"]["none"]["zero_shot_gain"]["sql-copy"] == 0.0
+    assert "zero-shot sql-copy" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_memory_reading_learner_learns_per_mode(ray_local, tmp_path):
+    exp = ExperimentConfig(name="same", envs=["sql"], eval_envs=[], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1,
+                           modes=["none", "lifemem", "skills-only"], agent="exemplar", learn_agent="same", seeds=1, bootstrap=0,
+                           self_learn=False, env_options={}, output=str(tmp_path / "run"))
+    report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
+    assert report["learner"]["collection"].startswith("per mode")
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    learning = {e["id"].split("/")[1] for e in episodes if e["id"].split("/")[1].startswith("learn")}
+    assert learning == {"learn-00-lifemem", "learn-00-skills-only"}
+    assert report["modes"]["lifemem"]["ci"]["op"] is None  # bootstrap = 0: no intervals
 
 
 def test_buffer_stream_commits_in_batches(ray_local, tmp_path):
-    exp = ExperimentConfig(name="buf", envs=["sql"], train_tasks=7, test_tasks=2, workers=1, worker_cpus=0.1, stream="buffer",
-                           modes=["lifemem"], self_learn=False, output=str(tmp_path / "run"))
+    exp = ExperimentConfig(name="buf", envs=["sql"], eval_envs=[], train_tasks=7, test_tasks=2, workers=1, worker_cpus=0.1, stream="buffer",
+                           modes=["lifemem"], agent="exemplar", seeds=1, self_learn=False, env_options={}, output=str(tmp_path / "run"))
     report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
     assert report["memory"]["trajectories"] == 7
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
@@ -159,6 +193,7 @@ def test_cli_run_writes_the_report(ray_local, tmp_path):
     cfg.write_text(
         '[experiment]\nname = "cli"\nenvs = ["sql"]\ntrain_tasks = 3\ntest_tasks = 2\nworkers = 1\nworker_cpus = 0.1\n'
         f'modes = ["none", "lifemem"]\nself_learn = false\noutput = "{tmp_path / "out"}"\n'
+        'eval_envs = []\nseeds = 1\nagent = "exemplar"\nenv_options = {}\n'
         '[cluster]\nshard_cpus = 0.1\ncoordinator_cpus = 0.1\nembedder_cpus = 0.1\n'
     )
     proc = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--address", address, "--quiet"],
@@ -234,13 +269,14 @@ def test_experiment_with_the_llm_agent_through_an_openai_endpoint(ray_local, tmp
         mconf = MemoryConfig().replace({**SMALL_ACTORS, "llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
                                         "llm.timeout_s": 20})
         exp = ExperimentConfig(name="llm", envs=["sql"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1, agent="react",
-                               learn_agent="gold", modes=["none", "lifemem"], self_learn=False, output=str(tmp_path / "run"))
+                               learn_agent="gold", modes=["none", "lifemem"], self_learn=False, output=str(tmp_path / "run"),
+                               eval_envs=[], seeds=1, env_options={})
         report = run_experiment(exp, mconf, progress=None)
         acts = [r for r in stub.requests if r["messages"][0]["content"].startswith("You are an agent")]
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     evals = [e for e in episodes if "/eval-" in e["id"]]
     assert len(evals) == 4 and report["modes"]["lifemem"]["failed_tasks"] == 0
     assert len(acts) == 2 * len(evals)  # two turns per test episode, none while the gold agent learnt
-    with_memory = [r for r in acts if "Experience from memory" in r["messages"][1]["content"]]
+    with_memory = [r for r in acts if "<example n=" in r["messages"][1]["content"]]
     assert len(with_memory) == 4  # the lifemem mode's two episodes, both turns
     assert report["memory"]["trajectories"] == 3

@@ -22,10 +22,14 @@ def make_env(name: str, **options: Any) -> Environment:
     """An environment by name (``twx-coin``, ``alfworld``, ``sql`` ...); EnvUnavailable names what to install.
 
     ``adapter="<registered name>"`` in the options builds that adapter instead, with the
-    other options (e.g. the fault-injecting ``faulty`` wrapper for an environment's tasks)."""
+    other options, under the name asked for (``make_env("twx-coin-doors", adapter="twx-coin",
+    includeDoors=1)``: another environment, whose tasks say ``twx-coin-doors``), or the
+    fault-injecting ``faulty`` wrapper for an environment's tasks."""
     adapter = options.pop("adapter", None)
     if adapter is not None:
-        return make_env(adapter, **options)
+        env = make_env(adapter, **options)
+        env.name = name  # the adapters name their tasks and check them by env.name
+        return env
     key = name
     if key not in ENVIRONMENTS:
         prefix = name.split("-", 1)[0] + "-*"

@@ -30,6 +30,7 @@ observation saying so; runaway queries are interrupted.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import random
 import re
@@ -587,7 +588,7 @@ class SqlEnv(Environment):
         """The split's tasks: generation order for ``seed=0`` (kinds cycle), else shuffled by ``seed``."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"SqlEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
-        out = list(self._split(split))
+        out = [t if t.env == self.name else dataclasses.replace(t, env=self.name) for t in self._split(split)]  # under an alias name
         if seed:
             random.Random(seed).shuffle(out)
         return out if limit is None else out[:limit]
