@@ -46,6 +46,7 @@ import ray
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import ClusterView
 from lifemem_ray.envs import Task, make_env
+from lifemem_ray.errors import UsageError
 from lifemem_ray.lifelong import (
     RETRIEVING_MODES,
     ExperimentConfig,
@@ -252,8 +253,9 @@ class _SeedRun:
         everything = [t for p in phases for t in p.tasks]
         collected = self._collect(everything, "learn") if shared else {}
         groups = [tuple(self.retrieving)] if shared else [(m,) for m in self.retrieving]
-        memories = {g: _Memory(exp, self.mconf, f"s{self.seed}-" + "-".join(g), self.out / "memory" / f"s{self.seed}-{g[0]}")
-                    for g in groups if g}
+        # Stores: memory/s<seed>-stream (shared by the retrieving modes) or memory/s<seed>-<mode>.
+        memories = {g: _Memory(exp, self.mconf, f"s{self.seed}-" + "-".join(g),
+                               self.out / "memory" / f"s{self.seed}-{'stream' if shared else g[0]}") for g in groups if g}
         pool_so_far: list[Trajectory] = []
         skill = ""
         none_scores: dict[str, list[int]] = {}
@@ -362,7 +364,7 @@ def run_experiment(
     settings = _memory_settings(exp)
     mconf = (mconf or MemoryConfig()).replace(settings).validate()
     if not ray.is_initialized():
-        raise RuntimeError("run_experiment: call ray.init() first (or use `lifemem-ray run`)")
+        raise UsageError("run_experiment: call ray.init() first (or use `lifemem-ray run`)")
     out = exp.output_dir
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
