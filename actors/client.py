@@ -22,6 +22,8 @@ from lifemem_ray.model import Trajectory
 from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
 
 from . import deployment
+from lifemem_ray.errors import EmbeddingError
+
 from .errors import ShardUnavailableError, actor_failures
 
 RETRIEVE_CHUNK = 256  # queries whose records one shard call fetches in retrieve_many (decoded while the next chunk is fetched)
@@ -97,7 +99,7 @@ class MemoryClient:
     def embed(self, texts: list[str]) -> np.ndarray:
         """Embeddings of ``texts`` from the deployment's embedder actors (round robin)."""
         if not self.embedders:
-            raise RuntimeError("no embedder actors in this deployment; pass vectors")
+            raise EmbeddingError("no embedder actors in this deployment (deployed with cluster.embedders = 0); pass vectors, or deploy with embedders")
         actor = self.embedders[self._next % len(self.embedders)]
         self._next += 1
         return ray.get(actor.embed.remote(texts))

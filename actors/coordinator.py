@@ -46,6 +46,8 @@ from lifemem_ray.model import Trajectory
 from lifemem_ray.policy import OfflinePolicy
 from lifemem_ray.storage import ClusterRecord
 
+from lifemem_ray.errors import EmbeddingError, UnknownClusterError
+
 from .errors import OverloadedError, ShardUnavailableError, actor_failures
 from .routing import RoutingTable
 
@@ -441,7 +443,7 @@ class Coordinator:
 
     async def _embed(self, texts: list[str]) -> np.ndarray:
         if not self.embedders:
-            raise RuntimeError("trajectories came without vectors and the deployment has no embedder actors")
+            raise EmbeddingError("trajectories came without vectors and the deployment has no embedder actors; pass vectors, or deploy with embedders")
         size = 256
         chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
         refs = []
@@ -512,7 +514,7 @@ class Coordinator:
             else:
                 shard = owner_of.get(p.cluster, self.routing.shard_of(p.cluster))
                 if shard is None:
-                    raise RuntimeError(f"no shard is known to own cluster {p.cluster}")
+                    raise UnknownClusterError(f"no shard is known to own cluster {p.cluster}")
             loads[shard] += 1
             target.append(shard)
         per_shard: dict[int, list[int]] = {}

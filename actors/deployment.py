@@ -24,7 +24,9 @@ from lifemem_ray.storage import MemoryStore
 
 from .coordinator import Coordinator
 from .embedder import EmbedderActor
-from .errors import DeploymentNotFoundError
+from lifemem_ray.errors import ConfigError, DeploymentExistsError, ResourcesUnavailableError
+
+from .errors import DeploymentNotFoundError, ShardUnavailableError
 from .routing import RoutingTable
 from .shard import MemoryShard
 
@@ -76,7 +78,7 @@ def _placement(shards: int, saved: list[str] | None, store: Path | None = None) 
                         not alive[node].get(SHARD_RESOURCE), bool(alive[node].get("node:__internal_head__")), placed.count(node), node))
             missing = [i for i in missing if placed[i] not in alive]
         if missing:
-            raise RuntimeError(
+            raise ShardUnavailableError(
                 f"shard(s) {missing} are pinned to node(s) that are gone and no live node sees their files "
                 f"under {store}; restore the memory from a snapshot into a new deployment"
             )
@@ -120,7 +122,7 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
     ns = config.cluster.namespace
     try:
         ray.get_actor(COORDINATOR, namespace=ns)
-        raise RuntimeError(f"a lifemem-ray deployment already runs in namespace {ns!r}; stop it first (`lifemem-ray stop`)")
+        raise DeploymentExistsError(f"a lifemem-ray deployment already runs in namespace {ns!r}; stop it first (`lifemem-ray stop`)")
     except ValueError:
         pass
     store = Path(store_dir).resolve()
@@ -131,7 +133,7 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
         count = saved["shards"]
         if shards is not None and shards != count:
             routing.close()
-            raise RuntimeError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
+            raise ConfigError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
         dim = saved["dim"]
         nodes = _placement(count, saved.get("nodes"), store)
     else:
@@ -172,7 +174,7 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
     if waiting:
         need = count * config.cluster.shard_cpus + len(embedder_names) * config.cluster.embedder_cpus + config.cluster.coordinator_cpus
         stop(ns)
-        raise RuntimeError(
+        raise ResourcesUnavailableError(
             f"the deployment's actors did not start within {config.cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
             f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: {ray.available_resources().get('CPU', 0):g} CPUs"
         )

@@ -1,21 +1,9 @@
 """Errors the sharded memory reports to its clients."""
 
 from __future__ import annotations
+from lifemem_ray.errors import DeploymentNotFoundError, OverloadedError, ShardUnavailableError
 
 __all__ = ["DeploymentNotFoundError", "OverloadedError", "ShardUnavailableError"]
-
-
-class OverloadedError(RuntimeError):
-    """The coordinator's queue stayed full for longer than ``cluster.overload_timeout_s``."""
-
-
-class ShardUnavailableError(RuntimeError):
-    """A shard (or the node it is pinned to) is gone; what it acknowledged is in its store
-    and in the last snapshot, and what it did not acknowledge may be retried."""
-
-
-class DeploymentNotFoundError(RuntimeError):
-    """No lifemem-ray deployment runs in this Ray namespace."""
 
 
 def actor_failures() -> tuple[type[BaseException], ...]:

@@ -33,6 +33,8 @@ from lifemem_ray.memory import IdConflictError
 from lifemem_ray.retrieval import Retrieval, RetrievedSkill, render_context
 from lifemem_ray.rollout import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
 
+from lifemem_ray.errors import EnvStateError
+
 from .errors import actor_failures
 
 __all__ = ["MEMORY_MODES", "EpisodeSpec", "RolloutPool", "RolloutWorker", "TaskOutcome", "print_progress"]
@@ -213,7 +215,7 @@ class RolloutWorker:
                 log.warning("worker %d: %s failed in %s: %s: %s; replacing it", self.worker_id, task.id, task.env, type(exc).__name__, exc)
                 self._drop_env(task.env)
         else:
-            raise RuntimeError(f"task {task.env}/{task.id} failed {self.env_retries + 1} times with a fresh environment: {last_error}")
+            raise EnvStateError(f"task {task.env}/{task.id} failed {self.env_retries + 1} times with a fresh environment: {last_error}")
         ack = None
         submit_s = 0.0
         if spec.write:

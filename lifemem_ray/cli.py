@@ -19,12 +19,9 @@ from typing import Any, Callable, Sequence
 
 from .config import ConfigError, MemoryConfig
 from .model import InvalidTrajectoryError
+from .errors import CommandError
 
 __all__ = ["main"]
-
-
-class CommandError(Exception):
-    """An error to report to the user as one line (no traceback)."""
 
 
 def _set_overrides(args: argparse.Namespace) -> dict[str, str]:

@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from .errors import ConfigError
 
 __all__ = [
     "ClusterConfig",
@@ -27,10 +28,6 @@ __all__ = [
     "RetrievalConfig",
     "StoreConfig",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
 
 
 @dataclass

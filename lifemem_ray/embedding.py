@@ -15,15 +15,12 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .config import EmbeddingConfig
+from .errors import EmbeddingError
 
 __all__ = ["Embedder", "EmbeddingError", "MiniLMEmbedder", "default_model_path"]
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 DIM = 384
-
-
-class EmbeddingError(RuntimeError):
-    """The embedding model cannot be loaded or used."""
 
 
 class Embedder(Protocol):

@@ -40,6 +40,7 @@ import numpy as np
 from faiss.contrib.ivf_tools import add_preassigned
 
 from .config import IndexConfig
+from .errors import IndexBuildError, VectorIndexError
 
 __all__ = ["PAD_ID", "PAD_SCORE", "VectorIndex", "VectorIndexError", "set_faiss_threads"]
 
@@ -100,10 +101,6 @@ def _apply_faiss_threads() -> None:
 
 
 set_faiss_threads()
-
-
-class VectorIndexError(ValueError):
-    """Bad input to the index (shape, dtype, non-finite value, duplicate id, ...)."""
 
 
 @dataclass
@@ -826,7 +823,7 @@ def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> tuple[Any, np.ndarray
     quantizer.add(ivf.quantizer.reconstruct_n(0, ivf.nlist)[used])
     compact = faiss.IndexIVFFlat(quantizer, ivf.d, len(used), faiss.METRIC_INNER_PRODUCT)
     if not compact.is_trained:  # FAISS marks it trained when the quantizer holds nlist centroids
-        raise RuntimeError("IVF without empty lists: the compacted quantizer was not accepted as trained")
+        raise IndexBuildError("IVF without empty lists: the compacted quantizer was not accepted as trained")
     renumber = np.full(ivf.nlist, -1, dtype=np.int64)
     renumber[used] = np.arange(len(used))
     return compact, renumber[assign]

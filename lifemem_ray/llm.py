@@ -34,6 +34,7 @@ import openai
 from .config import LLMConfig
 from .decisions import Assignment, AssignRequest, ClusterView, Groups
 from .model import Trajectory
+from .errors import AnswerError, UsageError
 from .prompts import (
     DESCRIPTION_MAX_CHARS,
     GROUP_LABEL_MAX_CHARS,
@@ -64,10 +65,6 @@ Checked = tuple[T | None, list[str]]  # (value or None, problems found): what an
 PLACEHOLDER_API_KEY = "sk-local"  # local servers want some key; they do not check it
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 RETRYABLE_STATUS = frozenset({408, 429})  # plus every 5xx
-
-
-class AnswerError(ValueError):
-    """An LLM answer is not valid JSON, violates the schema, or names what was not offered."""
 
 
 # --------------------------------------------------------------------------- answers: JSON
@@ -377,12 +374,12 @@ class _LoopThread:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if threading.current_thread() is self.thread:
             coro.close()
-            raise RuntimeError(
+            raise UsageError(
                 "LLMClient: a blocking call from the client's own event-loop thread would deadlock; use arun() there"
             )
         if self.loop.is_closed() or not self.loop.is_running():
             coro.close()
-            raise RuntimeError("LLMClient: used after close()")
+            raise UsageError("LLMClient: used after close()")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
@@ -493,7 +490,7 @@ class LLMClient:
         as invalid in the counters. Returns None on any failure, after a warning.
         """
         if asyncio.get_running_loop() is not self._loop.loop:
-            raise RuntimeError("LLMClient.arequest: must run on the client's loop; use request(), run() or arun()")
+            raise UsageError("LLMClient.arequest: must run on the client's loop; use request(), run() or arun()")
         op = prompt.op
         if op not in self._stats:
             raise ValueError(f"LLMClient.arequest: unknown operation {op!r}; known: {', '.join(OPERATIONS)}")

@@ -31,6 +31,7 @@ from .retrieval import Retrieval, assemble, paused_gc
 from .storage import ClusterRecord, MemoryStore, StoreError, pack_u64, record_to_trajectory
 from .steps import FEATURES_VERSION, featurize, features_id
 from .workflow import workflow_summary
+from .errors import IdConflictError, MaintenanceError, UnknownClusterError
 
 __all__ = ["AddResult", "ClusterInfo", "IdConflictError", "Memory", "UnknownClusterError", "known_ids", "pack_trajectories", "prepare_items"]
 
@@ -39,14 +40,6 @@ log = logging.getLogger(__name__)
 WORKFLOW_DIM = 256
 MERGE_CANDIDATES = 4  # nearest clusters (by the policy's centroid score) a cluster may merge with
 MINILM_NAME = "all-MiniLM-L6-v2"
-
-
-class IdConflictError(ValueError):
-    """A trajectory id is already stored with different content."""
-
-
-class UnknownClusterError(KeyError):
-    """A placement names a cluster this store does not hold (it lives on another shard)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1220,7 +1213,7 @@ class Memory:
     def _raise_maintenance_error(self) -> None:
         if self._maintenance_error is not None:
             exc, self._maintenance_error = self._maintenance_error, None
-            raise RuntimeError(f"background maintenance failed: {exc}") from exc
+            raise MaintenanceError(f"background maintenance failed: {exc}") from exc
 
     def _usage_totals(self) -> dict[str, dict[str, float]] | None:
         if self.decider is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
+from .errors import InvalidTrajectoryError
 
 __all__ = [
     "InvalidTrajectoryError",
@@ -26,10 +27,6 @@ __all__ = [
 
 MAX_ID_LENGTH = 512
 _LABELLED = re.compile(r"(?:Thought|Action|Observation)\s*\d*\s*:", re.I)
-
-
-class InvalidTrajectoryError(ValueError):
-    """A trajectory (or a record meant to become one) is malformed."""
 
 
 def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:

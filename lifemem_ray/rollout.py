@@ -19,18 +19,11 @@ from .agents import Agent
 from .envs.base import Environment, StepResult, Task
 from .model import Outcome, Step, Trajectory
 from .retrieval import Retrieval
+from .errors import EnvHung, EpisodeTimeout
 
 __all__ = ["EnvHung", "EpisodeLimits", "EpisodeResult", "EpisodeTimeout", "run_episode", "trajectory_id"]
 
 MAX_OBSERVATION_CHARS = 4000  # kept per step in the stored trajectory
-
-
-class EpisodeTimeout(RuntimeError):
-    """The episode ran past ``EpisodeLimits.episode_timeout_s``."""
-
-
-class EnvHung(RuntimeError):
-    """An environment call ran past ``EpisodeLimits.step_timeout_s``; the environment must be replaced."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import msgpack
 import numpy as np
 
 from .model import Outcome, Step, Trajectory
+from .errors import StoreError, StoreLockedError
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -59,14 +60,6 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _DBS = ("meta", "traj", "tid", "vec", "brief", "vclu", "members", "clusters", "envs", "log", "todo")
 T = TypeVar("T")
-
-
-class StoreError(RuntimeError):
-    """The store on disk is missing, unreadable or of another shape."""
-
-
-class StoreLockedError(StoreError):
-    """Another process has the store open for writing."""
 
 
 def pack_u64(value: int) -> bytes:

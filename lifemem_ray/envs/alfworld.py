@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["TASK_TYPES", "TEST_SOURCES", "TRAIN_SOURCES", "AlfWorldEnv"]
 
@@ -354,7 +354,7 @@ class AlfWorldEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         if self._task is None:
-            raise RuntimeError("AlfWorldEnv: step() before reset()")
+            raise EnvStateError("AlfWorldEnv: step() before reset()")
         info: dict[str, Any] = {"instruction": self._task.instruction}
         if self._done:
             return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {**info, "valid_actions": [], "success": None})

@@ -17,16 +17,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from typing import Any
+from ..errors import EnvStateError, EnvUnavailable, TaskError
 
-__all__ = ["EnvUnavailable", "Environment", "StepResult", "Task", "TaskError"]
-
-
-class EnvUnavailable(RuntimeError):
-    """The environment's package or data is not installed here; the message says what to install."""
-
-
-class TaskError(ValueError):
-    """A task does not fit the environment (unknown id, malformed payload)."""
+__all__ = ["EnvStateError", "EnvUnavailable", "Environment", "StepResult", "Task", "TaskError"]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
 from .calls import literal_arg
 
 __all__ = ["BfclEnv"]
@@ -383,7 +383,7 @@ class BfclEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Run one action: call(s), or the end of the agent's turn; errors become observations."""
         if self._task is None:
-            raise RuntimeError("BfclEnv.step: call reset(task) first")
+            raise EnvStateError("BfclEnv.step: call reset(task) first")
         if self._done:
             return StepResult("The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True))
         self._steps += 1

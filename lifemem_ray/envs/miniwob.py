@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["DEFAULT_TASK_NAMES", "GOLD_TASKS", "MiniWobEnv", "parse_action", "render_dom"]
 
@@ -461,7 +461,7 @@ class MiniWobEnv(Environment):
                 break
             time.sleep(0.05)
         else:
-            raise RuntimeError(f"miniwob: task page {subdomain} (seed {seed}) did not get ready in 2 s")
+            raise EnvStateError(f"miniwob: task page {subdomain} (seed {seed}) did not get ready in 2 s")
         return str(self._js("return core.getUtterance();"))
 
     def _observe(self) -> str:
@@ -548,7 +548,7 @@ class MiniWobEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Apply one text action; a malformed one or an unknown ref gets a message and counts as a step."""
         if self._task is None or self._driver is None:
-            raise RuntimeError("miniwob: step() before reset()")
+            raise EnvStateError("miniwob: step() before reset()")
         if self._done:
             return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {"instruction": self._task.instruction, "valid_actions": [], "success": None})
         if not isinstance(action, str):

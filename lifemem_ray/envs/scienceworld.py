@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
 from .jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_TASK_NAMES", "ScienceWorldEnv"]
@@ -166,7 +166,7 @@ class ScienceWorldEnv(Environment):
             raise TaskError(f"scienceworld: cannot load {task_name!r} variation {variation}: {exc}") from None
         except Exception as exc:
             if self.jvm_pid is None:
-                raise RuntimeError(f"scienceworld: the JVM died while loading {task_name!r} variation {variation}: {exc}") from exc
+                raise EnvStateError(f"scienceworld: the JVM died while loading {task_name!r} variation {variation}: {exc}") from exc
             raise TaskError(f"scienceworld: the simulator rejected {task_name!r} variation {variation}: {exc}") from None
         self._loaded = (task_name, variation)
         self._generation += 1  # any running episode's state is gone
@@ -297,7 +297,7 @@ class ScienceWorldEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Apply one command; anything unparsable gets the simulator's 'No known action' answer."""
         if self._task is None or self._sw is None:
-            raise RuntimeError("scienceworld: step() before reset()")
+            raise EnvStateError("scienceworld: step() before reset()")
         if self._done:
             return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {"instruction": self._task.instruction, "valid_actions": [], "success": None})
         if not isinstance(action, str):
@@ -312,7 +312,7 @@ class ScienceWorldEnv(Environment):
         except Py4JJavaError as exc:  # the simulator threw on this input: the episode goes on
             observation = f"Invalid action {cleaned!r}: the simulator could not parse it ({exc.java_exception})."
         except Exception as exc:
-            raise RuntimeError(f"scienceworld: the JVM (pid {self.jvm_pid}) failed on step {cleaned!r}: {type(exc).__name__}: {exc}") from exc
+            raise EnvStateError(f"scienceworld: the JVM (pid {self.jvm_pid}) failed on step {cleaned!r}: {type(exc).__name__}: {exc}") from exc
         if not cleaned:
             observation = "Invalid action: the action is empty. " + observation
         score = round(100 * float(server.getScore()))

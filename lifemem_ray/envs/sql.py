@@ -38,7 +38,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .base import Environment, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, StepResult, Task, TaskError
 
 __all__ = ["SqlEnv", "TASK_TYPES", "parse_action", "normalise_rows"]
 
@@ -409,7 +409,7 @@ def generate_task(seed: int, split: str, index: int) -> Task:
                 payload=payload,
                 metadata={"task_type": kind, "domain": dom.key, "ordered": ordered},
             )
-    raise RuntimeError(f"sql task generation: no valid {kind} task for seed={seed} split={split} index={index} after 100 tries")
+    raise TaskError(f"sql task generation: no valid {kind} task for seed={seed} split={split} index={index} after 100 tries")
 
 
 # --------------------------------------------------------------------------- database helpers
@@ -665,9 +665,9 @@ class SqlEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Run one Operation or judge an Answer; anything else is an invalid action (a step)."""
         if self._task is None or self._conn is None:
-            raise RuntimeError("SqlEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("SqlEnv.step: no episode running; call reset(task) first")
         if self._done:
-            raise RuntimeError(f"SqlEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
+            raise EnvStateError(f"SqlEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
         if not isinstance(action, str):

@@ -36,7 +36,7 @@ import random
 import re
 from typing import Any
 
-from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
 from .calls import literal_arg
 
 __all__ = ["Tau2Env"]
@@ -431,7 +431,7 @@ class Tau2Env(Environment):
     def step(self, action: str) -> StepResult:
         """Run one tool call, message or end signal; errors become observations."""
         if self._task is None:
-            raise RuntimeError("Tau2Env.step: call reset(task) first")
+            raise EnvStateError("Tau2Env.step: call reset(task) first")
         if self._done:
             return StepResult("The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True))
         self._steps += 1

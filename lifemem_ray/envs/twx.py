@@ -15,7 +15,7 @@ import random
 import subprocess
 from typing import Any
 
-from .base import Environment, EnvUnavailable, StepResult, Task, TaskError
+from .base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
 from .jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_GAME_PARAMS", "VARIANTS", "TextWorldExpressEnv"]
@@ -249,7 +249,7 @@ class TextWorldExpressEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         if self._task is None or self._twx is None:
-            raise RuntimeError(f"{self.name}: step() before reset()")
+            raise EnvStateError(f"{self.name}: step() before reset()")
         if self._done:
             return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {"instruction": self._task.instruction, "valid_actions": [], "success": None})
         if not isinstance(action, str):

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .base import EnvUnavailable, Environment, StepResult, Task, TaskError
+from .base import EnvStateError, EnvUnavailable, Environment, StepResult, Task, TaskError
 
 __all__ = ["WebSearchEnv", "Corpus", "normalize_answer", "answer_f1", "DEFAULT_CORPUS"]
 
@@ -314,9 +314,9 @@ class WebSearchEnv(Environment):
     def step(self, action: str) -> StepResult:
         """One Search, Lookup or Finish; anything else is an invalid action (a step)."""
         if self._task is None:
-            raise RuntimeError("WebSearchEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("WebSearchEnv.step: no episode running; call reset(task) first")
         if self._done:
-            raise RuntimeError(f"WebSearchEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
+            raise EnvStateError(f"WebSearchEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
         reward, done = 0.0, False
