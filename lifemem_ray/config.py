@@ -54,9 +54,16 @@ class EvolutionConfig:
     # other across them at least this times as much as within the tighter one (and that
     # the split rule would not split again); 0: no merges.
     merge_ratio: float = 0.0
+    merge_candidates: int = 4  # nearest clusters (by the policy's centroid score) a cluster may merge with
+    in_batch_window: int = 256  # earlier items of a batch searched for in-batch neighbours
+    max_provisional_candidates: int = 64  # clusters opened earlier in a batch that each item is scored against
 
     def validate(self) -> None:
         _positive(self, "init_size", "top_k", "split_min_size", "skill_sample_size", "batch_size")
+        for key, high in (("merge_candidates", 64), ("in_batch_window", 65_536), ("max_provisional_candidates", 4_096)):
+            value = getattr(self, key)
+            if not 1 <= value <= high:
+                raise ConfigError(f"evolution.{key}: must be in [1, {high}], got {value}")
         _choice(self, "workflow_features", ("roles", "tokens"))
         _in_range(self, "merge_ratio", 0.0, 1.0)
         _in_range(self, "split_mrl_threshold", 0.0, 1.0)
@@ -212,8 +219,20 @@ class ClusterConfig:
     embedder_cpus: float = 0.5
     call_timeout_s: float = 600.0  # a shard call taking longer is reported as a failure
     start_timeout_s: float = 180.0  # actors not running by then: a clear error (resources, nodes)
+    # MemoryClient.retrieve_many: up to one_round_max queries, shards send records with their
+    # hits (one round trip); beyond, search_chunk queries per shard search call, and the
+    # records of retrieve_chunk queries per fetch (decoded while the next chunk is fetched).
+    one_round_max: int = 16
+    search_chunk: int = 512
+    retrieve_chunk: int = 256
 
     def validate(self) -> None:
+        for key, low, high in (("one_round_max", 0, 4_096), ("search_chunk", 1, 65_536), ("retrieve_chunk", 1, 65_536)):
+            value = getattr(self, key)
+            if not low <= value <= high:
+                raise ConfigError(f"cluster.{key}: must be in [{low}, {high}], got {value}")
+        if self.search_chunk % self.retrieve_chunk:
+            raise ConfigError(f"cluster.search_chunk ({self.search_chunk}) must be a multiple of cluster.retrieve_chunk ({self.retrieve_chunk})")
         _positive(self, "shards", "batch_size", "max_pending", "overload_timeout_s", "embedders", "call_timeout_s", "start_timeout_s")
         if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
             raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
