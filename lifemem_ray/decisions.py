@@ -57,7 +57,6 @@ class Assignment:
     cluster_id: int | None
     new_group: str | None = None
     description: str | None = None  # optional description for a new cluster
-    decided_by: str = "offline"  # offline | llm
 
 
 class Decider(Protocol):

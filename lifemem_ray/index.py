@@ -100,6 +100,8 @@ def _apply_faiss_threads() -> None:
         _thread_state.threads = _faiss_threads
 
 
+# At import: FAISS's BLAS switch-over for the OpenMP thread count the process starts with (a
+# process-wide setting; the thread count itself is left as FAISS found it until a caller sets it).
 set_faiss_threads()
 
 
@@ -125,7 +127,8 @@ class VectorIndex:
     """Nearest-neighbour search over int64-identified vectors, one sub-index per environment.
 
     Thread-safe: every public method takes one re-entrant lock, because Ray actors
-    may call from several threads. FAISS's OpenMP settings are left untouched.
+    may call from several threads. FAISS's OpenMP thread count and BLAS switch-over are the
+    process's, set by :func:`set_faiss_threads` (and applied again in each calling thread).
     """
 
     def __init__(self, dim: int, config: IndexConfig | None = None) -> None:
@@ -797,13 +800,6 @@ def _export(e: _Env) -> tuple[np.ndarray, np.ndarray]:
     if not id_parts:
         return np.empty(0, dtype=np.int64), np.empty((0, d), dtype=np.float32)
     return np.concatenate(id_parts).astype(np.int64, copy=False), np.concatenate(vec_parts)
-
-
-def _first_not_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
-    """Each row's first k ids that are not the query's own id (it is trivially found)."""
-    is_self = ids == self_ids[:, None]
-    order = np.argsort(is_self, axis=1, kind="stable")
-    return np.take_along_axis(ids, order, 1)[:, :k]
 
 
 def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> tuple[Any, np.ndarray]:

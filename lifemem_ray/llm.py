@@ -300,13 +300,13 @@ def _one_assignment(entry: dict[str, Any], allowed: set[int]) -> Assignment:
             raise AnswerError("decision 'join' without a cluster_id")
         if cluster_id not in allowed:
             raise AnswerError(f"cluster_id {cluster_id} is not among this item's candidates {sorted(allowed)}")
-        return Assignment(cluster_id=cluster_id, decided_by="llm")
+        return Assignment(cluster_id=cluster_id)
     label = entry.get("new_group")
     label = clean_text(label, "new_group", GROUP_LABEL_MAX_CHARS, min_chars=1) if label is not None else None
     description = entry.get("description")
     if description is not None:
         description = clean_text(description, "description", DESCRIPTION_MAX_CHARS)
-    return Assignment(cluster_id=None, new_group=label, description=description, decided_by="llm")
+    return Assignment(cluster_id=None, new_group=label, description=description)
 
 
 def check_groups(data: dict[str, Any], n: int, schema: dict[str, Any]) -> Checked[tuple[list[int], list[str]]]:

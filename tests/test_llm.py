@@ -81,8 +81,8 @@ def test_assign_multi_item(stub, make_decider):
         {"item": 2, "decision": "new", "new_group": "cook"},
     ]}))
     out = decider.assign([request(0, 7, 8), request(1, 7), request(2)])
-    assert out[0] == Assignment(cluster_id=7, decided_by="llm")
-    assert out[1].cluster_id is None and out[1].decided_by == "llm"
+    assert out[0] == Assignment(cluster_id=7)
+    assert out[1].cluster_id is None and out[1].new_group is not None
     assert out[1].description == "Gather the ingredients, then cook them."
     assert out[1].new_group == out[2].new_group  # one new cluster for both
     body = stub.requests[0]
@@ -134,7 +134,7 @@ def test_unknown_cluster_id_invalidates_only_that_item(stub, make_decider):
         {"item": 1, "decision": "join", "cluster_id": 8},
     ]}))
     out = decider.assign([request(0, 7), request(1, 8)])
-    assert out == [None, Assignment(cluster_id=8, decided_by="llm")]
+    assert out == [None, Assignment(cluster_id=8)]
     usage = decider.usage()["assign"]
     assert (usage["invalid"], usage["failures"], usage["items_invalid"]) == (1, 0, 1)
 
@@ -149,7 +149,7 @@ def test_missing_and_duplicated_item_keys(stub, make_decider):
         {"decision": "new"},  # no key
     ]}))
     out = decider.assign([request(0, 7), request(1, 7), request(2, 7)])
-    assert out == [None, None, Assignment(cluster_id=7, decided_by="llm")]
+    assert out == [None, None, Assignment(cluster_id=7)]
     assert decider.usage()["assign"]["items_invalid"] == 2
 
 

@@ -130,7 +130,7 @@ def test_assign_answers_are_valid_or_none(server, decider):
     for request, answer in zip(requests, answers):
         if answer is None:
             continue
-        assert isinstance(answer, Assignment) and answer.decided_by == "llm"
+        assert isinstance(answer, Assignment)
         allowed = {c.cluster.id for c in request.candidates}
         if answer.cluster_id is not None:
             assert answer.cluster_id in allowed, f"item {request.key}: joined {answer.cluster_id}, offered {allowed}"
