@@ -9,6 +9,7 @@ checked; an error names the source and the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from .errors import ConfigError
 
 __all__ = [
     "ClusterConfig",
+    "BOUNDS",
     "ConfigError",
     "EmbeddingConfig",
     "EvolutionConfig",
@@ -240,6 +242,82 @@ class ClusterConfig:
             raise ConfigError("cluster.namespace: must not be empty")
 
 
+# Hard bounds of every number in the configuration ("section.key": (low, high), both
+# included): a value outside, NaN or infinity is refused where it is set (naming the file or
+# variable) and again by validate(). Bounds keep a typo from hanging (a timeout of inf) or
+# exhausting the machine (a k of 1e23); they are far from every sensible value.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "evolution.init_size": (1, 10_000),
+    "evolution.top_k": (1, 256),
+    "evolution.centroid_candidates": (0, 256),
+    "evolution.split_min_size": (1, 1_000_000),
+    "evolution.split_mrl_threshold": (0.0, 1.0),
+    "evolution.split_max_parts": (2, 64),
+    "evolution.skill_refresh_growth": (0.01, 100.0),
+    "evolution.skill_sample_size": (1, 1_000),
+    "evolution.description_refresh_growth": (0.01, 100.0),
+    "evolution.batch_size": (1, 65_536),
+    "evolution.merge_ratio": (0.0, 1.0),
+    "evolution.merge_candidates": (1, 64),
+    "evolution.in_batch_window": (1, 65_536),
+    "evolution.max_provisional_candidates": (1, 4_096),
+    "policy.join_threshold": (0.0, 1.0),
+    "policy.workflow_weight": (0.0, 1.0),
+    "policy.confident_margin": (0.0, 1.0),
+    "policy.density_ratio": (0.0, 1.0),
+    "retrieval.k": (1, 1_024),
+    "retrieval.token_budget": (1, 1_000_000),
+    "retrieval.max_skills": (1, 64),
+    "index.exact_max": (1, 100_000_000),
+    "index.nlist": (0, 1_048_576),
+    "index.nprobe": (0, 1_048_576),
+    "index.target_recall": (0.5, 1.0),
+    "index.calibration_k": (1, 1_024),
+    "index.candidate_nprobe_fraction": (0.01, 1.0),
+    "index.candidate_max_codes": (0, 100_000_000),
+    "index.search_max_codes": (0, 100_000_000),
+    "index.retrain_growth": (1.25, 100.0),
+    "index.retrain_nice": (0, 19),
+    "embedding.batch_size": (1, 4_096),
+    "embedding.max_tokens": (1, 512),  # the MiniLM model's positions
+    "embedding.threads": (0, 1_024),
+    "llm.temperature": (0.0, 2.0),
+    "llm.timeout_s": (0.1, 3_600.0),
+    "llm.max_retries": (0, 20),
+    "llm.concurrency": (1, 1_024),
+    "llm.items_per_call": (1, 100),
+    "llm.max_item_chars": (100, 100_000),
+    "llm.max_answer_tokens": (16, 32_768),
+    "llm.min_cluster_size": (1, 1_000_000),
+    "store.map_size_mb": (1, 1_048_576),
+    "store.max_map_size_gb": (1, 65_536),
+    "cluster.shards": (1, 1_024),
+    "cluster.batch_size": (1, 65_536),
+    "cluster.batch_wait_ms": (0.0, 60_000.0),
+    "cluster.max_pending": (1, 10_000_000),
+    "cluster.overload_timeout_s": (0.1, 86_400.0),
+    "cluster.embedders": (1, 1_024),
+    "cluster.shard_cpus": (0.0, 1_024.0),
+    "cluster.coordinator_cpus": (0.0, 1_024.0),
+    "cluster.embedder_cpus": (0.0, 1_024.0),
+    "cluster.call_timeout_s": (0.1, 86_400.0),
+    "cluster.start_timeout_s": (1.0, 86_400.0),
+    "cluster.one_round_max": (0, 4_096),
+    "cluster.search_chunk": (1, 65_536),
+    "cluster.retrieve_chunk": (1, 65_536),
+}
+
+
+def check_bound(dotted: str, value: Any, where: str = "") -> None:
+    """Refuse a number outside its :data:`BOUNDS` (NaN and infinities included)."""
+    bound = BOUNDS.get(dotted)
+    if bound is None or isinstance(value, (bool, str)):
+        return
+    low, high = bound
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+        raise ConfigError(f"{where or dotted}: must be within [{low:g}, {high:g}], got {value!r}")
+
+
 @dataclass
 class MemoryConfig:
     evolution: EvolutionConfig = field(default_factory=EvolutionConfig)
@@ -253,6 +331,8 @@ class MemoryConfig:
 
     def validate(self) -> "MemoryConfig":
         for section in _sections(self):
+            for f in dataclasses.fields(getattr(self, section)):
+                check_bound(f"{section}.{f.name}", getattr(getattr(self, section), f.name))
             getattr(self, section).validate()
         return self
 
@@ -318,6 +398,10 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: config file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): save the config file as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
 
 
 def _sections(config: MemoryConfig) -> list[str]:
@@ -337,7 +421,9 @@ def _set(config: MemoryConfig, dotted: str, value: Any, source: str) -> None:
     if key not in fields:
         raise ConfigError(f"{source}: unknown setting '{dotted}'; known in [{section_name}]: {', '.join(fields)}")
     kind = type(getattr(type(section)(), key))
-    setattr(section, key, _coerce(value, kind, f"{source}: {dotted}"))
+    value = _coerce(value, kind, f"{source}: {dotted}")
+    check_bound(dotted, value, f"{source}: {dotted}")
+    setattr(section, key, value)
 
 
 def _coerce(value: Any, kind: type, where: str) -> Any:

@@ -67,3 +67,38 @@ def test_replace_copies_and_hides_the_key():
     other = base.replace({"llm.api_key": "secret", "retrieval.k": 2})
     assert base.retrieval.k == 4 and other.retrieval.k == 2
     assert other.to_dict()["llm"]["api_key"] == "***"
+
+
+def test_every_number_in_the_config_has_a_hard_bound():
+    import dataclasses
+
+    from lifemem_ray.config import BOUNDS, MemoryConfig
+
+    config = MemoryConfig()
+    numbers = [f"{s.name}.{f.name}" for s in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, s.name))
+               if type(getattr(getattr(config, s.name), f.name)) in (int, float)]
+    assert sorted(numbers) == sorted(BOUNDS)
+    for dotted, (low, high) in BOUNDS.items():
+        section, key = dotted.split(".")
+        kind = type(getattr(getattr(config, section), key))
+        assert low <= getattr(getattr(config, section), key) <= high, dotted  # the defaults are inside
+        linked = {"cluster.search_chunk": 65_536, "cluster.retrieve_chunk": 65_536} if "chunk" in dotted else {}  # one a multiple of the other
+        MemoryConfig().replace({dotted: kind(high), **linked})  # the bounds themselves are accepted
+        for bad in ([high + 1] if kind is int else [high * 2 + 1, float("inf"), float("nan")]):
+            with pytest.raises(ConfigError, match=dotted.replace(".", r"\.")):
+                MemoryConfig().replace({dotted: bad})
+
+
+def test_range_and_encoding_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[llm]\ntimeout_s = inf\n")
+    with pytest.raises(ConfigError, match=f"{path}: llm.timeout_s: must be within"):
+        MemoryConfig.load(path)
+    path.write_text("[retrieval]\nk = 100000000\n")
+    with pytest.raises(ConfigError, match=f"{path}: retrieval.k"):
+        MemoryConfig.load(path)
+    path.write_bytes(b"[llm]\nmodel = '\xff\xfe'\n")
+    with pytest.raises(ConfigError, match=f"{path}: not UTF-8"):
+        MemoryConfig.load(path)
+    with pytest.raises(ConfigError, match="LIFEMEM_EMBEDDING_MAX_TOKENS"):
+        MemoryConfig.load(environ={"LIFEMEM_EMBEDDING_MAX_TOKENS": "100000"})
