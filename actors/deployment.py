@@ -47,6 +47,19 @@ def _embedder_name(i: int) -> str:
     return f"lifemem-embedder-{i}"
 
 
+def _shard_options(config: MemoryConfig) -> dict[str, Any]:
+    """The shard actor's options: ``MemoryShard.ray_options(config)`` where the shard declares them."""
+    declared = getattr(MemoryShard, "ray_options", None)
+    if declared is not None:
+        return declared(config)
+    return {
+        "num_cpus": config.cluster.shard_cpus,
+        "max_concurrency": 4,  # retrievals need not wait behind a commit
+        "max_restarts": -1,
+        "max_task_retries": -1,
+    }
+
+
 def find_coordinator(namespace: str) -> Any:
     try:
         return ray.get_actor(COORDINATOR, namespace=namespace)
@@ -145,15 +158,14 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
     routing.put_meta("nodes", nodes)
     routing.close()
 
-    common = {"namespace": ns, "lifetime": "detached", "max_restarts": -1, "max_task_retries": -1}
+    common = {"namespace": ns, "lifetime": "detached"}
     shard_names = []
     for i in range(count):
         name = _shard_name(i)
         ray.remote(MemoryShard).options(
             name=name,
-            num_cpus=config.cluster.shard_cpus,
-            max_concurrency=4,  # retrievals need not wait behind a commit
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i], soft=False),
+            **_shard_options(config),
             **common,
         ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
         shard_names.append(name)
@@ -161,11 +173,9 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
     embedder_names = []
     for i in range(max(config.cluster.embedders, gpus)):
         name = _embedder_name(i)
-        ray.remote(EmbedderActor).options(
-            name=name, num_cpus=config.cluster.embedder_cpus, num_gpus=1 if i < gpus else 0, **common
-        ).remote(config.embedding)
+        ray.remote(EmbedderActor).options(name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common).remote(config.embedding)
         embedder_names.append(name)
-    ray.remote(Coordinator).options(name=COORDINATOR, num_cpus=config.cluster.coordinator_cpus, max_concurrency=1000, **common).remote(
+    ray.remote(Coordinator).options(name=COORDINATOR, **Coordinator.ray_options(config), **common).remote(
         str(store), config, shard_names, embedder_names, dim
     )
     coordinator = ray.get_actor(COORDINATOR, namespace=ns)

@@ -6,13 +6,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.config import EmbeddingConfig
+from lifemem_ray.config import EmbeddingConfig, MemoryConfig
 from lifemem_ray.embedding import MiniLMEmbedder
 
 __all__ = ["EmbedderActor"]
 
 
 class EmbedderActor:
+    @classmethod
+    def ray_options(cls, config: MemoryConfig, *, gpu: bool) -> dict[str, Any]:
+        """Ray actor options of an embedder (besides name, namespace and lifetime); ``gpu``:
+        it takes one GPU (one embedder per GPU of the cluster)."""
+        return {"num_cpus": config.cluster.embedder_cpus, "num_gpus": 1 if gpu else 0, "max_restarts": -1, "max_task_retries": -1}
+
     def __init__(self, config: EmbeddingConfig) -> None:
         self.embedder = MiniLMEmbedder(config)
 

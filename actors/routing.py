@@ -77,13 +77,6 @@ class RoutingTable:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def counts(self, shards: int) -> list[int]:
-        out = [0] * shards
-        for s in self._cache.values():
-            if s < shards:
-                out[s] += 1
-        return out
-
     def snapshot(self, target: str | Path) -> None:
         Path(target).mkdir(parents=True, exist_ok=True)
         self.env.copy(str(target), compact=True)
