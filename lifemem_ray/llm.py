@@ -212,7 +212,32 @@ _REFUSAL = re.compile(  # an error report or refusal when it opens the text
     re.IGNORECASE,
 )
 _PLACEHOLDER = re.compile(r"^\W*<[^<>]*>\W*$")
-_URL = re.compile(r"(https?://|www\.)\S+", re.IGNORECASE)
+# A link, with or without its scheme: "https://x", "www.x", "evil.example.com/x.sh", "host.io",
+# an IP address. Dotted names ending in a file extension common in trajectories
+# ("report.pdf", "main.py") are not hosts and pass.
+_URL = re.compile(
+    r"([a-z][a-z0-9+.-]*://|www\.)\S+"
+    r"|\b(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+(?:com|net|org|io|sh|ru|cn|xyz|info|biz|dev|app|co|me|ly|gg|tk|top|site|online|"
+    r"link|click|zip|onion|us|uk|de|fr|tv|cc|ws|su|pw)\b(?:[/:]\S*)?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b",
+    re.IGNORECASE,
+)
+# Commands a reader could run: generated text is advice about a workflow, never a script.
+_SHELL = re.compile(
+    r"\b(curl|wget|sudo|chmod|chown|bash\s+-c|sh\s+-c|powershell|nc\s+-[a-z]*e|netcat|base64\s+-d|python3?\s+-c)\b"
+    r"|\|\s*(ba|z|k|c)?sh\b|\brm\s+-[a-z]*[rf]|\$\(|`[^`]*`|\beval\s*\(|\bexec\s*\(|/bin/|/etc/(passwd|shadow)\b|\bcrontab\b",
+    re.IGNORECASE,
+)
+# Instructions aimed at whoever operates the agent rather than at the task: leaking secrets,
+# overriding instructions.
+_OPERATOR = re.compile(
+    r"\b(send|share|reveal|email|e-mail|post|upload|forward|leak|disclose|give|paste|exfiltrat\w*)\b[^.\n]{0,60}?"
+    r"\b(passwords?|passwd|credentials?|api[ _-]?keys?|secrets?|tokens?|private keys?|ssh keys?|cookies?|session ids?)\b"
+    r"|\b(ignore|disregard|forget|override)\b[^.\n]{0,30}?\b(previous|prior|above|earlier|all|your|system)\b[^.\n]{0,20}?"
+    r"\b(instructions?|rules?|prompts?|guidelines?)\b"
+    r"|\b(system|developer) prompt\b|\bjailbreak\b",
+    re.IGNORECASE,
+)
 
 
 def clean_text(
@@ -224,9 +249,14 @@ def clean_text(
     min_chars: int = 8,
     forbidden: Sequence[str] = (),
     allow_urls: bool = True,
+    generated: bool = False,
 ) -> str:
     """A model-written text, trimmed; :class:`AnswerError` when it is empty, too long,
-    an error message or refusal, a placeholder, or names something forbidden."""
+    an error message or refusal, a placeholder, or names something forbidden.
+
+    ``generated``: text the memory will store and serve to other agents (skills,
+    descriptions): it must also hold no link, no shell command and no instruction aimed at
+    the reader's operator (:func:`generated_text_problem`)."""
     if not isinstance(value, str):
         raise AnswerError(f"{what}: expected a string, got {type(value).__name__}")
     if one_line:
@@ -243,10 +273,25 @@ def clean_text(
         raise AnswerError(f"{what}: looks like an error message, refusal or placeholder: {_snippet(text, 80)}")
     if not allow_urls and _URL.search(text):
         raise AnswerError(f"{what}: contains a URL")
+    problem = generated_text_problem(text) if generated else None
+    if problem:
+        raise AnswerError(f"{what}: {problem}: {_snippet(text, 80)}")
     for word in forbidden:
         if re.search(r"(?<![A-Za-z0-9])" + re.escape(word) + r"(?![A-Za-z0-9])", text, re.IGNORECASE):
             raise AnswerError(f"{what}: mentions the environment-specific name {word!r}")
     return text
+
+
+def generated_text_problem(text: str) -> str | None:
+    """Why a generated text (a skill, a description) must not be stored and served, or None:
+    a link (with or without a scheme, or an IP address), a shell command, or an instruction
+    aimed at the operator (sending secrets, overriding instructions)."""
+    for pattern, why in ((_URL, "contains a link"), (_SHELL, "contains a shell command"),
+                         (_OPERATOR, "contains an instruction aimed at the operator")):
+        found = pattern.search(text)
+        if found:
+            return f"{why} ({found.group(0)[:40]!r})"
+    return None
 
 
 # --------------------------------------------------------------------------- answers: per operation
@@ -305,7 +350,7 @@ def _one_assignment(entry: dict[str, Any], allowed: set[int]) -> Assignment:
     label = clean_text(label, "new_group", GROUP_LABEL_MAX_CHARS, min_chars=1) if label is not None else None
     description = entry.get("description")
     if description is not None:
-        description = clean_text(description, "description", DESCRIPTION_MAX_CHARS)
+        description = clean_text(description, "description", DESCRIPTION_MAX_CHARS, allow_urls=False, generated=True)
     return Assignment(cluster_id=None, new_group=label, description=description)
 
 
@@ -322,7 +367,8 @@ def check_groups(data: dict[str, Any], n: int, schema: dict[str, Any]) -> Checke
                 if labels[key] is not None:
                     raise AnswerError(f"trajectory key {key} is in more than one group")
                 labels[key] = g
-            descriptions.append(clean_text(group["description"], f"groups[{g}].description", DESCRIPTION_MAX_CHARS))
+            descriptions.append(clean_text(group["description"], f"groups[{g}].description", DESCRIPTION_MAX_CHARS,
+                                           allow_urls=False, generated=True))
     except AnswerError as exc:
         return None, [str(exc)]
     missing = [k for k, label in enumerate(labels) if label is None]
@@ -336,7 +382,7 @@ def check_description(data: dict[str, Any], schema: dict[str, Any]) -> Checked[s
     if errors:
         return None, errors
     try:
-        return clean_text(data["description"], "description", DESCRIPTION_MAX_CHARS), []
+        return clean_text(data["description"], "description", DESCRIPTION_MAX_CHARS, allow_urls=False, generated=True), []
     except AnswerError as exc:
         return None, [str(exc)]
 
@@ -347,7 +393,7 @@ def check_skill(data: dict[str, Any], schema: dict[str, Any], forbidden: Sequenc
         return None, errors
     try:
         text = clean_text(data["skill"], "skill", SKILL_MAX_CHARS, one_line=False, min_chars=20,
-                          forbidden=forbidden, allow_urls=False)
+                          forbidden=forbidden, allow_urls=False, generated=True)
     except AnswerError as exc:
         return None, [str(exc)]
     return text, []
