@@ -65,6 +65,8 @@ _RESERVED_TAGS = (
 )
 _TAG_LIKE = re.compile(r"<(\s*/?\s*(?:" + "|".join(_RESERVED_TAGS) + r")\b)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# A line of recorded data that reads like the "Operation: <op>" header of a memory request.
+_OPERATION_LINE = re.compile(r"^(\s*)(operation)(\s*):", re.IGNORECASE | re.MULTILINE)
 
 
 class Prompt(NamedTuple):
@@ -96,6 +98,13 @@ def neutralise(text: str) -> str:
     """Make untrusted text unable to open or close one of our data blocks."""
     text = _CONTROL.sub(" ", text)
     return _TAG_LIKE.sub(r"&lt;\1", text)
+
+
+def neutralise_record(text: str) -> str:
+    """:func:`neutralise`, and a recorded line that starts like our ``Operation: <op>``
+    request header (SQL actions do) reads ``Operation (recorded):`` instead. For the memory's
+    own requests; the agent's prompt has no such header, so its exemplars keep their text."""
+    return _OPERATION_LINE.sub(r"\1\2 (recorded)\3:", neutralise(text))
 
 
 def _attr(value: object) -> str:
@@ -143,7 +152,7 @@ def _cut(text: str, limit: int) -> str:
 
 def _trajectory_block(traj: Trajectory, max_chars: int, key: int | None = None) -> str:
     key_attr = "" if key is None else f' key="{key}"'
-    body = neutralise(_render(traj, max_chars))
+    body = neutralise_record(_render(traj, max_chars))
     return f'<trajectory{key_attr} env="{_attr(traj.env)}">\n{body}\n</trajectory>'
 
 
