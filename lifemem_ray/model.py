@@ -26,6 +26,13 @@ __all__ = [
 ]
 
 MAX_ID_LENGTH = 512
+# Hard bounds of one trajectory: far above real trajectories (the longest observation of the
+# shipped and released data is a few tens of kB), low enough that one record cannot exhaust
+# a process. Every entry point (engine, client, CLI, Ray Data) builds Trajectory objects, so
+# these hold everywhere.
+MAX_TEXT_CHARS = 1_000_000  # any one text: task, observation, thought, action, metadata string
+MAX_STEPS = 10_000
+MAX_METADATA_ITEMS = 10_000  # keys and list items of the metadata, all levels together
 _LABELLED = re.compile(r"(?:Thought|Action|Observation)\s*\d*\s*:", re.I)
 
 
@@ -34,6 +41,8 @@ def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
         raise InvalidTrajectoryError(f"{where}: expected a string, got {type(value).__name__}")
     if "\x00" in value:
         raise InvalidTrajectoryError(f"{where}: contains a NUL character")
+    if len(value) > MAX_TEXT_CHARS:
+        raise InvalidTrajectoryError(f"{where}: {len(value):,} characters, more than the {MAX_TEXT_CHARS:,} a text may have")
     if not value.isascii():
         try:
             value.encode("utf-8")
@@ -44,11 +53,16 @@ def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
     return value
 
 
-def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
-    """Metadata must survive msgpack and JSON unchanged: plain JSON types only."""
+def _check_json_value(value: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> None:
+    """Metadata must survive msgpack and JSON unchanged: plain JSON types only, text as
+    :func:`_check_str` wants it, at most ``MAX_METADATA_ITEMS`` keys and items in all."""
+    budget = [MAX_METADATA_ITEMS] if budget is None else budget
     if depth > 32:
         raise InvalidTrajectoryError(f"{where}: nested too deeply")
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, str):
+        _check_str(value, where)
+        return
+    if value is None or isinstance(value, (bool, int)):
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
             raise InvalidTrajectoryError(f"{where}: integer out of 64-bit range")
         return
@@ -56,15 +70,20 @@ def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
         if not math.isfinite(value):
             raise InvalidTrajectoryError(f"{where}: non-finite number")
         return
+    if isinstance(value, (list, tuple, dict)):
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            raise InvalidTrajectoryError(f"{where}: the metadata holds more than {MAX_METADATA_ITEMS:,} keys and items")
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _check_json_value(item, f"{where}[{i}]", depth + 1)
+            _check_json_value(item, f"{where}[{i}]", depth + 1, budget)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise InvalidTrajectoryError(f"{where}: keys must be strings, got {key!r}")
-            _check_json_value(item, f"{where}.{key}", depth + 1)
+            _check_str(key, f"{where}: key {key[:40]!r}")
+            _check_json_value(item, f"{where}.{key}", depth + 1, budget)
         return
     raise InvalidTrajectoryError(f"{where}: unsupported type {type(value).__name__}")
 
@@ -194,6 +213,8 @@ class Trajectory:
         steps = tuple(self.steps)
         if not steps:
             raise InvalidTrajectoryError("steps: a trajectory needs at least one step")
+        if len(steps) > MAX_STEPS:
+            raise InvalidTrajectoryError(f"steps: {len(steps):,} steps, more than the {MAX_STEPS:,} a trajectory may have")
         for i, step in enumerate(steps):
             if not isinstance(step, Step):
                 raise InvalidTrajectoryError(f"steps[{i}]: expected a Step, got {type(step).__name__}")

@@ -67,3 +67,23 @@ def test_render_text_from_plain_fields_matches_render():
     text = t.render()
     assert text.startswith("Task: You are in a room.") and "Thought 1: Thought 1" not in text
     assert "Observation 2: obs 2" in text and "Thought 2" not in text and text.endswith("Outcome: failure")
+
+
+def test_metadata_text_follows_the_text_rules_and_the_size_bounds():
+    from lifemem_ray.model import MAX_METADATA_ITEMS, MAX_STEPS, MAX_TEXT_CHARS
+
+    def make(**kw):
+        fields = {"env": "e", "task": "t", "steps": (Step(action="a"),)}
+        fields.update(kw)
+        return Trajectory(**fields)
+
+    for metadata, message in (({"a": "x\x00y"}, "metadata.a: contains a NUL"), ({"k\x00": 1}, "contains a NUL"),
+                              ({"a": "x" * (MAX_TEXT_CHARS + 1)}, "more than the"),
+                              ({"a": list(range(MAX_METADATA_ITEMS + 1))}, "keys and items")):
+        with pytest.raises(InvalidTrajectoryError, match=message):
+            make(metadata=metadata)
+    with pytest.raises(InvalidTrajectoryError, match="steps:"):
+        make(steps=tuple(Step(action="a") for _ in range(MAX_STEPS + 1)))
+    with pytest.raises(InvalidTrajectoryError, match="task:"):
+        make(task="x" * (MAX_TEXT_CHARS + 1))
+    assert make(metadata={"a": "x" * 1000, "b": list(range(100))}).metadata["b"][-1] == 99
