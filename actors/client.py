@@ -26,10 +26,6 @@ from lifemem_ray.errors import EmbeddingError
 
 from .errors import ShardUnavailableError, actor_failures
 
-RETRIEVE_CHUNK = 256  # queries whose records one shard call fetches in retrieve_many (decoded while the next chunk is fetched)
-SEARCH_CHUNK = 512  # queries per shard search call in retrieve_many (a multiple of RETRIEVE_CHUNK)
-ONE_ROUND_MAX = 16  # up to this many queries, shards send records with their hits (one round trip, least latency)
-
 __all__ = ["AddFuture", "MemoryClient"]
 
 
@@ -133,7 +129,7 @@ class MemoryClient:
         budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
         with paused_gc():
-            if len(tasks) <= ONE_ROUND_MAX:
+            if len(tasks) <= self.config.cluster.one_round_max:
                 return self._retrieve_one_round(tasks, envs, k, vecs, skills, budget)
             return self._retrieve_two_rounds(tasks, envs, k, vecs, skills, budget)
 
@@ -154,8 +150,9 @@ class MemoryClient:
         records are fetched: a shard's records that lose the merge never travel. Searches go
         out at once in large chunks (FAISS is cheaper per query on more queries of an
         environment); records come back in smaller chunks, each fetched while the one
-        before is decoded."""
-        per_search = max(RETRIEVE_CHUNK, SEARCH_CHUNK // RETRIEVE_CHUNK * RETRIEVE_CHUNK)
+        before is decoded (``cluster.search_chunk``, ``cluster.retrieve_chunk``)."""
+        chunk = self.config.cluster.retrieve_chunk
+        per_search = max(chunk, self.config.cluster.search_chunk // chunk * chunk)  # validated as a multiple of chunk
         starts = list(range(0, len(tasks), per_search))
         searches = [[shard.search_hits.remote(envs[a : a + per_search], k, vecs[a : a + per_search]) for shard in self.shards] for a in starts]
         merged: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -177,7 +174,7 @@ class MemoryClient:
                     wanted.append((at, shard.hit_records.remote(ids.ravel()[at], skills)))
             return scores, ids, wanted
 
-        chunks = [(a, min(len(tasks), a + RETRIEVE_CHUNK)) for a in range(0, len(tasks), RETRIEVE_CHUNK)]
+        chunks = [(a, min(len(tasks), a + chunk)) for a in range(0, len(tasks), chunk)]
         max_skills = self.config.retrieval.max_skills
         out: list[Retrieval] = []
         ahead = fetch(*chunks[0])

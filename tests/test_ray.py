@@ -66,8 +66,7 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
         assert b.skills and b.context
 
 
-def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_path, monkeypatch):
-    from lifemem_ray.actors import client as client_module
+def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_path):
     from lifemem_ray.actors.deployment import restore
 
     trajs, vecs = data
@@ -86,9 +85,8 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
     info = restore(tmp_path / "single", tmp_path / "restored", config, shards=3)
     try:
         assert info["trajectories"] == 1500 and info["clusters"] == len(clusters)
-        restored = MemoryClient(ns, config)
         # Many queries: two rounds (hits, then the winners' records), in pipelined chunks of 7.
-        monkeypatch.setattr(client_module, "RETRIEVE_CHUNK", 7)
+        restored = MemoryClient(ns, config.replace({"cluster.retrieve_chunk": 7, "cluster.search_chunk": 14}))
         got = restored.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
         assert len(got) == len(expected)
         for a, b in zip(expected, got):
