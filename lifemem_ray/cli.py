@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import textwrap
@@ -44,11 +45,22 @@ def _config(args: argparse.Namespace) -> MemoryConfig:
     return MemoryConfig.load(args.config, overrides=overrides)
 
 
+# Characters a terminal may act on (escape sequences, C1 controls, bidirectional overrides):
+# stored text is untrusted, so it is shown escaped, never interpreted. Newline and tab stay.
+_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: each such character shown as ``\\uNNNN`` (also a
+    valid escape inside a JSON string, so JSON output stays JSON)."""
+    return _TERMINAL_UNSAFE.sub(lambda m: f"\\u{ord(m.group(0)):04x}", text)
+
+
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
     if args.json:
-        print(json.dumps(data, ensure_ascii=False, indent=2))
+        print(printable(json.dumps(data, ensure_ascii=False, indent=2)))  # JSON escapes C0, not C1 or bidi
     else:
-        print(text())
+        print(printable(text()))
 
 
 def _progress(total: int, desc: str, args: argparse.Namespace) -> Any:
@@ -527,12 +539,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, InvalidTrajectoryError, CommandError, ValueError, OSError) as exc:
-        print(f"lifemem-ray {args.command}: error: {exc}", file=sys.stderr)
+        print(printable(f"lifemem-ray {args.command}: error: {exc}"), file=sys.stderr)
         return 1
     except Exception as exc:  # StoreError and friends: one line, no traceback unless -v
         if args.verbose:
             raise
-        print(f"lifemem-ray {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(printable(f"lifemem-ray {args.command}: error: {type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"lifemem-ray {args.command}: interrupted; everything acknowledged so far is stored", file=sys.stderr)

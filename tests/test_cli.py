@@ -121,3 +121,22 @@ def test_demo_runs(tmp_path):
     assert report["trajectories"] == 90 and report["clusters"] >= 6
     assert report["retrieval"]["trajectories"] and all(t["env"] == "shop" for t in report["retrieval"]["trajectories"])
     assert report["retrieval"]["skills"]
+
+
+def test_terminal_control_sequences_in_stored_text_are_shown_escaped(tmp_path):
+    from lifemem_ray.model import Outcome, Step, Trajectory
+
+    hostile = [Trajectory(env="shop", task=f"buy shoes \x1b[2J\x1b]0;pwned\x07 number {i} \u202eevil",
+                          steps=(Step(action="search[shoes \x1b[31m]", observation="\x9b2J results"),), outcome=Outcome(success=True))
+               for i in range(6)]
+    write_jsonl(hostile, tmp_path / "h.jsonl")
+    store = str(tmp_path / "store")
+    run("ingest", str(tmp_path / "h.jsonl"), "--store", store)
+    for args in (("retrieve", "buy shoes", "--store", store, "--env", "shop", "--context"),
+                 ("retrieve", "buy shoes", "--store", store, "--env", "shop", "--json"),
+                 ("clusters", "--store", store), ("clusters", "--store", store, "--json")):
+        out = run(*args).stdout
+        assert not any(c in out for c in ("\x1b", "\x9b", "\x07", "\u202e")), args
+        assert "\\u001b" in out or args[0] == "clusters"
+        if "--json" in args:
+            json.loads(out)  # still JSON
