@@ -1,20 +1,26 @@
 """MemoryShard: one engine store (LMDB folder + FAISS index) behind a Ray actor.
 
 A cluster and all of its trajectories live on one shard, so evolution, the R
-check, splits and skill distillation of a cluster are local. The shard only
-wraps :class:`lifemem_ray.memory.Memory`; decisions for new trajectories come
-from the coordinator, splits and skills run in the engine's background thread.
-Every method is safe to retry: commits skip trajectories already stored, so a
+check, splits and skill distillation of a cluster are local. The shard forwards the
+calls of :class:`lifemem_ray.protocols.ShardProtocol` to the engine's own
+(:class:`lifemem_ray.engine.shard.EngineShard`, ``Memory.shard``); decisions for new
+trajectories come from the coordinator, splits and skills run in the engine's background
+thread. Every method is safe to retry: commits skip trajectories already stored, so a
 call re-executed after the actor restarted stores nothing twice.
+
+A shard always runs maintenance and index retrains in the background, whatever
+``evolution.background_maintenance`` and ``index.background_retrain`` say (those
+defaults are for a memory used in process): ingest must never wait for a split or a
+retrain. The shard logs the override and ``stats()["background"]`` shows it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import math
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -22,23 +28,27 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lifemem_ray.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.index import set_faiss_threads
-from lifemem_ray.memory import AddResult, ClusterInfo, Memory, known_ids
-from lifemem_ray.retrieval import Retrieval
-from lifemem_ray.storage import ClusterRecord
+from lifemem_ray.ingest_rules import AddResult
+from lifemem_ray.memory import Memory
+from lifemem_ray.retrieval import RecordHit
 
-__all__ = ["MemoryShard", "shard_namespace"]
+__all__ = ["MemoryShard", "SHARD_OVERRIDES", "release_free_memory", "shard_namespace"]
+
+log = logging.getLogger(__name__)
+
+# What a shard sets whatever its config says (see the module docstring).
+SHARD_OVERRIDES = {"evolution.background_maintenance": True, "index.background_retrain": True}
 
 
 def release_free_memory() -> int:
     """Give the allocator's free memory back to the system (glibc ``malloc_trim``); returns 1 if any was.
 
     Index retrains on background threads free large buffers into per-thread malloc arenas
-    that glibc keeps. Measured after a 200k load: 6.0 instead of 6.9 kB of anonymous memory
-    per trajectory (about 90 MB a shard) (reopened, the same shards hold 3.0 kB: FAISS lists grown by appends keep
-    spare capacity that a saved and reloaded index does not)."""
+    that glibc keeps until trimmed."""
     gc.collect()
     try:
         return int(ctypes.CDLL("libc.so.6").malloc_trim(0))
@@ -51,18 +61,28 @@ def shard_namespace(index: int) -> int:
     return index + 1
 
 
+def shard_config(config: MemoryConfig) -> MemoryConfig:
+    """``config`` with :data:`SHARD_OVERRIDES` applied (logged where it changes a setting)."""
+    changed = [key for key, value in SHARD_OVERRIDES.items() if getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) != value]
+    if changed:
+        log.info("shard: %s set to true (a shard runs maintenance and index retrains in the background)", ", ".join(changed))
+    return config.replace(SHARD_OVERRIDES)
+
+
 class MemoryShard:
+    """The Ray actor of one store: :class:`~lifemem_ray.protocols.ShardProtocol` plus
+    ``info`` and ``ping`` for the deployment."""
+
     def __init__(self, index: int, path: str, config: MemoryConfig, dim: int | None = None) -> None:
         self.index = index
         self.path = Path(path)
-        # Splits and skills must never stall ingest: they run in the engine's own thread.
-        config = config.replace({"evolution.background_maintenance": True, "index.background_retrain": True})
+        config = shard_config(config)
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
         # other actors of the node (small batches per environment make that costly).
         set_faiss_threads(max(1, math.ceil(config.cluster.shard_cpus)))
         self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
+        self.engine = self.memory.shard
         self.started = time.time()
-        self.busy_seconds = {"candidates": 0.0, "commit": 0.0, "known": 0.0}
 
     # -- identity --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -80,131 +100,71 @@ class MemoryShard:
             "initialised": self.memory.initialised,
             "started": self.started,
             "gpu_index": stats["index"]["gpu"],
-            "busy_seconds": {k: round(v, 3) for k, v in self.busy_seconds.items()},
         }
+
+    def ping(self) -> int:
+        return self.index
 
     # -- ingest stages -----------------------------------------------------------------------
     def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
         """Per id: its stored result (duplicate, or conflict for other content), or None when new here."""
-        t = time.perf_counter()
-        out = known_ids(self.memory.store, ids, fingerprints)
-        self.busy_seconds["known"] += time.perf_counter() - t
-        return out
+        return self.engine.known(ids, fingerprints)
 
     def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
-        t = time.perf_counter()
-        out = self.memory.candidate_arrays(vectors, workflow_vectors, envs)
-        self.busy_seconds["candidates"] += time.perf_counter() - t
-        return out
+        return self.engine.candidates(vectors, workflow_vectors, envs)
 
     def commit(
         self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
     ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
         """Store the coordinator's decisions; return the results and the states of the clusters
         they went to. Idempotent: items already here are reported, not stored again."""
-        t = time.perf_counter()
-        self.memory.check_features(batch.features)
-        items = batch.items()
-        results = known_ids(self.memory.store, batch.ids, batch.fingerprints)
-        fresh = [i for i, r in enumerate(results) if r is None]
-        if fresh:
-            placed = self.memory.commit([items[i] for i in fresh], [placements[i] for i in fresh], counters=counters)
-            for i, result in zip(fresh, placed):
-                results[i] = result
-        self.memory._wake.set()  # maintenance (splits, skills) for what just changed
-        done = [r for r in results if r is not None]
-        states = self.memory.cluster_states(r.cluster_id for r in done if r.cluster_id is not None)
-        self.busy_seconds["commit"] += time.perf_counter() - t
-        return done, states
+        return self.engine.commit(batch, placements, counters)
 
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the
         initial partition exists, all go to one shard through here)."""
-        self.memory.check_features(batch.features)
-        return self.memory.add_items(batch.items())
+        return self.engine.add_items(batch)
 
     # -- reading -----------------------------------------------------------------------------
-    def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[Any]:
-        return self.memory.search_records(vectors, envs, k, skills=skills)
+    def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+        return self.engine.search_records(envs, k, vectors, skills)
 
     def search_hits(self, envs: Sequence[str | None], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.memory.search_hits(vectors, envs, k)
+        return self.engine.search_hits(envs, k, vectors)
 
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
-        return self.memory.hit_records(ids, skills=skills)
-
-    def timed_retrieve_many(self, tasks: Sequence[str], envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[list[Retrieval], float]:
-        """retrieve_many and the seconds it took inside this process (to separate Ray's share)."""
-        started = time.perf_counter()
-        out = self.memory.retrieve_many(tasks, envs, k, vectors=vectors)
-        return out, time.perf_counter() - started
-
-    def resources(self) -> dict[str, Any]:
-        """Resident memory of this process and bytes on disk of its store."""
-        status = {}
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    status[key] = int(value.split()[0]) * 1024
-        disk = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-        # RssFile is mostly LMDB pages this process has read through its map: page cache the
-        # kernel can drop, unlike RssAnon (the index, Python objects, allocator arenas).
-        return {"rss_bytes": status.get("VmRSS", 0), "anon_rss_bytes": status.get("RssAnon", 0),
-                "file_rss_bytes": status.get("RssFile", 0), "disk_bytes": disk, "trajectories": len(self.memory)}
-
-    def label_purity(self, key: str) -> dict[str, int]:
-        """Members agreeing with their cluster's majority of ``metadata[key]`` (ground-truth labels)."""
-        from collections import Counter, defaultdict
-
-        labels: dict[int, Counter] = defaultdict(Counter)
-        store = self.memory.store
-        with store.read() as txn:
-            for vid, traj, _ in store.iter_trajectories(txn):
-                cid = store.cluster_of(txn, vid)
-                if cid is not None and key in traj.metadata:
-                    labels[cid][traj.metadata[key]] += 1
-        agree = sum(c.most_common(1)[0][1] for c in labels.values())
-        return {"agree": agree, "total": sum(sum(c.values()) for c in labels.values()), "clusters": len(labels)}
+        return self.engine.hit_records(ids, skills)
 
     def stats(self) -> dict[str, Any]:
-        return self.memory.stats()
+        return self.engine.stats()
 
     def clusters(self, env: str | None = None) -> list[ClusterInfo]:
-        return self.memory.clusters(env)
+        return self.engine.clusters(env)
 
     def cluster_ids(self) -> list[int]:
-        return [c.id for c in self.memory.clusters()]
+        return self.engine.cluster_ids()
 
     def verify(self) -> dict[str, Any]:
-        return self.memory.verify()
+        return self.engine.verify()
 
     def maintain(self) -> int:
-        """Run queued splits and skills now and let background index retrains finish."""
-        done = self.memory.maintain()
-        self.memory.index.wait_retrains()
+        """Run queued splits and skills now, let background index retrains finish, and give
+        the memory they freed back to the system."""
+        done = self.engine.maintain()
         release_free_memory()
         return done
 
-    def export_records(self, path: str) -> dict[str, int]:
-        return self.memory.export(path)
+    def export_records(self, path: str) -> dict[str, Any]:
+        return self.engine.export_records(path)
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self, directory: str) -> dict[str, Any]:
         """A consistent copy of this shard's LMDB environment (one read transaction)."""
-        target = Path(directory)
-        if target.exists():
-            shutil.rmtree(target)
-        target.mkdir(parents=True)
-        self.memory.store.env.copy(str(target), compact=True)
-        return {"index": self.index, "path": str(target), "bytes": sum(p.stat().st_size for p in target.iterdir())}
+        return {"index": self.index, **self.engine.snapshot(directory)}
 
     def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
         """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
-        return self.memory.absorb(source, cluster_ids, include_pending=pending)
+        return self.engine.absorb(source, cluster_ids, pending)
 
     def close(self) -> None:
-        self.memory.close()
-
-    def ping(self) -> int:
-        return self.index
+        self.engine.close()

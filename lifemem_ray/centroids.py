@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .storage import ClusterRecord
+from .clusters import ClusterRecord
 
 __all__ = ["ClusterCentroids"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -23,14 +23,15 @@ from .config import EvolutionConfig, LLMConfig
 from .decisions import AssignRequest, Candidate, ClusterView, Decider
 from .model import Trajectory
 from .policy import OfflinePolicy
-from .storage import ClusterRecord
+from .clusters import MAX_FLOWS, ClusterRecord, add_member, fold_member, new_cluster_record
 
-__all__ = ["BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateArrays", "CandidateSet", "Placement", "add_member", "fold_member", "new_cluster_record"]
+__all__ = ["MAX_FLOWS", "MAX_PROVISIONAL_CANDIDATES", "BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateArrays", "CandidateSet", "Placement",
+           "add_member", "fold_member", "new_cluster_record"]
 
 log = logging.getLogger(__name__)
 
-MAX_FLOWS = 24  # distinct workflow summaries kept per cluster (the rest count as "other")
-MAX_PROVISIONAL_CANDIDATES = 64  # clusters opened earlier in a batch that each item is scored against
+# The default of ``evolution.max_provisional_candidates`` (the coordinator reads this name).
+MAX_PROVISIONAL_CANDIDATES = EvolutionConfig().max_provisional_candidates
 
 
 @dataclass(slots=True)
@@ -59,14 +60,14 @@ class BatchItem:
     def traj(self) -> Trajectory:
         """The trajectory itself (decoded on demand: only LLM prompts need it)."""
         if self._traj is None:
-            from .storage import record_to_trajectory
+            from .codec import decode_trajectory
 
-            self._traj = record_to_trajectory(self.record)[0]
+            self._traj = decode_trajectory(self.record)[0]
         return self._traj
 
     @classmethod
     def of(cls, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, tokens: list[str], flow: str, *, vid: int = 0, stored: bool = False) -> "BatchItem":
-        from .storage import trajectory_to_record
+        from .codec import encode_trajectory
 
         return cls(
             id=traj.id,
@@ -74,7 +75,7 @@ class BatchItem:
             query=traj.query_text[:300],
             success=traj.outcome.success,
             fingerprint=traj.fingerprint,
-            record=trajectory_to_record(traj, tokens, time.time()),
+            record=encode_trajectory(traj, tokens, time.time()),
             vec=vec,
             wvec=wvec,
             tokens=tokens,
@@ -217,52 +218,14 @@ class BatchPlan:
     llm_skipped: int = 0  # decided offline because the offline answer was unambiguous
 
 
-def new_cluster_record(cluster_id: int, dim: int, wdim: int, born: str, now: float) -> ClusterRecord:
-    return ClusterRecord(
-        id=cluster_id,
-        count=0,
-        tsum=np.zeros(dim, dtype=np.float64),
-        wsum=np.zeros(wdim, dtype=np.float64),
-        born=born,
-        created=now,
-        updated=now,
-    )
-
-
-def add_member(record: ClusterRecord, item: BatchItem, now: float) -> None:
-    """Fold one trajectory into a cluster's running state (sums, counts, profiles)."""
-    fold_member(record, item.vec, item.wvec, item.env, item.success, item.flow, now)
-
-
-def fold_member(record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: str, success: bool | None, flow: str, now: float) -> None:
-    record.count += 1
-    record.tsum += vec
-    record.wsum += wvec
-    record.envs[env] = record.envs.get(env, 0) + 1
-    flows = record.flows
-    if flow in flows or len(flows) < MAX_FLOWS:
-        flows[flow] = flows.get(flow, 0) + 1
-    else:
-        flows["(other)"] = flows.get("(other)", 0) + 1
-    if success is True:
-        record.successes += 1
-    elif success is False:
-        record.failures += 1
-    record.version += 1
-    record.updated = now
-
-
-IN_BATCH_WINDOW = 256  # earlier items of a batch searched for in-batch neighbours
-
-
-def _earlier_neighbours(vecs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each item, its k most similar items among the ``IN_BATCH_WINDOW`` before it
-    (index -1 where there are fewer). Blocked, so a large batch costs linear time: the
-    clusters opened further back in the batch are candidates anyway (see plan)."""
+def _earlier_neighbours(vecs: np.ndarray, k: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each item, its k most similar items among the ``w`` before it
+    (``evolution.in_batch_window``; index -1 where there are fewer). Blocked, so a large batch
+    costs linear time: the clusters opened further back in the batch are candidates anyway
+    (see :meth:`BatchPlanner.plan`)."""
     n = len(vecs)
     sims = np.full((n, k), -np.inf, dtype=np.float32)
     idx = np.full((n, k), -1, dtype=np.int64)
-    w = IN_BATCH_WINDOW
     for start in range(0, n, w):
         stop = min(n, start + w)
         lo = max(0, start - w)
@@ -296,9 +259,16 @@ class _SumNorms:
         return tn, wn
 
 
-def _cos(vec: np.ndarray, total: np.ndarray) -> float:
-    norm = math.sqrt(float(total @ total))
-    return float(vec @ total) / norm if norm > 0 else 0.0
+@dataclass
+class _PlanState:
+    """What :meth:`BatchPlanner.plan` carries from one item to the next."""
+
+    plan: BatchPlan
+    lowest: int  # the last provisional (negative) cluster id handed out
+    provisional_by_env: dict[str, list[int]] = field(default_factory=dict)
+    candidates_of: list[list[Candidate]] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    norms: _SumNorms = field(default_factory=lambda: _SumNorms())
 
 
 class BatchPlanner:
@@ -341,89 +311,93 @@ class BatchPlanner:
         # Sums are float64: compare in float64 (a mixed-dtype dot would cast on every call).
         vec64 = vecs.astype(np.float64)
         wvec64 = np.stack([it.wvec for it in items]).astype(np.float64) if n else np.zeros((0, self.wdim))
-        k = self.config.top_k
-        near_s, near_j = _earlier_neighbours(vecs, k)
-        near_s, near_j = near_s.tolist(), near_j.tolist()  # Python floats: the loop below is per item
+        near_s, near_j = _earlier_neighbours(vecs, self.config.top_k, self.config.in_batch_window)
+        near = (near_s.tolist(), near_j.tolist())  # Python floats: the loop below is per item
         plan = BatchPlan(placements=[], clusters={})
         groups = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
         init_labels, init_descriptions = groups if groups is not None else (None, [])
-        placements = plan.placements
-        candidates_of: list[list[Candidate]] = []
-        margins: list[float] = []
-        work = plan.clusters
-        k = self.config.top_k
-        want_views = self.decider is not None
-        lowest = -(max(init_labels) + 1) if init_labels else 0  # last provisional id handed out
-        norms = _SumNorms()
-        provisional_by_env: dict[str, list[int]] = {}
+        state = _PlanState(plan, -(max(init_labels) + 1) if init_labels else 0)  # the last provisional id handed out
         if init_labels:
             for label, it in zip(init_labels, items):
-                ids = provisional_by_env.setdefault(it.env, [])
+                ids = state.provisional_by_env.setdefault(it.env, [])
                 if -(label + 1) not in ids:
                     ids.append(-(label + 1))
         for i, item in enumerate(items):
             if init_labels is not None and i < init_count:
-                placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm",
-                                            description=init_descriptions[init_labels[i]] or None))
-                candidates_of.append([])
-                margins.append(1.0)
-                self._apply(work, placements[i].cluster, item, now, born="init")
+                plan.placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm",
+                                                 description=init_descriptions[init_labels[i]] or None))
+                state.candidates_of.append([])
+                state.margins.append(1.0)
+                self._apply(plan.clusters, plan.placements[i].cluster, item, now, born="init")
                 continue
-            # Top-k neighbours: stored ones (from the index) and earlier items of this batch.
-            pool: list[tuple[float, int]] = [] if i < init_count else [(s, c) for c, s in neighbours[i]]
-            for sim, j in zip(near_s[i], near_j[i]):
-                if j >= 0:
-                    pool.append((float(sim), placements[j].cluster))
-            pool.sort(key=lambda sc: -sc[0])
-            hits: dict[int, int] = {}
-            for _, cid in pool[:k]:
-                hits[cid] = hits.get(cid, 0) + 1
-            if extra is not None and i >= init_count:
-                for cid in extra[i]:
-                    hits.setdefault(cid, 0)
-            # Clusters opened earlier in this batch (in this environment) are not in the centroid
-            # search yet: score them all.
-            for cid in provisional_by_env.get(item.env, ())[-MAX_PROVISIONAL_CANDIDATES:]:
-                hits.setdefault(cid, 0)
-            scored: list[tuple[float, int, float, float]] = []
-            thresholds: list[float] = []
-            for cid in hits:
-                record = work.get(cid) or self.live.get(cid)
-                if record is None or record.count == 0:
-                    continue
-                tn, wn = norms.of(record)
-                ts = float(vec64[i] @ record.tsum) / tn if tn > 0 else 0.0
-                ws = float(wvec64[i] @ record.wsum) / wn if wn > 0 else 0.0
-                scored.append((self.policy.score(ts, ws), cid, ts, ws))
-                thresholds.append(self.policy.threshold(record.count, tn, wn))
-            order = sorted(range(len(scored)), key=lambda j: -scored[j][0])
-            scored = [scored[j] for j in order]
-            thresholds = [thresholds[j] for j in order]
-            candidates: list[Candidate] = []
-            if want_views:
-                for score, cid, ts, ws in scored:
-                    record = work.get(cid) or self.live[cid]
-                    view = ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs))
-                    candidates.append(Candidate(view, score, ts, ws, hits[cid]))
-            choice, margin = self.policy.decide([x[0] for x in scored], thresholds)
-            by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
-            if choice is None:
-                lowest -= 1
-                cid = lowest
-                provisional_by_env.setdefault(item.env, []).append(cid)
-                op = "init" if i < init_count else "new"
-                score = scored[0][0] if scored else 0.0
-            else:
-                score, cid = scored[choice][0], scored[choice][1]
-                op = "init" if i < init_count else "join"
-            placements.append(Placement(cluster=cid, op=op, by=by, score=score))
-            candidates_of.append(candidates)
-            margins.append(margin)
-            self._apply(work, cid, item, now, born="init" if i < init_count else "new")
-
+            hits = self._hits(i, item, state, [] if i < init_count else neighbours[i], near,
+                              extra[i] if extra is not None and i >= init_count else ())
+            self._place_one(i, item, hits, vec64[i], wvec64[i], state, init_count, now)
         if self.decider is not None and n > init_count:
-            self._ask_decider(plan, items, candidates_of, margins, init_count)
+            self._ask_decider(plan, items, state.candidates_of, state.margins, init_count)
         return plan
+
+    def _hits(self, i: int, item: BatchItem, state: "_PlanState", stored: Sequence[tuple[int, float]],
+              near: tuple[list[list[float]], list[list[int]]], extra: Sequence[int]) -> dict[int, int]:
+        """Item i's candidate clusters, each with its number of top-k neighbours in it: the
+        top-k among its stored neighbours and the earlier items of this batch, the ``extra``
+        clusters, and the clusters opened earlier in this batch in its environment (not in
+        the centroid search yet: the last ``evolution.max_provisional_candidates`` of them)."""
+        placements = state.plan.placements
+        pool: list[tuple[float, int]] = [(s, c) for c, s in stored]
+        for sim, j in zip(near[0][i], near[1][i]):
+            if j >= 0:
+                pool.append((float(sim), placements[j].cluster))
+        pool.sort(key=lambda sc: -sc[0])
+        hits: dict[int, int] = {}
+        for _, cid in pool[: self.config.top_k]:
+            hits[cid] = hits.get(cid, 0) + 1
+        for cid in extra:
+            hits.setdefault(cid, 0)
+        for cid in state.provisional_by_env.get(item.env, ())[-self.config.max_provisional_candidates:]:
+            hits.setdefault(cid, 0)
+        return hits
+
+    def _place_one(self, i: int, item: BatchItem, hits: dict[int, int], vec64: np.ndarray, wvec64: np.ndarray,
+                   state: "_PlanState", init_count: int, now: float) -> None:
+        """Score item i against its candidates and join the best one that passes, or open a
+        new (provisional) cluster."""
+        work = state.plan.clusters
+        scored: list[tuple[float, int, float, float]] = []
+        thresholds: list[float] = []
+        for cid in hits:
+            record = work.get(cid) or self.live.get(cid)
+            if record is None or record.count == 0:
+                continue
+            tn, wn = state.norms.of(record)
+            ts = float(vec64 @ record.tsum) / tn if tn > 0 else 0.0
+            ws = float(wvec64 @ record.wsum) / wn if wn > 0 else 0.0
+            scored.append((self.policy.score(ts, ws), cid, ts, ws))
+            thresholds.append(self.policy.threshold(record.count, tn, wn))
+        order = sorted(range(len(scored)), key=lambda j: -scored[j][0])
+        scored = [scored[j] for j in order]
+        thresholds = [thresholds[j] for j in order]
+        candidates: list[Candidate] = []
+        if self.decider is not None:
+            for score, cid, ts, ws in scored:
+                record = work.get(cid) or self.live[cid]
+                view = ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs))
+                candidates.append(Candidate(view, score, ts, ws, hits[cid]))
+        choice, margin = self.policy.decide([x[0] for x in scored], thresholds)
+        by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
+        if choice is None:
+            state.lowest -= 1
+            cid = state.lowest
+            state.provisional_by_env.setdefault(item.env, []).append(cid)
+            op = "init" if i < init_count else "new"
+            score = scored[0][0] if scored else 0.0
+        else:
+            score, cid = scored[choice][0], scored[choice][1]
+            op = "init" if i < init_count else "join"
+        state.plan.placements.append(Placement(cluster=cid, op=op, by=by, score=score))
+        state.candidates_of.append(candidates)
+        state.margins.append(margin)
+        self._apply(work, cid, item, now, born="init" if i < init_count else "new")
 
     def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> tuple[list[int], list[str]] | None:
         """Initial groups from the LLM as dense labels 0..g-1 with a description each, or None

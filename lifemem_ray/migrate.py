@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .storage import ClusterRecord, MemoryStore
+from .clusters import ClusterRecord
+from .storage import MemoryStore
 from .steps import featurize
 from .workflow import workflow_summary
 
@@ -75,8 +76,9 @@ def migrate_features(
             fresh.envs, fresh.flows, fresh.successes, fresh.failures = {}, {}, 0, 0
             for vid in store.members(txn, record.id):
                 _, vec, wvec = store.vectors(txn, vid)  # type: ignore[misc]
-                tokens, success, env = store.brief(txn, vid)[:3]  # type: ignore[index]
-                fold(fresh, vec, wvec, env, success, workflow_summary(tokens), now)
+                brief = store.brief(txn, vid)
+                assert brief is not None
+                fold(fresh, vec, wvec, brief.env, brief.success, workflow_summary(brief.tokens), now)
             fresh.version = record.version + 1
             store.put_cluster(txn, fresh)
             if needs_split(fresh):

@@ -25,7 +25,7 @@ from .model import Trajectory
 from .skills import distil_procedure
 
 if TYPE_CHECKING:
-    from .storage import ClusterRecord
+    from .clusters import ClusterRecord
 
 __all__ = ["OfflinePolicy", "skill_step_texts", "spherical_kmeans"]
 

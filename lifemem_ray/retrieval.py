@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from .codec import StoredFields, fields_to_trajectory, record_fields
 from .model import Trajectory, render_text
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
@@ -46,7 +47,7 @@ class RetrievedTrajectory:
 
     def __init__(
         self, id: str, env: str, task: str, score: float, cluster_id: int | None,
-        trajectory: Trajectory | None = None, *, record: bytes | None = None, fields: dict[str, Any] | None = None,
+        trajectory: Trajectory | None = None, *, record: bytes | None = None, fields: StoredFields | None = None,
     ) -> None:
         if (trajectory is None) == (record is None):
             raise TypeError("RetrievedTrajectory needs a trajectory or a stored record (one of them)")
@@ -54,16 +55,12 @@ class RetrievedTrajectory:
         self._trajectory, self._record = trajectory, record
         self._fields = fields  # the record decoded, held only while the result is assembled
 
-    def _decoded(self) -> dict[str, Any]:
-        from .storage import record_fields
-
+    def _decoded(self) -> StoredFields:
         return self._fields if self._fields is not None else record_fields(self._record)  # type: ignore[arg-type]
 
     @property
     def trajectory(self) -> Trajectory:
         if self._trajectory is None:
-            from .storage import fields_to_trajectory
-
             self._trajectory = fields_to_trajectory(self._decoded())
             self._record = self._fields = None
         return self._trajectory
@@ -73,14 +70,14 @@ class RetrievedTrajectory:
         """Whether the retrieved run succeeded (None: unknown), without building the trajectory."""
         if self._trajectory is not None:
             return self._trajectory.outcome.success
-        return self._decoded()["out"][0]
+        return self._decoded().success
 
     def render(self, max_chars: int | None = None) -> str:
         """``self.trajectory.render(max_chars)``, without building it when it is not yet."""
         if self._trajectory is not None:
             return self._trajectory.render(max_chars)
-        d = self._decoded()
-        return render_text(d["task"] if d["task"].strip() else d["io"], d["steps"], d["out"][0], max_chars)
+        f = self._decoded()
+        return render_text(f.task if f.task.strip() else f.initial_observation, f.steps, f.success, max_chars)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RetrievedTrajectory):
@@ -185,14 +182,12 @@ def assemble(
     several shards): the best ``k`` by score decoded, then the skills of their clusters in
     hit order. The engine and the sharded client both build their answers here, so they
     agree by construction."""
-    from .storage import record_fields
-
     best = sorted(hits, key=lambda h: -h[0])[:k]  # stable: ties keep store (shard) order
     trajectories = []
     skills: list[RetrievedSkill] = []
     for score, cid, raw in best:
-        d = record_fields(raw)
-        trajectories.append(RetrievedTrajectory(d["id"], d["env"], d["task"], float(score), cid, record=raw, fields=d))
+        f = record_fields(raw)
+        trajectories.append(RetrievedTrajectory(f.id, f.env, f.task, float(score), cid, record=raw, fields=f))
         if cid is not None and cid in skill_texts and len(skills) < max_skills and all(s.cluster_id != cid for s in skills):
             skills.append(RetrievedSkill(cid, skill_texts[cid], float(score)))
     context, tokens = render_context(trajectories, skills, budget)

@@ -6,7 +6,8 @@ the transaction is aborted, the map doubles and the function runs again, so a
 change is applied entirely or not at all. A commit is fsynced (``sync=True``),
 so whatever :meth:`MemoryStore.write` returned for survives a crash.
 
-Sub-databases (keys are big-endian u64 unless noted, values msgpack):
+Sub-databases (keys are big-endian u64 unless noted; the value layouts are
+:mod:`lifemem_ray.codec`'s, the only module that packs or unpacks them):
 
 =========  ==========================  ==========================================
 name       key                         value
@@ -30,25 +31,34 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import struct
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 import lmdb
-import msgpack
 import numpy as np
 
-from .model import Outcome, Step, Trajectory
+from . import codec
+from .clusters import ClusterRecord
+from .codec import (
+    Brief,
+    decode_trajectory as record_to_trajectory,
+    encode_trajectory as trajectory_to_record,
+    fields_to_trajectory,
+    pack_u64,
+    record_fields,
+    unpack_u64,
+)
 from .errors import StoreError, StoreLockedError
 
 __all__ = [
     "SCHEMA_VERSION",
     "ClusterRecord",
     "MemoryStore",
+    "RawItem",
     "StoreError",
     "StoreLockedError",
     "pack_u64",
@@ -56,190 +66,25 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-_U64 = struct.Struct(">Q")
-_U32 = struct.Struct(">I")
 _DBS = ("meta", "traj", "tid", "vec", "brief", "vclu", "members", "clusters", "envs", "log", "todo")
 T = TypeVar("T")
-
-
-def pack_u64(value: int) -> bytes:
-    return _U64.pack(value)
-
-
-def unpack_u64(data: bytes) -> int:
-    return _U64.unpack(data)[0]
-
-
-def _packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def _unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
+_packb, _unpackb = codec.pack, codec.unpack
 
 ID_SEQ_BITS = 40  # ids are (namespace << 40) | sequence: sequential within a store, apart across shards
 MAX_NAMESPACE = (1 << (63 - ID_SEQ_BITS)) - 1
 
 
-@dataclass
-class ClusterRecord:
-    """A workflow cluster. ``tsum``/``wsum`` are running sums of member unit vectors,
-    so the mean resultant length R = |wsum| / count is known without reading members."""
+@dataclass(frozen=True)
+class RawItem:
+    """One stored trajectory as its bytes and vectors, to copy into another store as is."""
 
-    id: int
-    count: int
-    tsum: np.ndarray  # float64 (dim,): sum of text unit vectors
-    wsum: np.ndarray  # float64 (wdim,): sum of workflow unit vectors
-    envs: dict[str, int] = field(default_factory=dict)
-    flows: dict[str, int] = field(default_factory=dict)  # workflow summary -> count (bounded)
-    successes: int = 0
-    failures: int = 0
-    description: str = ""
-    description_by: str = ""
-    description_n: int = 0  # count when the description was last written by its author
-    skill: str = ""
-    skill_by: str = ""
-    skill_n: int = 0  # count when the skill was last distilled
-    version: int = 0
-    born: str = "new"  # init | new | split
-    parent: int | None = None
-    created: float = 0.0
-    updated: float = 0.0
-    split_into: list[int] | None = None  # set on the tombstone of a split cluster
-    no_split_until: int = 0  # a split that found no structure is not retried before this count
-
-    @property
-    def live(self) -> bool:
-        return self.split_into is None and self.count > 0
-
-    @property
-    def mrl(self) -> float:
-        """Mean resultant length R of the members' workflow vectors."""
-        return float(np.linalg.norm(self.wsum) / self.count) if self.count else 0.0
-
-    def to_bytes(self) -> bytes:
-        return _packb(
-            {
-                "id": self.id,
-                "n": self.count,
-                "ts": self.tsum.astype(np.float64).tobytes(),
-                "ws": self.wsum.astype(np.float64).tobytes(),
-                "envs": self.envs,
-                "flows": self.flows,
-                "ok": self.successes,
-                "ko": self.failures,
-                "d": self.description,
-                "db": self.description_by,
-                "dn": self.description_n,
-                "s": self.skill,
-                "sb": self.skill_by,
-                "sn": self.skill_n,
-                "v": self.version,
-                "born": self.born,
-                "parent": self.parent,
-                "c": self.created,
-                "u": self.updated,
-                "split_into": self.split_into,
-                "nsu": self.no_split_until,
-            }
-        )
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "ClusterRecord":
-        d = _unpackb(data)
-        return cls(
-            id=d["id"],
-            count=d["n"],
-            tsum=np.frombuffer(d["ts"], dtype=np.float64).copy(),
-            wsum=np.frombuffer(d["ws"], dtype=np.float64).copy(),
-            envs=dict(d["envs"]),
-            flows=dict(d["flows"]),
-            successes=d["ok"],
-            failures=d["ko"],
-            description=d["d"],
-            description_by=d["db"],
-            description_n=d["dn"],
-            skill=d["s"],
-            skill_by=d["sb"],
-            skill_n=d["sn"],
-            version=d["v"],
-            born=d["born"],
-            parent=d["parent"],
-            created=d["c"],
-            updated=d["u"],
-            split_into=d["split_into"],
-            no_split_until=d.get("nsu", 0),
-        )
-
-    def copy(self) -> "ClusterRecord":
-        return ClusterRecord(
-            **{
-                **self.__dict__,
-                "tsum": self.tsum.copy(),
-                "wsum": self.wsum.copy(),
-                "envs": dict(self.envs),
-                "flows": dict(self.flows),
-                "split_into": list(self.split_into) if self.split_into is not None else None,
-            }
-        )
-
-
-def trajectory_to_record(traj: Trajectory, tokens: list[str], added: float) -> bytes:
-    return _packb(
-        {
-            "id": traj.id,
-            "env": traj.env,
-            "task": traj.task,
-            "io": traj.initial_observation,
-            "steps": [[s.thought, s.action, s.observation] for s in traj.steps],
-            "out": [traj.outcome.success, traj.outcome.reward],
-            "meta": dict(traj.metadata),
-            "fp": traj.fingerprint,
-            "wf": tokens,
-            "t": added,
-        }
-    )
-
-
-def record_to_trajectory(data: bytes, *, trusted: bool = False) -> tuple[Trajectory, dict[str, Any]]:
-    """Decode a stored record; ``trusted`` skips re-validating what was validated when it was
-    stored (retrieval decodes thousands per second; checks and exports keep validating)."""
-    d = _unpackb(data)
-    if trusted:
-        traj = fields_to_trajectory(d)
-    else:
-        traj = Trajectory(
-            env=d["env"],
-            task=d["task"],
-            steps=tuple(Step(thought=t, action=a, observation=o) for t, a, o in d["steps"]),
-            outcome=Outcome(success=d["out"][0], reward=d["out"][1]),
-            id=d["id"],
-            initial_observation=d["io"],
-            metadata=d["meta"],
-        )
-    return traj, {"fingerprint": d["fp"], "tokens": d["wf"], "added": d["t"]}
-
-
-def record_fields(data: bytes) -> dict[str, Any]:
-    """A stored record's plain fields (``env``, ``task``, ``io``, ``steps`` as [thought,
-    action, observation], ``out``, ...): what retrieval renders, without building objects."""
-    return _unpackb(data)
-
-
-def fields_to_trajectory(d: dict[str, Any]) -> Trajectory:
-    """The trajectory of :func:`record_fields`' output, trusted (validated when stored)."""
-    out = d["out"]
-    return Trajectory.trusted(
-        env=d["env"],
-        task=d["task"],
-        steps=tuple(Step.trusted(a, t, o) for t, a, o in d["steps"]),
-        outcome=Outcome(success=out[0], reward=out[1]),
-        id=d["id"],
-        initial_observation=d["io"],
-        metadata=d["meta"],
-        fingerprint=d["fp"],
-    )
+    vid: int
+    trajectory_id: str
+    record: bytes
+    env: str
+    vec: np.ndarray
+    wvec: np.ndarray
+    brief: bytes | None
 
 
 class _ResizeGate:
@@ -477,16 +322,16 @@ class MemoryStore:
 
     # -- environments ----------------------------------------------------------------------
     def env_codes(self, txn: lmdb.Transaction) -> dict[str, int]:
-        return {k.decode(): _U32.unpack(v)[0] for k, v in txn.cursor(db=self.db["envs"])}
+        return {k.decode(): codec.unpack_u32(v) for k, v in txn.cursor(db=self.db["envs"])}
 
     def env_code(self, txn: lmdb.Transaction, env: str) -> int:
         """The code of ``env``, allocated in this transaction when new."""
         key = env.encode()
         raw = txn.get(key, db=self.db["envs"])
         if raw is not None:
-            return _U32.unpack(raw)[0]
+            return codec.unpack_u32(raw)
         code = txn.stat(self.db["envs"])["entries"]
-        txn.put(key, _U32.pack(code), db=self.db["envs"])
+        txn.put(key, codec.pack_u32(code), db=self.db["envs"])
         return code
 
     # -- trajectories ----------------------------------------------------------------------
@@ -496,7 +341,7 @@ class MemoryStore:
 
     def fingerprint_of(self, txn: lmdb.Transaction, vid: int) -> str | None:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
-        return None if raw is None else _unpackb(raw)["fp"]
+        return None if raw is None else codec.record_fingerprint(raw)
 
     def allocate_vids(self, txn: lmdb.Transaction, n: int) -> list[int]:
         """Integer ids for ``n`` new trajectories: the store's namespace (high bits) and a
@@ -525,7 +370,7 @@ class MemoryStore:
         txn.put(key, item.record, db=self.db["traj"])
         txn.put(item.id.encode("utf-8"), key, db=self.db["tid"])
         txn.put(key, self.pack_vectors(env_code, item.vec, item.wvec), db=self.db["vec"])
-        txn.put(key, _packb([item.tokens, item.success, item.env, item.query, item.id]), db=self.db["brief"])
+        txn.put(key, codec.encode_brief(Brief(item.tokens, item.success, item.env, item.query, item.id)), db=self.db["brief"])
         if cluster_id is not None:
             self.set_cluster_of(txn, item.vid, cluster_id)
 
@@ -538,10 +383,9 @@ class MemoryStore:
         if raw_vec is None or raw_brief is None:
             raise StoreError(f"{self.path}: trajectory {vid} has no stored vectors or brief; run `lifemem-ray check`")
         code, vec, _ = self.unpack_vectors(raw_vec)
-        brief = list(_unpackb(raw_brief))
-        brief[0] = tokens
+        brief = codec.decode_brief(raw_brief)._replace(tokens=tokens)
         txn.put(key, self.pack_vectors(code, vec, workflow_vector), db=self.db["vec"])
-        txn.put(key, _packb(brief), db=self.db["brief"])
+        txn.put(key, codec.encode_brief(brief), db=self.db["brief"])
 
     def delete_trajectory(self, txn: lmdb.Transaction, vid: int, trajectory_id: str) -> None:
         key = pack_u64(vid)
@@ -573,23 +417,42 @@ class MemoryStore:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else record_to_trajectory(raw)
 
-    def brief(self, txn: lmdb.Transaction, vid: int) -> tuple[list[str], bool | None, str, str, str] | None:
+    def raw_item(self, txn: lmdb.Transaction, vid: int, env_names: dict[int, str] | None = None) -> RawItem | None:
+        """Trajectory ``vid`` as it is stored (to copy into another store), or None.
+        ``env_names``: code -> name of :meth:`env_codes`, when the caller reads many."""
+        key = pack_u64(vid)
+        record = txn.get(key, db=self.db["traj"])
+        raw_vec = txn.get(key, db=self.db["vec"])
+        if record is None or raw_vec is None:
+            return None
+        code, vec, wvec = self.unpack_vectors(raw_vec)
+        names = env_names if env_names is not None else {c: name for name, c in self.env_codes(txn).items()}
+        return RawItem(vid, codec.record_id(record), record, names[code], vec, wvec, txn.get(key, db=self.db["brief"]))
+
+    def holds_vid(self, txn: lmdb.Transaction, vid: int) -> bool:
+        return txn.get(pack_u64(vid), db=self.db["traj"]) is not None
+
+    def put_raw_item(self, txn: lmdb.Transaction, item: RawItem, cluster_id: int | None) -> None:
+        """Store a trajectory copied from another store under its own vid (see :meth:`raw_item`)."""
+        key = pack_u64(item.vid)
+        txn.put(key, item.record, db=self.db["traj"])
+        txn.put(item.trajectory_id.encode("utf-8"), key, db=self.db["tid"])
+        txn.put(key, self.pack_vectors(self.env_code(txn, item.env), item.vec, item.wvec), db=self.db["vec"])
+        if item.brief is not None:
+            txn.put(key, item.brief, db=self.db["brief"])
+        if cluster_id is not None:
+            self.set_cluster_of(txn, item.vid, cluster_id)
+
+    def brief(self, txn: lmdb.Transaction, vid: int) -> Brief | None:
         """(action tokens, success, env, task head, id) without unpacking the whole trajectory."""
         raw = txn.get(pack_u64(vid), db=self.db["brief"])
-        return None if raw is None else tuple(_unpackb(raw))  # type: ignore[return-value]
+        return None if raw is None else codec.decode_brief(raw)
 
     def pack_vectors(self, env_code: int, vector: np.ndarray, workflow_vector: np.ndarray) -> bytes:
-        return (
-            _U32.pack(env_code)
-            + np.ascontiguousarray(vector, dtype=np.float32).tobytes()
-            + np.ascontiguousarray(workflow_vector, dtype=np.float16).tobytes()
-        )
+        return codec.encode_vectors(env_code, vector, workflow_vector)
 
     def unpack_vectors(self, data: bytes) -> tuple[int, np.ndarray, np.ndarray]:
-        code = _U32.unpack_from(data, 0)[0]
-        vec = np.frombuffer(data, dtype=np.float32, count=self.dim, offset=4)
-        wvec = np.frombuffer(data, dtype=np.float16, count=self.workflow_dim, offset=4 + 4 * self.dim).astype(np.float32)
-        return code, vec, wvec
+        return codec.decode_vectors(data, self.dim, self.workflow_dim)
 
     def vectors(self, txn: lmdb.Transaction, vid: int) -> tuple[int, np.ndarray, np.ndarray] | None:
         raw = txn.get(pack_u64(vid), db=self.db["vec"])
@@ -611,15 +474,15 @@ class MemoryStore:
 
     # -- clusters --------------------------------------------------------------------------
     def put_cluster(self, txn: lmdb.Transaction, record: ClusterRecord) -> None:
-        txn.put(pack_u64(record.id), record.to_bytes(), db=self.db["clusters"])
+        txn.put(pack_u64(record.id), codec.encode_cluster(record), db=self.db["clusters"])
 
     def get_cluster(self, txn: lmdb.Transaction, cluster_id: int) -> ClusterRecord | None:
         raw = txn.get(pack_u64(cluster_id), db=self.db["clusters"])
-        return None if raw is None else ClusterRecord.from_bytes(raw)
+        return None if raw is None else codec.decode_cluster(raw)
 
     def iter_clusters(self, txn: lmdb.Transaction) -> Iterator[ClusterRecord]:
         for _, value in txn.cursor(db=self.db["clusters"]):
-            yield ClusterRecord.from_bytes(value)
+            yield codec.decode_cluster(value)
 
     def members(self, txn: lmdb.Transaction, cluster_id: int) -> list[int]:
         prefix = pack_u64(cluster_id)
@@ -684,6 +547,10 @@ class MemoryStore:
             "page_size": stat["psize"],
             "file_size": (self.path / "data.mdb").stat().st_size,
         }
+
+    def copy_to(self, directory: str | os.PathLike[str]) -> None:
+        """A compacted, consistent copy of the store (one read transaction) in ``directory``."""
+        self.env.copy(str(directory), compact=True)
 
     def close(self) -> None:
         if getattr(self, "env", None) is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import purity, unit
 from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import IdConflictError, Memory
+from lifemem_ray.memory import IdConflictError, Memory, prepare_items
 from lifemem_ray.model import Outcome, Step, Trajectory
 from lifemem_ray.storage import StoreError
 
@@ -348,9 +348,9 @@ def test_candidates_match_between_the_list_and_array_forms(tmp_path, synthetic):
     trajs, vecs = synthetic
     with Memory.open(tmp_path / "m") as memory:
         memory.add_many(trajs[:400], vecs[:400])
-        items = memory.prepare(trajs[400:460], vecs[400:460])
-        arrays = memory.candidate_arrays(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items])
-        found = memory.candidates(items)
+        items = prepare_items(trajs[400:460], vecs[400:460], memory.dim, memory.features)
+        arrays = memory.shard.candidates(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items])
+        found = memory._ingest.candidates(items)  # the list form the engine plans with
         assert found.neighbours == arrays.to_set().neighbours and found.extra == arrays.to_set().extra
         assert all(row for row in found.neighbours) and set(found.clusters) == set(arrays.clusters)
         live = {c.id for c in memory.clusters()}
@@ -366,11 +366,11 @@ def test_hits_then_records_is_what_search_records_returns(tmp_path, synthetic):
         m.maintain()
         envs = [t.env for t in trajs[120:140]] + ["unknown-env"]
         queries = np.vstack([vecs[120:140], vecs[:1]])
-        scores, ids = m.search_hits(queries, envs, 4)
+        scores, ids = m.shard.search_hits(envs, 4, queries)
         assert scores.shape == ids.shape == (21, 4) and (ids[-1] == -1).all()
-        records, skills = m.hit_records(ids)
+        records, skills = m.shard.hit_records(ids)
         assert len(records) == ids.size and all(r is None for r in records[-4:])
-        one_call = m.search_records(queries, envs, 4)
+        one_call = m.shard.search_records(envs, 4, queries)
         for q, (hits, texts) in enumerate(one_call):
             row = [(float(s), *r) for s, r in zip(scores[q], records[4 * q : 4 * q + 4]) if r is not None]
             assert [(round(s, 6), c, raw) for s, c, raw in hits] == [(round(s, 6), c, raw) for s, c, raw in row]
@@ -379,7 +379,7 @@ def test_hits_then_records_is_what_search_records_returns(tmp_path, synthetic):
         with m.store.read() as txn:
             victim = m.store.trajectory(txn, gone)[0].id
         assert m.remove([victim]) == 1  # removed between the two halves: its record is None
-        assert m.hit_records(np.array([gone, -1]))[0] == [None, None]
+        assert m.shard.hit_records(np.array([gone, -1]))[0] == [None, None]
 
 
 def test_paused_gc_restores_the_collector_state():

@@ -59,5 +59,5 @@ def test_items_packed_with_another_featurizer_are_refused(tmp_path, data):
     batch = pack_trajectories(trajs[:5], vecs[:5], 384, "tokens")
     with Memory.open(tmp_path / "m", MemoryConfig()) as memory:
         with pytest.raises(ValueError, match="workflow vectors"):
-            memory.check_features(batch.features)
-        memory.check_features(pack_trajectories(trajs[:5], vecs[:5], 384, "roles").features)
+            memory.shard.check_features(batch.features)
+        memory.shard.check_features(pack_trajectories(trajs[:5], vecs[:5], 384, "roles").features)

@@ -1,0 +1,121 @@
+"""Audit: what a memory holds (stats) and whether it is consistent (verify: every invariant
+against a recomputation from the stored trajectories)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..clusters import check_against_members
+from .state import WORKFLOW_DIM, EngineState
+
+__all__ = ["Audit"]
+
+
+class Audit:
+    def __init__(self, state: EngineState) -> None:
+        self.s = state
+
+    def stats(self) -> dict[str, Any]:
+        s = self.s
+        with s.lock:
+            records = list(s.clusters.values())
+            pending = list(s.pending)
+        per_env: dict[str, dict[str, int]] = {}
+        for record in records:
+            for env, n in record.envs.items():
+                slot = per_env.setdefault(env, {"trajectories": 0, "clusters": 0})
+                slot["trajectories"] += n
+                slot["clusters"] += 1
+        with s.store.read() as txn:
+            total = s.store.count_trajectories(txn)
+            counters = s.store.get_meta("counters", txn, {}) or {}
+            usage = s.store.get_meta("llm_usage", txn, {}) or {}
+            todo = len(s.store.todos(txn))
+            for vid in pending:
+                got = s.store.trajectory(txn, vid)
+                if got is not None:
+                    slot = per_env.setdefault(got[0].env, {"trajectories": 0, "clusters": 0})
+                    slot["trajectories"] += 1
+        live_usage = s.usage_totals()
+        if live_usage is not None:
+            usage = live_usage
+        sizes = sorted((r.count for r in records), reverse=True)
+        return {
+            "path": str(s.path),
+            "trajectories": total,
+            "clusters": len(records),
+            "pending": len(pending),
+            "per_env": dict(sorted(per_env.items())),
+            "cluster_sizes": {
+                "max": sizes[0] if sizes else 0,
+                "median": sizes[len(sizes) // 2] if sizes else 0,
+                "singletons": sum(1 for n in sizes if n == 1),
+            },
+            "mixed_env_clusters": sum(1 for r in records if len(r.envs) > 1),
+            "splits": int(counters.get("splits", 0)),
+            # Splits the rule called for where the members showed no structure to split on.
+            "splits_refused": int(counters.get("splits_refused", 0)),
+            "merges": int(counters.get("merges", 0)),
+            "maintenance_queued": todo,
+            "background": {  # where maintenance and index retrains run (a Ray shard always runs both in the background)
+                "maintenance": s.config.evolution.background_maintenance,
+                "index_retrain": s.config.index.background_retrain,
+            },
+            "llm": {
+                "backend": s.config.llm.backend if s.decider is not None else "offline",
+                "calls": sum(int(v.get("calls", 0)) for v in usage.values()),
+                "tokens": sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values()),
+                "fallbacks": int(counters.get("llm_fallbacks", 0)),
+                "decided_offline": int(counters.get("llm_skipped", 0)),
+                "by_operation": usage,
+            },
+            "index": s.index.stats(),
+            "generation": s.store.generation(),
+        }
+
+    def verify(self) -> dict[str, Any]:
+        """Check every invariant against a recomputation from the stored trajectories."""
+        s = self.s
+        store = s.store
+        problems: list[str] = []
+        with s.lock, store.read() as txn:  # no commit in between: LMDB and the index agree
+            n_traj = store.count_trajectories(txn)
+            n_index = len(s.index)
+            seen_ids: dict[str, int] = {}
+            for vid, traj, _ in store.iter_trajectories(txn):
+                if traj.id in seen_ids:
+                    problems.append(f"trajectory id {traj.id!r} stored twice")
+                seen_ids[traj.id] = vid
+                if store.lookup_id(txn, traj.id) != vid:
+                    problems.append(f"id map does not point at trajectory {traj.id!r}")
+            pending = set(store.get_meta("pending", txn) or [])
+            sums: dict[int, list[Any]] = {}
+            for vid, _, vec, wvec in store.iter_vectors(txn):
+                cid = store.cluster_of(txn, vid)
+                if cid is None:
+                    if vid not in pending:
+                        problems.append(f"trajectory vid {vid} is in no cluster")
+                    continue
+                slot = sums.setdefault(cid, [0, np.zeros(s.dim), np.zeros(WORKFLOW_DIM)])
+                slot[0] += 1
+                slot[1] += vec
+                slot[2] += wvec
+            live = 0
+            for record in store.iter_clusters(txn):
+                members = store.members(txn, record.id)
+                if not record.live:
+                    if members:
+                        problems.append(f"cluster {record.id} is retired but has {len(members)} members")
+                    continue
+                live += 1
+                got = sums.get(record.id, [0, np.zeros(s.dim), np.zeros(WORKFLOW_DIM)])
+                problems.extend(check_against_members(record, len(members), got[0], got[1], got[2]))
+            for cid in sums:
+                record = store.get_cluster(txn, cid)
+                if record is None or not record.live:
+                    problems.append(f"trajectories point at cluster {cid}, which is not live")
+        if n_index != n_traj:
+            problems.append(f"index holds {n_index} vectors, the store {n_traj} trajectories")
+        return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems}

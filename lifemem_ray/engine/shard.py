@@ -1,0 +1,125 @@
+"""The shard side of a memory: the calls a coordinator or a sharded client makes on one
+store (:class:`lifemem_ray.protocols.ShardProtocol`), in process. The Ray actor
+:class:`actors.shard.MemoryShard` forwards to this."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..clusters import ClusterInfo, ClusterRecord
+from ..evolution import CandidateArrays, ItemBatch, Placement
+from ..ingest_rules import AddResult
+from ..retrieval import RecordHit
+from .ingest import known_ids
+
+if TYPE_CHECKING:
+    from ..memory import Memory
+
+__all__ = ["EngineShard"]
+
+
+class EngineShard:
+    """:class:`~lifemem_ray.protocols.ShardProtocol` over one open :class:`Memory`."""
+
+    def __init__(self, memory: "Memory") -> None:
+        self.memory = memory
+        self._state = memory._state
+        self._ingest = memory._ingest
+        self._search = memory._search
+
+    # -- ingest stages -----------------------------------------------------------------------
+    def check_features(self, features: str) -> None:
+        """Refuse items whose workflow vectors another featurizer computed (a client whose
+        ``evolution.workflow_features`` differs from this store's)."""
+        own = self._state.features
+        if features != own:
+            raise ValueError(f"{self._state.path}: items carry {features!r} workflow vectors, this store holds {own!r} ones; "
+                             f"set evolution.workflow_features = {own!r} where the trajectories are packed")
+
+    def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
+        """Per id: its stored result (duplicate, or conflict for other content), or None when new here."""
+        return known_ids(self._state.store, ids, fingerprints)
+
+    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
+        return self._ingest.candidate_arrays(vectors, workflow_vectors, envs)
+
+    def commit(self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
+               ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
+        """Store the coordinator's decisions; return the results and the states of the clusters
+        they went to. Idempotent: items already here are reported, not stored again (the
+        coordinator refused conflicts before deciding; one that raced in is reported)."""
+        self._state.check_writable()
+        self.check_features(batch.features)
+        items = batch.items()
+        classes = self._ingest.check_ids(batch.ids, batch.fingerprints, refuse=False)
+        placed = None
+        if classes.fresh:
+            placed = self._ingest.commit([items[i] for i in classes.fresh], [placements[i] for i in classes.fresh], counters=counters)
+        self._state.schedule()  # maintenance (splits, skills) for what just changed
+        done = classes.complete(placed)
+        return done, self.cluster_states(r.cluster_id for r in done if r.cluster_id is not None)
+
+    def add_items(self, batch: ItemBatch) -> list[AddResult]:
+        """The engine's own ingest, decisions included (the first trajectories, before the
+        initial partition exists, all go to one shard through here)."""
+        self.check_features(batch.features)
+        return self._ingest.add_items(batch.items())
+
+    def cluster_states(self, cluster_ids: Any) -> dict[int, ClusterRecord]:
+        """Copies of these clusters' live states (those still live): what a coordinator plans
+        the next batch with when that batch's candidates were searched before this commit."""
+        s = self._state
+        with s.lock:
+            return {cid: s.clusters[cid].copy() for cid in set(cluster_ids) if cid in s.clusters}
+
+    # -- reading -----------------------------------------------------------------------------
+    def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+        return self._search.search_records(vectors, envs, k, skills=skills)
+
+    def search_hits(self, envs: Sequence[str | None], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._search.search_hits(vectors, envs, k)
+
+    def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
+        return self._search.hit_records(ids, skills=skills)
+
+    def stats(self) -> dict[str, Any]:
+        return self.memory.stats()
+
+    def clusters(self, env: str | None = None) -> list[ClusterInfo]:
+        return self.memory.clusters(env)
+
+    def cluster_ids(self) -> list[int]:
+        return [c.id for c in self.memory.clusters()]
+
+    def verify(self) -> dict[str, Any]:
+        return self.memory.verify()
+
+    def maintain(self) -> int:
+        """Run queued splits and skills now and let background index retrains finish."""
+        done = self.memory.maintain()
+        self._state.index.wait_retrains()
+        return done
+
+    def export_records(self, path: str) -> dict[str, Any]:
+        return self.memory.export(path)
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def snapshot(self, directory: str) -> dict[str, Any]:
+        """A consistent copy of this store's LMDB environment (one read transaction) in ``directory``."""
+        target = Path(directory)
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        self._state.store.copy_to(target)
+        return {"path": str(target), "bytes": sum(p.stat().st_size for p in target.iterdir())}
+
+    def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
+        """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
+        return self.memory.absorb(source, cluster_ids, include_pending=pending)
+
+    def close(self) -> None:
+        self.memory.close()
