@@ -34,7 +34,7 @@ import numpy as np
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
 from lifemem_ray.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
-from lifemem_ray.evolution import CandidateArrays, CandidateSet, ItemBatch, Placement
+from lifemem_ray.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement
 from lifemem_ray.ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from lifemem_ray.memory import WORKFLOW_DIM
 from lifemem_ray.policy import OfflinePolicy
@@ -141,6 +141,13 @@ class Committed:
     states: dict[int, ClusterRecord] = field(default_factory=dict)  # the touched clusters after the commit
     owner: dict[int, int] = field(default_factory=dict)  # cluster -> shard
     opened: dict[str, list[int]] = field(default_factory=dict)  # env -> clusters this batch opened
+
+    def note_added(self, cluster: int, env: str, *, opened: bool) -> None:
+        self.clusters.append(cluster)
+        if opened:
+            mine = self.opened.setdefault(env, [])
+            if cluster not in mine:
+                mine.append(cluster)
 
 
 class BatchIngest:
@@ -355,22 +362,34 @@ class BatchIngest:
         overlap: Callable[[], Awaitable[Any] | None] | None = None,
     ) -> tuple[dict[int, AddResult], dict[int, Exception], Committed]:
         part = whole.select(fresh)
-        items = part.items()
+        plan, owner_of = await self.plan(part, found, previous, overlap)
+        return await self.commit(fresh, part, plan, owner_of)
+
+    async def plan(
+        self, part: ItemBatch, found: Found, previous: Committed | None, overlap: Callable[[], Awaitable[Any] | None] | None = None
+    ) -> tuple[BatchPlan, dict[int, int]]:
+        """One plan for the batch, as the engine makes it; ``overlap`` runs while it is made."""
         merged, owner_of = found
         if previous is not None:
             absorb_previous(part, merged, owner_of, previous, self.config.evolution.top_k, self.config.evolution.max_provisional_candidates)
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         self.routing.set(owner_of.items())
         planner = make_planner(merged.clusters, self.policy, self.config, self.dim, WORKFLOW_DIM, self.decider)
         extra = [[c for c, _ in row] for row in merged.extra]
         pending = overlap() if overlap is not None else None  # e.g. the next batch's lookups
         # Planning is CPU work (and LLM calls): off the event loop, so requests keep queueing.
-        plan = await asyncio.to_thread(planner.plan, items, merged.neighbours, 0, extra)
+        plan = await asyncio.to_thread(planner.plan, part.items(), merged.neighbours, 0, extra)
         if pending is not None:
             await asyncio.wait([asyncio.ensure_future(pending)])  # its lookups must not see this batch half-committed
-        t2 = time.perf_counter()
-        self.stage_seconds["plan"] += t2 - t1
+        self.stage_seconds["plan"] += time.perf_counter() - t0
+        return plan, owner_of
 
+    async def commit(
+        self, fresh: list[int], part: ItemBatch, plan: BatchPlan, owner_of: dict[int, int]
+    ) -> tuple[dict[int, AddResult], dict[int, Exception], Committed]:
+        """Each placement to its shard (:func:`route`), all shards at once; returns the results
+        and errors by batch position, and what was stored."""
+        t0 = time.perf_counter()
         target = route(plan.placements, owner_of, self.routing.shard_of, self.loads)
         per_shard: dict[int, list[int]] = {}
         for pos, shard in enumerate(target):
@@ -381,12 +400,12 @@ class BatchIngest:
             for shard, positions in per_shard.items()
         }
         outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
-        self.stage_seconds["commit"] += time.perf_counter() - t2
+        self.stage_seconds["commit"] += time.perf_counter() - t0
         placed: dict[int, AddResult] = {}
         errors: dict[int, Exception] = {}
-        new_routes = []
         committed = Committed()
         added_rows: list[int] = []
+        new_routes = []
         for shard, outcome in zip(calls, outcomes):
             positions = per_shard[shard]
             if isinstance(outcome, BaseException):
@@ -396,8 +415,7 @@ class BatchIngest:
                 continue
             done, states = outcome
             committed.states.update(states)
-            for cid in states:
-                committed.owner[cid] = shard
+            committed.owner.update((cid, shard) for cid in states)
             for pos, result in zip(positions, done):
                 placed[fresh[pos]] = result
                 committed.stored[result.id] = (part.fingerprints[pos], result.cluster_id)
@@ -406,11 +424,7 @@ class BatchIngest:
                 if result.status == "added":
                     self.loads[shard] += 1
                     added_rows.append(pos)
-                    committed.clusters.append(result.cluster_id)
-                    if plan.placements[pos].cluster < 0:
-                        opened = committed.opened.setdefault(part.envs[pos], [])
-                        if result.cluster_id not in opened:
-                            opened.append(result.cluster_id)
+                    committed.note_added(result.cluster_id, part.envs[pos], opened=plan.placements[pos].cluster < 0)
         committed.vecs = part.vecs[added_rows]
         committed.envs = [part.envs[p] for p in added_rows]
         self.routing.set(new_routes)

@@ -105,7 +105,7 @@ def bulk_load(
         batch_size=batch_size,
         batch_format="numpy",
         concurrency=max(1, embedders),
-        num_cpus=0.5,
+        num_cpus=client.config.cluster.embedder_cpus,  # parsing and embedding actors reserve what embedders do
         num_gpus=1 if gpus >= embedders else 0,
     )
     started = time.perf_counter()
