@@ -31,6 +31,7 @@ from lifemem_ray.actors import deployment as dep
 from lifemem_ray.actors.client import MemoryClient
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.synthetic import generate, text_vectors
+from shard_probes import label_purity, shard_cpu_seconds, shard_resources, timed_retrieve_many  # benchmarks/ (the script's folder)
 
 LENGTH_SCALE = 1.2  # mean ~2.9 kB per trajectory as JSON, like the released data (2.9 kB)
 
@@ -108,7 +109,7 @@ def main() -> None:
         loaded = 0
         last_stages: dict[str, float] = {}
         last_cpu = cpu_by_process()
-        last_busy = [dict.fromkeys(("candidates", "commit", "known"), 0.0) for _ in client.shards]
+        last_busy = [0.0 for _ in client.shards]
         for part in range(0, args.n, chunk):
             t = time.perf_counter()
             trajs = list(generate(min(chunk, args.n - part), seed=1000 + part // chunk, length_scale=LENGTH_SCALE, id_prefix=f"s{part // chunk}"))
@@ -140,14 +141,14 @@ def main() -> None:
             cpu = cpu_by_process()
             cpu_delta = {k: round(v - last_cpu.get(k, 0.0), 1) for k, v in sorted(cpu.items()) if v - last_cpu.get(k, 0.0) >= 0.05}
             last_cpu = cpu
-            busy = [info["busy_seconds"] for info in ray.get([s.info.remote() for s in client.shards])]
-            busy_delta = [{k: round(b[k] - lb[k], 1) for k in lb} for b, lb in zip(busy, last_busy)]
+            busy = ray.get([s.__ray_call__.remote(shard_cpu_seconds) for s in client.shards])
+            busy_delta = [round(b - lb, 1) for b, lb in zip(busy, last_busy)]
             last_busy = busy
             windows.append({"stored": loaded, "per_s": round(len(trajs) / wall, 1), "wall_s": round(wall, 1), "stage_seconds": delta,
-                            "shard_busy_seconds": busy_delta, "cpu_seconds": cpu_delta,
+                            "shard_cpu_seconds": busy_delta, "cpu_seconds": cpu_delta,
                             "machine_cpu_busy": utilisation})
             print(f"{loaded:>9,} stored  {windows[-1]['per_s']:>8,.0f}/s  coordinator stages (s): {delta}", file=sys.stderr, flush=True)
-            print(f"{'':>18}shards busy (s): {busy_delta}  machine CPU busy {utilisation:.0%} while loading; cpu (s) since the last window, generation included: {cpu_delta}", file=sys.stderr, flush=True)
+            print(f"{'':>18}shards cpu (s): {busy_delta}  machine CPU busy {utilisation:.0%} while loading; cpu (s) since the last window, generation included: {cpu_delta}", file=sys.stderr, flush=True)
         load_s = time.perf_counter() - started - gen_s
         if args.reuse:
             stored = client.stats()["trajectories"]
@@ -182,7 +183,7 @@ def main() -> None:
         # In-process share: the same single queries timed inside the shard actors.
         inside = []
         for x, v in zip(qtrajs[:200], qvecs[:200]):
-            parts = ray.get([s.timed_retrieve_many.remote([x.task], [x.env], 4, v[None, :]) for s in client.shards])
+            parts = ray.get([s.__ray_call__.remote(timed_retrieve_many, [x.task], [x.env], 4, v[None, :]) for s in client.shards])
             inside.append(max(p[1] for p in parts))
         # Recall@4 against exact search within the environment (by score: ties count as found).
         hits = total = 0
@@ -202,7 +203,7 @@ def main() -> None:
             "settle_seconds": round(settle_s, 1),
             "recall@4": round(hits / total, 4),
         }
-        res = ray.get([s.resources.remote() for s in client.shards])
+        res = ray.get([s.__ray_call__.remote(shard_resources) for s in client.shards])
         n_stored = sum(r["trajectories"] for r in res)
         report["memory"] = {
             "shard_rss_bytes_per_trajectory": round(sum(r["rss_bytes"] for r in res) / n_stored, 1),
@@ -212,7 +213,7 @@ def main() -> None:
             "stored": n_stored,
             "per_shard": [r["trajectories"] for r in res],
         }
-        pur = ray.get([s.label_purity.remote("workflow") for s in client.shards])
+        pur = ray.get([s.__ray_call__.remote(label_purity, "workflow") for s in client.shards])
         stats = client.stats()
         report["clusters"] = {
             "count": stats["clusters"],

@@ -32,6 +32,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from openai_stub import OpenAIStub  # noqa: E402
+from shard_probes import label_purity  # noqa: E402  (benchmarks/, the script's folder)
 
 from lifemem_ray.actors import deployment as dep  # noqa: E402
 from lifemem_ray.actors.client import MemoryClient  # noqa: E402
@@ -70,7 +71,7 @@ def run(name: str, stub_url: str, n: int, overrides: dict, request: int) -> dict
         client.maintain()
         maintain_s = time.perf_counter() - t
         stats = client.stats()
-        purity = ray.get([s.label_purity.remote("workflow") for s in client.shards])
+        purity = ray.get([s.__ray_call__.remote(label_purity, "workflow") for s in client.shards])
         shard_usage = ray.get([s.stats.remote() for s in client.shards])
     finally:
         dep.stop(ns)
