@@ -19,6 +19,7 @@ import ray
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
+from lifemem_ray.protocols import MemoryStats
 from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
 
 from . import deployment
@@ -60,6 +61,9 @@ class AddFuture:
 
 
 class MemoryClient:
+    """:class:`lifemem_ray.protocols.MemoryAPI` over a Ray deployment (adds return an
+    :class:`AddFuture`)."""
+
     def __init__(self, namespace: str, config: MemoryConfig) -> None:
         self.namespace = namespace
         self.config = config
@@ -118,9 +122,11 @@ class MemoryClient:
         envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
         if len(envs) != len(tasks):
             raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
-        for i, task in enumerate(tasks):
+        for i, (task, env) in enumerate(zip(tasks, envs)):  # the engine's checks (engine.search.Search.retrieve_many)
             if not isinstance(task, str) or not task.strip():
                 raise ValueError(f"tasks[{i}]: expected a non-empty string")
+            if env is not None and (not isinstance(env, str) or not env.strip()):
+                raise ValueError(f"envs[{i}]: expected a non-empty environment name or None (all environments)")
         k = self.config.retrieval.k if k is None else k
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k: expected a positive integer, got {k!r}")
@@ -196,7 +202,7 @@ class MemoryClient:
         return out
 
     # -- state -----------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> MemoryStats:
         shard_stats = ray.get([s.stats.remote() for s in self.shards])
         coordinator = ray.get(self.coordinator.stats.remote())
         per_env: dict[str, dict[str, int]] = {}

@@ -246,3 +246,18 @@ def test_absorb_previous_adds_exact_neighbours_within_the_environment():
     assert merged.neighbours[0][0][0] == 10 and len(merged.neighbours[0]) == 2
     assert merged.neighbours[1][0][0] == 14 and {c for c, _ in merged.neighbours[1]} <= {13, 14, 15}
     assert merged.extra[0] == [(11, 0.0)] and merged.extra[1] == [(20, 0.1)]
+
+
+def test_the_client_offers_the_engines_user_operations():
+    import inspect
+
+    from lifemem_ray.actors.client import MemoryClient
+    from lifemem_ray.protocols import MemoryAPI
+
+    assert isinstance(MemoryClient.__new__(MemoryClient), MemoryAPI)
+    for name in ("add", "add_many", "retrieve", "retrieve_many", "clusters", "verify", "maintain", "close"):
+        ours = list(inspect.signature(getattr(MemoryClient, name)).parameters)
+        engine = list(inspect.signature(getattr(Memory, name)).parameters)
+        assert ours == engine[: len(ours)] and all(
+            p.default is not inspect.Parameter.empty for p in list(inspect.signature(getattr(Memory, name)).parameters.values())[len(ours):]
+        ), (name, ours, engine)
