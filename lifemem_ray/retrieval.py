@@ -39,9 +39,9 @@ def estimate_tokens(text: str) -> int:
 
 class RetrievedTrajectory:
     """One retrieved exemplar. ``trajectory`` is decoded from the stored record on first use:
-    most callers read only the rendered context, ids and scores, and building the Step
-    objects of every hit cost the sharded client a fifth of its CPU. Only the record's bytes
-    are kept (no containers for the garbage collector to traverse while results are held)."""
+    most callers read only the rendered context, ids and scores, so the Step objects of a hit
+    are built only for those that ask. Only the record's bytes are kept (no containers for
+    the garbage collector to traverse while results are held)."""
 
     __slots__ = ("id", "env", "task", "score", "cluster_id", "_trajectory", "_record", "_fields")
 
@@ -200,11 +200,10 @@ def assemble(
 def paused_gc() -> Iterator[None]:
     """Hold off Python's cyclic garbage collector while many results are assembled.
 
-    Decoding a thousand retrievals allocates some 100,000 small objects, none in a cycle.
-    The allocations trigger collector passes over the objects the process holds; pausing
-    them cut a Ray driver's CPU per 1,000 queries from 416 to about 350 ms (measured at 1M
-    stored). Reference counting still frees everything at once; only cycle detection
-    waits until the block ends. Re-enables the collector only if it was enabled."""
+    Decoding a thousand retrievals allocates some 100,000 small objects, none in a cycle,
+    and the allocations would trigger collector passes over every object the process holds.
+    Reference counting still frees everything at once; only cycle detection waits until the
+    block ends. Re-enables the collector only if it was enabled."""
     enabled = gc.isenabled()
     gc.disable()
     try:

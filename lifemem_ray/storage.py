@@ -124,8 +124,9 @@ class _ResizeGate:
                 self._cond.notify_all()
 
 
-class MemoryStore:
-    """The LMDB environment of one memory, opened by at most one writer process."""
+class _Environment:
+    """The LMDB environment of one memory, opened by at most one writer process: locking,
+    the schema check, transactions that grow the map when full, meta entries."""
 
     def __init__(
         self,
@@ -319,6 +320,38 @@ class MemoryStore:
 
     def generation(self) -> int:
         return int(self.get_meta("generation", default=0))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        info = self.env.info()
+        stat = self.env.stat()
+        return {
+            "path": str(self.path),
+            "map_size": info["map_size"],
+            "last_txnid": info["last_txnid"],
+            "page_size": stat["psize"],
+            "file_size": (self.path / "data.mdb").stat().st_size,
+        }
+
+    def copy_to(self, directory: str | os.PathLike[str]) -> None:
+        """A compacted, consistent copy of the store (one read transaction) in ``directory``."""
+        self.env.copy(str(directory), compact=True)
+
+    def close(self) -> None:
+        if getattr(self, "env", None) is not None:
+            self.env.close()
+            self.env = None  # type: ignore[assignment]
+        self._release_writer_lock()
+
+    def __enter__(self) -> "MemoryStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MemoryStore(_Environment):
+    """The tables of one memory (see the module docstring) over its LMDB environment."""
 
     # -- environments ----------------------------------------------------------------------
     def env_codes(self, txn: lmdb.Transaction) -> dict[str, int]:
@@ -535,31 +568,3 @@ class MemoryStore:
 
     def todos(self, txn: lmdb.Transaction) -> dict[int, dict[str, bool]]:
         return {unpack_u64(k): _unpackb(v) for k, v in txn.cursor(db=self.db["todo"])}
-
-    # -- lifecycle -------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        info = self.env.info()
-        stat = self.env.stat()
-        return {
-            "path": str(self.path),
-            "map_size": info["map_size"],
-            "last_txnid": info["last_txnid"],
-            "page_size": stat["psize"],
-            "file_size": (self.path / "data.mdb").stat().st_size,
-        }
-
-    def copy_to(self, directory: str | os.PathLike[str]) -> None:
-        """A compacted, consistent copy of the store (one read transaction) in ``directory``."""
-        self.env.copy(str(directory), compact=True)
-
-    def close(self) -> None:
-        if getattr(self, "env", None) is not None:
-            self.env.close()
-            self.env = None  # type: ignore[assignment]
-        self._release_writer_lock()
-
-    def __enter__(self) -> "MemoryStore":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -174,9 +174,6 @@ class Ingest:
         with self.s.lock:  # against the maintenance thread's splits and skill updates
             return _Commit(self.s, items, placements, initialise, counters).run()
 
-    def resolve_target(self, cid: int, item: BatchItem) -> int:
-        return resolve_target(self.s, cid, item)
-
 
 def resolve_target(s: EngineState, cid: int, item: BatchItem) -> int:
     """A live cluster for a decided id: itself, or the best part of a cluster split since."""
