@@ -1,8 +1,8 @@
-"""What a decision maker (an LLM, or the offline policy) is asked and may answer.
+"""What a decision maker (an LLM, :class:`lifemem_ray.llm.LLMDecider`) is asked and may answer.
 
-The engine computes candidates and offline scores; a :class:`Decider` only
-chooses among ids it was given. Any answer outside them is invalid and the
-engine falls back to the offline policy for that item.
+The engine computes candidates and offline scores (:class:`lifemem_ray.policy.OfflinePolicy`);
+a :class:`Decider` only chooses among ids it was given. Any answer outside them is invalid
+and the engine falls back to the offline policy for that item.
 """
 
 from __future__ import annotations
