@@ -209,35 +209,45 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 # -- commands ------------------------------------------------------------------------------
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from .importers import ImportReport, iter_jsonl
+    """Each file is read and validated whole before anything of it is stored: all or nothing
+    per file, unless ``--skip-invalid`` (bad records, conflicting ids included, are left out
+    and listed by file:line). The summary always says how many records were stored."""
+    from .importers import ImportReport, RecordError, check_file
     from .memory import Memory
 
     config = _config(args)
-    report = ImportReport()
-    results: dict[str, int] = {"added": 0, "duplicate": 0, "pending": 0}
-    batch_size = config.evolution.batch_size
     if _remote(args):
         return _ingest_remote(args, config)
     if not args.store:
         raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
+    report = ImportReport()
+    results: dict[str, int] = {"added": 0, "duplicate": 0, "pending": 0}
+    batch_size = config.evolution.batch_size
     with Memory.open(args.store, config) as memory:
+
+        def stored_fingerprint(tid: str) -> str | None:
+            got = memory.get(tid)
+            return None if got is None else got.fingerprint
+
         bar = _progress(0, "ingest", args)
-        batch = []
-
-        def flush() -> None:
-            for r in memory.add_many(batch):
-                results[r.status] = results.get(r.status, 0) + 1
-            bar.update(len(batch))
-            batch.clear()
-
         try:
-            for path in args.paths:
-                for traj in iter_jsonl(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report):
-                    batch.append(traj)
-                    if len(batch) >= batch_size:
-                        flush()
-            if batch:
-                flush()
+            for n, path in enumerate(args.paths):
+                try:
+                    checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
+                                         stored_fingerprint=stored_fingerprint)
+                except RecordError as exc:
+                    stored = results["added"] + results["pending"]
+                    raise CommandError(f"{exc}; nothing of {exc.path} was stored ({stored} record(s) stored from "
+                                       f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out") from None
+                try:
+                    batch: list = []
+                    for traj in checked.records(fmt=args.format, env=args.env):
+                        batch.append(traj)
+                        if len(batch) >= batch_size:
+                            _add_counted(memory, batch, results, bar)
+                    _add_counted(memory, batch, results, bar)
+                finally:
+                    checked.close()
         finally:
             bar.close()
         stats = memory.stats()
@@ -261,6 +271,16 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     _emit(args, data, text)
     return 0
+
+
+def _add_counted(memory: Any, batch: list, results: dict[str, int], bar: Any) -> None:
+    """Store a batch (emptied after) and count what happened to each record."""
+    if not batch:
+        return
+    for r in memory.add_many(batch):
+        results[r.status] = results.get(r.status, 0) + 1
+    bar.update(len(batch))
+    batch.clear()
 
 
 def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:

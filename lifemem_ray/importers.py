@@ -39,6 +39,7 @@ Chat conversion (:func:`parse_record` with ``fmt="chat"``):
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -51,16 +52,18 @@ import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 from .model import InvalidTrajectoryError, Outcome, Step, Trajectory
 
 __all__ = [
     "FORMATS",
+    "CheckedFile",
     "ImportReport",
     "ROLE_MAPS",
     "RecordError",
     "TURN_STYLES",
+    "check_file",
     "iter_jsonl",
     "parse_record",
     "read_jsonl",
@@ -451,9 +454,9 @@ def iter_jsonl(
     return _iter_lines(name, stream, close, fmt=fmt, env=env, skip_invalid=skip_invalid, report=report)
 
 
-def _iter_lines(
-    name: str, stream: BinaryIO, close: bool, *, fmt: str, env: str | None, skip_invalid: bool, report: ImportReport
-) -> Iterator[Trajectory]:
+def _raw_records(name: str, stream: BinaryIO, close: bool) -> Iterator[tuple[int, bytes | RecordError]]:
+    """(line number, raw line) per non-blank line; a corrupt or truncated compressed stream
+    (its checksum is read at its end) gives a :class:`RecordError` in place of the rest."""
     lineno = 0
     try:
         lines = iter(stream)
@@ -461,32 +464,140 @@ def _iter_lines(
             try:
                 raw = next(lines)
             except StopIteration:
-                break
+                return
             except (OSError, EOFError, zlib.error) as exc:  # corrupt or truncated gzip
-                err = RecordError(name, lineno + 1, f"cannot read: {exc}")
-                report.read += 1
-                report.add_error(err)
-                if skip_invalid:
-                    break
-                raise err from None
+                yield lineno + 1, RecordError(name, lineno + 1, f"cannot read: {exc}")
+                return
             lineno += 1
-            if not raw.strip():
-                continue
-            report.read += 1
-            try:
-                data = _decode_line(raw, last_without_newline=not raw.endswith(b"\n"))
-                traj = parse_record(data, fmt=fmt, env=env)
-            except InvalidTrajectoryError as exc:
-                err = RecordError(name, lineno, str(exc))
-                report.add_error(err)
-                if skip_invalid:
-                    continue
-                raise err from None
-            report.add_valid(traj)
-            yield traj
+            if raw.strip():
+                yield lineno, raw
     finally:
         if close:
             stream.close()
+
+
+def _parse_raw(name: str, lineno: int, raw: bytes | RecordError, fmt: str, env: str | None) -> Trajectory:
+    if isinstance(raw, RecordError):
+        raise raw
+    try:
+        return parse_record(_decode_line(raw, last_without_newline=not raw.endswith(b"\n")), fmt=fmt, env=env)
+    except InvalidTrajectoryError as exc:
+        raise RecordError(name, lineno, str(exc)) from None
+
+
+def _iter_lines(
+    name: str, stream: BinaryIO, close: bool, *, fmt: str, env: str | None, skip_invalid: bool, report: ImportReport
+) -> Iterator[Trajectory]:
+    for lineno, raw in _raw_records(name, stream, close):
+        report.read += 1
+        try:
+            traj = _parse_raw(name, lineno, raw, fmt, env)
+        except RecordError as err:
+            report.add_error(err)
+            if skip_invalid and not isinstance(raw, RecordError):
+                continue
+            if skip_invalid:
+                return
+            raise
+        report.add_valid(traj)
+        yield traj
+
+
+@dataclass
+class CheckedFile:
+    """One input file, every record parsed and validated (see :func:`check_file`): what to
+    read again to store it, and which lines not to store."""
+
+    name: str  # as messages show it
+    path: str  # the file to read again: the input, or a spooled copy of standard input
+    skip: set[int]  # line numbers left out (with skip_invalid: invalid or conflicting records)
+    valid: int  # records that will be stored (or found stored already)
+    spooled: bool = False
+    unreadable: bool = False  # a compressed file failed its checksum: none of its records is trusted
+
+    def records(self, *, fmt: str = "auto", env: str | None = None) -> Iterator[Trajectory]:
+        """The file's records that passed, in order."""
+        if self.unreadable:
+            return
+        name, stream, close = _open_binary(self.path)
+        for lineno, raw in _raw_records(self.name, stream, close):
+            if lineno not in self.skip:
+                yield _parse_raw(self.name, lineno, raw, fmt, env)
+
+    def close(self) -> None:
+        """Remove the spooled copy of standard input, if any."""
+        if self.spooled:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+def check_file(
+    path: str | os.PathLike[str],
+    *,
+    fmt: str = "auto",
+    env: str | None = None,
+    skip_invalid: bool = False,
+    report: ImportReport | None = None,
+    stored_fingerprint: Callable[[str], str | None] | None = None,
+) -> CheckedFile:
+    """Read a whole JSONL file ("-" = standard input, spooled to a temporary file; gzip read
+    to its checksum) and validate every record before anything of it is stored: a malformed
+    record, an id repeated in the file with other content, or (``stored_fingerprint``: the
+    fingerprint the memory holds for an id, or None) an id stored with other content.
+
+    Without ``skip_invalid`` the first such record raises :class:`RecordError` (``FILE:LINE:
+    reason``) and nothing of the file may be stored; with it, each is counted in ``report``,
+    listed there by file and line, and left out."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    report = report if report is not None else ImportReport()
+    name, stream, close = _open_binary(path)
+    spool = None
+    if str(path) == "-":
+        spool = tempfile.NamedTemporaryFile(prefix="lifemem-stdin-", suffix=".jsonl", delete=False)
+    checked = CheckedFile(name, spool.name if spool else str(path), set(), 0, spooled=spool is not None)
+    seen: dict[str, tuple[str, int]] = {}  # id -> (fingerprint, first line)
+    try:
+        for lineno, raw in _raw_records(name, stream, close):
+            report.read += 1
+            if spool is not None and not isinstance(raw, RecordError):
+                spool.write(raw if raw.endswith(b"\n") else raw + b"\n")
+            try:
+                traj = _parse_raw(name, lineno, raw, fmt, env)
+                _check_id(name, lineno, traj, seen, stored_fingerprint)
+            except RecordError as err:
+                report.add_error(err)
+                if not skip_invalid:
+                    raise
+                if isinstance(raw, RecordError):  # corrupt compressed data: nothing of it is trusted
+                    checked.unreadable, checked.valid = True, 0
+                    break
+                checked.skip.add(lineno)
+                continue
+            report.add_valid(traj)
+            checked.valid += 1
+    except BaseException:
+        if spool is not None:
+            spool.close()
+        checked.close()
+        raise
+    if spool is not None:
+        spool.close()
+    return checked
+
+
+def _check_id(name: str, lineno: int, traj: Trajectory, seen: dict[str, tuple[str, int]],
+              stored_fingerprint: Callable[[str], str | None] | None) -> None:
+    first = seen.get(traj.id)
+    if first is not None:
+        if first[0] != traj.fingerprint:
+            raise RecordError(name, lineno, f"id {traj.id!r} repeats line {first[1]} with different content")
+        return
+    seen[traj.id] = (traj.fingerprint, lineno)
+    stored = stored_fingerprint(traj.id) if stored_fingerprint is not None else None
+    if stored is not None and stored != traj.fingerprint:
+        raise RecordError(name, lineno, f"id {traj.id!r} is already stored with different content "
+                                        "(give the new content a new id, or remove the stored one first)")
 
 
 def read_jsonl(

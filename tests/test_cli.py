@@ -140,3 +140,54 @@ def test_terminal_control_sequences_in_stored_text_are_shown_escaped(tmp_path):
         assert "\\u001b" in out or args[0] == "clusters"
         if "--json" in args:
             json.loads(out)  # still JSON
+
+
+def _lines(n: int, seed: int) -> list[str]:
+    return [json.dumps(t.to_dict()) for t in generate(n, seed=seed, envs=["shop", "sql"], length_scale=0.1, id_prefix=f"f{seed}")]
+
+
+def test_ingest_is_all_or_nothing_per_file(tmp_path):
+    import gzip
+
+    store = str(tmp_path / "s")
+    lines = _lines(300, seed=1)
+    late = tmp_path / "late.jsonl"
+    late.write_text("\n".join(lines[:289] + ["{not json"] + lines[289:299]) + "\n")
+    proc = run("ingest", str(late), "--store", store, check=False)
+    assert proc.returncode == 1 and f"{late}:290:" in proc.stderr and "nothing of" in proc.stderr and "0 record(s) stored" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # A compressed file whose checksum fails at its end: nothing of it is stored.
+    packed = bytearray(gzip.compress(("\n".join(lines[:120]) + "\n").encode()))
+    packed[-8] ^= 0xFF  # the CRC32 in the trailer
+    bad_gzip = tmp_path / "crc.jsonl.gz"
+    bad_gzip.write_bytes(bytes(packed))
+    proc = run("ingest", str(bad_gzip), "--store", store, check=False)
+    assert proc.returncode == 1 and str(bad_gzip) in proc.stderr
+    proc = run("ingest", str(bad_gzip), "--store", store, "--skip-invalid", "--json")
+    assert json.loads(proc.stdout)["added"] == 0
+    # A good file first, then a bad one: the summary says what the good one stored.
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(lines[:5]) + "\n")
+    proc = run("ingest", str(good), str(late), "--store", store, check=False)
+    assert proc.returncode == 1 and "5 record(s) stored from 1 earlier file(s)" in proc.stderr
+    assert json.loads(run("stats", "--store", store, "--json").stdout)["trajectories"] == 5
+
+
+def test_skip_invalid_skips_and_lists_conflicting_ids(tmp_path):
+    store = str(tmp_path / "s")
+    lines = _lines(12, seed=2)
+    first = tmp_path / "a.jsonl"
+    first.write_text("\n".join(lines[:6]) + "\n")
+    run("ingest", str(first), "--store", store)
+    changed = json.loads(lines[2])
+    changed["task"] += " (edited)"
+    repeat = json.loads(lines[7])
+    repeat["task"] += " (edited)"
+    second = tmp_path / "b.jsonl"
+    second.write_text("\n".join([lines[6], json.dumps(changed), lines[7], json.dumps(repeat), lines[8]]) + "\n")
+    proc = run("ingest", str(second), "--store", store, check=False)
+    assert proc.returncode == 1 and f"{second}:2:" in proc.stderr and "already stored with different content" in proc.stderr
+    report = json.loads(run("ingest", str(second), "--store", store, "--skip-invalid", "--json").stdout)
+    assert report["added"] == 3 and report["invalid"] == 2
+    assert any(f"{second}:2:" in e for e in report["errors"]) and any(f"{second}:4:" in e and "repeats line 3" in e for e in report["errors"])
+    assert json.loads(run("stats", "--store", store, "--json").stdout)["trajectories"] == 9
