@@ -25,6 +25,7 @@ __all__ = [
     "EpisodeTimeout",
     "IdConflictError",
     "IndexBuildError",
+    "IndexSaveError",
     "InvalidTrajectoryError",
     "LifeMemError",
     "MaintenanceError",
@@ -81,6 +82,10 @@ class StoreLockedError(StoreError):
 
 class VectorIndexError(LifeMemError, ValueError):
     """A vector index was asked something it cannot do (wrong dimension, unknown ids)."""
+
+
+class IndexSaveError(LifeMemError, OSError):
+    """The index cache could not be written (a full disk); the store itself is intact."""
 
 
 class IndexBuildError(LifeMemError, RuntimeError):

@@ -23,6 +23,8 @@ Missing results are padded with score ``-inf`` and id ``-1``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -40,7 +42,7 @@ import numpy as np
 from faiss.contrib.ivf_tools import add_preassigned
 
 from .config import IndexConfig
-from .errors import IndexBuildError, VectorIndexError
+from .errors import IndexBuildError, IndexSaveError, VectorIndexError
 
 __all__ = ["PAD_ID", "PAD_SCORE", "VectorIndex", "VectorIndexError", "set_faiss_threads"]
 
@@ -437,73 +439,81 @@ class VectorIndex:
 
     # ------------------------------------------------------------------ persistence
 
-    def save(self, directory: str | Path, stamp: int) -> None:
+    def save(self, directory: str | Path, stamp: int, identity: str = "") -> None:
         """Write the index atomically: env files first, then the manifest, which commits them.
 
         Env files carry a fresh token in their name, so a crash at any point leaves
         the previous manifest and the files it names intact. ``stamp`` (e.g. the LMDB
-        generation) comes back from :meth:`load` so the caller can tell a stale cache.
+        generation) comes back from :meth:`load` so the caller can tell a stale cache;
+        ``identity`` (the store's id and a digest of what it indexes) makes :meth:`load`
+        refuse a cache written for another store. A failed save (a full disk) removes what
+        it wrote and raises :class:`IndexSaveError` saying where and why.
         Not safe against two processes saving into the same directory at once.
         """
         if isinstance(stamp, bool) or not isinstance(stamp, (int, np.integer)):
             raise VectorIndexError(f"stamp must be an integer, got {stamp!r}")
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        written: list[Path] = []
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with self._lock:
+                self._save(directory, int(stamp), identity, written)
+        except OSError as exc:
+            for path in written:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            raise IndexSaveError(f"{directory}: could not save the index cache: {why}; the store is intact "
+                                 "(the cache is rebuilt from it when needed); free space and close the store again") from exc
+
+    def _save(self, directory: Path, stamp: int, identity: str, written: list[Path]) -> None:
         token = uuid.uuid4().hex[:12]
-        with self._lock:
-            entries = []
-            for i, (name, e) in enumerate(sorted(self._envs.items())):
-                fname = f"env-{i:05d}-{token}.faiss"
-                tmp = directory / (fname + ".tmp")
-                faiss.write_index(e.index, str(tmp))
-                crc, size = _fsync_crc(tmp)
-                os.replace(tmp, directory / fname)
-                entries.append(
-                    {
-                        "name": name,
-                        "file": fname,
-                        "count": e.ntotal,
-                        "kind": e.kind,
-                        "nlist": e.nlist,
-                        "nprobe": e.nprobe,
-                        "trained_size": e.trained_size,
-                        "recall": e.recall,
-                        "max_codes": e.max_codes,
-                        "bytes": size,
-                        "crc32": crc,
-                    }
-                )
-            manifest = {
-                "format": _FORMAT,
-                "dim": self.dim,
-                "stamp": int(stamp),
-                "count": len(self._where),
-                "calibration": self._calibration(),  # what the IVF envs' nprobe and scan caps are calibrated for
-                "envs": entries,
-            }
-            tmp = directory / (_MANIFEST + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, directory / _MANIFEST)
-            _fsync_dir(directory)
-            keep = {entry["file"] for entry in entries}
-            for path in directory.glob("env-*.faiss*"):
-                if path.name not in keep:
-                    try:
-                        path.unlink()
-                    except OSError as exc:  # a leftover file costs disk, not correctness
-                        log.warning("index: could not delete old file %s: %s", path, exc)
+        entries = []
+        for i, (name, e) in enumerate(sorted(self._envs.items())):
+            fname = f"env-{i:05d}-{token}.faiss"
+            tmp = directory / (fname + ".tmp")
+            written.append(tmp)
+            faiss.write_index(e.index, str(tmp))
+            crc, size = _fsync_crc(tmp)
+            os.replace(tmp, directory / fname)
+            written.append(directory / fname)
+            entries.append({"name": name, "file": fname, "count": e.ntotal, "kind": e.kind, "nlist": e.nlist, "nprobe": e.nprobe,
+                            "trained_size": e.trained_size, "recall": e.recall, "max_codes": e.max_codes, "bytes": size, "crc32": crc})
+        manifest = {
+            "format": _FORMAT,
+            "dim": self.dim,
+            "stamp": stamp,
+            "identity": identity,
+            "count": len(self._where),
+            "calibration": self._calibration(),  # what the IVF envs' nprobe and scan caps are calibrated for
+            "envs": entries,
+        }
+        tmp = directory / (_MANIFEST + ".tmp")
+        written.append(tmp)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / _MANIFEST)
+        written.clear()  # committed: the new files are the cache now
+        _fsync_dir(directory)
+        keep = {entry["file"] for entry in entries}
+        for path in directory.glob("env-*.faiss*"):
+            if path.name not in keep:
+                try:
+                    path.unlink()
+                except OSError as exc:  # a leftover file costs disk, not correctness
+                    log.warning("index: could not delete old file %s: %s", path, exc)
 
     @classmethod
     def load(
-        cls, directory: str | Path, dim: int, config: IndexConfig | None = None
+        cls, directory: str | Path, dim: int, config: IndexConfig | None = None, *, identity: str | None = None
     ) -> tuple["VectorIndex", int] | None:
         """``(index, stamp)`` from a directory written by :meth:`save`, or None.
 
-        None (with a logged warning) when the cache is missing, unreadable, corrupt or
-        of another dimension: it is only a cache, the caller rebuilds it from LMDB.
+        None (with a logged warning) when the cache is missing, unreadable, corrupt, of
+        another dimension, or (``identity`` given) written for another store or other
+        contents: it is only a cache, the caller rebuilds it from LMDB.
         """
         index = cls(dim, config)  # a bad config or use_gpu="yes" without a GPU still raises
         directory = Path(directory)
@@ -520,6 +530,8 @@ class VectorIndex:
             stamp = manifest["stamp"]
             if isinstance(stamp, bool) or not isinstance(stamp, int):
                 raise ValueError(f"stamp {stamp!r} is not an integer")
+            if identity is not None and manifest.get("identity", "") != identity:
+                raise ValueError(f"written for another store or other contents ({manifest.get('identity', '')!r}, this store: {identity!r})")
             for entry in manifest["envs"]:
                 name = entry["name"]
                 _check_env(name)

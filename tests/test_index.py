@@ -663,3 +663,44 @@ def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
         others = [s for s, i in zip(scores[row], found[row]) if i != own and i >= 0][:4]
         hits.append(sum(s >= threshold[row] for s in others) / 4)
     assert got_recall >= 0.97 and got_recall == pytest.approx(float(np.mean(hits)), abs=1e-9)
+
+
+def _small_index(n: int = 50, dim: int = 16) -> tuple[VectorIndex, np.ndarray]:
+    rng = np.random.default_rng(3)
+    vecs = rng.standard_normal((n, dim)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    index = VectorIndex(dim, IndexConfig())
+    index.add("e", np.arange(n, dtype=np.int64), vecs)
+    return index, vecs
+
+
+def test_a_cache_written_for_another_store_is_not_loaded(tmp_path):
+    index, _ = _small_index()
+    index.save(tmp_path / "idx", stamp=7, identity="store-a:digest-1")
+    assert VectorIndex.load(tmp_path / "idx", 16, IndexConfig(), identity="store-a:digest-1") is not None
+    assert VectorIndex.load(tmp_path / "idx", 16, IndexConfig(), identity="store-b:digest-1") is None
+    assert VectorIndex.load(tmp_path / "idx", 16, IndexConfig(), identity="store-a:digest-2") is None
+
+
+def test_a_full_disk_leaves_no_partial_files_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    import lifemem_ray.index as index_module
+    from lifemem_ray.errors import IndexSaveError
+
+    index, _ = _small_index()
+    index.save(tmp_path / "idx", stamp=1)
+    before = sorted(p.name for p in (tmp_path / "idx").iterdir())
+    real = faiss.write_index
+
+    def full(ix, path):
+        Path(path).write_bytes(b"")  # the file was created, then the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(index_module.faiss, "write_index", full)
+    with pytest.raises(IndexSaveError, match="no space left on the device"):
+        index.save(tmp_path / "idx", stamp=2)
+    monkeypatch.setattr(index_module.faiss, "write_index", real)
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == before  # the previous cache is whole
+    loaded = VectorIndex.load(tmp_path / "idx", 16, IndexConfig())
+    assert loaded is not None and loaded[1] == 1
