@@ -411,7 +411,8 @@ class BatchIngest:
             if isinstance(outcome, BaseException):
                 log.warning("commit on shard %d failed: %s", shard, outcome)
                 for pos in positions:
-                    errors[fresh[pos]] = outcome if isinstance(outcome, Exception) else RuntimeError(str(outcome))
+                    errors[fresh[pos]] = outcome if isinstance(outcome, Exception) else ShardUnavailableError(
+                        f"commit on shard {shard} was interrupted: {outcome!r}")
                 continue
             done, states = outcome
             committed.states.update(states)
