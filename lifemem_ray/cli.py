@@ -284,18 +284,58 @@ def _add_counted(memory: Any, batch: list, results: dict[str, int], bar: Any) ->
 
 
 def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
-    from .actors.bulk import bulk_load
+    """Remote ingest answers bad input as local ingest does: each file is read and validated
+    whole here first (:func:`~lifemem_ray.importers.check_file`), then its passing records
+    go to the deployment's coordinator in batches (embedded by its embedder actors), at most
+    ``REMOTE_IN_FLIGHT`` batches in flight. No Ray task is needed on the way, so a cluster
+    whose CPUs the deployment's actors hold still makes progress."""
+    from .importers import ImportReport, RecordError, check_file
 
     client = _client(args, config)
+    report = ImportReport()
+    counts = {"added": 0, "duplicates": 0}
+    pending: list[Any] = []
+
+    def settle(limit: int) -> None:
+        while len(pending) > limit:
+            for result in pending.pop(0).result():
+                counts["added" if result.status in ("added", "pending") else "duplicates"] += 1
+
     bar = _progress(0, "ingest", args)
     try:
-        counts = bulk_load(client, [str(Path(p).resolve()) for p in args.paths], fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, progress=bar.update)
+        for n, path in enumerate(args.paths):
+            try:
+                checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report)
+            except RecordError as exc:
+                settle(0)
+                raise CommandError(f"{exc}; nothing of {exc.path} was stored ({counts['added']} record(s) stored from "
+                                   f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out") from None
+            try:
+                batch: list = []
+                for traj in checked.records(fmt=args.format, env=args.env):
+                    batch.append(traj)
+                    if len(batch) >= config.evolution.batch_size:
+                        pending.append(client.add_many(batch))
+                        bar.update(len(batch))
+                        batch = []
+                        settle(REMOTE_IN_FLIGHT)
+                if batch:
+                    pending.append(client.add_many(batch))
+                    bar.update(len(batch))
+                settle(0)
+            finally:
+                checked.close()
     finally:
         bar.close()
     stats = client.stats()
-    data = {**counts, "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]}}
-    _emit(args, data, lambda: f"read {counts['records'] + counts['invalid']} records: {counts['added']} stored, {counts['duplicates']} already present, {counts['invalid']} invalid")
+    data = {"read": report.read, "valid": report.valid, "invalid": report.invalid, **counts,
+            "errors": [str(e) for e in report.errors], "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]}}
+    _emit(args, data, lambda: f"read {report.read} records: {counts['added']} stored, {counts['duplicates']} already present, "
+                              f"{report.invalid} invalid" + "".join(f"\n  skipped {e}" for e in data["errors"][:20]))
     return 0
+
+
+REMOTE_IN_FLIGHT = 4  # add requests of one remote ingest awaiting their acknowledgement
 
 
 def _open_or_connect(args: argparse.Namespace, config: MemoryConfig) -> Any:
