@@ -1,11 +1,11 @@
 """The two interfaces of the engine, typed.
 
 * :class:`MemoryAPI`: the user operations. :class:`lifemem_ray.memory.Memory` (one folder)
-  and :class:`actors.client.MemoryClient` (a Ray deployment) both offer them, and both
+  and :class:`lifemem_ray.actors.client.MemoryClient` (a Ray deployment) both offer them, and both
   report :class:`MemoryStats` from ``stats()``.
 * :class:`ShardProtocol`: what a coordinator or a sharded client calls on one store.
   :class:`lifemem_ray.engine.shard.EngineShard` (``Memory.shard``, in process) and the Ray
-  actor :class:`actors.shard.MemoryShard` both satisfy it.
+  actor :class:`lifemem_ray.actors.shard.MemoryShard` both satisfy it.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def test_a_shard_commit_reports_what_is_stored_and_stores_nothing_twice(tmp_path
 def test_the_engine_and_the_actor_satisfy_the_shard_protocol(tmp_path):
     import inspect
 
-    from actors.shard import MemoryShard
+    from lifemem_ray.actors.shard import MemoryShard
     from lifemem_ray.engine.shard import EngineShard
 
     with Memory.open(tmp_path / "m", dim=8) as m:

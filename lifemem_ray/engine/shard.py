@@ -1,6 +1,6 @@
 """The shard side of a memory: the calls a coordinator or a sharded client makes on one
 store (:class:`lifemem_ray.protocols.ShardProtocol`), in process. The Ray actor
-:class:`actors.shard.MemoryShard` forwards to this."""
+:class:`lifemem_ray.actors.shard.MemoryShard` forwards to this."""
 
 from __future__ import annotations
 
