@@ -77,7 +77,7 @@ class Memory:
         self._transfer = Transfer(self._state)
         self._audit = Audit(self._state)
         self._maintenance = Maintenance(self._state)
-        self.shard = EngineShard(self)  # the shard protocol: what a coordinator or sharded client calls
+        self.shard = EngineShard(self, self._state, self._ingest, self._search)  # the shard protocol: what a coordinator or sharded client calls
         self._maintenance.start()
 
     @classmethod

@@ -14,7 +14,9 @@ from ..clusters import ClusterInfo, ClusterRecord
 from ..evolution import CandidateArrays, ItemBatch, Placement
 from ..ingest_rules import AddResult
 from ..retrieval import RecordHit
-from .ingest import known_ids
+from .ingest import Ingest, known_ids
+from .search import Search
+from .state import EngineState
 
 if TYPE_CHECKING:
     from ..memory import Memory
@@ -25,11 +27,11 @@ __all__ = ["EngineShard"]
 class EngineShard:
     """:class:`~lifemem_ray.protocols.ShardProtocol` over one open :class:`Memory`."""
 
-    def __init__(self, memory: "Memory") -> None:
+    def __init__(self, memory: "Memory", state: EngineState, ingest: Ingest, search: Search) -> None:
         self.memory = memory
-        self._state = memory._state
-        self._ingest = memory._ingest
-        self._search = memory._search
+        self._state = state
+        self._ingest = ingest
+        self._search = search
 
     # -- ingest stages -----------------------------------------------------------------------
     def check_features(self, features: str) -> None:
