@@ -42,6 +42,7 @@ from .engine.search import Search
 from .engine.shard import EngineShard
 from .engine.state import WORKFLOW_DIM, EngineState
 from .engine.transfer import Transfer
+from .evolution import BatchItem
 from .errors import IdConflictError, MaintenanceError, StoreError, UnknownClusterError
 from .index import VectorIndex
 from .ingest_rules import AddResult, unit_rows
@@ -178,6 +179,12 @@ class Memory:
                 progress(len(chunk))
         self._maintenance.schedule()
         return results
+
+    def add_items(self, items: list[BatchItem]) -> list[AddResult]:
+        """:meth:`add_many` for prepared items (vectors included, see :func:`prepare_items`):
+        the engine decides and commits, under the same id rules."""
+        self._maintenance.raise_error()
+        return self._ingest.add_items(items)
 
     # -- removing and moving ---------------------------------------------------------------
     def remove(self, ids: Iterable[str]) -> int:
