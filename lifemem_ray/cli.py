@@ -86,12 +86,46 @@ def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: boo
     namespace = args.namespace or config.cluster.namespace
     address = args.address or "auto"
     try:
-        ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     except ConnectionError:
+        if address != "auto" and _listening(address):
+            raise CommandError(_refused(address)) from None
         if not (start_local and address == "auto"):
             raise CommandError(f"no Ray cluster found at {address!r}; start one (`ray start --head`) or run `lifemem-ray serve`") from None
         _start_local_head(namespace)
     return namespace
+
+
+def _listening(address: str) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (a Ray GCS that refused us)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host.removeprefix("ray://") or "127.0.0.1", int(port)), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def _refused(address: str) -> str:
+    """Why a listening Ray cluster refused this client: almost always its token authentication."""
+    token_env, token_path = os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH")
+    default = Path.home() / ".ray" / "auth_token"
+    if token_env:
+        where = "the token in RAY_AUTH_TOKEN was not accepted"
+    elif token_path:
+        where = f"the token in {token_path} (RAY_AUTH_TOKEN_PATH) was not accepted"
+    elif default.is_file():
+        where = f"the token in {default} was not accepted"
+    else:
+        where = f"no token was found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or {default})"
+    return (f"the Ray cluster at {address!r} refused this client (it listens, but the handshake failed: almost always "
+            f"Ray's token authentication, and {where}); "
+            "run `ray get-auth-token` on the cluster's head node and set RAY_AUTH_TOKEN to its output (or copy it to "
+            f"{default}), then try again")
 
 
 def _start_local_head(namespace: str) -> None:

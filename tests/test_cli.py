@@ -191,3 +191,30 @@ def test_skip_invalid_skips_and_lists_conflicting_ids(tmp_path):
     assert report["added"] == 3 and report["invalid"] == 2
     assert any(f"{second}:2:" in e for e in report["errors"]) and any(f"{second}:4:" in e and "repeats line 3" in e for e in report["errors"])
     assert json.loads(run("stats", "--store", store, "--json").stdout)["trajectories"] == 9
+
+
+def test_a_listening_cluster_that_refuses_us_is_reported_as_an_authentication_failure(tmp_path, monkeypatch):
+    """The message for a Ray cluster that listens but refused the handshake (checked on its
+    parts: starting a second, token-protected cluster here would disturb the session's)."""
+    import socket
+
+    from lifemem_ray.cli import _listening, _refused
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        assert _listening(f"127.0.0.1:{port}")
+    finally:
+        server.close()
+    assert not _listening(f"127.0.0.1:{port}") and not _listening("auto")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    assert "no token was found" in _refused("10.0.0.1:6379") and "ray get-auth-token" in _refused("10.0.0.1:6379")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("abc")
+    assert f"the token in {tmp_path / '.ray' / 'auth_token'} was not accepted" in _refused("10.0.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "x")
+    assert "RAY_AUTH_TOKEN was not accepted" in _refused("10.0.0.1:6379")
