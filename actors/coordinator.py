@@ -34,7 +34,7 @@ import numpy as np
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
 from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
-from lifemem_ray.ingest_rules import AddResult
+from lifemem_ray.ingest_rules import AddResult, make_decider
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
 
@@ -49,7 +49,6 @@ __all__ = ["Coordinator", "RayShards"]
 
 log = logging.getLogger(__name__)
 
-EMBED_CHUNK = 256  # task texts per embedder call (calls go round robin over the embedder actors)
 
 
 class RayShards:
@@ -104,9 +103,10 @@ class RayShards:
 class RayEmbedders:
     """Task texts embedded by the deployment's embedder actors, in chunks, round robin."""
 
-    def __init__(self, names: list[str], namespace: str) -> None:
+    def __init__(self, names: list[str], namespace: str, chunk: int = 256) -> None:
         self.names = names
         self.namespace = namespace
+        self.chunk = chunk  # task texts per embedder call (cluster.embed_chunk)
         self._handles: list[Any] | None = None
         self._next = 0
 
@@ -116,10 +116,10 @@ class RayEmbedders:
 
             self._handles = [ray.get_actor(name, namespace=self.namespace) for name in self.names]
         refs = []
-        for a in range(0, len(texts), EMBED_CHUNK):
+        for a in range(0, len(texts), self.chunk):
             actor = self._handles[self._next % len(self._handles)]
             self._next += 1
-            refs.append(actor.embed.remote(texts[a : a + EMBED_CHUNK]))
+            refs.append(actor.embed.remote(texts[a : a + self.chunk]))
         return np.vstack(await asyncio.gather(*refs))
 
 
@@ -174,12 +174,8 @@ class Coordinator:
         self.embedder_names = embedder_names
         self.shards = shards if shards is not None else RayShards(shard_names, self.namespace, config.cluster.call_timeout_s)
         if embed is None and embedder_names:
-            embed = RayEmbedders(embedder_names, self.namespace)
-        if decider is None and config.llm.backend == "openai":
-            from lifemem_ray.llm import LLMDecider
-
-            decider = LLMDecider(config.llm)
-        self.decider = decider
+            embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
+        self.decider = decider if decider is not None else make_decider(config)
         self.ingest = BatchIngest(config, self.shards, self.routing, dim, embed=embed, decider=decider)
         self._queue: list[_Request] = []
         self._queued = 0

@@ -227,6 +227,7 @@ class ClusterConfig:
     one_round_max: int = 16
     search_chunk: int = 512
     retrieve_chunk: int = 256
+    embed_chunk: int = 256  # task texts per embedder-actor call (calls go round robin over the embedders)
 
     def validate(self) -> None:
         for key, low, high in (("one_round_max", 0, 4_096), ("search_chunk", 1, 65_536), ("retrieve_chunk", 1, 65_536)):
@@ -305,6 +306,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "cluster.one_round_max": (0, 4_096),
     "cluster.search_chunk": (1, 65_536),
     "cluster.retrieve_chunk": (1, 65_536),
+    "cluster.embed_chunk": (1, 65_536),
 }
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from .errors import IdConflictError
 
-__all__ = ["AddResult", "IdClasses", "classify_ids", "make_planner", "plan_counters", "refuse_conflicts", "unit_rows"]
+__all__ = ["AddResult", "IdClasses", "classify_ids", "make_decider", "make_planner", "plan_counters", "refuse_conflicts", "unit_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +130,16 @@ def make_planner(clusters: dict, policy: Any, config: Any, dim: int, wdim: int, 
     from .evolution import BatchPlanner
 
     return BatchPlanner(clusters, policy, config.evolution, dim=dim, wdim=wdim, decider=decider, llm_config=config.llm)
+
+
+def make_decider(config: Any) -> Any:
+    """The LLM decider the configuration asks for (``llm.backend = "openai"``), else None: the
+    offline policy decides. Every ingest path (engine, coordinator) builds it here."""
+    if config.llm.backend != "openai":
+        return None
+    from .llm import LLMDecider
+
+    return LLMDecider(config.llm)
 
 
 def plan_counters(plan: Any) -> dict[str, int]:
