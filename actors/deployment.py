@@ -140,57 +140,69 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
         pass
     store = Path(store_dir).resolve()
     store.mkdir(parents=True, exist_ok=True)
-    routing = RoutingTable(store / "coordinator")
-    saved = routing.get_meta("deployment")
-    if saved is not None:
-        count = saved["shards"]
-        if shards is not None and shards != count:
-            routing.close()
-            raise ConfigError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
-        dim = saved["dim"]
-        nodes = _placement(count, saved.get("nodes"), store)
-    else:
-        count = shards or config.cluster.shards
-        dim = dim or MINILM_DIM
-        nodes = _placement(count, None)
-    routing.put_meta("deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()})
-    routing.put_meta("store", str(store))
-    routing.put_meta("nodes", nodes)
-    routing.close()
+    routing = RoutingTable(store / "coordinator")  # refused while another deployment serves this store
+    try:
+        saved = routing.get_meta("deployment")
+        if saved is not None:
+            count = saved["shards"]
+            if shards is not None and shards != count:
+                raise ConfigError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
+            dim = saved["dim"]
+            nodes = _placement(count, saved.get("nodes"), store)
+        else:
+            count = shards or config.cluster.shards
+            dim = dim or MINILM_DIM
+            nodes = _placement(count, None)
+        routing.put_meta("deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()})
+        routing.put_meta("store", str(store))
+        routing.put_meta("nodes", nodes)
+    finally:
+        routing.close()  # the coordinator takes the store over
 
     common = {"namespace": ns, "lifetime": "detached"}
-    shard_names = []
-    for i in range(count):
-        name = _shard_name(i)
-        ray.remote(MemoryShard).options(
-            name=name,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i], soft=False),
-            **_shard_options(config),
-            **common,
-        ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
-        shard_names.append(name)
+    shard_names = [_shard_name(i) for i in range(count)]
     gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in _alive_nodes()))
-    embedder_names = []
-    for i in range(max(config.cluster.embedders, gpus)):
-        name = _embedder_name(i)
-        ray.remote(EmbedderActor).options(name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common).remote(config.embedding)
-        embedder_names.append(name)
-    ray.remote(Coordinator).options(name=COORDINATOR, **Coordinator.ray_options(config), **common).remote(
-        str(store), config, shard_names, embedder_names, dim
-    )
-    coordinator = ray.get_actor(COORDINATOR, namespace=ns)
-    pings = [ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
-    ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
-    if waiting:
-        need = count * config.cluster.shard_cpus + len(embedder_names) * config.cluster.embedder_cpus + config.cluster.coordinator_cpus
-        stop(ns)
-        raise ResourcesUnavailableError(
-            f"the deployment's actors did not start within {config.cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
-            f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: {ray.available_resources().get('CPU', 0):g} CPUs"
+    embedder_names = [_embedder_name(i) for i in range(max(config.cluster.embedders, gpus))]
+    try:
+        for i, name in enumerate(shard_names):
+            ray.remote(MemoryShard).options(
+                name=name,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i], soft=False),
+                **_shard_options(config),
+                **common,
+            ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
+        for i, name in enumerate(embedder_names):
+            ray.remote(EmbedderActor).options(name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common).remote(config.embedding)
+        ray.remote(Coordinator).options(name=COORDINATOR, **Coordinator.ray_options(config), **common).remote(
+            str(store), config, shard_names, embedder_names, dim
         )
-    ray.get(ready)
-    ray.get(coordinator.resync.remote())
-    return ray.get(coordinator.deployment.remote())
+        coordinator = ray.get_actor(COORDINATOR, namespace=ns)
+        pings = [ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
+        ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
+        if waiting:
+            need = count * config.cluster.shard_cpus + len(embedder_names) * config.cluster.embedder_cpus + config.cluster.coordinator_cpus
+            raise ResourcesUnavailableError(
+                f"the deployment's actors did not start within {config.cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
+                f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: {ray.available_resources().get('CPU', 0):g} CPUs"
+            )
+        ray.get(ready)
+        ray.get(coordinator.resync.remote())
+        return ray.get(coordinator.deployment.remote())
+    except BaseException as exc:
+        _kill_named(ns, shard_names + embedder_names + [COORDINATOR])  # nothing of a failed start is left running
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, DeploymentExistsError):  # the coordinator could not take the store: served meanwhile
+            raise DeploymentExistsError(str(cause)) from None
+        raise
+
+
+def _kill_named(namespace: str, names: list[str]) -> None:
+    """End the named actors that exist (a deployment that failed to start)."""
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:  # never created, or already gone
+            pass
 
 
 def stop(namespace: str = "lifemem", *, timeout_s: float = 120.0) -> bool:

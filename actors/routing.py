@@ -1,13 +1,19 @@
 """The coordinator's durable state: which shard owns each cluster, and the deployment.
 
 A small LMDB environment of its own (``<store>/coordinator``). Updates are
-idempotent puts, so replaying them after a crash is harmless.
+idempotent puts, so replaying them after a crash is harmless. One process at a time
+holds it open for writing (an exclusive lock on ``writer.lock`` beside it, released when
+the process closes it or dies): a second deployment of the same store is refused before it
+changes anything.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -21,10 +27,15 @@ _U32 = struct.Struct(">I")
 
 
 class RoutingTable:
-    def __init__(self, path: str | Path, map_size_mb: int = 64) -> None:
+    def __init__(self, path: str | Path, map_size_mb: int = 64, *, lock_wait_s: float = 15.0) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(self.path), map_size=map_size_mb << 20, max_dbs=4, sync=True)
+        self._lock_fd = _take_writer_lock(self.path, lock_wait_s)
+        try:
+            self.env = lmdb.open(str(self.path), map_size=map_size_mb << 20, max_dbs=4, sync=True)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self.routes = self.env.open_db(b"routes")
         self.meta = self.env.open_db(b"meta")
         self._lock = threading.Lock()
@@ -83,3 +94,28 @@ class RoutingTable:
 
     def close(self) -> None:
         self.env.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = -1
+
+
+def _take_writer_lock(path: Path, wait_s: float) -> int:
+    """An exclusive lock on ``path/writer.lock``, waiting up to ``wait_s`` (a coordinator
+    killed a moment ago may still be exiting); DeploymentExistsError when a live process
+    keeps holding it (the deployment serving this store)."""
+    from lifemem_ray.errors import DeploymentExistsError
+
+    fd = os.open(path / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+        os.close(fd)
+        raise DeploymentExistsError(f"{path.parent}: this store is already served by a running lifemem-ray deployment "
+                                    "(its coordinator holds the store); use that deployment, or stop it first "
+                                    "(`lifemem-ray stop --namespace NS`)") from None

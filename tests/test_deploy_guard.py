@@ -1,0 +1,34 @@
+"""One deployment per store: a second `serve` of a served store is refused before it changes
+anything, and leaves nothing running."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import SMALL_ACTORS
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.errors import DeploymentExistsError
+from lifemem_ray.synthetic import generate, text_vectors
+
+
+def test_a_second_deployment_of_a_served_store_is_refused(deployment, tmp_path):
+    import ray
+
+    from lifemem_ray.actors import deployment as dep
+
+    store = tmp_path / "served"
+    client, info = deployment(shards=1, store=store)
+    trajs = list(generate(6, seed=1, envs=["shop"], length_scale=0.1))
+    client.add_many(trajs, text_vectors([t.task for t in trajs])).result()
+    other = MemoryConfig().replace({"cluster.namespace": "second-serve", **SMALL_ACTORS})
+    with pytest.raises(DeploymentExistsError, match="already served"):
+        dep.deploy(store, other)
+    for name in (dep.COORDINATOR, dep._embedder_name(0), dep._shard_name(0)):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="second-serve")  # nothing of the refused start runs
+    # The live deployment is untouched: it still answers, under its own namespace.
+    assert client.stats()["trajectories"] == 6
+    assert ray.get(dep.find_coordinator(client.namespace).deployment.remote())["namespace"] == client.namespace
+    hit = client.retrieve(trajs[0].task, "shop", vector=np.asarray(text_vectors([trajs[0].task])[0]))
+    assert hit.trajectories
