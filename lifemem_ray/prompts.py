@@ -508,7 +508,9 @@ def act_prompt(
         parts.append("Valid actions:\n" + "\n".join(f"- {_one_line(a, 200)}" for a in shown) + more)
     schema = {
         "type": "object",
-        "properties": {"thought": {"type": "string", "maxLength": 2000}, "action": _text(ACT_MAX_CHARS)},
+        # No maxLength: llama.cpp compiles a schema into a decoding grammar and fails (its server
+        # crashed) on limits in the thousands; ReActAgent checks the lengths on the answer.
+        "properties": {"thought": {"type": "string"}, "action": {"type": "string", "minLength": 1}},
         "required": ["thought", "action"],
         "additionalProperties": False,
     }

