@@ -9,6 +9,9 @@ skills of those trajectories' clusters in order of first appearance.
 
 from __future__ import annotations
 
+import threading
+
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,11 +23,11 @@ from lifemem_ray.config import MemoryConfig
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
 from lifemem_ray.protocols import MemoryStats
+from lifemem_ray.errors import EmbeddingError
+from lifemem_ray.ingest_rules import AddResult
 from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
 
 from . import deployment
-from lifemem_ray.errors import EmbeddingError
-
 from .errors import ShardUnavailableError, actor_failures
 
 __all__ = ["AddFuture", "MemoryClient"]
@@ -39,10 +42,17 @@ def _shard_answers(refs: list[Any]) -> list[Any]:
 
 @dataclass
 class AddFuture:
-    """Resolves when the coordinator acknowledged (every trajectory committed on its shard)."""
+    """Resolves when the coordinator acknowledged (every trajectory committed on its shard).
+
+    When the answer is lost (an actor died), the request's ids are kept by the client as *in
+    doubt*: its first attempt may have committed them. A later request of the same client
+    that finds such an id stored with the same content reports it ``added`` (this client's
+    own earlier attempt stored it), not ``duplicate``."""
 
     ref: Any
     single: bool = False
+    sent: dict[str, str] | None = None  # id -> fingerprint of what the request carried
+    client: "MemoryClient | None" = None
 
     def result(self, timeout: float | None = None) -> Any:
         try:
@@ -50,14 +60,25 @@ class AddFuture:
         except ray.exceptions.RayTaskError as exc:
             # The coordinator's own error (conflict, overload, a shard gone), without Ray's wrapping.
             cause = getattr(exc, "cause", None)
+            if isinstance(cause, ShardUnavailableError) and self.client is not None and self.sent:
+                self.client._doubt(self.sent)
             if isinstance(cause, Exception):
                 raise cause from None
             raise exc.as_instanceof_cause() from None
+        except (*actor_failures(), ray.exceptions.GetTimeoutError):
+            if self.client is not None and self.sent:
+                self.client._doubt(self.sent)  # unknown whether the request committed
+            raise
+        if self.client is not None and self.sent:
+            out = self.client._settle(out, self.sent)
         return out[0] if self.single else out
 
     def done(self) -> bool:
         ready, _ = ray.wait([self.ref], timeout=0)
         return bool(ready)
+
+
+IN_DOUBT_MAX = 1_000_000  # ids a client remembers as in doubt (the oldest are forgotten first)
 
 
 class MemoryClient:
@@ -74,6 +95,8 @@ class MemoryClient:
         self.shards = [ray.get_actor(n, namespace=namespace) for n in info["shards"]]
         self.embedders = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
         self._next = 0
+        self._in_doubt: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint of an add whose answer was lost
+        self._doubt_lock = threading.Lock()
 
     @classmethod
     def connect(cls, namespace: str = "lifemem", address: str | None = None, config: MemoryConfig | None = None) -> "MemoryClient":
@@ -85,7 +108,9 @@ class MemoryClient:
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AddFuture:
         vectors = None if vector is None else np.asarray(vector, dtype=np.float32).reshape(1, -1)
-        return AddFuture(self.add_many([trajectory], vectors).ref, single=True)
+        future = self.add_many([trajectory], vectors)
+        future.single = True
+        return future
 
     def add_many(self, trajectories: Sequence[Trajectory], vectors: Any = None) -> AddFuture:
         """One request: acknowledged as a whole; rejected whole if an id conflicts.
@@ -93,7 +118,29 @@ class MemoryClient:
         The trajectories are encoded and their workflows abstracted here, in the caller's
         process, so the coordinator only routes and decides."""
         batch = pack_trajectories(list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
-        return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None))
+        sent = dict(zip(batch.ids, batch.fingerprints))
+        return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None), sent=sent, client=self)
+
+    def _doubt(self, sent: dict[str, str]) -> None:
+        """Remember a request whose answer was lost: its first attempt may have committed."""
+        with self._doubt_lock:
+            self._in_doubt.update(sent)
+            while len(self._in_doubt) > IN_DOUBT_MAX:
+                self._in_doubt.popitem(last=False)
+
+    def _settle(self, results: list[AddResult], sent: dict[str, str]) -> list[AddResult]:
+        """``duplicate`` for an id this client sent before without an answer is its own
+        earlier attempt's commit: ``added``."""
+        if not self._in_doubt:
+            return results
+        out = []
+        with self._doubt_lock:
+            for r in results:
+                fp = self._in_doubt.pop(r.id, None)
+                if r.status == "duplicate" and fp is not None and fp == sent.get(r.id):
+                    r = AddResult(r.id, "added", r.cluster_id)
+                out.append(r)
+        return out
 
     # -- retrieving --------------------------------------------------------------------------
     def embed(self, texts: list[str]) -> np.ndarray:

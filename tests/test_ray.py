@@ -212,7 +212,7 @@ def test_overload_makes_callers_wait_then_fail(deployment, data):
     assert client.stats()["coordinator"]["counters"]["overloaded"] == 1
 
 
-def _ingest_with_retries(client, trajs, vecs, acked: set, stop: threading.Event, errors: list) -> None:
+def _ingest_with_retries(client, trajs, vecs, acked: set, stop: threading.Event, errors: list, statuses: list | None = None) -> None:
     """What a rollout worker does: send, and retry a request that was not acknowledged."""
     for start in range(0, len(trajs), 40):
         if stop.is_set():
@@ -221,6 +221,8 @@ def _ingest_with_retries(client, trajs, vecs, acked: set, stop: threading.Event,
             try:
                 for r in client.add_many(trajs[start : start + 40], vecs[start : start + 40]).result(timeout=120):
                     acked.add(r.id)
+                    if statuses is not None:
+                        statuses.append(r.status)
                 break
             except Exception as exc:  # an actor died under us: retry the same ids
                 errors.append(type(exc).__name__)
@@ -238,7 +240,8 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
     acked: set[str] = set()
     errors: list[str] = []
     stop = threading.Event()
-    worker = threading.Thread(target=_ingest_with_retries, args=(client, trajs[:1200], vecs[:1200], acked, stop, errors))
+    statuses: list[str] = []
+    worker = threading.Thread(target=_ingest_with_retries, args=(client, trajs[:1200], vecs[:1200], acked, stop, errors, statuses))
     worker.start()
     while len(acked) < 200:
         time.sleep(0.05)
@@ -252,6 +255,8 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
     worker.join(timeout=600)
     assert not worker.is_alive()
     assert len(acked) == 1200
+    # Every id was new: a retry whose first attempt committed still reports "added".
+    assert set(statuses) <= {"added", "pending"}, sorted(set(statuses))
     # The restarted actors reloaded from LMDB: everything acknowledged is there exactly once.
     from lifemem_ray.actors.client import MemoryClient
 
