@@ -47,19 +47,6 @@ def _embedder_name(i: int) -> str:
     return f"lifemem-embedder-{i}"
 
 
-def _shard_options(config: MemoryConfig) -> dict[str, Any]:
-    """The shard actor's options: ``MemoryShard.ray_options(config)`` where the shard declares them."""
-    declared = getattr(MemoryShard, "ray_options", None)
-    if declared is not None:
-        return declared(config)
-    return {
-        "num_cpus": config.cluster.shard_cpus,
-        "max_concurrency": 4,  # retrievals need not wait behind a commit
-        "max_restarts": -1,
-        "max_task_retries": -1,
-    }
-
-
 def find_coordinator(namespace: str) -> Any:
     try:
         return ray.get_actor(COORDINATOR, namespace=namespace)
@@ -168,7 +155,7 @@ def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards:
             ray.remote(MemoryShard).options(
                 name=name,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i], soft=False),
-                **_shard_options(config),
+                **MemoryShard.ray_options(config),
                 **common,
             ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
         for i, name in enumerate(embedder_names):

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import lmdb
-import msgpack
+
+from lifemem_ray import codec
 
 __all__ = ["RoutingTable"]
 
-_U64 = struct.Struct(">Q")
+_U64 = struct.Struct(">Q")  # cluster id -> shard index: the routing table's own two-column layout
 _U32 = struct.Struct(">I")
 
 
@@ -70,11 +71,11 @@ class RoutingTable:
     def get_meta(self, key: str, default: Any = None) -> Any:
         with self.env.begin() as txn:
             raw = txn.get(key.encode(), db=self.meta)
-        return default if raw is None else msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        return default if raw is None else codec.unpack(raw)
 
     def put_meta(self, key: str, value: Any) -> None:
         with self._lock:
-            self._write(lambda txn: txn.put(key.encode(), msgpack.packb(value, use_bin_type=True), db=self.meta))
+            self._write(lambda txn: txn.put(key.encode(), codec.pack(value), db=self.meta))
 
     def _write(self, fn: Any) -> None:
         while True:

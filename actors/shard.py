@@ -73,6 +73,13 @@ class MemoryShard:
     """The Ray actor of one store: :class:`~lifemem_ray.protocols.ShardProtocol` plus
     ``info`` and ``ping`` for the deployment."""
 
+    @classmethod
+    def ray_options(cls, config: MemoryConfig) -> dict[str, Any]:
+        """The actor's Ray options: its CPU share; a few calls at once (a retrieval need not wait
+        behind a commit); restarted, and its calls retried, after a crash (every call is safe
+        to retry: commits skip what is stored)."""
+        return {"num_cpus": config.cluster.shard_cpus, "max_concurrency": 4, "max_restarts": -1, "max_task_retries": -1}
+
     def __init__(self, index: int, path: str, config: MemoryConfig, dim: int | None = None) -> None:
         self.index = index
         self.path = Path(path)
