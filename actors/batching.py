@@ -34,7 +34,7 @@ import numpy as np
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
 from lifemem_ray.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
-from lifemem_ray.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement
+from lifemem_ray.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement, top_k_rows
 from lifemem_ray.ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from lifemem_ray.memory import WORKFLOW_DIM
 from lifemem_ray.policy import OfflinePolicy
@@ -500,10 +500,7 @@ def absorb_previous(part: ItemBatch, merged: CandidateSet, owner_of: dict[int, i
         for env in set(part.envs) & set(previous.envs):
             rows = np.flatnonzero(envs == env)
             cols = np.flatnonzero(prev_envs == env)
-            sims = part.vecs[rows] @ previous.vecs[cols].T
-            kk = min(k, len(cols))
-            top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
-            top_s = np.take_along_axis(sims, top, 1)
+            top, top_s = top_k_rows(part.vecs[rows] @ previous.vecs[cols].T, k)
             for r, row_top, row_s in zip(rows.tolist(), top.tolist(), top_s.tolist()):
                 pool = merged.neighbours[r] + [(previous.clusters[cols[j]], s) for j, s in zip(row_top, row_s)]
                 merged.neighbours[r] = sorted(pool, key=lambda cs: -cs[1])[:k]

@@ -218,6 +218,15 @@ class BatchPlan:
     llm_skipped: int = 0  # decided offline because the offline answer was unambiguous
 
 
+def top_k_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``k`` best columns (unordered) and their scores: the neighbour selection
+    every in-batch search uses (the planner's within a batch, the coordinator's against the
+    batch committed just before)."""
+    kk = min(k, scores.shape[1])
+    top = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
+    return top, np.take_along_axis(scores, top, 1)
+
+
 def _earlier_neighbours(vecs: np.ndarray, k: int, w: int) -> tuple[np.ndarray, np.ndarray]:
     """For each item, its k most similar items among the ``w`` before it
     (``evolution.in_batch_window``; index -1 where there are fewer). Blocked, so a large batch
@@ -233,9 +242,8 @@ def _earlier_neighbours(vecs: np.ndarray, k: int, w: int) -> tuple[np.ndarray, n
         rows = np.arange(start, stop)[:, None]
         cols = np.arange(lo, stop)[None, :]
         block = np.where((cols < rows) & (cols >= rows - w), block, -np.inf)
-        kk = min(k, block.shape[1])
-        top = np.argpartition(-block, kk - 1, axis=1)[:, :kk]
-        top_s = np.take_along_axis(block, top, 1)
+        top, top_s = top_k_rows(block, k)
+        kk = top.shape[1]
         valid = np.isfinite(top_s)
         sims[start:stop, :kk] = np.where(valid, top_s, -np.inf)
         idx[start:stop, :kk] = np.where(valid, top + lo, -1)
