@@ -25,6 +25,7 @@ from lifemem_ray.model import Trajectory
 from lifemem_ray.protocols import MemoryStats
 from lifemem_ray.errors import EmbeddingError
 from lifemem_ray.ingest_rules import AddResult
+from lifemem_ray.llm import usage_totals
 from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
 
 from . import deployment
@@ -260,8 +261,9 @@ class MemoryClient:
                 slot["clusters"] += v["clusters"]
         llm_shards = [st["llm"] for st in shard_stats]
         coord_usage = coordinator["llm"]
-        calls = sum(l["calls"] for l in llm_shards) + sum(int(v.get("calls", 0)) for v in coord_usage.values())
-        tokens = sum(l["tokens"] for l in llm_shards) + sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in coord_usage.values())
+        coord_calls, coord_tokens = usage_totals(coord_usage)
+        calls = sum(l["calls"] for l in llm_shards) + coord_calls
+        tokens = sum(l["tokens"] for l in llm_shards) + coord_tokens
         return {
             "trajectories": sum(st["trajectories"] for st in shard_stats),
             "clusters": sum(st["clusters"] for st in shard_stats),

@@ -55,6 +55,7 @@ __all__ = [
     "LLMDecider",
     "extract_json",
     "schema_errors",
+    "usage_totals",
 ]
 
 log = logging.getLogger(__name__)
@@ -400,6 +401,14 @@ def check_skill(data: dict[str, Any], schema: dict[str, Any], forbidden: Sequenc
 
 
 # --------------------------------------------------------------------------- transport
+
+
+def usage_totals(usage: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """(calls, tokens) of a per-operation usage table (``LLMClient.usage()``, or the one a
+    store keeps): what every stats report sums."""
+    calls = sum(int(v.get("calls", 0)) for v in usage.values())
+    tokens = sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values())
+    return calls, tokens
 
 
 class _LoopThread:
