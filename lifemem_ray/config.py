@@ -180,6 +180,10 @@ class LLMConfig:
     response_format: str = "json_object"  # json_object | json_schema | none
     skip_confident: bool = True  # let the offline policy decide unambiguous joins
     min_cluster_size: int = 3  # smaller clusters keep offline descriptions and skills (no calls)
+    prompt_char_budget: int = 16000  # trajectory text in one multi-trajectory prompt (partition, split, distil)
+    backoff_base_s: float = 0.5  # retries wait base * 2^attempt (jittered), at most backoff_max_s
+    backoff_max_s: float = 20.0
+    retry_after_max_s: float = 30.0  # a server's Retry-After is honoured up to this
 
     def validate(self) -> None:
         _choice(self, "backend", ("offline", "openai"))
@@ -290,6 +294,10 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "llm.max_item_chars": (100, 100_000),
     "llm.max_answer_tokens": (16, 32_768),
     "llm.min_cluster_size": (1, 1_000_000),
+    "llm.prompt_char_budget": (1_000, 1_000_000),
+    "llm.backoff_base_s": (0.0, 60.0),
+    "llm.backoff_max_s": (0.0, 600.0),
+    "llm.retry_after_max_s": (0.0, 3_600.0),
     "store.map_size_mb": (1, 1_048_576),
     "store.max_map_size_gb": (1, 65_536),
     "cluster.shards": (1, 1_024),

@@ -482,14 +482,18 @@ class LLMClient:
         config: LLMConfig,
         *,
         send_schema: bool | None = None,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 20.0,
-        retry_after_max_s: float = 30.0,
+        backoff_base_s: float | None = None,
+        backoff_max_s: float | None = None,
+        retry_after_max_s: float | None = None,
         client: openai.AsyncOpenAI | None = None,
     ) -> None:
         """``send_schema``: put the JSON schema into ``response_format={"type": "json_object"}``
         (llama.cpp constrains decoding with it; vLLM ignores it; OpenAI rejects it with
-        ``Unknown parameter: 'response_format.schema'``). None: all servers but OpenAI's."""
+        ``Unknown parameter: 'response_format.schema'``). None: all servers but OpenAI's.
+        The backoff settings default to the config's (``llm.backoff_base_s`` ...)."""
+        backoff_base_s = config.backoff_base_s if backoff_base_s is None else backoff_base_s
+        backoff_max_s = config.backoff_max_s if backoff_max_s is None else backoff_max_s
+        retry_after_max_s = config.retry_after_max_s if retry_after_max_s is None else retry_after_max_s
         config.validate()
         if not config.model:
             raise ValueError("LLMClient: llm.model is empty; name the model the server serves")
@@ -772,9 +776,11 @@ class LLMDecider:
     name = "llm"
 
     def __init__(self, config: LLMConfig, client: LLMClient | None = None, *,
-                 prompt_char_budget: int = 16000, **client_options: Any) -> None:
+                 prompt_char_budget: int | None = None, **client_options: Any) -> None:
         """``client_options`` go to :class:`LLMClient` when no client is given.
-        ``prompt_char_budget`` caps the trajectory text of one multi-trajectory prompt."""
+        ``prompt_char_budget`` caps the trajectory text of one multi-trajectory prompt
+        (default: ``llm.prompt_char_budget``)."""
+        prompt_char_budget = config.prompt_char_budget if prompt_char_budget is None else prompt_char_budget
         if prompt_char_budget <= 0:
             raise ValueError("LLMDecider: prompt_char_budget must be > 0")
         self.config = config
