@@ -26,7 +26,7 @@ from lifemem_ray.protocols import MemoryStats
 from lifemem_ray.errors import EmbeddingError
 from lifemem_ray.ingest_rules import AddResult
 from lifemem_ray.llm import usage_totals
-from lifemem_ray.retrieval import Retrieval, assemble, paused_gc
+from lifemem_ray.retrieval import Retrieval, assemble, check_retrieve_args, paused_gc
 
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
@@ -166,21 +166,9 @@ class MemoryClient:
         token_budget: int | None = None,
         skills: bool = True,
     ) -> list[Retrieval]:
-        tasks = list(tasks)
-        envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
-        if len(envs) != len(tasks):
-            raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
-        for i, (task, env) in enumerate(zip(tasks, envs)):  # the engine's checks (engine.search.Search.retrieve_many)
-            if not isinstance(task, str) or not task.strip():
-                raise ValueError(f"tasks[{i}]: expected a non-empty string")
-            if env is not None and (not isinstance(env, str) or not env.strip()):
-                raise ValueError(f"envs[{i}]: expected a non-empty environment name or None (all environments)")
-        k = self.config.retrieval.k if k is None else k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k: expected a positive integer, got {k!r}")
+        tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.config.retrieval)  # the engine's checks
         if not tasks:
             return []
-        budget = self.config.retrieval.token_budget if token_budget is None else token_budget
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
         with paused_gc():
             if len(tasks) <= self.config.cluster.one_round_max:

@@ -384,6 +384,9 @@ def _open_or_connect(args: argparse.Namespace, config: MemoryConfig) -> Any:
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
     config = _config(args)
+    from .retrieval import check_retrieve_args
+
+    check_retrieve_args([args.task], [args.env], args.k, None, config.retrieval)  # before opening anything
     memory = _open_or_connect(args, config)
     try:
         result = memory.retrieve(args.task, args.env, args.k)
@@ -414,7 +417,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
         stats = memory.stats()
     finally:
         memory.close()
-    stats.setdefault("splits", 0)
 
     def text() -> str:
         lines = [
@@ -463,9 +465,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.deep and _remote(args):
+        raise CommandError("check --deep reads a store folder: pass --store DIR (a shard's folder of a stopped deployment), not a deployment")
     memory = _open_or_connect(args, _config(args))
     try:
-        report = memory.verify()
+        report = memory.verify(deep=True) if args.deep else memory.verify()
     finally:
         memory.close()
     parts = report.get("shards", [report])
@@ -602,6 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", parents=[remote, common], help="verify the store's invariants")
     p.add_argument("--store", metavar="DIR")
+    p.add_argument("--deep", action="store_true",
+                   help="also recompute every record's fingerprint from its content (reads every record; a local store only)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("serve", parents=[remote, common, llm], help="start a sharded deployment on Ray (named, detached)")

@@ -43,7 +43,7 @@ from .engine.shard import EngineShard
 from .engine.state import WORKFLOW_DIM, EngineState
 from .engine.transfer import Transfer
 from .evolution import BatchItem
-from .errors import IdConflictError, MaintenanceError, StoreError, UnknownClusterError
+from .errors import IdConflictError, IndexSaveError, MaintenanceError, StoreError, UnknownClusterError
 from .index import VectorIndex
 from .ingest_rules import AddResult, unit_rows
 from .model import Trajectory
@@ -257,6 +257,7 @@ class Memory:
 
     def clusters(self, env: str | None = None) -> list[ClusterInfo]:
         """Live clusters, largest first; with ``env``, those holding trajectories of it."""
+        self._state.refresh()
         with self._state.lock:
             records = list(self._state.clusters.values())
         if env is not None:
@@ -282,9 +283,11 @@ class Memory:
         """Counts per environment, cluster sizes, splits and merges, maintenance queued, LLM usage."""
         return self._audit.stats()
 
-    def verify(self) -> dict[str, Any]:
-        """Check every invariant against a recomputation from the stored trajectories."""
-        return self._audit.verify()
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        """Check every invariant against a recomputation from the stored trajectories. ``deep``
+        also recomputes every stored record's fingerprint from its content and compares it with
+        the stored one and the id index (reads and decodes every record)."""
+        return self._audit.verify(deep=deep)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -296,8 +299,10 @@ class Memory:
         with s.lock:
             try:
                 if not s.read_only:
-                    s.index.save(s.path / "index", s.store.generation())
-            except Exception:  # a cache: losing it costs a rebuild, never data
+                    s.save_index()
+            except IndexSaveError as exc:  # a cache: losing it costs a rebuild at the next open, never data
+                log.warning("%s", exc)
+            except Exception:
                 log.warning("could not save the index cache", exc_info=True)
             if s.decider is not None and hasattr(s.decider, "close"):
                 s.decider.close()

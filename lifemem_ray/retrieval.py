@@ -18,18 +18,59 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .codec import StoredFields, fields_to_trajectory, record_fields
-from .model import Trajectory, render_text
+from .config import BOUNDS
+from .model import MAX_TEXT_CHARS, Trajectory, render_text
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
 RecordHit = tuple[float, "int | None", bytes]
 
 __all__ = [
-    "RecordHit", "RetrievedSkill", "RetrievedTrajectory", "Retrieval", "assemble", "estimate_tokens", "outcome_label", "paused_gc",
+    "MAX_QUERIES", "MAX_QUERY_HITS", "MAX_TASK_CHARS", "RecordHit", "RetrievedSkill", "check_retrieve_args", "RetrievedTrajectory", "Retrieval", "assemble", "estimate_tokens", "outcome_label", "paused_gc",
     "render_context",
 ]
 
 MIN_EXEMPLAR_TOKENS = 48
 CHARS_PER_TOKEN = 4
+
+# What one retrieve call may ask for (every entry point checks with check_retrieve_args):
+# k within BOUNDS["retrieval.k"]; a task text as long as a stored one may be; at most
+# MAX_QUERIES queries, and at most MAX_QUERY_HITS results (queries x k) in all, which keeps
+# the score and id arrays and the fetched records of one call within a few hundred MB.
+MAX_TASK_CHARS = MAX_TEXT_CHARS
+MAX_QUERIES = 100_000
+MAX_QUERY_HITS = 1 << 22
+
+
+def check_retrieve_args(tasks: Any, envs: Any, k: Any, token_budget: Any, defaults: Any) -> tuple[list[str], list[Any], int, int]:
+    """The arguments of a retrieve call checked, one message per mistake at every entry point
+    (the engine, ``MemoryClient``, the CLI): ``(tasks, envs, k, token budget)``; ``defaults``
+    (a :class:`~lifemem_ray.config.RetrievalConfig`) fills in ``k`` and the budget when None.
+    Raises ValueError naming the argument, what it got and what is allowed."""
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
+    if len(envs) != len(tasks):
+        raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
+    if len(tasks) > MAX_QUERIES:
+        raise ValueError(f"tasks: {len(tasks):,} queries in one call, at most {MAX_QUERIES:,}; split them into several calls")
+    for i, (task, env) in enumerate(zip(tasks, envs)):
+        if not isinstance(task, str) or not task.strip():
+            raise ValueError(f"tasks[{i}]: expected a non-empty string")
+        if len(task) > MAX_TASK_CHARS:
+            raise ValueError(f"tasks[{i}]: {len(task):,} characters, at most {MAX_TASK_CHARS:,}; shorten the task text")
+        if env is not None and (not isinstance(env, str) or not env.strip()):
+            raise ValueError(f"envs[{i}]: expected a non-empty environment name or None (all environments)")
+    k = defaults.k if k is None else k
+    low, high = BOUNDS["retrieval.k"]
+    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+        raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
+    if len(tasks) * k > MAX_QUERY_HITS:
+        raise ValueError(f"k: {len(tasks):,} queries x k = {k} ask for {len(tasks) * k:,} results in one call, at most "
+                         f"{MAX_QUERY_HITS:,}; send fewer queries per call")
+    budget = defaults.token_budget if token_budget is None else token_budget
+    low, high = BOUNDS["retrieval.token_budget"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or not low <= budget <= high:
+        raise ValueError(f"token_budget: expected an integer within [{int(low)}, {int(high)}], got {budget!r}")
+    return tasks, envs, k, budget
 
 
 def estimate_tokens(text: str) -> int:

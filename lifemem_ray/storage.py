@@ -33,6 +33,8 @@ import fcntl
 import os
 import threading
 import time
+import uuid
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,7 @@ from .codec import (
     unpack_u64,
 )
 from .errors import StoreError, StoreLockedError
+from .lmdb_check import problem_of_data_file
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -85,6 +88,15 @@ class RawItem:
     vec: np.ndarray
     wvec: np.ndarray
     brief: bytes | None
+
+
+def _is_disk_error(exc: lmdb.Error) -> bool:
+    """Whether an LMDB error is the device's (full, or failing writes): py-lmdb raises
+    ``DiskError`` for ENOSPC and a plain ``Error`` naming the errno's text otherwise."""
+    if isinstance(exc, getattr(lmdb, "DiskError", ())):
+        return True
+    text = str(exc)
+    return any(why in text for why in (os.strerror(errno.ENOSPC), os.strerror(errno.EIO), os.strerror(errno.EDQUOT)))
 
 
 class _ResizeGate:
@@ -156,6 +168,15 @@ class _Environment:
             except OSError as exc:
                 raise StoreError(f"{self.path}: cannot create the store folder: {exc.strerror}") from None
             self._acquire_writer_lock()
+        # A truncated data.mdb is mapped without complaint and kills the process (SIGBUS) at
+        # the first page past its end: look at its meta pages before LMDB maps it.
+        problem = problem_of_data_file(self.path / "data.mdb")
+        if problem is not None:
+            self._release_writer_lock()
+            raise StoreError(
+                f"{problem}: the store is damaged and cannot be opened; restore the folder from a snapshot "
+                "(`lifemem-ray snapshot`) or a backup (`lifemem-ray export` cannot read a truncated store)"
+            )
         try:
             existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
             self.env = lmdb.open(
@@ -240,6 +261,7 @@ class _Environment:
                     "created": now,
                     "llm_usage": {},
                     "counters": {},
+                    "store_id": uuid.uuid4().hex,
                 }.items():
                     txn.put(key.encode(), _packb(value), db=self.db["meta"])
 
@@ -260,6 +282,11 @@ class _Environment:
         if namespace and namespace != self.namespace:
             raise StoreError(f"{self.path}: the store's id namespace is {self.namespace}, not {namespace}")
         self.embedder = meta["embedder"]
+        self.store_id = str(meta.get("store_id") or "")
+        if not self.store_id and not self.read_only:  # a store from before ids: it gets one now
+            new_id = uuid.uuid4().hex
+            self.write(lambda txn: self.put_meta(txn, "store_id", new_id))
+            self.store_id = new_id
 
     # -- transactions ----------------------------------------------------------------------
     @contextmanager
@@ -299,6 +326,13 @@ class _Environment:
                     return result
                 except lmdb.MapFullError:
                     self._grow()
+                except lmdb.Error as exc:
+                    if _is_disk_error(exc):
+                        raise StoreError(
+                            f"no space left on the device (or a write error) in {self.path}: {exc}; nothing of this batch "
+                            "was stored; free space (or fix the device) and retry"
+                        ) from None
+                    raise
 
     def _grow(self) -> None:
         current = self.env.info()["map_size"]
@@ -320,6 +354,23 @@ class _Environment:
 
     def generation(self) -> int:
         return int(self.get_meta("generation", default=0))
+
+    def index_identity(self, txn: lmdb.Transaction | None = None) -> str:
+        """``store id:digest`` of what the vector index holds: every stored (vid, vector record),
+        folded order-independently (xor and sum of per-entry crc32s), with the count and the
+        generation. An index cache saved with another identity belongs to another store or
+        other contents and is not used. Reads the vectors table once (see README: costs)."""
+        if txn is None:
+            with self.read() as txn:
+                return self.index_identity(txn)
+        x = total = n = 0
+        for key, value in txn.cursor(db=self.db["vec"]):
+            h = zlib.crc32(value, zlib.crc32(key))
+            x ^= h
+            total = (total + h * 0x9E3779B1) & 0xFFFFFFFFFFFFFFFF
+            n += 1
+        gen = int(self.get_meta("generation", txn, 0))
+        return f"{self.store_id}:{n}-{gen}-{x:08x}{total:016x}"
 
     # -- lifecycle -------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -8,6 +8,9 @@ from typing import Any
 import numpy as np
 
 from ..clusters import check_against_members
+from ..errors import InvalidTrajectoryError
+from ..model import Outcome, Step, Trajectory
+from ..storage import unpack_u64
 from .state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Audit"]
@@ -19,6 +22,7 @@ class Audit:
 
     def stats(self) -> dict[str, Any]:
         s = self.s
+        s.refresh()
         with s.lock:
             records = list(s.clusters.values())
             pending = list(s.pending)
@@ -75,21 +79,35 @@ class Audit:
             "generation": s.store.generation(),
         }
 
-    def verify(self) -> dict[str, Any]:
-        """Check every invariant against a recomputation from the stored trajectories."""
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        """Check every invariant against a recomputation from the stored trajectories; ``deep``:
+        also every record's fingerprint against its content (see :meth:`Memory.verify`)."""
         s = self.s
+        s.refresh()
         store = s.store
         problems: list[str] = []
         with s.lock, store.read() as txn:  # no commit in between: LMDB and the index agree
+            if s.read_only and int(store.get_meta("generation", txn)) != s.generation:
+                s.load()  # a writer committed between the refresh and this snapshot
             n_traj = store.count_trajectories(txn)
             n_index = len(s.index)
             seen_ids: dict[str, int] = {}
-            for vid, traj, _ in store.iter_trajectories(txn):
+            for vid, traj, extra in store.iter_trajectories(txn):
                 if traj.id in seen_ids:
                     problems.append(f"trajectory id {traj.id!r} stored twice")
                 seen_ids[traj.id] = vid
                 if store.lookup_id(txn, traj.id) != vid:
                     problems.append(f"id map does not point at trajectory {traj.id!r}")
+                if deep:
+                    problems.extend(_fingerprint_problems(vid, traj, extra["fingerprint"]))
+            if deep:
+                for key, value in txn.cursor(db=store.db["tid"]):
+                    tid, vid = key.decode("utf-8", "replace"), unpack_u64(value)
+                    stored = store.trajectory(txn, vid)
+                    if stored is None:
+                        problems.append(f"id index: {tid!r} points at vid {vid}, which holds no trajectory")
+                    elif stored[0].id != tid:
+                        problems.append(f"id index: {tid!r} points at vid {vid}, which holds trajectory {stored[0].id!r}")
             pending = set(store.get_meta("pending", txn) or [])
             sums: dict[int, list[Any]] = {}
             for vid, _, vec, wvec in store.iter_vectors(txn):
@@ -118,4 +136,19 @@ class Audit:
                     problems.append(f"trajectories point at cluster {cid}, which is not live")
         if n_index != n_traj:
             problems.append(f"index holds {n_index} vectors, the store {n_traj} trajectories")
-        return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems}
+        return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems,
+                **({"deep": True} if deep else {})}
+
+
+def _fingerprint_problems(vid: int, traj: Trajectory, stored_fp: str) -> list[str]:
+    """The record's content hashed again (and validated) against the fingerprint stored with it."""
+    try:
+        fresh = Trajectory(env=traj.env, task=traj.task, steps=tuple(Step(s.action, s.thought, s.observation) for s in traj.steps),
+                           outcome=Outcome(success=traj.outcome.success, reward=traj.outcome.reward), id=traj.id,
+                           initial_observation=traj.initial_observation, metadata=traj.metadata)
+    except (InvalidTrajectoryError, TypeError, ValueError) as exc:
+        return [f"trajectory {traj.id!r} (vid {vid}): its stored content is not a valid trajectory: {exc}"]
+    if fresh.fingerprint != stored_fp:
+        return [f"trajectory {traj.id!r} (vid {vid}): its content does not match its stored fingerprint "
+                f"({stored_fp[:16]}... stored, {fresh.fingerprint[:16]}... recomputed): the record was changed outside the engine"]
+    return []

@@ -8,7 +8,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..ingest_rules import unit_rows
-from ..retrieval import RecordHit, Retrieval, assemble, paused_gc
+from ..config import BOUNDS
+from ..retrieval import MAX_QUERIES, MAX_QUERY_HITS, RecordHit, Retrieval, assemble, check_retrieve_args, paused_gc
 from .state import EngineState
 
 __all__ = ["Search"]
@@ -22,20 +23,8 @@ class Search:
                       vectors: Any = None, token_budget: int | None = None, skills: bool = True) -> list[Retrieval]:
         """Many queries in one embedding call and one batched index search (``None`` envs: all)."""
         self.s.check_open()
-        tasks = list(tasks)
-        envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
-        if len(envs) != len(tasks):
-            raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
-        for i, (task, env) in enumerate(zip(tasks, envs)):
-            if not isinstance(task, str) or not task.strip():
-                raise ValueError(f"tasks[{i}]: expected a non-empty string")
-            if env is not None and (not isinstance(env, str) or not env.strip()):
-                raise ValueError(f"envs[{i}]: expected a non-empty environment name or None (all environments)")
+        tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.s.config.retrieval)
         retrieval = self.s.config.retrieval
-        k = retrieval.k if k is None else k
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k: expected a positive integer, got {k!r}")
-        budget = retrieval.token_budget if token_budget is None else token_budget
         if not tasks:
             return []
         if vectors is None:
@@ -71,8 +60,13 @@ class Search:
         self.s.check_open()
         envs = list(envs)
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k: expected a positive integer, got {k!r}")
+        low, high = BOUNDS["retrieval.k"]
+        if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+            raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
+        if len(envs) > MAX_QUERIES or len(envs) * k > MAX_QUERY_HITS:
+            raise ValueError(f"vectors: {len(envs):,} queries x k = {k} in one call, at most {MAX_QUERIES:,} queries and "
+                             f"{MAX_QUERY_HITS:,} results; send fewer queries per call")
+        self.s.refresh()
         if not envs:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
         return self._search(queries, envs, k)

@@ -19,6 +19,7 @@ from ..decisions import Decider
 from ..embedding import DIM as MINILM_DIM, Embedder
 from ..errors import StoreError
 from ..index import VectorIndex
+from ..ingest_rules import make_decider
 from ..migrate import LEGACY_FEATURES, migrate_features, stored_features
 from ..policy import OfflinePolicy
 from ..steps import FEATURES_VERSION, features_id
@@ -50,7 +51,7 @@ class EngineState:
         self.closed = False
         self.schedule: Callable[[], None] = lambda: None  # set by the maintenance part: run or wake it after a change
         try:
-            self.decider = decider if decider is not None else self._default_decider()
+            self.decider = decider if decider is not None else make_decider(self.config)
             self.features = self._open_features()
             self.load()
         except BaseException:
@@ -69,13 +70,6 @@ class EngineState:
         store = self.config.store
         return MemoryStore(self.path, dim=dim, workflow_dim=WORKFLOW_DIM, embedder=embedder_name, read_only=read_only,
                            namespace=namespace, map_size_mb=store.map_size_mb, max_map_size_gb=store.max_map_size_gb, sync=store.sync)
-
-    def _default_decider(self) -> Decider | None:
-        if self.config.llm.backend == "openai":
-            from ..llm import LLMDecider
-
-            return LLMDecider(self.config.llm)
-        return None
 
     def _open_features(self) -> str:
         """The workflow featurizer of this store: the config's (``evolution.workflow_features``).
@@ -114,27 +108,54 @@ class EngineState:
             self.pending: list[int] = list(self.store.get_meta("pending", txn) or [])
             generation = int(self.store.get_meta("generation", txn))
             count = self.store.count_trajectories(txn)
-        self.clusters = clusters
-        self.centroids = ClusterCentroids(self.dim, WORKFLOW_DIM, self.config.policy.workflow_weight)
-        self.centroids.update(clusters.values())
-        loaded = VectorIndex.load(self.path / "index", self.dim, self.config.index)
-        if loaded is not None and loaded[1] == generation and len(loaded[0]) == count:
-            self.index = loaded[0]
+            identity = self.store.index_identity(txn)
+            # A read-only view is of this transaction's snapshot; a writer may move on meanwhile.
+            self.generation = generation
+            self.clusters = clusters
+            self.centroids = ClusterCentroids(self.dim, WORKFLOW_DIM, self.config.policy.workflow_weight)
+            self.centroids.update(clusters.values())
+            loaded = VectorIndex.load(self.path / "index", self.dim, self.config.index, identity=identity)
+            if loaded is not None and loaded[1] == generation and len(loaded[0]) == count:
+                self.index = loaded[0]
+                return
+            self.index = self._build_index(txn)
+
+    def _build_index(self, txn: Any) -> VectorIndex:
+        """The vector index of everything stored, from LMDB (in ``txn``'s snapshot)."""
+        index = VectorIndex(self.dim, self.config.index)
+        names = {code: name for name, code in self.store.env_codes(txn).items()}
+        by_env: dict[int, tuple[list[int], list[np.ndarray]]] = {}
+        for vid, code, vec, _ in self.store.iter_vectors(txn):
+            ids, vecs = by_env.setdefault(code, ([], []))
+            ids.append(vid)
+            vecs.append(vec)
+            if len(ids) >= 65536:
+                index.add(names[code], np.asarray(ids, dtype=np.int64), np.stack(vecs))
+                by_env[code] = ([], [])
+        for code, (ids, vecs) in by_env.items():
+            if ids:
+                index.add(names[code], np.asarray(ids, dtype=np.int64), np.stack(vecs))
+        return index
+
+    def refresh(self) -> None:
+        """A read-only view follows the writer: when the store's generation moved on since
+        this view was loaded, reload the clusters, pending list and index (from the writer's
+        saved cache when it matches, else rebuilt from LMDB). A writer's view is always current."""
+        if not self.read_only:
             return
-        self.index = VectorIndex(self.dim, self.config.index)
+        self.check_open()
+        with self.lock:
+            if self.store.generation() != self.generation:
+                log.info("%s: the store moved on (generation %d -> %d); reloading the read-only view",
+                         self.path, self.generation, self.store.generation())
+                self.load()
+
+    def save_index(self) -> None:
+        """Save the index as a cache stamped with the store's generation and identity."""
         with self.store.read() as txn:
-            names = {code: name for name, code in self.store.env_codes(txn).items()}
-            by_env: dict[int, tuple[list[int], list[np.ndarray]]] = {}
-            for vid, code, vec, _ in self.store.iter_vectors(txn):
-                ids, vecs = by_env.setdefault(code, ([], []))
-                ids.append(vid)
-                vecs.append(vec)
-                if len(ids) >= 65536:
-                    self.index.add(names[code], np.asarray(ids, dtype=np.int64), np.stack(vecs))
-                    by_env[code] = ([], [])
-            for code, (ids, vecs) in by_env.items():
-                if ids:
-                    self.index.add(names[code], np.asarray(ids, dtype=np.int64), np.stack(vecs))
+            generation = int(self.store.get_meta("generation", txn))
+            identity = self.store.index_identity(txn)
+        self.index.save(self.path / "index", generation, identity=identity)
 
     @property
     def embedder(self) -> Embedder:
