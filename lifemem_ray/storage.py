@@ -12,7 +12,7 @@ Sub-databases (keys are big-endian u64 unless noted; the value layouts are
 =========  ==========================  ==========================================
 name       key                         value
 =========  ==========================  ==========================================
-meta       ascii name                  schema version, dims, counters, usage
+meta       ascii name                  schema version, dims, store id, counters, usage
 traj       vid                         the trajectory record
 tid        trajectory id (utf-8)       vid
 vec        vid                         u32 env code + f32 text vector + f16 workflow vector
