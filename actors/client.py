@@ -268,8 +268,9 @@ class MemoryClient:
         parts = ray.get([s.clusters.remote(env) for s in self.shards])
         return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))
 
-    def verify(self) -> dict[str, Any]:
-        reports = ray.get([s.verify.remote() for s in self.shards])
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        """Every shard's invariants (``deep``: also every record's fingerprint, recomputed)."""
+        reports = ray.get([s.verify.remote(deep) for s in self.shards])
         return {"ok": all(r["ok"] for r in reports), "shards": reports}
 
     def maintain(self) -> int:

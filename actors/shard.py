@@ -151,8 +151,8 @@ class MemoryShard:
     def cluster_ids(self) -> list[int]:
         return self.engine.cluster_ids()
 
-    def verify(self) -> dict[str, Any]:
-        return self.engine.verify()
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        return self.engine.verify(deep=deep)
 
     def maintain(self) -> int:
         """Run queued splits and skills now, let background index retrains finish, and give

@@ -465,8 +465,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    if args.deep and _remote(args):
-        raise CommandError("check --deep reads a store folder: pass --store DIR (a shard's folder of a stopped deployment), not a deployment")
     memory = _open_or_connect(args, _config(args))
     try:
         report = memory.verify(deep=True) if args.deep else memory.verify()

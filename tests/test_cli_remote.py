@@ -40,3 +40,6 @@ def test_remote_ingest_answers_bad_input_as_local_ingest(deployment, ray_local, 
     report = json.loads(ok.stdout)
     assert report["added"] == 40 and report["invalid"] == 1 and f"<stdin>:31:" in report["errors"][0]
     assert client.stats()["trajectories"] == 40
+    deep = _cli("check", "--deep", *remote)
+    assert deep.returncode == 0 and deep.stdout.startswith("ok: 40 trajectories"), deep.stdout + deep.stderr[-1000:]
+    assert client.verify(deep=True)["ok"]

@@ -97,8 +97,8 @@ class EngineShard:
     def cluster_ids(self) -> list[int]:
         return [c.id for c in self.memory.clusters()]
 
-    def verify(self) -> dict[str, Any]:
-        return self.memory.verify()
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        return self.memory.verify(deep=deep)
 
     def maintain(self) -> int:
         """Run queued splits and skills now and let background index retrains finish."""
