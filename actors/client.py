@@ -122,6 +122,11 @@ class MemoryClient:
         sent = dict(zip(batch.ids, batch.fingerprints))
         return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None), sent=sent, client=self)
 
+    def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
+        """Per id: whether a shard holds it with another fingerprint (one call per shard)."""
+        answers = _shard_answers([s.known.remote(ids, fingerprints) for s in self.shards])
+        return [any(a[i] is not None and a[i].status == "conflict" for a in answers) for i in range(len(ids))]
+
     def _doubt(self, sent: dict[str, str]) -> None:
         """Remember a request whose answer was lost: its first attempt may have committed."""
         with self._doubt_lock:

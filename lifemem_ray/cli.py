@@ -259,16 +259,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     batch_size = config.evolution.batch_size
     with Memory.open(args.store, config) as memory:
 
-        def stored_fingerprint(tid: str) -> str | None:
-            got = memory.get(tid)
-            return None if got is None else got.fingerprint
+        def stored_conflicts(ids: list[str], fingerprints: list[str]) -> list[bool]:
+            return [r is not None and r.status == "conflict" for r in memory.shard.known(ids, fingerprints)]
 
         bar = _progress(0, "ingest", args)
         try:
             for n, path in enumerate(args.paths):
                 try:
                     checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
-                                         stored_fingerprint=stored_fingerprint)
+                                         stored_conflicts=stored_conflicts)
                 except RecordError as exc:
                     stored = results["added"] + results["pending"]
                     raise CommandError(f"{exc}; nothing of {exc.path} was stored ({stored} record(s) stored from "
@@ -339,7 +338,8 @@ def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
     try:
         for n, path in enumerate(args.paths):
             try:
-                checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report)
+                checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
+                                     stored_conflicts=client.stored_conflicts)
             except RecordError as exc:
                 settle(0)
                 raise CommandError(f"{exc}; nothing of {exc.path} was stored ({counts['added']} record(s) stored from "
@@ -541,6 +541,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lifemem-ray", description="Lifelong workflow memory for LLM agents (LifeMem).")
     parser.add_argument("--version", action="version", version="lifemem-ray 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common, remote, llm = _shared_options()
+    _experiment_commands(sub, common, llm)
+    _store_commands(sub, common, remote, llm)
+    _deployment_commands(sub, common, remote, llm)
+    return parser
+
+
+def _shared_options() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The option groups commands share: common, a deployment's address, an LLM endpoint."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", help="TOML configuration file")
     common.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
@@ -553,8 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
     llm = argparse.ArgumentParser(add_help=False)
     llm.add_argument("--llm-base-url", metavar="URL", help="OpenAI-compatible endpoint; turns on the LLM backend")
     llm.add_argument("--llm-model", metavar="NAME", help="model name at that endpoint")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    return common, remote, llm
 
+
+def _experiment_commands(sub: Any, common: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:
     p = sub.add_parser("demo", parents=[common, llm], help="build a memory from the shipped sample and query it")
     p.add_argument("--store", metavar="DIR", help="where to build it (default: a new temporary folder)")
     p.set_defaults(func=cmd_demo)
@@ -572,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="DIR", help="where the report goes (default: runs/<name>)")
     p.set_defaults(func=cmd_run)
 
+
+def _store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ingest", parents=[remote, common, llm], help="add trajectories from JSONL files")
     p.add_argument("paths", nargs="+", metavar="PATH", help="JSONL files (.jsonl, .jsonl.gz, or - for stdin)")
     p.add_argument("--store", metavar="DIR", help="the store folder (or --address/--namespace for a deployment)")
@@ -584,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("task")
     p.add_argument("--store", metavar="DIR")
     p.add_argument("--env", required=True)
-    p.add_argument("-k", type=int, default=None, help="trajectories to return (default: retrieval.k)")
+    p.add_argument("-k", type=int, default=None, help="trajectories to return, 1-1024 (default: retrieval.k)")
     p.add_argument("--context", action="store_true", help="also print the prompt block an agent would get")
     p.set_defaults(func=cmd_retrieve)
 
@@ -605,9 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", parents=[remote, common], help="verify the store's invariants")
     p.add_argument("--store", metavar="DIR")
     p.add_argument("--deep", action="store_true",
-                   help="also recompute every record's fingerprint from its content (reads every record; a local store only)")
+                   help="also recompute every record's fingerprint from its content (reads every record)")
     p.set_defaults(func=cmd_check)
 
+
+def _deployment_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve", parents=[remote, common, llm], help="start a sharded deployment on Ray (named, detached)")
     p.add_argument("--store", required=True, metavar="DIR", help="folder for the shards' and the coordinator's stores")
     p.add_argument("--shards", type=int, default=None, help="number of shards (default: cluster.shards)")
@@ -626,7 +642,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True, metavar="DIR", help="a new, empty folder for the restored deployment")
     p.add_argument("--shards", type=int, default=None)
     p.set_defaults(func=cmd_restore)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

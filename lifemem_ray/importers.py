@@ -73,6 +73,7 @@ __all__ = [
 
 FORMATS = ("auto", "native", "chat")
 MAX_KEPT_ERRORS = 100
+STORE_CHECK_BATCH = 1024  # ids checked against the memory per call while a file is validated
 DEFAULT_AGENT_ROLE = "assistant"
 
 #: env (lower case) -> the chat role that is the agent; envs not listed use "assistant".
@@ -538,12 +539,14 @@ def check_file(
     env: str | None = None,
     skip_invalid: bool = False,
     report: ImportReport | None = None,
-    stored_fingerprint: Callable[[str], str | None] | None = None,
+    stored_conflicts: Callable[[list[str], list[str]], list[bool]] | None = None,
 ) -> CheckedFile:
     """Read a whole JSONL file ("-" = standard input, spooled to a temporary file; gzip read
     to its checksum) and validate every record before anything of it is stored: a malformed
-    record, an id repeated in the file with other content, or (``stored_fingerprint``: the
-    fingerprint the memory holds for an id, or None) an id stored with other content.
+    record, an id repeated in the file with other content, or an id the memory holds with
+    other content (``stored_conflicts(ids, fingerprints)``: per id, whether it is stored with
+    another fingerprint; asked for ``STORE_CHECK_BATCH`` ids at a time, so a remote memory
+    answers in few calls).
 
     Without ``skip_invalid`` the first such record raises :class:`RecordError` (``FILE:LINE:
     reason``) and nothing of the file may be stored; with it, each is counted in ``report``,
@@ -557,6 +560,13 @@ def check_file(
         spool = tempfile.NamedTemporaryFile(prefix="lifemem-stdin-", suffix=".jsonl", delete=False)
     checked = CheckedFile(name, spool.name if spool else str(path), set(), 0, spooled=spool is not None)
     seen: dict[str, tuple[str, int]] = {}  # id -> (fingerprint, first line)
+    asking: list[tuple[int, Trajectory]] = []  # first occurrences not yet checked against the store
+
+    def ask() -> None:
+        if stored_conflicts is not None and asking:
+            _check_stored(name, asking, stored_conflicts, skip_invalid, report, checked)
+        asking.clear()
+
     try:
         for lineno, raw in _raw_records(name, stream, close):
             report.read += 1
@@ -564,8 +574,11 @@ def check_file(
                 spool.write(raw if raw.endswith(b"\n") else raw + b"\n")
             try:
                 traj = _parse_raw(name, lineno, raw, fmt, env)
-                _check_id(name, lineno, traj, seen, stored_fingerprint)
+                if _first_occurrence(name, lineno, traj, seen):
+                    asking.append((lineno, traj))
             except RecordError as err:
+                if not skip_invalid:
+                    ask()  # an earlier record stored with other content is the first error
                 report.add_error(err)
                 if not skip_invalid:
                     raise
@@ -576,6 +589,10 @@ def check_file(
                 continue
             report.add_valid(traj)
             checked.valid += 1
+            if len(asking) >= STORE_CHECK_BATCH:
+                ask()
+        if not checked.unreadable:
+            ask()
     except BaseException:
         if spool is not None:
             spool.close()
@@ -586,18 +603,33 @@ def check_file(
     return checked
 
 
-def _check_id(name: str, lineno: int, traj: Trajectory, seen: dict[str, tuple[str, int]],
-              stored_fingerprint: Callable[[str], str | None] | None) -> None:
+def _first_occurrence(name: str, lineno: int, traj: Trajectory, seen: dict[str, tuple[str, int]]) -> bool:
+    """Whether this is the id's first line; a repeat with other content is a RecordError."""
     first = seen.get(traj.id)
     if first is not None:
         if first[0] != traj.fingerprint:
             raise RecordError(name, lineno, f"id {traj.id!r} repeats line {first[1]} with different content")
-        return
+        return False
     seen[traj.id] = (traj.fingerprint, lineno)
-    stored = stored_fingerprint(traj.id) if stored_fingerprint is not None else None
-    if stored is not None and stored != traj.fingerprint:
-        raise RecordError(name, lineno, f"id {traj.id!r} is already stored with different content "
+    return True
+
+
+def _check_stored(name: str, asking: list[tuple[int, Trajectory]], stored_conflicts: Callable[[list[str], list[str]], list[bool]],
+                  skip_invalid: bool, report: ImportReport, checked: CheckedFile) -> None:
+    """Records whose id the memory holds with other content: a RecordError, or left out."""
+    flags = stored_conflicts([t.id for _, t in asking], [t.fingerprint for _, t in asking])
+    for (lineno, traj), conflict in zip(asking, flags):
+        if not conflict:
+            continue
+        err = RecordError(name, lineno, f"id {traj.id!r} is already stored with different content "
                                         "(give the new content a new id, or remove the stored one first)")
+        report.add_error(err)
+        if not skip_invalid:
+            raise err
+        checked.skip.add(lineno)
+        checked.valid -= 1
+        report.valid -= 1
+        report.by_env[traj.env] -= 1
 
 
 def read_jsonl(

@@ -40,6 +40,19 @@ def test_remote_ingest_answers_bad_input_as_local_ingest(deployment, ray_local, 
     report = json.loads(ok.stdout)
     assert report["added"] == 40 and report["invalid"] == 1 and f"<stdin>:31:" in report["errors"][0]
     assert client.stats()["trajectories"] == 40
+    # An id stored with other content: refused by file and line, or left out, as locally.
+    local = str(tmp_path / "local3")
+    assert _cli("ingest", "-", "--store", local, "--skip-invalid", stdin=late.read_text()).returncode == 0
+    changed = json.loads(lines[5])
+    changed["task"] += " (edited)"
+    fresh = [json.dumps(t.to_dict()) for t in generate(2, seed=9, envs=["shop"], length_scale=0.1, id_prefix="n")]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([fresh[0], json.dumps(changed), fresh[1]]) + "\n")
+    here, far = _cli("ingest", str(mixed), "--store", local), _cli("ingest", str(mixed), *remote)
+    assert here.returncode == far.returncode == 1 and here.stderr == far.stderr and f"{mixed}:2:" in far.stderr
+    here = json.loads(_cli("ingest", str(mixed), "--store", local, "--skip-invalid", "--json").stdout)
+    far = json.loads(_cli("ingest", str(mixed), *remote, "--skip-invalid", "--json").stdout)
+    assert here["added"] == far["added"] == 2 and here["errors"] == far["errors"] and f"{mixed}:2:" in far["errors"][0]
     deep = _cli("check", "--deep", *remote)
-    assert deep.returncode == 0 and deep.stdout.startswith("ok: 40 trajectories"), deep.stdout + deep.stderr[-1000:]
+    assert deep.returncode == 0 and deep.stdout.startswith("ok: 42 trajectories"), deep.stdout + deep.stderr[-1000:]
     assert client.verify(deep=True)["ok"]
