@@ -260,6 +260,27 @@ def _close_quietly(env: Environment) -> None:
         log.warning("closing environment %s failed", getattr(env, "name", env), exc_info=True)
 
 
+@dataclass
+class _PoolRun:
+    """The bookkeeping of one :meth:`RolloutPool.run`."""
+
+    tasks: Sequence[Task]
+    spec: EpisodeSpec
+    return_trajectories: bool
+    on_result: Callable[[TaskOutcome], None] | None
+    stats: "_Progress"
+    deadline_s: float  # a task running longer than this on a worker is stuck: the worker is replaced
+    queue: deque = field(default_factory=deque)  # (task index, attempt) still to hand out
+    results: list = field(default_factory=list)  # per task: its TaskOutcome once done
+    free: list[int] = field(default_factory=list)  # idle workers
+    inflight: dict = field(default_factory=dict)  # ref -> (task index, attempt, worker index, deadline)
+    acks: dict = field(default_factory=dict)  # memory acknowledgement -> (task, attempt, outcome, sent)
+
+    def __post_init__(self) -> None:
+        self.queue = deque((i, 1) for i in range(len(self.tasks)))
+        self.results = [None] * len(self.tasks)
+
+
 class RolloutPool:
     """N :class:`RolloutWorker` actors, each with at most one task in flight."""
 
@@ -318,84 +339,93 @@ class RolloutPool:
     ) -> list[TaskOutcome]:
         """Run every task (results in the order of ``tasks``). Tasks are handed out in
         order, so a stream's order holds up to the pool's width."""
-        queue: deque[tuple[int, int]] = deque((i, 1) for i in range(len(tasks)))
-        results: list[TaskOutcome | None] = [None] * len(tasks)
-        free = list(range(self.size))
-        inflight: dict[Any, tuple[int, int, int, float]] = {}  # ref -> (task index, attempt, worker index, deadline)
-        acks: dict[Any, tuple[int, int, TaskOutcome, float]] = {}  # memory acknowledgement -> (task, attempt, outcome, sent)
-        deadline_s = self.limits.episode_timeout_s * 1.5 + 60.0  # past the worker's own limits: it is stuck
-        stats = _Progress(len(tasks), spec.phase)
+        st = _PoolRun(tasks, spec, return_trajectories, on_result, _Progress(len(tasks), spec.phase),
+                      deadline_s=self.limits.episode_timeout_s * 1.5 + 60.0)  # past the worker's own limits: it is stuck
+        st.free = list(range(self.size))
         last_report = time.monotonic()
-        while queue or inflight or acks:
-            while queue and free:
-                i, attempt = queue.popleft()
-                w = free.pop()
+        while st.queue or st.inflight or st.acks:
+            while st.queue and st.free:
+                i, attempt = st.queue.popleft()
+                w = st.free.pop()
                 ref = self.workers[w].run.remote(tasks[i], spec, return_trajectories)
-                inflight[ref] = (i, attempt, w, time.monotonic() + deadline_s)
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5) if inflight else ([], [])
-            if not inflight and acks:
-                ray.wait(list(acks), num_returns=1, timeout=0.5)
-            now = time.monotonic()
+                st.inflight[ref] = (i, attempt, w, time.monotonic() + st.deadline_s)
+            ready, _ = ray.wait(list(st.inflight), num_returns=1, timeout=0.5) if st.inflight else ([], [])
+            if not st.inflight and st.acks:
+                ray.wait(list(st.acks), num_returns=1, timeout=0.5)
             for ref in ready:
-                i, attempt, w, _ = inflight.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except actor_failures() as exc:
-                    log.warning("rollout worker died on task %s (attempt %d): %s", tasks[i].id, attempt, type(exc).__name__)
-                    self._replace(w)
-                    self._retry_or_fail(queue, results, tasks, i, attempt, f"worker died: {type(exc).__name__}", stats, on_result)
-                    free.append(w)
-                    continue
-                except ray.exceptions.RayTaskError as exc:
-                    cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
-                    free.append(w)
-                    if isinstance(cause, (ValueError, KeyError)):  # not transient: no retry
-                        self._finish(results, TaskOutcome(tasks[i], attempts=attempt, error=f"{type(cause).__name__}: {cause}"), i, stats, on_result)
-                    else:
-                        self._retry_or_fail(queue, results, tasks, i, attempt, f"{type(cause).__name__}: {cause}", stats, on_result)
-                    continue
-                free.append(w)
-                outcome = TaskOutcome(tasks[i], out["summary"], out["trajectory"], None, attempt)
-                outcome.summary["attempts"] = attempt
-                if out["ack"]:
-                    acks[out["ack"][0]] = (i, attempt, outcome, time.monotonic())
-                else:
-                    self._finish(results, outcome, i, stats, on_result)
-            if acks:
-                done_acks, _ = ray.wait(list(acks), num_returns=len(acks), timeout=0)
-                for ref in done_acks:
-                    i, attempt, outcome, submitted = acks.pop(ref)
-                    try:
-                        outcome.stored = ray.get(ref)[0].status
-                    except IdConflictError:
-                        # An earlier attempt of this task stored a different run of it (its worker
-                        # died after the commit): the memory keeps the first, as promised.
-                        outcome.stored = "conflict-existing"
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
-                        if isinstance(cause, IdConflictError):
-                            outcome.stored = "conflict-existing"
-                        else:
-                            self._retry_or_fail(queue, results, tasks, i, attempt, f"not stored: {type(cause).__name__}: {cause}", stats, on_result)
-                            continue
-                    except (ray.exceptions.OwnerDiedError, *actor_failures()) as exc:
-                        # The worker that submitted it died before the acknowledgement: unknown
-                        # whether it was stored; the retry has the same id, so at most once.
-                        self._retry_or_fail(queue, results, tasks, i, attempt, f"acknowledgement lost: {type(exc).__name__}", stats, on_result)
-                        continue
-                    outcome.summary["ack_s"] = round(time.monotonic() - submitted, 6)
-                    self._finish(results, outcome, i, stats, on_result)
-            for ref, (i, attempt, w, deadline) in list(inflight.items()):
-                if now > deadline:  # hung beyond the worker's own limits: kill it
-                    del inflight[ref]
-                    log.warning("rollout worker %d stuck on task %s for %.0f s: replacing it", w, tasks[i].id, deadline_s)
-                    self._replace(w)
-                    free.append(w)
-                    self._retry_or_fail(queue, results, tasks, i, attempt, f"worker stuck past {deadline_s:.0f} s", stats, on_result)
-            if self.progress is not None and (now - last_report >= self.progress_every_s or not (queue or inflight or acks)):
-                self.progress(stats.snapshot())
+                self._collect(st, ref)
+            self._settle_acks(st)
+            now = time.monotonic()
+            self._replace_stuck(st, now)
+            if self.progress is not None and (now - last_report >= self.progress_every_s or not (st.queue or st.inflight or st.acks)):
+                self.progress(st.stats.snapshot())
                 last_report = now
-        return [r for r in results if r is not None]
+        return [r for r in st.results if r is not None]
+
+    def _collect(self, st: "_PoolRun", ref: Any) -> None:
+        """One worker's answer: a result (waiting for the memory's acknowledgement when it
+        wrote), a retry, or a failure."""
+        i, attempt, w, _ = st.inflight.pop(ref)
+        task = st.tasks[i]
+        try:
+            out = ray.get(ref)
+        except actor_failures() as exc:
+            log.warning("rollout worker died on task %s (attempt %d): %s", task.id, attempt, type(exc).__name__)
+            self._replace(w)
+            st.free.append(w)
+            self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"worker died: {type(exc).__name__}", st.stats, st.on_result)
+            return
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+            st.free.append(w)
+            if isinstance(cause, (ValueError, KeyError)):  # not transient: no retry
+                self._finish(st.results, TaskOutcome(task, attempts=attempt, error=f"{type(cause).__name__}: {cause}"), i, st.stats, st.on_result)
+            else:
+                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"{type(cause).__name__}: {cause}", st.stats, st.on_result)
+            return
+        st.free.append(w)
+        outcome = TaskOutcome(task, out["summary"], out["trajectory"], None, attempt)
+        outcome.summary["attempts"] = attempt
+        if out["ack"]:
+            st.acks[out["ack"][0]] = (i, attempt, outcome, time.monotonic())
+        else:
+            self._finish(st.results, outcome, i, st.stats, st.on_result)
+
+    def _settle_acks(self, st: "_PoolRun") -> None:
+        """Tasks whose trajectory the memory acknowledged are done; a lost acknowledgement is retried."""
+        if not st.acks:
+            return
+        done_acks, _ = ray.wait(list(st.acks), num_returns=len(st.acks), timeout=0)
+        for ref in done_acks:
+            i, attempt, outcome, submitted = st.acks.pop(ref)
+            try:
+                outcome.stored = ray.get(ref)[0].status
+            except IdConflictError:
+                # An earlier attempt of this task stored a different run of it (its worker
+                # died after the commit): the memory keeps the first, as promised.
+                outcome.stored = "conflict-existing"
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+                if not isinstance(cause, IdConflictError):
+                    self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"not stored: {type(cause).__name__}: {cause}", st.stats, st.on_result)
+                    continue
+                outcome.stored = "conflict-existing"
+            except (ray.exceptions.OwnerDiedError, *actor_failures()) as exc:
+                # The worker that submitted it died before the acknowledgement: unknown
+                # whether it was stored; the retry has the same id, so at most once.
+                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"acknowledgement lost: {type(exc).__name__}", st.stats, st.on_result)
+                continue
+            outcome.summary["ack_s"] = round(time.monotonic() - submitted, 6)
+            self._finish(st.results, outcome, i, st.stats, st.on_result)
+
+    def _replace_stuck(self, st: "_PoolRun", now: float) -> None:
+        for ref, (i, attempt, w, deadline) in list(st.inflight.items()):
+            if now > deadline:  # hung beyond the worker's own limits: kill it
+                del st.inflight[ref]
+                log.warning("rollout worker %d stuck on task %s for %.0f s: replacing it", w, st.tasks[i].id, st.deadline_s)
+                self._replace(w)
+                st.free.append(w)
+                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"worker stuck past {st.deadline_s:.0f} s", st.stats, st.on_result)
 
     def _retry_or_fail(self, queue: deque, results: list, tasks: Sequence[Task], i: int, attempt: int, why: str, stats: "_Progress",
                        on_result: Callable[[TaskOutcome], None] | None) -> None:

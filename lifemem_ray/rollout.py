@@ -115,80 +115,30 @@ def run_episode(
     Raises :class:`EnvHung` when an environment call exceeds the step limit (the
     caller must replace ``env``) and :class:`EpisodeTimeout` past the episode limit.
     """
-    guard = _guard()
-    started = time.perf_counter()
-    deadline = started + limits.episode_timeout_s
-    t_env = t_agent = t_memory = 0.0
-
-    def env_call(fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        nonlocal t_env
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            raise EpisodeTimeout(f"task {task.env}/{task.id}: episode exceeded {limits.episode_timeout_s:g} s")
-        t0 = time.perf_counter()
-        try:
-            return guard.call(fn, *args, timeout=min(limits.step_timeout_s, left), what=f"{task.env}/{task.id}: {what}")
-        except EnvHung:
-            if left < limits.step_timeout_s:  # the episode's time ran out first (the env is abandoned too)
-                raise EpisodeTimeout(f"task {task.env}/{task.id}: episode exceeded {limits.episode_timeout_s:g} s (in {what})") from None
-            raise
-        finally:
-            t_env += time.perf_counter() - t0
-
     max_steps = limits.max_steps or env.max_steps
     if max_steps < 1:
         raise ValueError(f"environment {task.env!r}: max_steps must be >= 1, got {max_steps}")
-    observation, info = env_call(env.reset, task, what="reset")
+    episode = _Episode(env, task, limits)
+    observation, info = episode.env_call(env.reset, task, what="reset")
     instruction = info.get("instruction") or task.instruction
-    retrieval: Retrieval | None = None
-    if retrieve is not None:
-        t0 = time.perf_counter()
-        retrieval = retrieve(task)
-        t_memory += time.perf_counter() - t0
-    gold = None
-    if agent.uses_gold:  # a planner may take long (ALFWorld): bounded by the episode's time, not a step's
-        left = deadline - time.perf_counter()
-        t0 = time.perf_counter()
-        try:
-            gold = guard.call(env.gold_actions, task, timeout=max(left, 0.001), what=f"{task.env}/{task.id}: gold_actions")
-        except EnvHung:
-            raise EpisodeTimeout(f"task {task.env}/{task.id}: episode exceeded {limits.episode_timeout_s:g} s (in gold_actions)") from None
-        finally:
-            t_env += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    agent.start(task, observation, info, retrieval, gold)
-    t_agent += time.perf_counter() - t0
-
+    retrieval = episode.timed("memory", retrieve, task) if retrieve is not None else None
+    gold = episode.gold(agent)
+    episode.timed("agent", agent.start, task, observation, info, retrieval, gold)
     steps: list[Step] = []
     last: StepResult | None = None
     current = observation
     reward = 0.0
     for _ in range(max_steps):
-        if time.perf_counter() > deadline:
-            raise EpisodeTimeout(f"task {task.env}/{task.id}: episode exceeded {limits.episode_timeout_s:g} s")
-        t0 = time.perf_counter()
-        decision = agent.act(current, info)
-        t_agent += time.perf_counter() - t0
-        last = env_call(env.step, decision.action, what=f"step {len(steps) + 1}")
+        episode.check_deadline()
+        decision = episode.timed("agent", agent.act, current, info)
+        last = episode.env_call(env.step, decision.action, what=f"step {len(steps) + 1}")
         reward += float(last.reward or 0.0)
         current, info = last.observation, last.info
         steps.append(Step(action=decision.action or "(empty)", thought=decision.thought, observation=current[:MAX_OBSERVATION_CHARS]))
         if last.done:
             break
     success = bool(last is not None and last.info.get("success"))
-    total = time.perf_counter() - started
-    timings = {"agent_s": t_agent, "env_s": t_env, "memory_s": t_memory, "total_s": total}
-    meta = {
-        "task_id": task.id,
-        "split": task.split,
-        "agent": agent.name,
-        "done": bool(last is not None and last.done),
-        "timings": {k: round(v, 6) for k, v in timings.items()},
-        **({"task_type": task.metadata["task_type"]} if "task_type" in task.metadata else {}),
-        **(metadata or {}),
-    }
-    if last is not None and "score" in last.info and isinstance(last.info["score"], (int, float)):
-        meta["score"] = float(last.info["score"])
+    timings = episode.timings()
     trajectory = Trajectory(
         env=task.env,
         task=instruction,
@@ -196,7 +146,81 @@ def run_episode(
         outcome=Outcome(success=success, reward=reward),
         id=trajectory_id,
         initial_observation=observation[:MAX_OBSERVATION_CHARS],
-        metadata=meta,
+        metadata=_episode_metadata(task, agent, last, timings, metadata),
     )
     retrieved = [hit.id for hit in retrieval.trajectories] if retrieval is not None else []
     return EpisodeResult(trajectory, success, reward, len(steps), timings, retrieved)
+
+
+class _Episode:
+    """One episode's clock: environment calls under the step and episode limits, and the
+    seconds spent in the environment, the agent and the memory."""
+
+    def __init__(self, env: Environment, task: Task, limits: EpisodeLimits) -> None:
+        self.env, self.task, self.limits = env, task, limits
+        self.guard = _guard()
+        self.started = time.perf_counter()
+        self.deadline = self.started + limits.episode_timeout_s
+        self.spent = {"agent": 0.0, "env": 0.0, "memory": 0.0}
+
+    def _timeout(self, where: str = "") -> EpisodeTimeout:
+        return EpisodeTimeout(f"task {self.task.env}/{self.task.id}: episode exceeded {self.limits.episode_timeout_s:g} s{where}")
+
+    def check_deadline(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise self._timeout()
+
+    def timed(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.spent[part] += time.perf_counter() - t0
+
+    def env_call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        left = self.deadline - time.perf_counter()
+        if left <= 0:
+            raise self._timeout()
+        t0 = time.perf_counter()
+        try:
+            return self.guard.call(fn, *args, timeout=min(self.limits.step_timeout_s, left), what=f"{self.task.env}/{self.task.id}: {what}")
+        except EnvHung:
+            if left < self.limits.step_timeout_s:  # the episode's time ran out first (the env is abandoned too)
+                raise self._timeout(f" (in {what})") from None
+            raise
+        finally:
+            self.spent["env"] += time.perf_counter() - t0
+
+    def gold(self, agent: Agent) -> list[str] | None:
+        """The environment's solution for an agent that uses it: a planner may take long
+        (ALFWorld), so it is bounded by the episode's time, not a step's."""
+        if not agent.uses_gold:
+            return None
+        left = self.deadline - time.perf_counter()
+        t0 = time.perf_counter()
+        try:
+            return self.guard.call(self.env.gold_actions, self.task, timeout=max(left, 0.001), what=f"{self.task.env}/{self.task.id}: gold_actions")
+        except EnvHung:
+            raise self._timeout(" (in gold_actions)") from None
+        finally:
+            self.spent["env"] += time.perf_counter() - t0
+
+    def timings(self) -> dict[str, float]:
+        return {"agent_s": self.spent["agent"], "env_s": self.spent["env"], "memory_s": self.spent["memory"],
+                "total_s": time.perf_counter() - self.started}
+
+
+def _episode_metadata(task: Task, agent: Agent, last: StepResult | None, timings: dict[str, float],
+                      extra: dict[str, Any] | None) -> dict[str, Any]:
+    meta = {
+        "task_id": task.id,
+        "split": task.split,
+        "agent": agent.name,
+        "done": bool(last is not None and last.done),
+        "timings": {k: round(v, 6) for k, v in timings.items()},
+        **({"task_type": task.metadata["task_type"]} if "task_type" in task.metadata else {}),
+        **(extra or {}),
+    }
+    if last is not None and "score" in last.info and isinstance(last.info["score"], (int, float)):
+        meta["score"] = float(last.info["score"])
+    return meta
