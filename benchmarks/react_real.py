@@ -246,13 +246,10 @@ def action_valid(env_name: str, step: dict[str, Any], observation: str) -> bool:
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = q * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """The ``q`` quantile (0-1, linear interpolation as numpy's default), None for no values."""
+    import numpy as np
+
+    return float(np.quantile(np.asarray(values, dtype=float), q)) if len(values) else None
 
 
 def bootstrap_ci(values: Sequence[float], draws: int, seed: int = 0) -> tuple[float | None, float | None]:

@@ -246,7 +246,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     """Each file is read and validated whole before anything of it is stored: all or nothing
     per file, unless ``--skip-invalid`` (bad records, conflicting ids included, are left out
     and listed by file:line). The summary always says how many records were stored."""
-    from .importers import ImportReport, RecordError, check_file
+    from .importers import ImportReport
     from .memory import Memory
 
     config = _config(args)
@@ -255,74 +255,28 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if not args.store:
         raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
     report = ImportReport()
-    results: dict[str, int] = {"added": 0, "duplicate": 0, "pending": 0}
-    batch_size = config.evolution.batch_size
+    counts = {"added": 0, "duplicates": 0}
     with Memory.open(args.store, config) as memory:
 
         def stored_conflicts(ids: list[str], fingerprints: list[str]) -> list[bool]:
             return [r is not None and r.status == "conflict" for r in memory.shard.known(ids, fingerprints)]
 
-        bar = _progress(0, "ingest", args)
-        try:
-            for n, path in enumerate(args.paths):
-                try:
-                    checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
-                                         stored_conflicts=stored_conflicts)
-                except RecordError as exc:
-                    stored = results["added"] + results["pending"]
-                    raise CommandError(f"{exc}; nothing of {exc.path} was stored ({stored} record(s) stored from "
-                                       f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out") from None
-                try:
-                    batch: list = []
-                    for traj in checked.records(fmt=args.format, env=args.env):
-                        batch.append(traj)
-                        if len(batch) >= batch_size:
-                            _add_counted(memory, batch, results, bar)
-                    _add_counted(memory, batch, results, bar)
-                finally:
-                    checked.close()
-        finally:
-            bar.close()
+        def store(batch: list) -> None:
+            _count(memory.add_many(batch), counts)
+
+        _ingest_files(args, report, stored_conflicts, store, lambda: counts["added"], config.evolution.batch_size)
         stats = memory.stats()
-    data = {
-        "read": report.read,
-        "valid": report.valid,
-        "invalid": report.invalid,
-        "added": results["added"] + results.get("pending", 0),
-        "duplicates": results["duplicate"],
-        "errors": [str(e) for e in report.errors],
-        "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]},
-    }
-
-    def text() -> str:
-        lines = [
-            f"read {report.read} records: {data['added']} stored, {data['duplicates']} already present, {report.invalid} invalid",
-            f"store {args.store}: {stats['trajectories']} trajectories in {stats['clusters']} clusters",
-        ]
-        lines += [f"  skipped {e}" for e in data["errors"][:20]]
-        return "\n".join(lines)
-
-    _emit(args, data, text)
+    _emit_ingest(args, report, counts, stats, f"store {args.store}")
     return 0
-
-
-def _add_counted(memory: Any, batch: list, results: dict[str, int], bar: Any) -> None:
-    """Store a batch (emptied after) and count what happened to each record."""
-    if not batch:
-        return
-    for r in memory.add_many(batch):
-        results[r.status] = results.get(r.status, 0) + 1
-    bar.update(len(batch))
-    batch.clear()
 
 
 def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
     """Remote ingest answers bad input as local ingest does: each file is read and validated
-    whole here first (:func:`~lifemem_ray.importers.check_file`), then its passing records
-    go to the deployment's coordinator in batches (embedded by its embedder actors), at most
+    whole here first (ids checked against the deployment's shards), then its passing records
+    go to the coordinator in batches (embedded by its embedder actors), at most
     ``REMOTE_IN_FLIGHT`` batches in flight. No Ray task is needed on the way, so a cluster
     whose CPUs the deployment's actors hold still makes progress."""
-    from .importers import ImportReport, RecordError, check_file
+    from .importers import ImportReport
 
     client = _client(args, config)
     report = ImportReport()
@@ -331,42 +285,71 @@ def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
 
     def settle(limit: int) -> None:
         while len(pending) > limit:
-            for result in pending.pop(0).result():
-                counts["added" if result.status in ("added", "pending") else "duplicates"] += 1
+            _count(pending.pop(0).result(), counts)
+
+    def store(batch: list) -> None:
+        pending.append(client.add_many(batch))
+        settle(REMOTE_IN_FLIGHT)
+
+    def stored_so_far() -> int:
+        settle(0)
+        return counts["added"]
+
+    _ingest_files(args, report, client.stored_conflicts, store, stored_so_far, config.evolution.batch_size)
+    settle(0)
+    stats = client.stats()
+    _emit_ingest(args, report, counts, stats, f"deployment {client.namespace!r}")
+    return 0
+
+
+def _ingest_files(args: argparse.Namespace, report: Any, stored_conflicts: Callable[[list[str], list[str]], list[bool]],
+                  store: Callable[[list], None], stored_so_far: Callable[[], int], batch_size: int) -> None:
+    """Every file of ``args.paths``: checked whole (:func:`~lifemem_ray.importers.check_file`),
+    then its passing records handed to ``store`` in batches; a file with a bad record stops
+    the run with FILE:LINE and what earlier files stored."""
+    from .importers import RecordError, check_file
 
     bar = _progress(0, "ingest", args)
     try:
         for n, path in enumerate(args.paths):
             try:
                 checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
-                                     stored_conflicts=client.stored_conflicts)
+                                     stored_conflicts=stored_conflicts)
             except RecordError as exc:
-                settle(0)
-                raise CommandError(f"{exc}; nothing of {exc.path} was stored ({counts['added']} record(s) stored from "
+                raise CommandError(f"{exc}; nothing of {exc.path} was stored ({stored_so_far()} record(s) stored from "
                                    f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out") from None
             try:
                 batch: list = []
                 for traj in checked.records(fmt=args.format, env=args.env):
                     batch.append(traj)
-                    if len(batch) >= config.evolution.batch_size:
-                        pending.append(client.add_many(batch))
+                    if len(batch) >= batch_size:
+                        store(batch)
                         bar.update(len(batch))
                         batch = []
-                        settle(REMOTE_IN_FLIGHT)
                 if batch:
-                    pending.append(client.add_many(batch))
+                    store(batch)
                     bar.update(len(batch))
-                settle(0)
             finally:
                 checked.close()
     finally:
         bar.close()
-    stats = client.stats()
+
+
+def _count(results: Sequence[Any], counts: dict[str, int]) -> None:
+    for result in results:
+        counts["added" if result.status in ("added", "pending") else "duplicates"] += 1
+
+
+def _emit_ingest(args: argparse.Namespace, report: Any, counts: dict[str, int], stats: dict[str, Any], where: str) -> None:
     data = {"read": report.read, "valid": report.valid, "invalid": report.invalid, **counts,
             "errors": [str(e) for e in report.errors], "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]}}
-    _emit(args, data, lambda: f"read {report.read} records: {counts['added']} stored, {counts['duplicates']} already present, "
-                              f"{report.invalid} invalid" + "".join(f"\n  skipped {e}" for e in data["errors"][:20]))
-    return 0
+
+    def text() -> str:
+        lines = [f"read {report.read} records: {counts['added']} stored, {counts['duplicates']} already present, {report.invalid} invalid",
+                 f"{where}: {stats['trajectories']} trajectories in {stats['clusters']} clusters"]
+        return "\n".join(lines + [f"  skipped {e}" for e in data["errors"][:20]])
+
+    _emit(args, data, text)
 
 
 REMOTE_IN_FLIGHT = 4  # add requests of one remote ingest awaiting their acknowledgement
