@@ -10,8 +10,8 @@ For each seed:
    and the self-learn rows get the very same trajectories: one memory deployment serves all
    the retrieving modes (they differ only in what they read from it), and ``global-skills``
    distils its profile over the same pool with the memory's own distiller (the LLM when the
-   run has one). A learner that reads the memory (``learn_agent = "same"`` with a memory
-   agent) acts differently per mode, so each retrieving mode then learns into a memory of
+   run has one). A learner that reads the memory (``learn_agent`` one of
+   ``lifelong.MEMORY_AGENTS``, or ``"same"`` with such an agent) acts differently per mode, so each retrieving mode then learns into a memory of
    its own; the report says which collection ran.
 3. **The stream.** After each phase's trajectories went in (in stream order; the buffer
    stream commits per-environment caches of ``buffer_size``) and maintenance ran (splits,
