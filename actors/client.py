@@ -10,11 +10,12 @@ skills of those trajectories' clusters in order of first appearance.
 from __future__ import annotations
 
 import threading
+import time
 
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import ray
@@ -54,22 +55,33 @@ class AddFuture:
     single: bool = False
     sent: dict[str, str] | None = None  # id -> fingerprint of what the request carried
     client: "MemoryClient | None" = None
+    resend: Callable[[], Any] | None = None  # sends the same request again (a new ref)
+    resends: int = 0  # how many times a request whose coordinator died is sent again
 
     def result(self, timeout: float | None = None) -> Any:
-        try:
-            out = ray.get(self.ref, timeout=timeout)
-        except ray.exceptions.RayTaskError as exc:
-            # The coordinator's own error (conflict, overload, a shard gone), without Ray's wrapping.
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ShardUnavailableError) and self.client is not None and self.sent:
-                self.client._doubt(self.sent)
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise exc.as_instanceof_cause() from None
-        except (*actor_failures(), ray.exceptions.GetTimeoutError):
-            if self.client is not None and self.sent:
-                self.client._doubt(self.sent)  # unknown whether the request committed
-            raise
+        """The per-trajectory results. A request whose coordinator died is sent again (up to
+        ``cluster.add_resends`` times, the coordinator restarts by itself): ids its first
+        attempt committed then come back ``duplicate`` and are reported ``added``."""
+        attempt = 0
+        while True:
+            try:
+                out = ray.get(self.ref, timeout=timeout)
+                break
+            except ray.exceptions.RayTaskError as exc:
+                # The coordinator's own error (conflict, overload, a shard gone), without Ray's wrapping.
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, ShardUnavailableError):
+                    self._doubt()
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise exc.as_instanceof_cause() from None
+            except (*actor_failures(), ray.exceptions.GetTimeoutError):
+                self._doubt()  # unknown whether the request committed
+                if self.resend is None or attempt >= self.resends:
+                    raise
+                attempt += 1
+                time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
+                self.ref = self.resend()
         if self.client is not None and self.sent:
             out = self.client._settle(out, self.sent)
         return out[0] if self.single else out
@@ -77,6 +89,10 @@ class AddFuture:
     def done(self) -> bool:
         ready, _ = ray.wait([self.ref], timeout=0)
         return bool(ready)
+
+    def _doubt(self) -> None:
+        if self.client is not None and self.sent:
+            self.client._doubt(self.sent)
 
 
 IN_DOUBT_MAX = 1_000_000  # ids a client remembers as in doubt (the oldest are forgotten first)
@@ -120,7 +136,14 @@ class MemoryClient:
         process, so the coordinator only routes and decides."""
         batch = pack_trajectories(list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
         sent = dict(zip(batch.ids, batch.fingerprints))
-        return AddFuture(self.coordinator.add_batch.remote(batch, vectors is not None), sent=sent, client=self)
+        embedded = vectors is not None
+
+        def send() -> Any:
+            # No transparent retry by Ray: the future resends a request whose coordinator died
+            # itself, knowing its ids are in doubt (see AddFuture.result).
+            return self.coordinator.add_batch.options(max_task_retries=0).remote(batch, embedded)
+
+        return AddFuture(send(), sent=sent, client=self, resend=send, resends=self.config.cluster.add_resends)
 
     def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
         """Per id: whether a shard holds it with another fingerprint (one call per shard)."""

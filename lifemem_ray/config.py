@@ -232,6 +232,7 @@ class ClusterConfig:
     search_chunk: int = 512
     retrieve_chunk: int = 256
     embed_chunk: int = 256  # task texts per embedder-actor call (calls go round robin over the embedders)
+    add_resends: int = 10  # MemoryClient: times an add whose coordinator died is sent again (it restarts itself)
 
     def validate(self) -> None:
         for key, low, high in (("one_round_max", 0, 4_096), ("search_chunk", 1, 65_536), ("retrieve_chunk", 1, 65_536)):
@@ -315,6 +316,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "cluster.search_chunk": (1, 65_536),
     "cluster.retrieve_chunk": (1, 65_536),
     "cluster.embed_chunk": (1, 65_536),
+    "cluster.add_resends": (0, 100),
 }
 
 
