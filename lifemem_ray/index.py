@@ -450,60 +450,7 @@ class VectorIndex:
         it wrote and raises :class:`IndexSaveError` saying where and why.
         Not safe against two processes saving into the same directory at once.
         """
-        if isinstance(stamp, bool) or not isinstance(stamp, (int, np.integer)):
-            raise VectorIndexError(f"stamp must be an integer, got {stamp!r}")
-        directory = Path(directory)
-        written: list[Path] = []
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with self._lock:
-                self._save(directory, int(stamp), identity, written)
-        except OSError as exc:
-            for path in written:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-            raise IndexSaveError(f"{directory}: could not save the index cache: {why}; the store is intact "
-                                 "(the cache is rebuilt from it when needed); free space and close the store again") from exc
-
-    def _save(self, directory: Path, stamp: int, identity: str, written: list[Path]) -> None:
-        token = uuid.uuid4().hex[:12]
-        entries = []
-        for i, (name, e) in enumerate(sorted(self._envs.items())):
-            fname = f"env-{i:05d}-{token}.faiss"
-            tmp = directory / (fname + ".tmp")
-            written.append(tmp)
-            faiss.write_index(e.index, str(tmp))
-            crc, size = _fsync_crc(tmp)
-            os.replace(tmp, directory / fname)
-            written.append(directory / fname)
-            entries.append({"name": name, "file": fname, "count": e.ntotal, "kind": e.kind, "nlist": e.nlist, "nprobe": e.nprobe,
-                            "trained_size": e.trained_size, "recall": e.recall, "max_codes": e.max_codes, "bytes": size, "crc32": crc})
-        manifest = {
-            "format": _FORMAT,
-            "dim": self.dim,
-            "stamp": stamp,
-            "identity": identity,
-            "count": len(self._where),
-            "calibration": self._calibration(),  # what the IVF envs' nprobe and scan caps are calibrated for
-            "envs": entries,
-        }
-        tmp = directory / (_MANIFEST + ".tmp")
-        written.append(tmp)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / _MANIFEST)
-        written.clear()  # committed: the new files are the cache now
-        _fsync_dir(directory)
-        keep = {entry["file"] for entry in entries}
-        for path in directory.glob("env-*.faiss*"):
-            if path.name not in keep:
-                try:
-                    path.unlink()
-                except OSError as exc:  # a leftover file costs disk, not correctness
-                    log.warning("index: could not delete old file %s: %s", path, exc)
+        _save_index(self, directory, stamp, identity)
 
     @classmethod
     def load(
@@ -515,67 +462,7 @@ class VectorIndex:
         another dimension, or (``identity`` given) written for another store or other
         contents: it is only a cache, the caller rebuilds it from LMDB.
         """
-        index = cls(dim, config)  # a bad config or use_gpu="yes" without a GPU still raises
-        directory = Path(directory)
-        manifest_path = directory / _MANIFEST
-        if not manifest_path.is_file():
-            log.info("index: no saved index in %s", directory)
-            return None
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            if manifest.get("format") != _FORMAT:
-                raise ValueError(f"unknown format {manifest.get('format')!r}")
-            if manifest.get("dim") != index.dim:
-                raise ValueError(f"saved dim {manifest.get('dim')!r} != expected {index.dim}")
-            stamp = manifest["stamp"]
-            if isinstance(stamp, bool) or not isinstance(stamp, int):
-                raise ValueError(f"stamp {stamp!r} is not an integer")
-            if identity is not None and manifest.get("identity", "") != identity:
-                raise ValueError(f"written for another store or other contents ({manifest.get('identity', '')!r}, this store: {identity!r})")
-            for entry in manifest["envs"]:
-                name = entry["name"]
-                _check_env(name)
-                if name in index._envs:
-                    raise ValueError(f"environment {name!r} listed twice")
-                path = directory / entry["file"]
-                if Path(entry["file"]).name != entry["file"] or not path.is_file():
-                    raise ValueError(f"file {entry['file']!r} of environment {name!r} is missing")
-                crc, size = _crc(path)
-                if size != entry["bytes"] or crc != entry["crc32"]:
-                    raise ValueError(f"file {entry['file']!r} is truncated or damaged")
-                e = _Env(
-                    index=faiss.read_index(str(path)),
-                    kind=entry["kind"],
-                    nlist=int(entry["nlist"]),
-                    nprobe=int(entry["nprobe"]),
-                    trained_size=int(entry["trained_size"]),
-                    recall=entry.get("recall"),
-                    max_codes=int(entry.get("max_codes", 0)),
-                )
-                _check_loaded(e, index.dim)
-                if e.ntotal != entry["count"] or e.ntotal == 0:
-                    raise ValueError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")
-                if e.kind == "ivf" and index.config.nprobe:
-                    e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
-                    e.max_codes = 0
-                elif e.kind == "ivf" and manifest.get("calibration") != index._calibration():
-                    log.info("index: %s was calibrated for %s; calibrating for %s", name, manifest.get("calibration"), index._calibration())
-                    index._calibrate_env(e)
-                ids = _export_ids(e)
-                before = len(index._where)
-                index._where.update(dict.fromkeys(ids.tolist(), name))
-                if len(index._where) != before + len(ids):
-                    raise ValueError(f"environment {name!r} repeats ids of another environment")
-                index._envs[name] = e
-                index._dirty.add(name)
-            if len(index._where) != manifest["count"]:
-                raise ValueError(f"{len(index._where)} vectors loaded, manifest says {manifest['count']}")
-        except Exception as exc:  # noqa: BLE001 - a broken cache must never stop the engine
-            log.warning("index: ignoring unusable saved index in %s: %s", directory, exc)
-            return None
-        return index, stamp
-
-    # ------------------------------------------------------------------ building
+        return _load_index(cls, directory, dim, config, identity)
 
     def _build(self, ids: np.ndarray, vectors: np.ndarray) -> _Env:
         """A fresh sub-index for these vectors: exact up to exact_max, IVF above."""
@@ -660,6 +547,130 @@ class VectorIndex:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _save_index(index: "VectorIndex", directory: str | Path, stamp: int, identity: str) -> None:
+    """:meth:`VectorIndex.save`."""
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, np.integer)):
+        raise VectorIndexError(f"stamp must be an integer, got {stamp!r}")
+    directory = Path(directory)
+    written: list[Path] = []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with index._lock:
+            _write_files(index, directory, int(stamp), identity, written)
+    except OSError as exc:
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        raise IndexSaveError(f"{directory}: could not save the index cache: {why}; the store is intact "
+                             "(the cache is rebuilt from it when needed); free space and close the store again") from exc
+
+
+def _write_files(index: "VectorIndex", directory: Path, stamp: int, identity: str, written: list[Path]) -> None:
+    token = uuid.uuid4().hex[:12]
+    entries = []
+    for i, (name, e) in enumerate(sorted(index._envs.items())):
+        fname = f"env-{i:05d}-{token}.faiss"
+        tmp = directory / (fname + ".tmp")
+        written.append(tmp)
+        faiss.write_index(e.index, str(tmp))
+        crc, size = _fsync_crc(tmp)
+        os.replace(tmp, directory / fname)
+        written.append(directory / fname)
+        entries.append({"name": name, "file": fname, "count": e.ntotal, "kind": e.kind, "nlist": e.nlist, "nprobe": e.nprobe,
+                        "trained_size": e.trained_size, "recall": e.recall, "max_codes": e.max_codes, "bytes": size, "crc32": crc})
+    manifest = {
+        "format": _FORMAT,
+        "dim": index.dim,
+        "stamp": stamp,
+        "identity": identity,
+        "count": len(index._where),
+        "calibration": index._calibration(),  # what the IVF envs' nprobe and scan caps are calibrated for
+        "envs": entries,
+    }
+    tmp = directory / (_MANIFEST + ".tmp")
+    written.append(tmp)
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / _MANIFEST)
+    written.clear()  # committed: the new files are the cache now
+    _fsync_dir(directory)
+    keep = {entry["file"] for entry in entries}
+    for path in directory.glob("env-*.faiss*"):
+        if path.name not in keep:
+            try:
+                path.unlink()
+            except OSError as exc:  # a leftover file costs disk, not correctness
+                log.warning("index: could not delete old file %s: %s", path, exc)
+
+
+def _load_index(cls: type["VectorIndex"], directory: str | Path, dim: int, config: IndexConfig | None, identity: str | None) -> tuple["VectorIndex", int] | None:
+    """:meth:`VectorIndex.load`."""
+    index = cls(dim, config)  # a bad config or use_gpu="yes" without a GPU still raises
+    directory = Path(directory)
+    manifest_path = directory / _MANIFEST
+    if not manifest_path.is_file():
+        log.info("index: no saved index in %s", directory)
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if manifest.get("format") != _FORMAT:
+            raise ValueError(f"unknown format {manifest.get('format')!r}")
+        if manifest.get("dim") != index.dim:
+            raise ValueError(f"saved dim {manifest.get('dim')!r} != expected {index.dim}")
+        stamp = manifest["stamp"]
+        if isinstance(stamp, bool) or not isinstance(stamp, int):
+            raise ValueError(f"stamp {stamp!r} is not an integer")
+        if identity is not None and manifest.get("identity", "") != identity:
+            raise ValueError(f"written for another store or other contents ({manifest.get('identity', '')!r}, this store: {identity!r})")
+        for entry in manifest["envs"]:
+            name = entry["name"]
+            _check_env(name)
+            if name in index._envs:
+                raise ValueError(f"environment {name!r} listed twice")
+            path = directory / entry["file"]
+            if Path(entry["file"]).name != entry["file"] or not path.is_file():
+                raise ValueError(f"file {entry['file']!r} of environment {name!r} is missing")
+            crc, size = _crc(path)
+            if size != entry["bytes"] or crc != entry["crc32"]:
+                raise ValueError(f"file {entry['file']!r} is truncated or damaged")
+            e = _Env(
+                index=faiss.read_index(str(path)),
+                kind=entry["kind"],
+                nlist=int(entry["nlist"]),
+                nprobe=int(entry["nprobe"]),
+                trained_size=int(entry["trained_size"]),
+                recall=entry.get("recall"),
+                max_codes=int(entry.get("max_codes", 0)),
+            )
+            _check_loaded(e, index.dim)
+            if e.ntotal != entry["count"] or e.ntotal == 0:
+                raise ValueError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")
+            if e.kind == "ivf" and index.config.nprobe:
+                e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
+                e.max_codes = 0
+            elif e.kind == "ivf" and manifest.get("calibration") != index._calibration():
+                log.info("index: %s was calibrated for %s; calibrating for %s", name, manifest.get("calibration"), index._calibration())
+                index._calibrate_env(e)
+            ids = _export_ids(e)
+            before = len(index._where)
+            index._where.update(dict.fromkeys(ids.tolist(), name))
+            if len(index._where) != before + len(ids):
+                raise ValueError(f"environment {name!r} repeats ids of another environment")
+            index._envs[name] = e
+            index._dirty.add(name)
+        if len(index._where) != manifest["count"]:
+            raise ValueError(f"{len(index._where)} vectors loaded, manifest says {manifest['count']}")
+    except Exception as exc:  # noqa: BLE001 - a broken cache must never stop the engine
+        log.warning("index: ignoring unusable saved index in %s: %s", directory, exc)
+        return None
+    return index, stamp
+
+# ------------------------------------------------------------------ building
 
 
 def _retrain_at(env: str, e: _Env, growth: float) -> float:
