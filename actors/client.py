@@ -75,7 +75,10 @@ class AddFuture:
                 if isinstance(cause, Exception):
                     raise cause from None
                 raise exc.as_instanceof_cause() from None
-            except (*actor_failures(), ray.exceptions.GetTimeoutError):
+            except ray.exceptions.GetTimeoutError:
+                self._doubt()  # still running, or lost: unknown whether it will commit; not resent
+                raise
+            except actor_failures():
                 self._doubt()  # unknown whether the request committed
                 if self.resend is None or attempt >= self.resends:
                     raise

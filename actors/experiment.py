@@ -98,20 +98,37 @@ def load_tasks(exp: ExperimentConfig, seed: int | None = None) -> SeedTasks:
                 continue
             train = env.tasks("train", limit=exp.train_tasks, seed=seed)
             candidates = env.tasks("test", limit=None, seed=seed) if exp.dedupe_test else env.tasks("test", limit=exp.test_tasks, seed=seed)
-            gold = {t.id: _gold(env, t) for t in list(train) + list(candidates)}
+            test, out.overlap[name] = _pick_test(exp, env, train, candidates)
         finally:
             env.close()
-        found = overlap(train, candidates, gold)
-        repeated = set(found["gold"]) | set(found["goal"])
-        configured = candidates[: exp.test_tasks]  # the test set the configuration names
-        test = [t for t in candidates if t.id not in repeated][: exp.test_tasks] if exp.dedupe_test else configured
-        out.overlap[name] = {"gold": sum(t.id in found["gold"] for t in configured), "goal": sum(t.id in found["goal"] for t in configured),
-                             "one_template": bool(found["one_template"]),
-                             "dropped": sum(t.id in repeated for t in configured) if exp.dedupe_test else 0}
         if not train or not test:
             raise ValueError(f"environment {name!r}: {len(train)} train and {len(test)} test tasks without overlap; need both")
         out.train[name], out.test[name] = train, test
     return out
+
+
+def _pick_test(exp: ExperimentConfig, env: Any, train: list[Task], candidates: list[Task]) -> tuple[list[Task], dict[str, Any]]:
+    """The test tasks, in the fold's order: the first ``test_tasks`` (with ``dedupe_test``,
+    skipping those that repeat a training task), and the overlap counts of the configured
+    first ``test_tasks``. Gold actions are asked for only as far as the search goes: a
+    planner (ALFWorld) may take seconds per task."""
+    gold = {t.id: _gold(env, t) for t in train}
+    test: list[Task] = []
+    counts: dict[str, Any] = {"gold": 0, "goal": 0, "one_template": False, "dropped": 0}
+    for position, task in enumerate(candidates):
+        if position >= exp.test_tasks and len(test) >= exp.test_tasks:
+            break
+        gold[task.id] = _gold(env, task)
+        found = overlap(train, [task], gold)
+        repeated = bool(found["gold"] or found["goal"])
+        if position < exp.test_tasks:  # the test set the configuration names
+            counts["gold"] += bool(found["gold"])
+            counts["goal"] += bool(found["goal"])
+            counts["one_template"] = counts["one_template"] or bool(found["one_template"])
+            counts["dropped"] += repeated and exp.dedupe_test
+        if len(test) < exp.test_tasks and not (exp.dedupe_test and repeated):
+            test.append(task)
+    return test, counts
 
 
 def _gold(env: Any, task: Task) -> list[str] | None:

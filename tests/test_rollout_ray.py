@@ -280,3 +280,26 @@ def test_experiment_with_the_llm_agent_through_an_openai_endpoint(ray_local, tmp
     with_memory = [r for r in acts if "<example n=" in r["messages"][1]["content"]]
     assert len(with_memory) == 4  # the lifemem mode's two episodes, both turns
     assert report["memory"]["trajectories"] == 3
+
+
+def test_test_tasks_skip_overlap_and_ask_gold_only_as_far_as_needed():
+    from lifemem_ray.actors.experiment import _pick_test
+    from lifemem_ray.envs.base import Task
+
+    class Env:
+        asked: list[str] = []
+
+        def gold_actions(self, task):
+            self.asked.append(task.id)
+            return ["go", task.id[-1]] if task.id != "t1" else ["go", "a"]  # t1 replays training task a
+
+    train = [Task("e", "a", "goal a"), Task("e", "b", "goal b")]
+    candidates = [Task("e", f"t{i}", f"goal t{i}") for i in range(10)]
+    env = Env()
+    exp = ExperimentConfig(test_tasks=3, eval_envs=[], env_options={})
+    test, counts = _pick_test(exp, env, train, candidates)
+    assert [t.id for t in test] == ["t0", "t2", "t3"] and counts == {"gold": 1, "goal": 0, "one_template": False, "dropped": 1}
+    assert env.asked == ["a", "b", "t0", "t1", "t2", "t3"]  # not the rest of the fold
+    exp.dedupe_test = False
+    test, counts = _pick_test(exp, Env(), train, candidates[:3])
+    assert [t.id for t in test] == ["t0", "t1", "t2"] and counts["gold"] == 1 and counts["dropped"] == 0
