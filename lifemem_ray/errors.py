@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __all__ = [
     "AnswerError",
+    "AuthError",
     "CommandError",
     "ConfigError",
     "DeploymentExistsError",
@@ -23,6 +24,7 @@ __all__ = [
     "EnvStateError",
     "EnvUnavailable",
     "EpisodeTimeout",
+    "ForbiddenError",
     "IdConflictError",
     "IndexBuildError",
     "IndexSaveError",
@@ -35,6 +37,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "TaskError",
+    "TenantError",
     "UsageError",
     "UnknownClusterError",
     "VectorIndexError",
@@ -157,3 +160,15 @@ class DeploymentExistsError(LifeMemError, RuntimeError):
 
 class ResourcesUnavailableError(LifeMemError, RuntimeError):
     """The Ray cluster lacks the resources (CPUs, nodes) to start what was asked for."""
+
+
+class TenantError(LifeMemError, ValueError):
+    """A tenant name that is not allowed (names: a letter or digit, then letters, digits, ``_ . -``; at most 64)."""
+
+
+class AuthError(LifeMemError, PermissionError):
+    """A request without a valid API key (HTTP 401): send ``Authorization: Bearer <key>``."""
+
+
+class ForbiddenError(LifeMemError, PermissionError):
+    """A valid API key whose scopes do not allow the operation (HTTP 403)."""
