@@ -31,6 +31,7 @@ __all__ = [
     "InvalidTrajectoryError",
     "LifeMemError",
     "MaintenanceError",
+    "MetricTagError",
     "OverloadedError",
     "ResourcesUnavailableError",
     "ShardUnavailableError",
@@ -113,6 +114,10 @@ class AnswerError(LifeMemError, ValueError):
 class UsageError(LifeMemError, RuntimeError):
     """An API called out of order: a client used after close, from another event loop, or
     before what it needs was started."""
+
+
+class MetricTagError(LifeMemError, ValueError):
+    """A metric recorded with a tag value (or value) its declaration in ``lifemem_ray.metrics`` does not allow."""
 
 
 # -- environments and rollouts ----------------------------------------------------------------
