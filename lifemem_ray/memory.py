@@ -28,9 +28,11 @@ is :mod:`lifemem_ray.clusters`; the stored format :mod:`lifemem_ray.codec`.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from . import metrics
 from .clusters import ClusterInfo
 from .config import MemoryConfig
 from .decisions import Decider
@@ -164,6 +166,7 @@ class Memory:
         (or repeated in one batch) with other content refuses that batch
         (:class:`IdConflictError`): nothing of it is stored.
         """
+        started = time.monotonic()
         self._state.check_writable()
         trajectories = list(trajectories)
         check_trajectories(trajectories)
@@ -178,6 +181,7 @@ class Memory:
             if progress is not None:
                 progress(len(chunk))
         self._maintenance.schedule()
+        metrics.observe_latency("add", "engine", time.monotonic() - started)
         return results
 
     def add_items(self, items: list[BatchItem]) -> list[AddResult]:
@@ -239,7 +243,10 @@ class Memory:
         skills: bool = True,
     ) -> list[Retrieval]:
         """Many queries in one embedding call and one batched index search (``None`` envs: all)."""
-        return self._search.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills)
+        started = time.monotonic()
+        out = self._search.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills)
+        metrics.observe_latency("retrieve", "engine", time.monotonic() - started)
+        return out
 
     # -- reading ---------------------------------------------------------------------------
     def get(self, trajectory_id: str) -> Trajectory | None:
@@ -273,6 +280,12 @@ class Memory:
                 if got is not None:
                     out.append(got[0].id)
             return out
+
+    def sizes(self) -> tuple[int, int]:
+        """(trajectories, live clusters): two counters, cheap enough to read after every commit."""
+        with self._state.lock:
+            clusters = len(self._state.clusters)
+        return len(self), clusters
 
     def __len__(self) -> int:
         with self.store.read() as txn:
