@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import ray
 
+from lifemem_ray import metrics
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
@@ -57,6 +58,7 @@ class AddFuture:
     client: "MemoryClient | None" = None
     resend: Callable[[], Any] | None = None  # sends the same request again (a new ref)
     resends: int = 0  # how many times a request whose coordinator died is sent again
+    started: float | None = None  # monotonic time of the add_many call; observed once, when it resolves
 
     def result(self, timeout: float | None = None) -> Any:
         """The per-trajectory results. A request whose coordinator died is sent again (up to
@@ -87,6 +89,9 @@ class AddFuture:
                 self.ref = self.resend()
         if self.client is not None and self.sent:
             out = self.client._settle(out, self.sent)
+        if self.started is not None:  # the client's add latency: from add_many until acknowledged
+            metrics.observe_latency("add", "client", time.monotonic() - self.started)
+            self.started = None
         return out[0] if self.single else out
 
     def done(self) -> bool:
@@ -137,6 +142,7 @@ class MemoryClient:
 
         The trajectories are encoded and their workflows abstracted here, in the caller's
         process, so the coordinator only routes and decides."""
+        started = time.monotonic()
         batch = pack_trajectories(list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
         sent = dict(zip(batch.ids, batch.fingerprints))
         embedded = vectors is not None
@@ -146,7 +152,7 @@ class MemoryClient:
             # itself, knowing its ids are in doubt (see AddFuture.result).
             return self.coordinator.add_batch.options(max_task_retries=0).remote(batch, embedded)
 
-        return AddFuture(send(), sent=sent, client=self, resend=send, resends=self.config.cluster.add_resends)
+        return AddFuture(send(), sent=sent, client=self, resend=send, resends=self.config.cluster.add_resends, started=started)
 
     def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
         """Per id: whether a shard holds it with another fingerprint (one call per shard)."""
@@ -197,14 +203,18 @@ class MemoryClient:
         token_budget: int | None = None,
         skills: bool = True,
     ) -> list[Retrieval]:
+        started = time.monotonic()
         tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.config.retrieval)  # the engine's checks
         if not tasks:
             return []
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
         with paused_gc():
             if len(tasks) <= self.config.cluster.one_round_max:
-                return self._retrieve_one_round(tasks, envs, k, vecs, skills, budget)
-            return self._retrieve_two_rounds(tasks, envs, k, vecs, skills, budget)
+                out = self._retrieve_one_round(tasks, envs, k, vecs, skills, budget)
+            else:
+                out = self._retrieve_two_rounds(tasks, envs, k, vecs, skills, budget)
+        metrics.observe_latency("retrieve", "client", time.monotonic() - started)
+        return out
 
     def _retrieve_one_round(self, tasks: list[str], envs: list[str | None], k: int, vecs: np.ndarray, skills: bool, budget: int) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
