@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from lifemem_ray import metrics
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
 from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
@@ -224,6 +225,7 @@ class Coordinator:
             future = asyncio.get_running_loop().create_future()
             self._queue.append(_Request(batch, embedded, future))
             self._queued += n
+            metrics.set_queue_depth(self.namespace, self._queued)
         self.counters["requests"] += 1
         self._wake.set()
         return await future
@@ -340,6 +342,8 @@ class Coordinator:
                     async with self._space:
                         self._queued -= flight.stage.count
                         self._space.notify_all()
+                    metrics.observe_batch(self.namespace, flight.stage.count)
+                    metrics.set_queue_depth(self.namespace, self._queued)
                     if self._next is None:
                         self._idle.set()
 

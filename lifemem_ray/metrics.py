@@ -80,7 +80,6 @@ ROUTES = (
     "other",
 )
 MAX_SHARDS = 1_024  # cluster.shards' bound (config.BOUNDS)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _PARAM = re.compile(r"\{[^{}/]*\}")
 
 LATENCY_BOUNDARIES = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -136,7 +135,7 @@ def _status(value: str) -> bool:
     return value.isdigit() and 100 <= int(value) <= 599
 
 
-_DEPLOYMENT = Tag("deployment", check=lambda v: bool(_NAME.match(v)), described="a Ray namespace (1-128 of A-Z a-z 0-9 _ . : -)")
+_DEPLOYMENT = Tag("deployment", check=lambda v: 0 < len(v) <= 256 and v.isprintable(), described="a Ray namespace (1-256 printable characters)")
 _SHARD = Tag("shard", check=_shard_index, described=f"a shard index 0..{MAX_SHARDS - 1}")
 _LLM_OPERATION = Tag("operation", OPERATIONS)
 
