@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lifemem_ray import metrics
 from lifemem_ray.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
@@ -90,6 +91,8 @@ class MemoryShard:
         self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
         self.engine = self.memory.shard
         self.started = time.time()
+        self.deployment = config.cluster.namespace  # the metrics' deployment tag
+        self._publish_sizes()
 
     # -- identity --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -125,12 +128,16 @@ class MemoryShard:
     ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
         """Store the coordinator's decisions; return the results and the states of the clusters
         they went to. Idempotent: items already here are reported, not stored again."""
-        return self.engine.commit(batch, placements, counters)
+        out = self.engine.commit(batch, placements, counters)
+        self._publish_sizes()
+        return out
 
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the
         initial partition exists, all go to one shard through here)."""
-        return self.engine.add_items(batch)
+        out = self.engine.add_items(batch)
+        self._publish_sizes()
+        return out
 
     # -- reading -----------------------------------------------------------------------------
     def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
@@ -159,7 +166,14 @@ class MemoryShard:
         the memory they freed back to the system."""
         done = self.engine.maintain()
         release_free_memory()
+        self._publish_sizes()
         return done
+
+    def _publish_sizes(self) -> None:
+        """The shard gauges (trajectories, clusters), after every change made through this actor;
+        splits and merges in the background show at the next one."""
+        trajectories, clusters = self.memory.sizes()
+        metrics.set_shard_sizes(self.deployment, self.index, trajectories, clusters)
 
     def export_records(self, path: str) -> dict[str, Any]:
         return self.engine.export_records(path)
@@ -171,7 +185,9 @@ class MemoryShard:
 
     def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
         """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
-        return self.engine.absorb(source, cluster_ids, pending)
+        out = self.engine.absorb(source, cluster_ids, pending)
+        self._publish_sizes()
+        return out
 
     def close(self) -> None:
         self.engine.close()
