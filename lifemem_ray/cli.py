@@ -510,6 +510,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """The MCP server over stdin / stdout as one principal (the tenant, read and write), on the
+    engine alone; stdout is the protocol, logs go to stderr. Closes the store on EOF or SIGTERM."""
+    from .mcp_server import run_stdio
+    from .memory import Memory
+    from .principal import Principal
+    from .tenancy import check_tenant
+
+    config = _config(args)
+    principal = Principal(check_tenant(args.tenant, "--tenant"), frozenset({"read", "write"}), "stdio")
+    memory = Memory.open(args.store, config)
+    try:
+        run_stdio(memory, principal)
+    finally:
+        memory.close()
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -604,6 +622,11 @@ def _store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.
     p.add_argument("--deep", action="store_true",
                    help="also recompute every record's fingerprint from its content (reads every record)")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("mcp", parents=[common, llm], help="serve the store to an agent host over MCP (stdio, no Ray)")
+    p.add_argument("--store", required=True, metavar="DIR", help="the store folder (created if missing)")
+    p.add_argument("--tenant", default="default", help="the tenant every call acts as (default: default)")
+    p.set_defaults(func=cmd_mcp)
 
 
 def _deployment_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:

@@ -1,0 +1,354 @@
+"""The memory as a Model Context Protocol server (the official ``mcp`` SDK, 2.x API).
+
+Three tools, each with a typed (pydantic) result, so ``tools/list`` advertises an
+``outputSchema`` and every answer carries ``structuredContent`` beside its text:
+
+* ``add_trajectory`` (scope ``write``): one native trajectory record (task, env, steps of
+  thought / action / observation, outcome, optional id and metadata), checked by
+  :meth:`Trajectory.from_dict`; it answers id, status and cluster after the memory acknowledged it.
+* ``retrieve_experience`` (scope ``read``; annotated read-only and idempotent): the top-k
+  trajectories for a task, rendered and as fields, the skills of their clusters, and the prompt
+  block an agent would get.
+* ``memory_stats`` (scope ``read``): the tenant's counts.
+
+The tenant of every call is the acting principal's (``principal_provider()``), never an
+argument. A refused call is an MCP tool error (``isError: true``) whose text says what is wrong,
+where (the argument or record field) and what to do.
+
+Two transports:
+
+* stdio: ``lifemem-ray mcp --store DIR`` (:func:`run_stdio`) serves one engine
+  :class:`~lifemem_ray.memory.Memory` as one fixed principal, without Ray.
+* Streamable HTTP, stateless (every request stands alone, so any Ray Serve replica can answer it),
+  with JSON responses: :func:`mcp_http` gives the pieces to mount, :func:`streamable_http_app`
+  a ready Starlette app with them.
+
+Mounting contract (for the Serve ingress, ``actors/http_app.py``)::
+
+    mcp = mcp_http(build_mcp_server(lambda: client, principal.current))
+    app.router.routes.append(starlette.routing.Route("/mcp", endpoint=mcp.asgi, methods=["GET", "POST", "DELETE"]))
+    # in the app's lifespan (Starlette does not run a mounted sub-app's lifespan):
+    async with mcp.run():
+        yield
+
+* Route the exact path ``/mcp`` to ``mcp.asgi`` (a plain ASGI app; a ``Mount`` would answer
+  ``/mcp`` with a redirect to ``/mcp/``).
+* Enter ``mcp.run()`` once per process for the app's lifetime (it starts the SDK's session
+  manager; a request before that is a server error). It cannot be entered twice: build a new
+  :func:`mcp_http` for another app.
+* Authenticate before the request reaches ``mcp.asgi`` and run it inside
+  ``principal.acting_as(p)`` (an ASGI middleware or wrapper around the route): the tools read
+  the principal with ``principal.current()``. The SDK runs a stateless request's handler in
+  tasks started from the request's own task (legacy and 2026 protocol revisions, JSON and SSE
+  answers) and sync tools in worker threads, which copy the context, so the contextvar set
+  around the request is the one the tool sees (tests/test_mcp.py checks it with two keys).
+* Bound the request body before it reaches the SDK if the ingress wants a lower limit than
+  ``max_body_bytes`` (the SDK answers 413 above it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncContextManager, Callable, Literal, Sequence
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
+from mcp_types import ToolAnnotations
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from .config import MemoryConfig
+from .errors import (AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError,
+                     ShardUnavailableError)
+from .model import Trajectory
+from .principal import Principal
+from .retrieval import RetrievedTrajectory, check_retrieve_args
+
+__all__ = ["McpHttp", "build_mcp_server", "mcp_http", "run_stdio", "streamable_http_app"]
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "lifemem"
+INSTRUCTIONS = (
+    "LifeMem: a lifelong workflow memory for agents. Before a task, call retrieve_experience with the task "
+    "and environment to get earlier runs (succeeded or failed) and distilled skills; after a task, call "
+    "add_trajectory with what you did (steps of thought, action, observation) and whether it succeeded."
+)
+
+
+# -- the tools' arguments and answers ---------------------------------------------------------------
+
+
+class StepRecord(BaseModel):
+    """One agent turn: what it thought, what it did, what the environment answered."""
+
+    model_config = ConfigDict(extra="forbid")
+    thought: str = ""
+    action: str = ""
+    observation: str = ""
+
+
+class OutcomeRecord(BaseModel):
+    """How the task ended; either part may be unknown (null)."""
+
+    model_config = ConfigDict(extra="forbid")
+    success: bool | None = None
+    reward: float | None = None
+
+
+class AddAnswer(BaseModel):
+    id: str = Field(description="the trajectory's id: the one given, or a content hash")
+    status: Literal["added", "duplicate", "pending"] = Field(
+        description="added; duplicate (this id is stored with the same content); pending (stored, "
+                    "clustered once the memory holds enough trajectories)")
+    cluster_id: int | None = Field(description="the workflow cluster it joined (null while pending)")
+    tenant: str = Field(description="the tenant it is stored under (the caller's key's)")
+
+
+class RetrievedRecord(BaseModel):
+    id: str
+    env: str
+    task: str
+    initial_observation: str
+    steps: list[StepRecord]
+    outcome: OutcomeRecord
+    metadata: dict[str, Any]
+    score: float = Field(description="cosine similarity of its task to the query task")
+    cluster_id: int | None
+    rendered: str = Field(description="the whole trajectory as plain text (Task, Thought/Action/Observation, Outcome)")
+
+
+class SkillRecord(BaseModel):
+    cluster_id: int
+    text: str
+
+
+class RetrieveAnswer(BaseModel):
+    task: str
+    env: str | None = Field(description="the environment searched (null: every environment)")
+    k: int
+    trajectories: list[RetrievedRecord] = Field(description="most similar first")
+    skills: list[SkillRecord] = Field(description="the skills of the retrieved trajectories' clusters")
+    context: str = Field(description="skills and exemplars as one prompt block, within the token budget")
+    tokens: int = Field(description="estimated tokens of context")
+
+
+class EnvCounts(BaseModel):
+    trajectories: int
+    clusters: int
+
+
+class StatsAnswer(BaseModel):
+    tenant: str
+    trajectories: int
+    clusters: int
+    pending: int = Field(description="stored, waiting for the initial clustering")
+    per_env: dict[str, EnvCounts]
+
+
+# -- the tools ---------------------------------------------------------------------------------
+
+
+def _problem(exc: BaseException) -> ToolError:
+    """A tool error whose text says what is wrong, where, and what to do (the SDK puts
+    "Error executing tool <name>: " in front)."""
+    if isinstance(exc, (AuthError, ForbiddenError)):
+        return ToolError(f"not allowed: {exc}")
+    if isinstance(exc, IdConflictError):
+        return ToolError(f"id conflict: {exc}; send the record under another id, or without one (a content hash)")
+    if isinstance(exc, (OverloadedError, ShardUnavailableError)):
+        return ToolError(f"the memory is busy or a part of it is restarting ({exc}); what it acknowledged is kept: "
+                         "retry in a few seconds")
+    if isinstance(exc, ValueError):  # InvalidTrajectoryError, TenantError, argument checks: the caller's to fix
+        return ToolError(f"invalid argument: {exc}; correct it and call again")
+    return ToolError(f"{type(exc).__name__}: {exc}")
+
+
+def _settled(answer: Any) -> Any:
+    """A deployment answers an add with a future; a store with the results."""
+    return answer.result() if hasattr(answer, "result") and callable(answer.result) else answer
+
+
+class _Tools:
+    """The tool functions over one backend; each resolves the acting principal first."""
+
+    def __init__(self, backend_factory: Callable[[], Any], principal_provider: Callable[[], Principal]) -> None:
+        self._backend = backend_factory
+        self._principal = principal_provider
+
+    def _acting(self, scope: str) -> Principal:
+        try:
+            principal = self._principal()
+        except (AuthError, ForbiddenError) as exc:
+            raise _problem(exc) from None
+        if not principal.allows(scope):
+            raise ToolError(f"not allowed: key {principal.key_id or '(unnamed)'} of tenant {principal.tenant!r} "
+                            f"lacks the {scope!r} scope; use a key with that scope")
+        return principal
+
+    def add_trajectory(
+        self,
+        task: Annotated[str, Field(description="the goal the agent was given")],
+        env: Annotated[str, Field(description="the environment or application, e.g. 'webshop' (at most 128 characters)")],
+        steps: Annotated[list[StepRecord], Field(description="the turns in order; each needs an action or a thought")],
+        outcome: Annotated[OutcomeRecord | None, Field(description="success true/false/null and an optional reward")] = None,
+        id: Annotated[str | None, Field(description="your id for the run: makes a retry idempotent (default: a content hash)")] = None,
+        initial_observation: Annotated[str, Field(description="what the environment showed before the first action")] = "",
+        metadata: Annotated[dict[str, Any] | None, Field(description="free JSON kept with the record")] = None,
+    ) -> AddAnswer:
+        """Store one finished run of a task (a trajectory) in the memory, for later retrieval.
+
+        Answers after the memory acknowledged it (durable). The same id with the same content
+        answers 'duplicate'; the same id with other content is refused."""
+        principal = self._acting("write")
+        record: dict[str, Any] = {
+            "env": env, "task": task, "steps": [s.model_dump() for s in steps], "initial_observation": initial_observation,
+            "outcome": None if outcome is None else outcome.model_dump(), "metadata": metadata, "tenant": principal.tenant,
+        }
+        if id is not None:
+            record["id"] = id
+        try:
+            trajectory = Trajectory.from_dict(record)
+            result = _settled(self._backend().add_many([trajectory]))[0]
+        except LifeMemError as exc:
+            raise _problem(exc) from None
+        return AddAnswer(id=result.id, status=result.status, cluster_id=result.cluster_id, tenant=principal.tenant)
+
+    def retrieve_experience(
+        self,
+        task: Annotated[str, Field(description="the task about to be attempted")],
+        env: Annotated[str | None, Field(description="the environment to search; null searches every environment")] = None,
+        k: Annotated[int | None, Field(description="how many trajectories (default: the memory's retrieval.k)")] = None,
+        token_budget: Annotated[int | None, Field(description="token budget of the context block (default: retrieval.token_budget)")] = None,
+    ) -> RetrieveAnswer:
+        """Earlier runs of tasks like this one (succeeded and failed), and the skills distilled
+        from their workflows: read them before acting. Reads only; changes nothing."""
+        principal = self._acting("read")
+        try:
+            backend = self._backend()
+            config = getattr(backend, "config", None) or MemoryConfig()
+            check_retrieve_args([task], [env], k, token_budget, config.retrieval)
+            got = backend.retrieve_many([task], [env], k, token_budget=token_budget, tenant=principal.tenant)[0]
+        except (LifeMemError, ValueError) as exc:
+            raise _problem(exc) from None
+        return RetrieveAnswer(
+            task=task, env=env, k=k if k is not None else config.retrieval.k,
+            trajectories=[_record(hit) for hit in got.trajectories],
+            skills=[SkillRecord(cluster_id=s.cluster_id, text=s.text) for s in got.skills],
+            context=got.context, tokens=got.tokens,
+        )
+
+    def memory_stats(self) -> StatsAnswer:
+        """How many trajectories and workflow clusters this tenant's memory holds, per environment."""
+        principal = self._acting("read")
+        try:
+            stats = self._backend().stats(tenant=principal.tenant)
+        except LifeMemError as exc:
+            raise _problem(exc) from None
+        per_env = {env: EnvCounts(trajectories=int(c.get("trajectories", 0)), clusters=int(c.get("clusters", 0)))
+                   for env, c in (stats.get("per_env") or {}).items()}
+        return StatsAnswer(tenant=principal.tenant, trajectories=int(stats.get("trajectories", 0)),
+                           clusters=int(stats.get("clusters", 0)), pending=int(stats.get("pending", 0)), per_env=per_env)
+
+
+def _record(hit: RetrievedTrajectory) -> RetrievedRecord:
+    t = hit.trajectory
+    return RetrievedRecord(
+        id=hit.id, env=hit.env, task=t.task, initial_observation=t.initial_observation,
+        steps=[StepRecord(thought=s.thought, action=s.action, observation=s.observation) for s in t.steps],
+        outcome=OutcomeRecord(success=t.outcome.success, reward=t.outcome.reward), metadata=dict(t.metadata),
+        score=float(hit.score), cluster_id=hit.cluster_id, rendered=t.render(),
+    )
+
+
+def build_mcp_server(backend_factory: Callable[[], Any], principal_provider: Callable[[], Principal]) -> MCPServer:
+    """An MCP server with the three tools over ``backend_factory()`` (anything with the
+    :class:`~lifemem_ray.protocols.MemoryAPI` calls and the tenant interface: the engine's
+    ``Memory`` or the Ray ``MemoryClient``), acting as ``principal_provider()`` on every call."""
+    server = MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, log_level="WARNING")
+    tools = _Tools(backend_factory, principal_provider)
+    server.add_tool(tools.add_trajectory, name="add_trajectory", title="Add a trajectory",
+                    annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
+                                                open_world_hint=False))
+    server.add_tool(tools.retrieve_experience, name="retrieve_experience", title="Retrieve experience",
+                    annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
+    server.add_tool(tools.memory_stats, name="memory_stats", title="Memory statistics",
+                    annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
+    return server
+
+
+# -- Streamable HTTP -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class McpHttp:
+    """What a web app mounts (see the module docstring): ``asgi`` at the exact path ``/mcp``,
+    and ``run()`` entered for the app's lifetime."""
+
+    server: MCPServer
+    session_manager: StreamableHTTPSessionManager
+    asgi: StreamableHTTPASGIApp
+
+    def run(self) -> AsyncContextManager[None]:
+        return self.session_manager.run()
+
+
+def mcp_http(server: MCPServer, *, json_response: bool = True, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+             transport_security: TransportSecuritySettings | None = None) -> McpHttp:
+    """The stateless Streamable HTTP handler of ``server``: a fresh transport per request, no
+    session ids, so a request may land on any replica. ``transport_security`` turns on the SDK's
+    Host / Origin checks (worth it where the endpoint runs without keys on loopback)."""
+    manager = StreamableHTTPSessionManager(
+        app=server._lowlevel_server,  # the SDK's own streamable_http_app passes the same object
+        json_response=json_response, stateless=True, security_settings=transport_security,
+        max_request_body_size=max_body_bytes,
+    )
+    return McpHttp(server, manager, StreamableHTTPASGIApp(manager))
+
+
+def streamable_http_app(server: MCPServer, *, path: str = "/mcp", middleware: Sequence[Middleware] = (),
+                        json_response: bool = True, transport_security: TransportSecuritySettings | None = None) -> Starlette:
+    """A Starlette app serving ``server`` at ``path`` (stateless, JSON answers), its session
+    manager run by the app's lifespan; ``middleware`` (outermost first) authenticates."""
+    handle = mcp_http(server, json_response=json_response, transport_security=transport_security)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> Any:
+        async with handle.run():
+            yield
+
+    routes = [Route(path, endpoint=handle.asgi, methods=["GET", "POST", "DELETE"])]
+    return Starlette(routes=routes, middleware=list(middleware), lifespan=lifespan)
+
+
+# -- stdio ---------------------------------------------------------------------------------------
+
+
+def run_stdio(memory: Any, principal: Principal) -> None:
+    """Serve ``memory`` over stdin / stdout as ``principal`` until stdin closes or SIGTERM /
+    SIGINT arrives; the caller closes the memory afterwards. stdout carries only the protocol
+    (the SDK points fd 1 at stderr while serving)."""
+    server = build_mcp_server(lambda: memory, lambda: principal)
+
+    async def serve() -> None:
+        async with anyio.create_task_group() as tg:
+            async def stop_on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.warning("mcp: %s received, closing the memory", signal.Signals(signum).name)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(stop_on_signal)
+            await server.run_stdio_async()
+            tg.cancel_scope.cancel()  # stdin closed: the client is gone
+
+    anyio.run(serve)
