@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import openai
 
+from . import metrics
 from .config import LLMConfig
 from .decisions import Assignment, AssignRequest, ClusterView, Groups
 from .model import Trajectory
@@ -66,6 +67,8 @@ Checked = tuple[T | None, list[str]]  # (value or None, problems found): what an
 PLACEHOLDER_API_KEY = "sk-local"  # local servers want some key; they do not check it
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 RETRYABLE_STATUS = frozenset({408, 429})  # plus every 5xx
+# Operations whose failed call leaves one decision to the offline policy (assign counts per item).
+CALL_FALLBACKS = frozenset(MEMORY_OPERATIONS) - {"assign"}
 
 
 # --------------------------------------------------------------------------- answers: JSON
@@ -555,12 +558,13 @@ class LLMClient:
             raise ValueError(f"LLMClient.arequest: unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
         started = time.monotonic()
         self._count(op, calls=1)
+        metrics.count_llm_call(op)
         try:
             content = await self._complete(prompt, model)
         finally:
             self._count(op, latency_s=time.monotonic() - started)
         if content is None:
-            self._count(op, failures=1)
+            self._failed(op)
             return None
         try:
             value, problems = check(extract_json(content))
@@ -570,7 +574,7 @@ class LLMClient:
             self._count(op, invalid=1)
             log.warning("LLM %s (%s): invalid answer: %s; answer: %s", op, model, "; ".join(problems[:5]), _snippet(content))
         if value is None:
-            self._count(op, failures=1)
+            self._failed(op)
         return value
 
     async def _complete(self, prompt: Prompt, model: str) -> str | None:
@@ -623,10 +627,13 @@ class LLMClient:
         prompt_tokens = getattr(usage, "prompt_tokens", None)
         completion_tokens = getattr(usage, "completion_tokens", None)
         if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
+            prompt_tokens, completion_tokens = max(0, prompt_tokens), max(0, completion_tokens)
             self._count(op, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         else:
-            chars = sum(len(m["content"]) for m in prompt.messages)
-            self._count(op, prompt_tokens=chars // 4, completion_tokens=len(content) // 4, tokens_estimated=1)
+            prompt_tokens = sum(len(m["content"]) for m in prompt.messages) // 4
+            completion_tokens = len(content) // 4
+            self._count(op, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, tokens_estimated=1)
+        metrics.count_llm_tokens(op, prompt_tokens, completion_tokens)
         if choices and getattr(choices[0], "finish_reason", None) == "length":
             log.warning("LLM %s: answer cut at llm.max_answer_tokens=%d (reasoning models spend part of it on "
                         "hidden reasoning; raise it if answers come back empty or truncated)",
@@ -696,6 +703,12 @@ class LLMClient:
             stats = self._stats[op]
             for name, amount in increments.items():
                 setattr(stats, name, getattr(stats, name) + amount)
+
+    def _failed(self, op: str) -> None:
+        """A call without a usable answer: counted, and a fallback where the offline policy decides instead."""
+        self._count(op, failures=1)
+        if op in CALL_FALLBACKS:
+            metrics.count_llm_fallbacks(op)
 
     def record(self, op: str, **increments: float) -> None:
         """Add to an operation's counters (the decider counts items this way)."""
@@ -831,7 +844,9 @@ class LLMDecider:
                 label = assignment.new_group or f"item-{request.key}"
                 assignment = dataclasses.replace(assignment, new_group=f"llm{index}:{label}")
             result[request.key] = assignment
-        self.client.record("assign", items=len(chunk), items_invalid=sum(v is None for v in result.values()))
+        invalid = sum(v is None for v in result.values())
+        self.client.record("assign", items=len(chunk), items_invalid=invalid)
+        metrics.count_llm_fallbacks("assign", invalid)  # the offline policy places these items
         return result
 
     # -- partition / split -------------------------------------------------------------
