@@ -9,6 +9,7 @@ checked; an error names the source and the key.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tomllib
@@ -23,6 +24,7 @@ __all__ = [
     "ConfigError",
     "EmbeddingConfig",
     "EvolutionConfig",
+    "HttpConfig",
     "IndexConfig",
     "LLMConfig",
     "MemoryConfig",
@@ -248,6 +250,38 @@ class ClusterConfig:
             raise ConfigError("cluster.namespace: must not be empty")
 
 
+@dataclass
+class HttpConfig:
+    """The REST and MCP front door on Ray Serve (``lifemem-ray serve --http``, actors/http_app.py)."""
+
+    host: str = "127.0.0.1"  # where Serve's HTTP proxy listens
+    port: int = 8000
+    # keys: every request needs ``Authorization: Bearer <key>`` of api_keys (or LIFEMEM_API_KEYS);
+    # none: every request acts as the default tenant with every scope (loopback hosts only).
+    auth: str = "keys"
+    api_keys: list = field(default_factory=list)  # [{name, sha256, tenant, scopes}]: hashes only (`lifemem-ray keys new`)
+    replicas: int = 1  # Serve replicas of the ingress (any replica answers any request)
+    replica_cpus: float = 0.1  # CPU reserved per replica
+    max_ongoing_requests: int = 32  # per replica; Serve queues the rest
+    max_body_bytes: int = 16 * 1024 * 1024  # a larger request body is refused (413)
+    max_batch_items: int = 1_000  # trajectories per POST /v1/trajectories
+    max_queries: int = 256  # tasks per POST /v1/retrieve
+    max_clusters_listed: int = 10_000  # clusters per GET /v1/clusters answer
+    add_timeout_s: float = 300.0  # a waiting add not acknowledged by then answers 503 (its ids stay idempotent)
+    retry_after_s: int = 2  # Retry-After of 503 answers
+    health_timeout_s: float = 5.0  # /healthz waits this long for the coordinator and shards
+    operations_max: int = 10_000  # operations (adds answered 202) kept for polling; the oldest finished go first
+    operations_ttl_s: float = 3_600.0  # an operation is forgotten this long after it was created
+
+    def validate(self) -> None:
+        _choice(self, "auth", ("keys", "none"))
+        if not self.host.strip():
+            raise ConfigError("http.host: must not be empty")
+        from .auth import parse_key_entries  # the key format is auth's (imported late: auth imports this module)
+
+        parse_key_entries(self.api_keys, "http.api_keys")
+
+
 # Hard bounds of every number in the configuration ("section.key": (low, high), both
 # included): a value outside, NaN or infinity is refused where it is set (naming the file or
 # variable) and again by validate(). Bounds keep a typo from hanging (a timeout of inf) or
@@ -317,6 +351,19 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "cluster.retrieve_chunk": (1, 65_536),
     "cluster.embed_chunk": (1, 65_536),
     "cluster.add_resends": (0, 100),
+    "http.port": (1, 65_535),
+    "http.replicas": (1, 64),
+    "http.replica_cpus": (0.0, 64.0),
+    "http.max_ongoing_requests": (1, 10_000),
+    "http.max_body_bytes": (1_024, 1_073_741_824),
+    "http.max_batch_items": (1, 100_000),
+    "http.max_queries": (1, 100_000),
+    "http.max_clusters_listed": (1, 1_000_000),
+    "http.add_timeout_s": (0.1, 86_400.0),
+    "http.retry_after_s": (1, 3_600),
+    "http.health_timeout_s": (0.1, 600.0),
+    "http.operations_max": (1, 10_000_000),
+    "http.operations_ttl_s": (1.0, 30 * 86_400.0),
 }
 
 
@@ -340,6 +387,7 @@ class MemoryConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def validate(self) -> "MemoryConfig":
         for section in _sections(self):
@@ -469,6 +517,15 @@ def _coerce(value: Any, kind: type, where: str) -> Any:
             except ValueError:
                 pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if kind is list:  # a TOML array, or JSON text from an environment variable or --set
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: expected a JSON list, got text that is not JSON ({exc.msg} at {exc.pos})") from None
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        return list(value)
     if not isinstance(value, str):
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value

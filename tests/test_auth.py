@@ -1,0 +1,135 @@
+"""API keys of the HTTP front door, without Ray: hashing, parsing, the environment, the
+no-auth mode's loopback rule and the `keys new` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lifemem_ray.auth import ENV_KEYS, KeyRing, check_bind, hash_key, is_loopback, new_key, parse_key_entries
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.errors import AuthError, ConfigError
+from lifemem_ray.principal import SCOPES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_new_key_authenticates_as_its_tenant_and_scopes_and_only_its_hash_is_kept():
+    key, entry = new_key("acme", "read,write", name="acme-1")
+    assert key.startswith("lmk_") and len(key) > 40
+    assert entry.sha256 == hash_key(key) and key not in json.dumps(entry.to_dict())
+    ring = KeyRing.from_entries([entry.to_dict()])
+    who = ring.authenticate(f"Bearer {key}")
+    assert (who.tenant, who.scopes, who.key_id) == ("acme", frozenset({"read", "write"}), "acme-1")
+    assert ring.authenticate(f"bearer   {key}  ").tenant == "acme"  # the scheme is case-insensitive
+    other_key, _ = new_key("acme", ["read"])
+    for header, said in ((None, "no API key"), ("", "no API key"), (key, "Bearer <key>"), (f"Basic {key}", "Bearer <key>"),
+                         ("Bearer ", "Bearer <key>"), (f"Bearer {other_key}", "not valid"), (f"Bearer {key}x", "not valid"),
+                         ("Bearer " + "a" * 10_000, "not valid")):
+        with pytest.raises(AuthError, match=said):
+            ring.authenticate(header)
+
+
+def test_two_keys_of_two_tenants_are_told_apart():
+    ka, ea = new_key("acme", ["read"])
+    kb, eb = new_key("globex", ["read", "write", "admin"])
+    ring = KeyRing.from_entries([ea, eb])
+    assert ring.authenticate(f"Bearer {ka}").tenant == "acme"
+    b = ring.authenticate(f"Bearer {kb}")
+    assert b.tenant == "globex" and all(b.allows(s) for s in SCOPES)
+
+
+def test_key_entries_are_checked_naming_the_entry_and_field():
+    _, good = new_key("acme", ["read"], name="k1")
+    ok = good.to_dict()
+    cases = [
+        ({**ok, "sha256": "lmk_the_key_itself"}, r"\[0\]\.sha256: .*never the key itself"),
+        ({**ok, "tenant": "bad tenant!"}, r"\[0\]\.tenant"),
+        ({**ok, "scopes": ["read", "root"]}, r"\[0\]\.scopes: unknown scope"),
+        ({**ok, "scopes": []}, r"\[0\]\.scopes"),
+        ({**ok, "name": ""}, r"\[0\]\.name"),
+        ({**ok, "key": "x"}, r"\[0\]: unknown field"),
+        ("text", r"\[0\]: expected a table"),
+    ]
+    for entry, said in cases:
+        with pytest.raises(ConfigError, match=said):
+            parse_key_entries([entry], "http.api_keys")
+    with pytest.raises(ConfigError, match=r"http.api_keys\[1\]\.name: the same name"):
+        parse_key_entries([ok, {**ok, "sha256": "0" * 64}], "http.api_keys")
+    with pytest.raises(ConfigError, match=r"http.api_keys\[1\]\.sha256: the same sha256"):
+        parse_key_entries([ok, {**ok, "name": "k2"}], "http.api_keys")
+    assert parse_key_entries([{**ok, "scopes": "read, write", "sha256": ok["sha256"].upper()}], "x")[0].sha256 == ok["sha256"]
+
+
+def test_keys_come_from_the_config_file_and_the_environment(tmp_path):
+    key_a, entry_a = new_key("acme", ["read", "write"], name="a")
+    key_b, entry_b = new_key("globex", ["read"], name="b")
+    config = tmp_path / "server.toml"
+    config.write_text(f'[http]\nport = 8123\n\n[[http.api_keys]]\nname = "a"\nsha256 = "{entry_a.sha256}"\ntenant = "acme"\n'
+                      'scopes = ["read", "write"]\n')
+    loaded = MemoryConfig.load(config, environ={})
+    assert loaded.http.port == 8123
+    ring = KeyRing.from_config(loaded.http, environ={ENV_KEYS: json.dumps([entry_b.to_dict()])})
+    assert ring.authenticate(f"Bearer {key_a}").tenant == "acme" and ring.authenticate(f"Bearer {key_b}").tenant == "globex"
+    # A file path in the variable, and the generic LIFEMEM_HTTP_API_KEYS (JSON) too.
+    keyfile = tmp_path / "keys.json"
+    keyfile.write_text(json.dumps([entry_b.to_dict()]))
+    ring = KeyRing.from_config(MemoryConfig().http, environ={ENV_KEYS: str(keyfile)})
+    assert ring.authenticate(f"Bearer {key_b}").tenant == "globex"
+    generic = MemoryConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([entry_a.to_dict()])})
+    assert KeyRing.from_config(generic.http, environ={}).authenticate(f"Bearer {key_a}").key_id == "a"
+    with pytest.raises(ConfigError, match="LIFEMEM_HTTP_API_KEYS: .*not JSON"):
+        MemoryConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": "[oops"})
+    with pytest.raises(ConfigError, match=f"{ENV_KEYS}: neither a JSON list nor a readable file"):
+        KeyRing.from_config(MemoryConfig().http, environ={ENV_KEYS: str(tmp_path / "missing.json")})
+    with pytest.raises(ConfigError, match=r"http.api_keys\[0\]\.sha256"):
+        MemoryConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([{**entry_a.to_dict(), "sha256": "short"}])})
+
+
+def test_keys_mode_without_any_key_is_refused_and_no_auth_acts_as_the_default_tenant():
+    with pytest.raises(ConfigError, match="no API key is configured: make one with `lifemem-ray keys new"):
+        KeyRing.from_config(MemoryConfig().http, environ={})
+    open_ring = KeyRing.from_config(MemoryConfig().replace({"http.auth": "none"}).http, environ={})
+    who = open_ring.authenticate(None)
+    assert who.tenant == "default" and who.scopes == frozenset(SCOPES)
+    with pytest.raises(ConfigError, match="http.auth: must be one of keys, none"):
+        MemoryConfig().replace({"http.auth": "open"})
+
+
+def test_no_auth_binds_to_loopback_only():
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert is_loopback(host)
+        check_bind(host, "none")
+    for host in ("0.0.0.0", "::", "10.0.0.5", "example.org", ""):
+        assert not is_loopback(host)
+        with pytest.raises(ConfigError, match="loopback only"):
+            check_bind(host, "none")
+        check_bind(host, "keys")
+
+
+def test_http_settings_have_bounds():
+    for key, bad in (("port", 0), ("port", 70_000), ("replicas", 0), ("max_body_bytes", 10), ("max_batch_items", 0),
+                     ("max_queries", 10**9), ("operations_ttl_s", float("inf")), ("retry_after_s", 0)):
+        with pytest.raises(ConfigError, match=f"http.{key}"):
+            MemoryConfig().replace({f"http.{key}": bad})
+
+
+def test_keys_new_command_prints_a_key_and_an_entry_that_the_server_accepts(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,write", "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    ring = KeyRing.from_entries([data["entry"]])
+    assert ring.authenticate(f"Bearer {data['key']}").scopes == frozenset({"read", "write"})
+    text = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    toml = text[text.index("[[http.api_keys]]"):]
+    (tmp_path / "c.toml").write_text(toml)
+    assert len(MemoryConfig.load(tmp_path / "c.toml", environ={}).http.api_keys) == 1
+    bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,root"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 1 and "--scopes: unknown scope(s) ['root']" in bad.stderr
