@@ -50,13 +50,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import stat
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncContextManager, Callable, Literal, Sequence
+from typing import Annotated, Any, AsyncContextManager, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.stdio import stdio_server
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
 from mcp_types import ToolAnnotations
@@ -332,13 +335,69 @@ def streamable_http_app(server: MCPServer, *, path: str = "/mcp", middleware: Se
 # -- stdio ---------------------------------------------------------------------------------------
 
 
+STDIO_MAX_LINE_BYTES = 256 * 1024 * 1024  # one JSON-RPC message over stdio; longer is answered as a parse error
+
+
+async def _stdin_lines(fd: int) -> AsyncIterator[str]:
+    """The lines of a pipe, read without a worker thread, so a cancelled server stops at once
+    (the SDK's own stdin reader blocks a thread in read() until the host writes or closes)."""
+    buffer = bytearray()
+    overlong = False
+    while True:
+        await anyio.wait_readable(fd)
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            if buffer and not overlong:
+                yield buffer.decode("utf-8", errors="replace")
+            return
+        buffer += chunk
+        while (end := buffer.find(b"\n")) >= 0:
+            line = bytes(buffer[: end + 1])
+            del buffer[: end + 1]
+            yield "{\"message too long\"}\n" if overlong else line.decode("utf-8", errors="replace")
+            overlong = False
+        if len(buffer) > STDIO_MAX_LINE_BYTES:
+            buffer.clear()
+            overlong = True
+
+
+@contextlib.contextmanager
+def _claimed_stdin() -> Iterator[int | None]:
+    """A private non-blocking duplicate of fd 0 (fd 0 itself then reads the null device, so
+    nothing else consumes the protocol), or None where stdin is not a pipe or socket (a regular
+    file ends by itself; the SDK's reader serves it)."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        yield None
+        return
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        yield None
+        return
+    private = os.dup(0)
+    saved = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.set_blocking(private, False)
+    try:
+        yield private
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(private)
+
+
 def run_stdio(memory: Any, principal: Principal) -> None:
     """Serve ``memory`` over stdin / stdout as ``principal`` until stdin closes or SIGTERM /
     SIGINT arrives; the caller closes the memory afterwards. stdout carries only the protocol
     (the SDK points fd 1 at stderr while serving)."""
     server = build_mcp_server(lambda: memory, lambda: principal)
 
-    async def serve() -> None:
+    async def serve(stdin_fd: int | None) -> None:
         async with anyio.create_task_group() as tg:
             async def stop_on_signal() -> None:
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -348,7 +407,11 @@ def run_stdio(memory: Any, principal: Principal) -> None:
                         return
 
             tg.start_soon(stop_on_signal)
-            await server.run_stdio_async()
+            stdin = None if stdin_fd is None else _stdin_lines(stdin_fd)
+            async with stdio_server(stdin=stdin) as (read_stream, write_stream):  # type: ignore[arg-type]
+                lowlevel = server._lowlevel_server
+                await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
             tg.cancel_scope.cancel()  # stdin closed: the client is gone
 
-    anyio.run(serve)
+    with _claimed_stdin() as fd:
+        anyio.run(serve, fd)
