@@ -221,7 +221,7 @@ class _Tools:
         try:
             trajectory = Trajectory.from_dict(record)
             result = _settled(self._backend().add_many([trajectory]))[0]
-        except LifeMemError as exc:
+        except (LifeMemError, ValueError) as exc:
             raise _problem(exc) from None
         return AddAnswer(id=result.id, status=result.status, cluster_id=result.cluster_id, tenant=principal.tenant)
 

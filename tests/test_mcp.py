@@ -280,6 +280,30 @@ def test_http_read_only_key_cannot_add(http_memory):
     assert memory.get(t.id, tenant="tenant-a") is None
 
 
+def test_http_is_stateless_with_json_answers(http_memory):
+    """A lone request, without initialize or a session id, is answered in JSON: any replica can
+    take any request."""
+    url, _memory = http_memory
+
+    async def scenario() -> None:
+        async with httpx2.AsyncClient(headers={"Authorization": "Bearer key-a"}) as http:
+            for n, method in enumerate(("tools/list", "tools/call")):
+                params = {"name": "memory_stats", "arguments": {}} if method == "tools/call" else {}
+                answer = await http.post(url, json={"jsonrpc": "2.0", "id": n, "method": method, "params": params},
+                                         headers={"Accept": "application/json, text/event-stream",
+                                                  "MCP-Protocol-Version": "2025-06-18"})
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["content-type"].startswith("application/json")
+                assert "mcp-session-id" not in answer.headers
+                result = answer.json()["result"]
+                if method == "tools/list":
+                    assert all(t.get("outputSchema") for t in result["tools"])
+                else:
+                    assert result["structuredContent"]["tenant"] == "tenant-a"
+
+    asyncio.run(scenario())
+
+
 def test_tools_refuse_a_call_without_a_principal(tmp_path, embedder):
     """A mount that forgot to authenticate gets a tool error, not another tenant's data."""
     memory = Memory.open(tmp_path / "store", embedder=embedder)
@@ -292,3 +316,37 @@ def test_tools_refuse_a_call_without_a_principal(tmp_path, embedder):
         asyncio.run(scenario())
     finally:
         memory.close()
+
+
+# -- over a Ray deployment ---------------------------------------------------------------------------
+
+
+def test_tools_over_a_ray_deployment(deployment):
+    """The tools over the Ray MemoryClient (what the Serve ingress mounts): an add is answered
+    after the coordinator acknowledged it, and the tenant travels to the shards."""
+    client, _info = deployment(shards=2)
+    trajectories = list(generate(8, seed=31, length_scale=0.1))
+    principals = {"x": Principal("tenant-x", frozenset({"read", "write"}), "x"),
+                  "y": Principal("tenant-y", frozenset({"read", "write"}), "y")}
+    acting: list[Principal] = [principals["x"]]
+    server = build_mcp_server(lambda: client, lambda: acting[0])
+
+    async def scenario() -> None:
+        async with Client(server) as mcp:
+            tools = _check_schemas(await mcp.list_tools())
+            for t in trajectories:
+                answer = _structured(await mcp.call_tool("add_trajectory", _record(t)), tools["add_trajectory"])
+                assert answer["id"] == t.id and answer["status"] in ("added", "pending")
+            target = trajectories[0]
+            got = _structured(await mcp.call_tool("retrieve_experience", {"task": target.task, "env": target.env}),
+                              tools["retrieve_experience"])
+            assert target.id in {h["id"] for h in got["trajectories"]}
+            stats = _structured(await mcp.call_tool("memory_stats", {}), tools["memory_stats"])
+            assert stats["trajectories"] == len(trajectories)
+            acting[0] = principals["y"]
+            other = _structured(await mcp.call_tool("retrieve_experience", {"task": target.task, "env": None, "k": 8}),
+                                tools["retrieve_experience"])
+            assert other["trajectories"] == [] and other["skills"] == []
+            assert _structured(await mcp.call_tool("memory_stats", {}), tools["memory_stats"])["trajectories"] == 0
+
+    asyncio.run(scenario())
