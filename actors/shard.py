@@ -36,6 +36,7 @@ from lifemem_ray.index import set_faiss_threads
 from lifemem_ray.ingest_rules import AddResult
 from lifemem_ray.memory import Memory
 from lifemem_ray.retrieval import RecordHit
+from lifemem_ray.tenancy import DEFAULT_TENANT
 
 __all__ = ["MemoryShard", "SHARD_OVERRIDES", "release_free_memory", "shard_namespace"]
 
@@ -149,11 +150,22 @@ class MemoryShard:
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
         return self.engine.hit_records(ids, skills)
 
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        return self.engine.stats(tenant)
 
-    def clusters(self, env: str | None = None) -> list[ClusterInfo]:
-        return self.engine.clusters(env)
+    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> list[ClusterInfo]:
+        return self.engine.clusters(env, tenant)
+
+    # -- deleting (the coordinator calls these between its micro-batches) --------------------
+    def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories of these ids held here. Idempotent (unknown ids are
+        ignored), so a call retried after a restart is safe."""
+        return self.engine.remove(ids, tenant)
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Delete everything of ``tenant`` held here; a purge a crash interrupted is finished
+        when the restarted actor opens the store."""
+        return self.engine.purge_tenant(tenant)
 
     def cluster_ids(self) -> list[int]:
         return self.engine.cluster_ids()

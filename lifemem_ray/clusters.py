@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .tenancy import DEFAULT_TENANT, display_envs, record_tenant
+
 if TYPE_CHECKING:
     from .config import EvolutionConfig, LLMConfig
 
 __all__ = [
     "MAX_FLOWS", "OTHER_FLOW", "ClusterInfo", "ClusterRecord", "add_member", "check_against_members", "cosine_to_sum", "example_task", "fold_member",
-    "merged", "needs_description", "needs_skill", "needs_split", "new_cluster_record", "unfold_member",
+    "merged", "needs_description", "needs_skill", "needs_skill_after_removal", "needs_split", "new_cluster_record", "unfold_member",
 ]
 
 MAX_FLOWS = 24  # distinct workflow summaries kept per cluster (the rest count as OTHER_FLOW)
@@ -34,7 +36,9 @@ OTHER_FLOW = "(other)"
 @dataclass
 class ClusterRecord:
     """A workflow cluster. ``tsum``/``wsum`` are running sums of member unit vectors,
-    so the mean resultant length R = |wsum| / count is known without reading members."""
+    so the mean resultant length R = |wsum| / count is known without reading members.
+    ``envs`` counts members per *scope* (:mod:`lifemem_ray.tenancy`: the environment, with
+    the tenant for a tenant other than the default); a cluster holds one tenant only."""
 
     id: int
     count: int
@@ -61,6 +65,11 @@ class ClusterRecord:
     @property
     def live(self) -> bool:
         return self.split_into is None and self.count > 0
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant of the members (None for a cluster without members)."""
+        return record_tenant(self.envs)
 
     @property
     def mrl(self) -> float:
@@ -191,6 +200,14 @@ def needs_skill(record: ClusterRecord, evo: "EvolutionConfig", llm: "LLMConfig",
     return record.count >= record.skill_n * (1.0 + evo.skill_refresh_growth)
 
 
+def needs_skill_after_removal(record: ClusterRecord, evo: "EvolutionConfig") -> bool:
+    """After members were removed: distil again once the cluster has shrunk as much as growth
+    would call for (its skill was distilled at ``skill_n`` members; it now has at most
+    ``skill_n / (1 + evolution.skill_refresh_growth)``), so a skill does not keep describing
+    members that are gone."""
+    return record.count > 0 and record.skill_n > 0 and record.count * (1.0 + evo.skill_refresh_growth) <= record.skill_n
+
+
 def needs_description(record: ClusterRecord, evo: "EvolutionConfig", llm: "LLMConfig") -> bool:
     """With an LLM: describe a cluster once it has ``llm.min_cluster_size`` members, then
     each time it has grown by ``description_refresh_growth`` since the last attempt."""
@@ -217,15 +234,16 @@ class ClusterInfo:
     successes: int
     failures: int
     flows: dict[str, int] = field(default_factory=dict)
+    tenant: str = DEFAULT_TENANT  # whose members these are; ``envs`` names the environments without it
 
     @classmethod
     def of(cls, record: ClusterRecord) -> "ClusterInfo":
         top = dict(sorted(record.flows.items(), key=lambda kv: -kv[1])[:5])
-        return cls(id=record.id, count=record.count, envs=dict(record.envs), description=record.description, skill=record.skill,
+        return cls(id=record.id, count=record.count, envs=display_envs(record.envs), description=record.description, skill=record.skill,
                    mrl=round(record.mrl, 6), born=record.born, parent=record.parent, successes=record.successes,
-                   failures=record.failures, flows=top)
+                   failures=record.failures, flows=top, tenant=record.tenant or DEFAULT_TENANT)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "count": self.count, "envs": self.envs, "description": self.description, "skill": self.skill,
                 "mrl": self.mrl, "born": self.born, "parent": self.parent, "successes": self.successes, "failures": self.failures,
-                "flows": self.flows}
+                "flows": self.flows, "tenant": self.tenant}

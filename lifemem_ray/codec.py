@@ -12,9 +12,10 @@ record                    msgpack layout
 ========================  ==============================================================
 trajectory record         map: id, env, task, io (initial observation), steps
                           ([thought, action, observation] each), out ([success, reward]),
-                          meta, fp (fingerprint), wf (action tokens), t (time added)
-brief                     array: [action tokens, success, env, task head, id]
-vectors                   raw: u32 env code (big-endian) + f32 text vector + f16 workflow vector
+                          meta, fp (fingerprint), wf (action tokens), t (time added),
+                          tenant (only when not the default tenant)
+brief                     array: [action tokens, success, scope, task head, id key]
+vectors                   raw: u32 scope code (big-endian) + f32 text vector + f16 workflow vector
 cluster record            map: id, n, ts / ws (f64 sums as bytes), envs, flows, ok, ko,
                           d, db, dn (description, by, count), s, sb, sn (skill, by, count),
                           v, born, parent, c, u (created, updated), split_into, nsu
@@ -31,6 +32,7 @@ import numpy as np
 
 from .clusters import ClusterRecord
 from .model import Outcome, Step, Trajectory
+from .tenancy import DEFAULT_TENANT, id_key
 
 __all__ = [
     "Brief", "StoredFields", "decode_brief", "decode_cluster", "decode_trajectory", "decode_vectors", "encode_brief", "encode_cluster",
@@ -69,7 +71,9 @@ def unpack(data: bytes) -> Any:
 
 # -- trajectory records -----------------------------------------------------------------------
 def encode_trajectory(traj: Trajectory, tokens: list[str], added: float) -> bytes:
-    return pack({
+    """The record of ``traj``: byte for byte what the writers before tenants wrote for the
+    default tenant; another tenant's record ends with its ``tenant``."""
+    fields = {
         "id": traj.id,
         "env": traj.env,
         "task": traj.task,
@@ -80,14 +84,18 @@ def encode_trajectory(traj: Trajectory, tokens: list[str], added: float) -> byte
         "fp": traj.fingerprint,
         "wf": tokens,
         "t": added,
-    })
+    }
+    if traj.tenant != DEFAULT_TENANT:
+        fields["tenant"] = traj.tenant
+    return pack(fields)
 
 
 class StoredFields:
     """A trajectory record's fields by name, without building the Trajectory (retrieval
     renders thousands of them a second). ``steps``: [thought, action, observation] lists."""
 
-    __slots__ = ("id", "env", "task", "initial_observation", "steps", "success", "reward", "metadata", "fingerprint", "tokens", "added")
+    __slots__ = ("id", "env", "task", "initial_observation", "steps", "success", "reward", "metadata", "fingerprint", "tokens", "added",
+                 "tenant")
 
     def __init__(self, d: dict[str, Any]) -> None:
         self.id: str = d["id"]
@@ -101,6 +109,7 @@ class StoredFields:
         self.fingerprint: str = d["fp"]
         self.tokens: list[str] = d["wf"]
         self.added: float = d["t"]
+        self.tenant: str = d.get("tenant", DEFAULT_TENANT)
 
 
 def record_fields(data: bytes) -> StoredFields:
@@ -113,7 +122,9 @@ def record_fingerprint(data: bytes) -> str:
 
 
 def record_id(data: bytes) -> str:
-    return unpack(data)["id"]
+    """The record's id key (tenant-qualified for a tenant other than the default: what the id index holds)."""
+    d = unpack(data)
+    return id_key(d.get("tenant", DEFAULT_TENANT), d["id"])
 
 
 def fields_to_trajectory(f: StoredFields) -> Trajectory:
@@ -127,6 +138,7 @@ def fields_to_trajectory(f: StoredFields) -> Trajectory:
         initial_observation=f.initial_observation,
         metadata=f.metadata,
         fingerprint=f.fingerprint,
+        tenant=f.tenant,
     )
 
 
@@ -145,6 +157,7 @@ def decode_trajectory(data: bytes, *, trusted: bool = False) -> tuple[Trajectory
             id=f.id,
             initial_observation=f.initial_observation,
             metadata=f.metadata,
+            tenant=f.tenant,
         )
     return traj, {"fingerprint": f.fingerprint, "tokens": f.tokens, "added": f.added}
 

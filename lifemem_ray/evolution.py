@@ -24,6 +24,7 @@ from .decisions import AssignRequest, Candidate, ClusterView, Decider
 from .model import Trajectory
 from .policy import OfflinePolicy
 from .clusters import MAX_FLOWS, ClusterRecord, add_member, fold_member, new_cluster_record
+from .tenancy import display_envs, id_key, record_tenant, scope, scope_tenant
 
 __all__ = ["MAX_FLOWS", "MAX_PROVISIONAL_CANDIDATES", "BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateArrays", "CandidateSet", "Placement",
            "add_member", "fold_member", "new_cluster_record"]
@@ -42,8 +43,8 @@ class BatchItem:
     once, where it enters (possibly a client process), never again on the way.
     """
 
-    id: str
-    env: str
+    id: str  # the id key (tenancy.id_key: the caller's id, tenant-qualified for a tenant other than the default)
+    env: str  # the scope (tenancy.scope: the environment, tenant-qualified likewise): what the engine partitions by
     query: str  # the task text (first 300 characters)
     success: bool | None
     fingerprint: str
@@ -70,8 +71,8 @@ class BatchItem:
         from .codec import encode_trajectory
 
         return cls(
-            id=traj.id,
-            env=traj.env,
+            id=id_key(traj.tenant, traj.id),
+            env=scope(traj.tenant, traj.env),
             query=traj.query_text[:300],
             success=traj.outcome.success,
             fingerprint=traj.fingerprint,
@@ -373,10 +374,11 @@ class BatchPlanner:
         work = state.plan.clusters
         scored: list[tuple[float, int, float, float]] = []
         thresholds: list[float] = []
+        tenant = scope_tenant(item.env)
         for cid in hits:
             record = work.get(cid) or self.live.get(cid)
-            if record is None or record.count == 0:
-                continue
+            if record is None or record.count == 0 or record_tenant(record.envs) != tenant:
+                continue  # clusters never mix tenants, whatever a search or an earlier item of the batch suggested
             tn, wn = state.norms.of(record)
             ts = float(vec64 @ record.tsum) / tn if tn > 0 else 0.0
             ws = float(wvec64 @ record.wsum) / wn if wn > 0 else 0.0
@@ -389,7 +391,7 @@ class BatchPlanner:
         if self.decider is not None:
             for score, cid, ts, ws in scored:
                 record = work.get(cid) or self.live[cid]
-                view = ClusterView(id=cid, count=record.count, description=record.description, envs=dict(record.envs))
+                view = ClusterView(id=cid, count=record.count, description=record.description, envs=display_envs(record.envs))
                 candidates.append(Candidate(view, score, ts, ws, hits[cid]))
         choice, margin = self.policy.decide([x[0] for x in scored], thresholds)
         by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
@@ -409,19 +411,32 @@ class BatchPlanner:
 
     def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> tuple[list[int], list[str]] | None:
         """Initial groups from the LLM as dense labels 0..g-1 with a description each, or None
-        (offline instead)."""
+        (offline instead). Each tenant's items are partitioned by their own call: a group
+        never holds two tenants."""
         assert self.decider is not None
-        groups = self.decider.partition([it.traj for it in items])
-        plan.llm_requests += 1
-        if groups is None or len(groups[0]) != len(items):
-            plan.llm_fallbacks += len(items)
-            return None
-        labels, descriptions = groups
-        dense: dict[int, int] = {}
-        out = [dense.setdefault(label, len(dense)) for label in labels]
-        described = [""] * len(dense)
-        for label, d in dense.items():
-            described[d] = descriptions[label] if 0 <= label < len(descriptions) else ""
+        by_tenant: dict[str, list[int]] = {}
+        for i, it in enumerate(items):
+            by_tenant.setdefault(scope_tenant(it.env), []).append(i)
+        out = [0] * len(items)
+        described: list[str] = []
+        for positions in by_tenant.values():
+            if len(positions) == 1:
+                out[positions[0]] = len(described)
+                described.append("")
+                continue
+            groups = self.decider.partition([items[i].traj for i in positions])
+            plan.llm_requests += 1
+            if groups is None or len(groups[0]) != len(positions):
+                plan.llm_fallbacks += len(items)
+                return None
+            labels, descriptions = groups
+            dense: dict[int, int] = {}
+            for i, label in zip(positions, labels):
+                out[i] = len(described) + dense.setdefault(label, len(dense))
+            start = len(described)
+            described.extend([""] * len(dense))
+            for label, d in dense.items():
+                described[start + d] = descriptions[label] if 0 <= label < len(descriptions) else ""
         return out, described
 
     # -- internals -------------------------------------------------------------------------
@@ -459,7 +474,7 @@ class BatchPlanner:
         if asked:
             answers = self.decider.assign(asked)
             plan.llm_requests += len(asked)
-            groups: dict[str, int] = {}
+            groups: dict[tuple[str, str], int] = {}
             next_new = min([p.cluster for p in placements if p.cluster < 0], default=0) - 1
             for request, answer in zip(asked, answers):
                 i = request.key
@@ -474,7 +489,7 @@ class BatchPlanner:
                 if placements[i].op == "new" and not answer.new_group:
                     placements[i] = Placement(cluster=placements[i].cluster, op="new", by="llm", description=answer.description)
                     continue
-                key = answer.new_group or f"item-{i}"
+                key = (scope_tenant(items[i].env), answer.new_group or f"item-{i}")  # a new group never spans tenants
                 if key not in groups:
                     groups[key] = next_new
                     next_new -= 1

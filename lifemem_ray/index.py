@@ -35,7 +35,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import faiss
 import numpy as np
@@ -296,8 +296,10 @@ class VectorIndex:
 
     # ------------------------------------------------------------------ search
 
-    def search(self, queries: np.ndarray, k: int, env: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k by inner product: within ``env`` if given, else across all environments.
+    def search(self, queries: np.ndarray, k: int, env: str | None = None, *, among: Callable[[str], bool] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by inner product: within ``env`` if given, else across all environments (those
+        whose name ``among`` accepts, when given: one tenant's scopes for a pooled search).
 
         Returns ``(scores float32 (q, k), ids int64 (q, k))``, best first. Restricted to
         an env, each row holds exactly ``min(k, count(env))`` real results; the rest
@@ -315,9 +317,10 @@ class VectorIndex:
                 if e is None or len(queries) == 0:
                     return _padding(len(queries), k)
                 return self._search_env(env, e, queries, k)
-            if not self._envs or len(queries) == 0:
+            chosen = [(name, e) for name, e in self._envs.items() if among is None or among(name)]
+            if not chosen or len(queries) == 0:
                 return _padding(len(queries), k)
-            parts = [self._search_env(name, e, queries, k) for name, e in self._envs.items()]
+            parts = [self._search_env(name, e, queries, k) for name, e in chosen]
         return _merge(parts, k)
 
     def search_envs(

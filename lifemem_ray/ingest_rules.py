@@ -30,7 +30,7 @@ import numpy as np
 
 from .errors import IdConflictError
 
-__all__ = ["AddResult", "IdClasses", "classify_ids", "make_decider", "make_planner", "plan_counters", "refuse_conflicts", "unit_rows"]
+__all__ = ["AddResult", "IdClasses", "caller_results", "classify_ids", "make_decider", "make_planner", "plan_counters", "refuse_conflicts", "unit_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,14 @@ class IdClasses:
                 got = out[self.first[tid]]
                 out[i] = AddResult(tid, "duplicate", got.cluster_id if got is not None else None)
         return out  # type: ignore[return-value]
+
+
+def caller_results(results: Sequence[AddResult]) -> list[AddResult]:
+    """Results as the caller reads them: ids without their tenant (the engine, the shards and
+    the coordinator classify by id key, :func:`lifemem_ray.tenancy.id_key`)."""
+    from .tenancy import SEP, caller_id
+
+    return [AddResult(caller_id(r.id), r.status, r.cluster_id) if SEP in r.id else r for r in results]
 
 
 def classify_ids(ids: Sequence[str], fingerprints: Sequence[str], stored: Sequence[tuple[str, int | None] | None]) -> IdClasses:

@@ -16,7 +16,8 @@ part                                job
 :mod:`lifemem_ray.engine.maintenance`  the queue and its scheduler; skills, descriptions
 :mod:`lifemem_ray.engine.restructure`  splits and merges
 :mod:`lifemem_ray.engine.search`    retrieval and its two sharded halves
-:mod:`lifemem_ray.engine.transfer`  remove, absorb (from a snapshot), export
+:mod:`lifemem_ray.engine.transfer`  absorb (from a snapshot), export
+:mod:`lifemem_ray.engine.deletion`  remove by id, purge a tenant (resumed after a crash)
 :mod:`lifemem_ray.engine.audit`     stats and verify
 :mod:`lifemem_ray.engine.shard`     the shard protocol (``memory.shard``)
 ==================================  ===============================================
@@ -38,6 +39,7 @@ from .config import MemoryConfig
 from .decisions import Decider
 from .embedding import Embedder
 from .engine.audit import Audit
+from .engine.deletion import Deletion
 from .engine.ingest import Ingest, check_trajectories, known_ids, pack_trajectories, prepare_items
 from .engine.maintenance import Maintenance
 from .engine.search import Search
@@ -47,9 +49,10 @@ from .engine.transfer import Transfer
 from .evolution import BatchItem
 from .errors import IdConflictError, IndexSaveError, MaintenanceError, StoreError, UnknownClusterError
 from .index import VectorIndex
-from .ingest_rules import AddResult, unit_rows
+from .ingest_rules import AddResult, caller_results, unit_rows
 from .model import Trajectory
 from .retrieval import Retrieval
+from .tenancy import DEFAULT_TENANT, check_tenant, id_key, split_scope
 from .storage import MemoryStore
 
 __all__ = [
@@ -78,9 +81,15 @@ class Memory:
         self._ingest = Ingest(self._state)
         self._search = Search(self._state)
         self._transfer = Transfer(self._state)
+        self._deletion = Deletion(self._state)
         self._audit = Audit(self._state)
         self._maintenance = Maintenance(self._state)
         self.shard = EngineShard(self, self._state, self._ingest, self._search)  # the shard protocol: what a coordinator or sharded client calls
+        try:
+            self._deletion.resume()  # a purge a crash interrupted is finished before anything else
+        except BaseException:
+            self._state.store.close()
+            raise
         self._maintenance.start()
 
     @classmethod
@@ -182,18 +191,32 @@ class Memory:
                 progress(len(chunk))
         self._maintenance.schedule()
         metrics.observe_latency("add", "engine", time.monotonic() - started)
-        return results
+        return caller_results(results)
 
     def add_items(self, items: list[BatchItem]) -> list[AddResult]:
         """:meth:`add_many` for prepared items (vectors included, see :func:`prepare_items`):
         the engine decides and commits, under the same id rules."""
         self._maintenance.raise_error()
-        return self._ingest.add_items(items)
+        return caller_results(self._ingest.add_items(items))
 
     # -- removing and moving ---------------------------------------------------------------
-    def remove(self, ids: Iterable[str]) -> int:
-        """Delete trajectories by id; their clusters' counts and sums follow. Unknown ids are ignored."""
-        return self._transfer.remove(ids)
+    def remove(self, ids: Iterable[str], *, tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories by id; returns how many were stored. Their clusters'
+        counts, sums and R follow, a cluster left empty is retired, skills are queued for
+        re-distillation when the cluster shrank enough, the index forgets the vectors; all in
+        one transaction, durable when this returns. Unknown ids are ignored (idempotent)."""
+        removed = self._deletion.remove(ids, tenant=check_tenant(tenant, "tenant"))
+        if removed:
+            self._maintenance.schedule()  # skills of clusters that shrank enough
+        return removed
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Delete every trajectory of ``tenant`` (and so its clusters and skills), in bounded
+        transactions; returns how many were removed. The intent is recorded durably first: a
+        purge a crash interrupts is completed at the next writable open."""
+        removed = self._deletion.purge_tenant(check_tenant(tenant, "tenant"))
+        self._maintenance.schedule()
+        return removed
 
     def absorb(self, source: str | Path, cluster_ids: Sequence[int] | None = None, *, include_pending: bool = False, chunk: int = 2000) -> dict[str, int]:
         """Copy whole clusters from another store folder (a snapshot), keeping every id.
@@ -225,12 +248,14 @@ class Memory:
         vector: Any = None,
         token_budget: int | None = None,
         skills: bool = True,
+        tenant: str = DEFAULT_TENANT,
     ) -> Retrieval:
-        """Top-k trajectories of ``env`` most similar to ``task``, plus the skills of their clusters.
+        """Top-k trajectories of ``tenant``'s ``env`` most similar to ``task``, plus the skills of their clusters.
 
-        ``env=None`` searches every environment (the unstructured-pool baseline the
-        lifelong experiments compare against); ``skills=False`` leaves skills out."""
-        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills)[0]
+        ``env=None`` searches every environment of the tenant (the unstructured-pool baseline
+        the lifelong experiments compare against); ``skills=False`` leaves skills out."""
+        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills,
+                                  tenant=tenant)[0]
 
     def retrieve_many(
         self,
@@ -241,39 +266,51 @@ class Memory:
         vectors: Any = None,
         token_budget: int | None = None,
         skills: bool = True,
+        tenant: str = DEFAULT_TENANT,
     ) -> list[Retrieval]:
-        """Many queries in one embedding call and one batched index search (``None`` envs: all)."""
+        """Many queries of one tenant in one embedding call and one batched index search
+        (``None`` envs: every environment of the tenant)."""
         started = time.monotonic()
-        out = self._search.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills)
+        out = self._search.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant)
         metrics.observe_latency("retrieve", "engine", time.monotonic() - started)
         return out
 
     # -- reading ---------------------------------------------------------------------------
-    def get(self, trajectory_id: str) -> Trajectory | None:
+    def get(self, trajectory_id: str, tenant: str = DEFAULT_TENANT) -> Trajectory | None:
+        """``tenant``'s trajectory of this id, or None (another tenant's is not seen)."""
         store = self.store
         with store.read() as txn:
-            vid = store.lookup_id(txn, trajectory_id)
+            vid = store.lookup_id(txn, id_key(check_tenant(tenant, "tenant"), trajectory_id))
             got = None if vid is None else store.trajectory(txn, vid)
         return None if got is None else got[0]
 
-    def cluster_of(self, trajectory_id: str) -> int | None:
+    def cluster_of(self, trajectory_id: str, tenant: str = DEFAULT_TENANT) -> int | None:
         store = self.store
         with store.read() as txn:
-            vid = store.lookup_id(txn, trajectory_id)
+            vid = store.lookup_id(txn, id_key(check_tenant(tenant, "tenant"), trajectory_id))
             return None if vid is None else store.cluster_of(txn, vid)
 
-    def clusters(self, env: str | None = None) -> list[ClusterInfo]:
-        """Live clusters, largest first; with ``env``, those holding trajectories of it."""
+    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> list[ClusterInfo]:
+        """``tenant``'s live clusters, largest first; with ``env``, those holding trajectories of
+        it (``tenant=None``: every tenant's, for administration)."""
         self._state.refresh()
         with self._state.lock:
             records = list(self._state.clusters.values())
+        if tenant is not None:
+            check_tenant(tenant, "tenant")
+            records = [r for r in records if r.tenant == tenant]
         if env is not None:
-            records = [r for r in records if env in r.envs]
+            records = [r for r in records if any(split_scope(key)[1] == env for key in r.envs)]
         return [ClusterInfo.of(r) for r in sorted(records, key=lambda r: (-r.count, r.id))]
 
-    def members(self, cluster_id: int) -> list[str]:
+    def members(self, cluster_id: int, tenant: str = DEFAULT_TENANT) -> list[str]:
+        """The ids of a cluster of ``tenant`` ([] for a cluster of another tenant)."""
+        check_tenant(tenant, "tenant")
         store = self.store
         with store.read() as txn:
+            record = store.get_cluster(txn, cluster_id)
+            if record is None or record.tenant != tenant:
+                return []
             out = []
             for vid in store.members(txn, cluster_id):
                 got = store.trajectory(txn, vid)
@@ -292,9 +329,10 @@ class Memory:
             return self.store.count_trajectories(txn)
 
     # -- audit -----------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Counts per environment, cluster sizes, splits and merges, maintenance queued, LLM usage."""
-        return self._audit.stats()
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """Counts per environment, cluster sizes, splits and merges, maintenance queued, LLM usage.
+        ``tenant``: that tenant's data only; None: everything (for administration), with counts per tenant."""
+        return self._audit.stats(None if tenant is None else check_tenant(tenant, "tenant"))
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Check every invariant against a recomputation from the stored trajectories. ``deep``

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
-from .errors import InvalidTrajectoryError
+from .errors import InvalidTrajectoryError, TenantError
+from .tenancy import DEFAULT_TENANT, check_tenant
 
 __all__ = [
     "InvalidTrajectoryError",
@@ -168,16 +169,19 @@ class Outcome:
         return cls(success=data.get("success"), reward=data.get("reward"))
 
 
-def content_hash(env: str, task: str, initial_observation: str, steps: tuple[Step, ...], outcome: Outcome) -> str:
+def content_hash(env: str, task: str, initial_observation: str, steps: tuple[Step, ...], outcome: Outcome,
+                 tenant: str = DEFAULT_TENANT) -> str:
     """Stable id for a trajectory that came without one: same content, same id.
 
     SHA-256 over a msgpack encoding of (env, task, initial observation, steps,
-    outcome); metadata is left out, so annotating a trajectory keeps its id.
+    outcome), and the tenant when it is not the default one (so the default tenant's
+    fingerprints are those of stores written before tenants); metadata is left out, so
+    annotating a trajectory keeps its id.
     """
-    canonical = msgpack.packb(
-        [env, task, initial_observation, [[s.thought, s.action, s.observation] for s in steps], [outcome.success, outcome.reward]],
-        use_bin_type=True,
-    )
+    parts: list[Any] = [env, task, initial_observation, [[s.thought, s.action, s.observation] for s in steps], [outcome.success, outcome.reward]]
+    if tenant != DEFAULT_TENANT:
+        parts.append(tenant)
+    canonical = msgpack.packb(parts, use_bin_type=True)
     return "h-" + hashlib.sha256(canonical).hexdigest()[:32]
 
 
@@ -187,7 +191,8 @@ class Trajectory:
 
     ``id`` is the caller's, or a content hash when empty. ``initial_observation``
     holds what the environment showed before the first action (the instruction
-    or first page), kept so nothing of an imported record is dropped.
+    or first page), kept so nothing of an imported record is dropped. ``tenant`` owns it
+    (see :mod:`lifemem_ray.tenancy`): only queries of that tenant see it.
     """
 
     env: str
@@ -197,6 +202,7 @@ class Trajectory:
     id: str = ""
     initial_observation: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    tenant: str = DEFAULT_TENANT
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
@@ -225,6 +231,11 @@ class Trajectory:
             raise InvalidTrajectoryError(f"metadata: expected an object, got {type(self.metadata).__name__}")
         _check_json_value(dict(self.metadata), "metadata")
         object.__setattr__(self, "metadata", dict(self.metadata))
+        if self.tenant != DEFAULT_TENANT:
+            try:
+                check_tenant(self.tenant, "tenant")
+            except TenantError as exc:
+                raise InvalidTrajectoryError(str(exc)) from None
         _check_str(self.id, "id")
         if len(self.id) > MAX_ID_LENGTH:
             raise InvalidTrajectoryError(f"id: longer than {MAX_ID_LENGTH} characters")
@@ -236,14 +247,15 @@ class Trajectory:
     @classmethod
     def trusted(
         cls, *, env: str, task: str, steps: tuple[Step, ...], outcome: Outcome, id: str, initial_observation: str,
-        metadata: dict[str, Any], fingerprint: str = "",
+        metadata: dict[str, Any], fingerprint: str = "", tenant: str = DEFAULT_TENANT,
     ) -> "Trajectory":
         """A trajectory without validation: only for records this project validated before
         storing them. Decoding retrieved records is retrieval's hot path; re-checking every
         string of every step there cost more than the search."""
         traj = object.__new__(cls)
         for name, value in (("env", env), ("task", task), ("steps", steps), ("outcome", outcome), ("id", id),
-                            ("initial_observation", initial_observation), ("metadata", metadata), ("_fingerprint", fingerprint)):
+                            ("initial_observation", initial_observation), ("metadata", metadata), ("_fingerprint", fingerprint),
+                            ("tenant", tenant)):
             object.__setattr__(traj, name, value)
         return traj
 
@@ -251,7 +263,7 @@ class Trajectory:
     def fingerprint(self) -> str:
         """Content hash over everything but id and metadata (computed once)."""
         if not self._fingerprint:
-            fp = content_hash(self.env, self.task, self.initial_observation, self.steps, self.outcome)
+            fp = content_hash(self.env, self.task, self.initial_observation, self.steps, self.outcome, self.tenant)
             object.__setattr__(self, "_fingerprint", fp)
         return self._fingerprint
 
@@ -261,7 +273,8 @@ class Trajectory:
         return self.task if self.task.strip() else self.initial_observation
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The native JSON form; ``tenant`` only when it is not the default one."""
+        out = {
             "id": self.id,
             "env": self.env,
             "task": self.task,
@@ -270,13 +283,17 @@ class Trajectory:
             "outcome": self.outcome.to_dict(),
             "metadata": dict(self.metadata),
         }
+        if self.tenant != DEFAULT_TENANT:
+            out["tenant"] = self.tenant
+        return out
 
     @classmethod
-    def from_dict(cls, data: Any, *, env: str | None = None) -> "Trajectory":
-        """Build from the native JSON form; ``env`` fills in a missing ``env`` field."""
+    def from_dict(cls, data: Any, *, env: str | None = None, tenant: str | None = None) -> "Trajectory":
+        """Build from the native JSON form; ``env`` fills in a missing ``env`` field, ``tenant``
+        a missing ``tenant`` (the default tenant when neither is given)."""
         if not isinstance(data, Mapping):
             raise InvalidTrajectoryError(f"record: expected an object, got {type(data).__name__}")
-        known = {"id", "env", "task", "initial_observation", "steps", "outcome", "metadata"}
+        known = {"id", "env", "task", "initial_observation", "steps", "outcome", "metadata", "tenant"}
         unknown = set(data) - known
         if unknown:
             raise InvalidTrajectoryError(f"record: unknown field(s) {sorted(unknown)}")
@@ -307,12 +324,22 @@ class Trajectory:
             id=raw_id,
             initial_observation=data.get("initial_observation", ""),
             metadata=metadata,
+            tenant=_record_tenant(data.get("tenant"), tenant),
         )
 
     def render(self, max_chars: int | None = None) -> str:
         """A plain-text rendering for prompts, cut step-wise to ``max_chars``."""
         steps = ((s.thought, s.action, s.observation) for s in self.steps)
         return render_text(self.query_text, steps, self.outcome.success, max_chars)
+
+
+def _record_tenant(given: Any, fallback: str | None) -> str:
+    """The tenant of a record: its own ``tenant`` field, else the caller's, else the default."""
+    value = given if given is not None else (fallback if fallback is not None else DEFAULT_TENANT)
+    try:
+        return check_tenant(value, "tenant")
+    except TenantError as exc:
+        raise InvalidTrajectoryError(str(exc)) from None
 
 
 def _render_parts(query_text: str, steps: Iterable[Sequence[str]], success: bool | None) -> Iterator[str]:

@@ -14,13 +14,13 @@ name       key                         value
 =========  ==========================  ==========================================
 meta       ascii name                  schema version, dims, store id, counters, usage
 traj       vid                         the trajectory record
-tid        trajectory id (utf-8)       vid
+tid        id key (utf-8)              vid (the id, tenant-qualified for a tenant other than the default)
 vec        vid                         u32 env code + f32 text vector + f16 workflow vector
-brief      vid                         action tokens, success, env, task head, id (for maintenance)
+brief      vid                         action tokens, success, scope, task head, id key (for maintenance)
 vclu       vid                         cluster id (u64)
 members    cluster id + vid            empty
 clusters   cluster id                  cluster record (live or tombstone)
-envs       env name (utf-8)            u32 code
+envs       scope (utf-8)               u32 code (the environment, tenant-qualified likewise)
 log        sequence number             assignment log entry
 todo       cluster id                  pending maintenance flags
 =========  ==========================  ==========================================
@@ -422,6 +422,27 @@ class MemoryStore(_Environment):
     def lookup_id(self, txn: lmdb.Transaction, trajectory_id: str) -> int | None:
         raw = txn.get(trajectory_id.encode("utf-8"), db=self.db["tid"])
         return None if raw is None else unpack_u64(raw)
+
+    def tenant_id_keys(self, txn: lmdb.Transaction, tenant: str, limit: int) -> list[str]:
+        """Up to ``limit`` id keys of ``tenant``'s stored trajectories (:func:`lifemem_ray.tenancy.id_key`):
+        those under the tenant's prefix, or for the default tenant those without one."""
+        from .tenancy import SEP, tenant_prefix
+
+        prefix = tenant_prefix(tenant).encode("utf-8")
+        sep = SEP.encode()
+        out: list[str] = []
+        cursor = txn.cursor(db=self.db["tid"])
+        if not cursor.set_range(prefix):
+            return out
+        for key in cursor.iternext(keys=True, values=False):
+            if prefix and not key.startswith(prefix):
+                break
+            if not prefix and sep in key:
+                continue
+            out.append(key.decode("utf-8"))
+            if len(out) >= limit:
+                break
+        return out
 
     def fingerprint_of(self, txn: lmdb.Transaction, vid: int) -> str | None:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])

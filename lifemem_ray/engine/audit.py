@@ -11,6 +11,7 @@ from ..clusters import check_against_members
 from ..errors import InvalidTrajectoryError
 from ..model import Outcome, Step, Trajectory
 from ..storage import unpack_u64
+from ..tenancy import DEFAULT_TENANT, display_envs, id_key, scope_tenant, split_scope
 from .state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Audit"]
@@ -20,38 +21,56 @@ class Audit:
     def __init__(self, state: EngineState) -> None:
         self.s = state
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """What the memory holds; with ``tenant``, only that tenant's trajectories, clusters and
+        environments (the rest is about the store: splits, merges, LLM usage, the queue);
+        without, everything with ``per_tenant`` counts."""
         s = self.s
         s.refresh()
         with s.lock:
             records = list(s.clusters.values())
             pending = list(s.pending)
+        if tenant is not None:
+            records = [r for r in records if r.tenant == tenant]
         per_env: dict[str, dict[str, int]] = {}
+        per_tenant: dict[str, dict[str, int]] = {}
         for record in records:
-            for env, n in record.envs.items():
+            owner = record.tenant or DEFAULT_TENANT
+            slot = per_tenant.setdefault(owner, {"trajectories": 0, "clusters": 0})
+            slot["trajectories"] += record.count
+            slot["clusters"] += 1
+            for env, n in display_envs(record.envs).items():
                 slot = per_env.setdefault(env, {"trajectories": 0, "clusters": 0})
                 slot["trajectories"] += n
                 slot["clusters"] += 1
+        pending_mine = 0
         with s.store.read() as txn:
             total = s.store.count_trajectories(txn)
             counters = s.store.get_meta("counters", txn, {}) or {}
             usage = s.store.get_meta("llm_usage", txn, {}) or {}
             todo = len(s.store.todos(txn))
             for vid in pending:
-                got = s.store.trajectory(txn, vid)
-                if got is not None:
-                    slot = per_env.setdefault(got[0].env, {"trajectories": 0, "clusters": 0})
-                    slot["trajectories"] += 1
+                brief = s.store.brief(txn, vid)
+                if brief is None:
+                    continue
+                owner, env = split_scope(brief.env)
+                if tenant is not None and owner != tenant:
+                    continue
+                pending_mine += 1
+                per_tenant.setdefault(owner, {"trajectories": 0, "clusters": 0})["trajectories"] += 1
+                per_env.setdefault(env, {"trajectories": 0, "clusters": 0})["trajectories"] += 1
         live_usage = s.usage_totals()
         if live_usage is not None:
             usage = live_usage
         sizes = sorted((r.count for r in records), reverse=True)
         return {
             "path": str(s.path),
-            "trajectories": total,
+            "trajectories": total if tenant is None else sum(r.count for r in records) + pending_mine,
             "clusters": len(records),
-            "pending": len(pending),
+            "pending": len(pending) if tenant is None else pending_mine,
             "per_env": dict(sorted(per_env.items())),
+            **({"per_tenant": dict(sorted(per_tenant.items())), "purging": list(s.store.get_meta("purging", default=[]) or [])}
+               if tenant is None else {"tenant": tenant}),
             "cluster_sizes": {
                 "max": sizes[0] if sizes else 0,
                 "median": sizes[len(sizes) // 2] if sizes else 0,
@@ -75,7 +94,7 @@ class Audit:
                 "decided_offline": int(counters.get("llm_skipped", 0)),
                 "by_operation": usage,
             },
-            "index": s.index.stats(),
+            "index": s.index.stats() if tenant is None else _index_of(s.index.stats(), tenant),
             "generation": s.store.generation(),
         }
 
@@ -93,11 +112,12 @@ class Audit:
             n_index = len(s.index)
             seen_ids: dict[str, int] = {}
             for vid, traj, extra in store.iter_trajectories(txn):
-                if traj.id in seen_ids:
-                    problems.append(f"trajectory id {traj.id!r} stored twice")
-                seen_ids[traj.id] = vid
-                if store.lookup_id(txn, traj.id) != vid:
-                    problems.append(f"id map does not point at trajectory {traj.id!r}")
+                key = id_key(traj.tenant, traj.id)
+                if key in seen_ids:
+                    problems.append(f"trajectory id {traj.id!r} of tenant {traj.tenant!r} stored twice")
+                seen_ids[key] = vid
+                if store.lookup_id(txn, key) != vid:
+                    problems.append(f"id map does not point at trajectory {traj.id!r} of tenant {traj.tenant!r}")
                 if deep:
                     problems.extend(_fingerprint_problems(vid, traj, extra["fingerprint"]))
             if deep:
@@ -106,7 +126,7 @@ class Audit:
                     stored = store.trajectory(txn, vid)
                     if stored is None:
                         problems.append(f"id index: {tid!r} points at vid {vid}, which holds no trajectory")
-                    elif stored[0].id != tid:
+                    elif id_key(stored[0].tenant, stored[0].id) != tid:
                         problems.append(f"id index: {tid!r} points at vid {vid}, which holds trajectory {stored[0].id!r}")
             pending = set(store.get_meta("pending", txn) or [])
             sums: dict[int, list[Any]] = {}
@@ -145,10 +165,20 @@ def _fingerprint_problems(vid: int, traj: Trajectory, stored_fp: str) -> list[st
     try:
         fresh = Trajectory(env=traj.env, task=traj.task, steps=tuple(Step(s.action, s.thought, s.observation) for s in traj.steps),
                            outcome=Outcome(success=traj.outcome.success, reward=traj.outcome.reward), id=traj.id,
-                           initial_observation=traj.initial_observation, metadata=traj.metadata)
+                           initial_observation=traj.initial_observation, metadata=traj.metadata, tenant=traj.tenant)
     except (InvalidTrajectoryError, TypeError, ValueError) as exc:
         return [f"trajectory {traj.id!r} (vid {vid}): its stored content is not a valid trajectory: {exc}"]
     if fresh.fingerprint != stored_fp:
         return [f"trajectory {traj.id!r} (vid {vid}): its content does not match its stored fingerprint "
                 f"({stored_fp[:16]}... stored, {fresh.fingerprint[:16]}... recomputed): the record was changed outside the engine"]
     return []
+
+
+def _index_of(stats: dict[str, Any], tenant: str) -> dict[str, Any]:
+    """The index stats of one tenant: its environments only, named without the tenant."""
+    out = dict(stats)
+    envs = stats.get("envs")
+    if isinstance(envs, dict):
+        out["envs"] = {split_scope(name)[1]: v for name, v in envs.items() if scope_tenant(name) == tenant}
+        out["ntotal"] = sum(int(v.get("ntotal", 0)) for v in out["envs"].values() if isinstance(v, dict))
+    return out

@@ -21,6 +21,8 @@ from ..model import Trajectory
 from ..steps import featurize
 from ..storage import MemoryStore
 from ..workflow import workflow_summary
+from ..tenancy import display_envs, id_key, pool, scope_tenant
+from .search import search_index
 from .state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Ingest", "check_trajectories", "known_ids", "pack_trajectories", "prepare_items", "stored_lookup"]
@@ -32,9 +34,10 @@ class Ingest:
 
     # -- the user's adds ---------------------------------------------------------------------
     def add_batch(self, trajectories: list[Trajectory], vectors: np.ndarray | None) -> list[AddResult]:
-        """One transaction's worth of :meth:`Memory.add_many`."""
+        """One transaction's worth of :meth:`Memory.add_many` (results name id keys, see
+        :func:`lifemem_ray.tenancy.id_key`)."""
         with self.s.lock:
-            classes = self.check_ids([t.id for t in trajectories], [t.fingerprint for t in trajectories])
+            classes = self.check_ids([id_key(t.tenant, t.id) for t in trajectories], [t.fingerprint for t in trajectories])
             placed = None
             if classes.fresh:
                 fresh = classes.fresh
@@ -98,15 +101,17 @@ class Ingest:
         n = len(vectors)
         queries = np.asarray(vectors, dtype=np.float32)
         extra_ids, extra_scores = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
+        envs = list(envs)
         with s.lock:
             if n and evo.centroid_candidates:
                 combined = s.centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
                 extra_ids, extra_scores = s.centroids.search(combined, evo.centroid_candidates)
-            if n and evo.neighbour_scope == "env":
-                scores, vids = s.index.search_envs(queries, evo.top_k, list(envs), nprobe_fraction=s.config.index.candidate_nprobe_fraction,
-                                                   max_codes=s.config.index.candidate_max_codes)
-            elif n and len(s.index):
-                scores, vids = s.index.search(queries, evo.top_k)
+                extra_ids, extra_scores = self._same_tenant(extra_ids, extra_scores, envs)
+            if n and (evo.neighbour_scope == "env" or len(s.index)):
+                # "global": every environment of the item's tenant (never another tenant's)
+                targets = envs if evo.neighbour_scope == "env" else [pool(scope_tenant(e)) for e in envs]
+                scores, vids = search_index(s.index, queries, targets, evo.top_k, nprobe_fraction=s.config.index.candidate_nprobe_fraction,
+                                            max_codes=s.config.index.candidate_max_codes)
             else:
                 scores, vids = np.zeros((n, 0), np.float32), np.zeros((n, 0), dtype=np.int64)
             ids = self._clusters_of(vids)
@@ -114,6 +119,15 @@ class Ingest:
             named = np.unique(np.concatenate([ids.ravel(), extra_ids.ravel()])).tolist()
             clusters = {cid: s.clusters[cid] for cid in named if cid in s.clusters}
         return CandidateArrays(ids, scores, extra_ids, extra_scores, clusters)
+
+    def _same_tenant(self, cids: np.ndarray, scores: np.ndarray, envs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Centroid candidates of another tenant than the item's are dropped (id -1, score -inf)."""
+        tenant_of = {cid: (r.tenant if (r := self.s.clusters.get(cid)) is not None else None) for cid in np.unique(cids).tolist()}
+        tenants = [scope_tenant(e) for e in envs]
+        if len(set(tenants)) == 1 and set(tenant_of.values()) <= {tenants[0], None}:
+            return cids, scores  # one tenant only (the usual case): nothing to drop
+        keep = np.asarray([[tenant_of.get(c) == t for c in row] for row, t in zip(cids.tolist(), tenants)], dtype=bool).reshape(cids.shape)
+        return np.where(keep, cids, -1), np.where(keep, scores, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def _clusters_of(self, vids: np.ndarray) -> np.ndarray:
         """The live cluster of each vid (-1: none); each distinct vid looked up once
@@ -260,7 +274,7 @@ class _Commit:
             # Offline descriptions are cheap: refreshed on every change. description_n
             # only schedules LLM descriptions, so it is left alone here.
             example = self.items[founder].query if cid < 0 else example_task(record)
-            record.description = s.policy.describe(record.count, record.envs, record.flows, example, record.skill)
+            record.description = s.policy.describe(record.count, display_envs(record.envs), record.flows, example, record.skill)
             record.description_by = "offline"
         s.store.put_cluster(txn, record)
         evo, llm = s.config.evolution, s.config.llm

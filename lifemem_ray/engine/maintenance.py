@@ -20,6 +20,7 @@ from ..decisions import ClusterView
 from ..errors import MaintenanceError
 from ..model import Trajectory
 from .restructure import Restructure
+from ..tenancy import display_envs
 from .state import EngineState
 
 __all__ = ["Maintenance"]
@@ -170,7 +171,7 @@ class Maintenance:
             skill = text or s.policy.distil(trajs)
             fields.update(skill=skill, skill_by=by, skill_n=count)
             if record.description_by != "llm":  # the offline description names the procedure's steps
-                fields.update(description=s.policy.describe(count, record.envs, record.flows, example_task(record), skill),
+                fields.update(description=s.policy.describe(count, display_envs(record.envs), record.flows, example_task(record), skill),
                               description_by="offline")
             names.append("skill")
         if flags.get("describe"):
@@ -239,4 +240,4 @@ class Maintenance:
         record = self.s.clusters.get(cid)
         if record is None:
             return None
-        return ClusterView(id=cid, count=record.count, description=record.description, skill=record.skill, envs=dict(record.envs), examples=examples)
+        return ClusterView(id=cid, count=record.count, description=record.description, skill=record.skill, envs=display_envs(record.envs), examples=examples)

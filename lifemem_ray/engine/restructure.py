@@ -18,6 +18,7 @@ from ..clusters import ClusterRecord, fold_member, merged, needs_description, ne
 from ..codec import Brief
 from ..decisions import ClusterView
 from ..workflow import workflow_summary
+from ..tenancy import display_envs
 from .state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Restructure"]
@@ -162,7 +163,7 @@ class Restructure:
                 if described:
                     child.description, child.description_by, child.description_n = described, "llm", child.count
                 else:
-                    child.description = s.policy.describe(child.count, child.envs, child.flows, example)
+                    child.description = s.policy.describe(child.count, display_envs(child.envs), child.flows, example)
                     child.description_by = "offline"
                 s.store.put_cluster(txn, child)
                 s.store.add_todo(txn, child_id, skill=True, split=s.needs_split(child), describe=s.llm_mode and child.description_by != "llm")

@@ -7,12 +7,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..index import VectorIndex
 from ..ingest_rules import unit_rows
+from ..tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
 from ..config import BOUNDS
 from ..retrieval import MAX_QUERIES, MAX_QUERY_HITS, RecordHit, Retrieval, assemble, check_retrieve_args, paused_gc
 from .state import EngineState
 
-__all__ = ["Search"]
+__all__ = ["Search", "search_index"]
 
 
 class Search:
@@ -20,16 +22,19 @@ class Search:
         self.s = state
 
     def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None] | str, k: int | None = None, *,
-                      vectors: Any = None, token_budget: int | None = None, skills: bool = True) -> list[Retrieval]:
-        """Many queries in one embedding call and one batched index search (``None`` envs: all)."""
+                      vectors: Any = None, token_budget: int | None = None, skills: bool = True,
+                      tenant: str = DEFAULT_TENANT) -> list[Retrieval]:
+        """Many queries of ``tenant`` in one embedding call and one batched index search
+        (``None`` envs: every environment of the tenant)."""
         self.s.check_open()
         tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.s.config.retrieval)
+        targets = search_targets(tenant, envs)
         retrieval = self.s.config.retrieval
         if not tasks:
             return []
         if vectors is None:
             vectors = self.s.embedder.embed(tasks)
-        found = self.search_records(vectors, envs, k, skills=skills)
+        found = self.search_records(vectors, targets, k, skills=skills)
         with paused_gc():
             return [assemble(task, env, hits, texts, k, retrieval.max_skills, budget) for task, env, (hits, texts) in zip(tasks, envs, found)]
 
@@ -72,18 +77,9 @@ class Search:
         return self._search(queries, envs, k)
 
     def _search(self, queries: np.ndarray, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k per query within its environment, or over every environment where it is None."""
-        index = self.s.index
-        scoped = [i for i, env in enumerate(envs) if env is not None]
-        if len(scoped) == len(envs):
-            return index.search_envs(queries, k, list(envs))
-        scores = np.full((len(envs), k), -np.inf, dtype=np.float32)
-        ids = np.full((len(envs), k), -1, dtype=np.int64)
-        if scoped:
-            scores[scoped], ids[scoped] = index.search_envs(queries[scoped], k, [envs[i] for i in scoped])
-        pooled = [i for i, env in enumerate(envs) if env is None]
-        scores[pooled], ids[pooled] = index.search(queries[pooled], k)
-        return scores, ids
+        """Top-k per query within its scope, pooled over a tenant's scopes, or over everything (None)."""
+        return search_index(self.s.index, queries, envs, k)
+
 
     def hit_records(self, ids: Any, *, skills: bool = True) -> tuple[list[tuple[int | None, bytes] | None], dict[int, str]]:
         """Per id: ``(cluster id, stored record bytes)``, or None where it is not stored (padding,
@@ -109,3 +105,29 @@ class Search:
                     if record is not None and record.skill.strip():
                         texts[cid] = record.skill
         return out, texts
+
+
+def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str | None], k: int, *,
+                   nprobe_fraction: float = 1.0, max_codes: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k per query within its target: a scope (:func:`lifemem_ray.tenancy.scope`), a tenant's
+    pool (:func:`lifemem_ray.tenancy.pool`: every scope of that tenant) or None (every scope of
+    every tenant: only for callers that are not a tenant's query). ``nprobe_fraction`` and
+    ``max_codes`` apply to scoped searches (see :meth:`VectorIndex.search_envs`)."""
+    targets = list(targets)
+    scoped = [i for i, t in enumerate(targets) if t is not None and not is_pool(t)]
+    if len(scoped) == len(targets):
+        return index.search_envs(queries, k, targets, nprobe_fraction=nprobe_fraction, max_codes=max_codes)
+    scores = np.full((len(targets), k), -np.inf, dtype=np.float32)
+    ids = np.full((len(targets), k), -1, dtype=np.int64)
+    if scoped:
+        scores[scoped], ids[scoped] = index.search_envs(queries[scoped], k, [targets[i] for i in scoped],  # type: ignore[misc]
+                                                        nprobe_fraction=nprobe_fraction, max_codes=max_codes)
+    groups: dict[str | None, list[int]] = {}
+    for i, t in enumerate(targets):
+        if t is None or is_pool(t):
+            groups.setdefault(t, []).append(i)
+    for target, rows in groups.items():
+        tenant = None if target is None else target[:-1]
+        among = None if tenant is None else (lambda name, tenant=tenant: scope_tenant(name) == tenant)
+        scores[rows], ids[rows] = index.search(queries[rows], k, among=among)
+    return scores, ids

@@ -14,6 +14,7 @@ from ..clusters import ClusterInfo, ClusterRecord
 from ..evolution import CandidateArrays, ItemBatch, Placement
 from ..ingest_rules import AddResult
 from ..retrieval import RecordHit
+from ..tenancy import DEFAULT_TENANT
 from .ingest import Ingest, known_ids
 from .search import Search
 from .state import EngineState
@@ -88,14 +89,23 @@ class EngineShard:
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
         return self._search.hit_records(ids, skills=skills)
 
-    def stats(self) -> dict[str, Any]:
-        return self.memory.stats()
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        return self.memory.stats(tenant)
 
-    def clusters(self, env: str | None = None) -> list[ClusterInfo]:
-        return self.memory.clusters(env)
+    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> list[ClusterInfo]:
+        return self.memory.clusters(env, tenant=tenant)
+
+    # -- deleting ----------------------------------------------------------------------------
+    def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories of these ids held here (idempotent: unknown ids are ignored)."""
+        return self.memory.remove(ids, tenant=tenant)
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Delete everything of ``tenant`` held here (resumed after a crash; idempotent)."""
+        return self.memory.purge_tenant(tenant)
 
     def cluster_ids(self) -> list[int]:
-        return [c.id for c in self.memory.clusters()]
+        return [c.id for c in self.memory.clusters(tenant=None)]  # every tenant's
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         return self.memory.verify(deep=deep)

@@ -1,19 +1,16 @@
-"""Moving trajectories out of and into a store: remove by id, absorb whole clusters from
-another store folder (a snapshot), export as re-importable JSONL."""
+"""Moving trajectories between stores: absorb whole clusters from another store folder (a
+snapshot), export as re-importable JSONL. (Removal is :mod:`lifemem_ray.engine.deletion`.)"""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
-import numpy as np
-
-from ..clusters import ClusterInfo, ClusterRecord, unfold_member
+from ..clusters import ClusterInfo, ClusterRecord
 from ..errors import StoreError
 from ..storage import ID_SEQ_BITS, MemoryStore, RawItem
-from ..workflow import workflow_summary
 from .state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Transfer"]
@@ -24,64 +21,6 @@ _SEQ_MASK = (1 << ID_SEQ_BITS) - 1
 class Transfer:
     def __init__(self, state: EngineState) -> None:
         self.s = state
-
-    # -- remove ------------------------------------------------------------------------------
-    def remove(self, ids: Iterable[str]) -> int:
-        """Delete trajectories by id; their clusters' counts and sums follow. Unknown ids are ignored."""
-        s = self.s
-        s.check_writable()
-        ids = list(dict.fromkeys(ids))
-        with s.lock:
-            now = time.time()
-            found = self._removal_rows(ids)
-            if not found:
-                return 0
-            touched: dict[int, ClusterRecord] = {}
-            for vid, tid, env, success, tokens, vec, wvec, cid in found:
-                if cid is None or cid not in s.clusters:
-                    continue
-                record = touched.get(cid) or s.clusters[cid].copy()
-                touched[cid] = record
-                unfold_member(record, vec, wvec, env, success, workflow_summary(tokens), now)
-            removed_vids = {f[0] for f in found}
-            pending = [v for v in s.pending if v not in removed_vids]
-
-            def write(txn: Any) -> None:
-                for vid, tid, *_ in found:
-                    s.store.delete_trajectory(txn, vid, tid)
-                for record in touched.values():
-                    s.store.put_cluster(txn, record)
-                    if record.count == 0:
-                        s.store.clear_todo(txn, record.id)
-                s.store.put_meta(txn, "pending", pending)
-                s.store.append_log(txn, [{"vid": f[0], "id": f[1], "cluster": f[7], "op": "remove", "t": now} for f in found])
-
-            s.store.write(write)
-            for record in touched.values():
-                if record.count == 0:
-                    s.clusters.pop(record.id, None)
-                else:
-                    s.clusters[record.id] = record
-            s.centroids.update(touched.values())
-            s.pending = pending
-            s.index.remove(np.asarray(sorted(removed_vids), dtype=np.int64))
-            return len(found)
-
-    def _removal_rows(self, ids: list[str]) -> list[tuple[int, str, str, bool | None, list[str], np.ndarray, np.ndarray, int | None]]:
-        """(vid, id, env, success, tokens, vector, workflow vector, cluster) of each stored id."""
-        store = self.s.store
-        found = []
-        with store.read() as txn:
-            for tid in ids:
-                vid = store.lookup_id(txn, tid)
-                if vid is None:
-                    continue
-                got = store.trajectory(txn, vid)
-                vecs = store.vectors(txn, vid)
-                assert got is not None and vecs is not None
-                traj, extra = got
-                found.append((vid, tid, traj.env, traj.outcome.success, extra["tokens"], vecs[1].copy(), vecs[2].copy(), store.cluster_of(txn, vid)))
-        return found
 
     # -- absorb ------------------------------------------------------------------------------
     def absorb(self, source: str | Path, cluster_ids: Sequence[int] | None = None, *, include_pending: bool = False, chunk: int = 2000) -> dict[str, int]:

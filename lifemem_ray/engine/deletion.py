@@ -1,0 +1,198 @@
+"""Deletion: remove trajectories by id, and purge everything of a tenant.
+
+A removal is one write transaction: the trajectories' records, id keys, vectors, briefs and
+cluster links go, their clusters' counts, running sums (so R) and profiles are unfolded
+(:func:`lifemem_ray.clusters.unfold_member`), a cluster left without members is retired
+(stored with count 0, which is not live: a reopened store does not load it), a cluster that
+shrank enough is queued for a new skill in the same transaction (as growth queues one), and
+the pending list drops them. Only after the commit do the live view and the vector index
+follow; the index cache on disk is stamped with the store's generation and a digest of its
+vectors (:meth:`EngineState.save_index`), so a cache saved before the removal is never
+loaded after it, crash or not.
+
+A purge records its intent (the ``purging`` meta entry) in its own transaction first, then
+removes the tenant's trajectories ``PURGE_CHUNK`` at a time (bounded transactions), then
+clears the intent. :meth:`Deletion.resume` finishes a purge a crash interrupted, at the next
+writable open: an acknowledged purge always completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..clusters import ClusterRecord, example_task, needs_skill_after_removal, unfold_member
+from ..tenancy import DEFAULT_TENANT, display_envs, id_key
+from ..workflow import workflow_summary
+from .state import EngineState
+
+__all__ = ["Deletion", "PURGE_CHUNK"]
+
+log = logging.getLogger("lifemem_ray.memory")
+
+PURGE_CHUNK = 1000  # trajectories per purge transaction: bounded, so a purge never holds the writer for long
+
+
+@dataclass
+class _Row:
+    """One stored trajectory to remove, as the removal reads it."""
+
+    vid: int
+    key: str  # its id key
+    scope: str
+    success: bool | None
+    tokens: list[str]
+    query: str  # the task text's head
+    vec: np.ndarray
+    wvec: np.ndarray
+    cluster: int | None
+
+
+class Deletion:
+    def __init__(self, state: EngineState) -> None:
+        self.s = state
+
+    # -- by id -------------------------------------------------------------------------------
+    def remove(self, ids: Iterable[str], *, tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories by id (see the module docstring); unknown ids are
+        ignored, so sending a removal again is safe. Returns how many were stored."""
+        s = self.s
+        s.check_writable()
+        if isinstance(ids, str):
+            raise TypeError("ids: expected a list of trajectory ids, got one string")
+        keys = list(dict.fromkeys(id_key(tenant, str(i)) for i in ids))
+        with s.lock:
+            return self.remove_keys(keys, "remove")
+
+    def remove_keys(self, keys: list[str], op: str, finish: Any = None) -> int:
+        """Remove the trajectories of these id keys in one transaction (the caller holds the
+        lock); ``finish(txn)`` runs last inside it (a purge clears its intent there)."""
+        s = self.s
+        now = time.time()
+        rows = self._rows(keys)
+        if not rows and finish is None:
+            return 0
+        touched: dict[int, ClusterRecord] = {}
+        for row in rows:
+            if row.cluster is None or row.cluster not in s.clusters:
+                continue
+            record = touched.get(row.cluster) or s.clusters[row.cluster].copy()
+            touched[row.cluster] = record
+            unfold_member(record, row.vec, row.wvec, row.scope, row.success, workflow_summary(row.tokens), now)
+        removed = {row.vid for row in rows}
+        self._redescribe(touched, rows, removed)
+        pending = [v for v in s.pending if v not in removed]
+        evo = s.config.evolution
+
+        def write(txn: Any) -> None:
+            for row in rows:
+                s.store.delete_trajectory(txn, row.vid, row.key)
+            for record in touched.values():
+                s.store.put_cluster(txn, record)
+                if record.count == 0:
+                    s.store.clear_todo(txn, record.id)  # retired: nothing left to maintain
+                elif needs_skill_after_removal(record, evo):
+                    s.store.add_todo(txn, record.id, skill=True)
+            if len(pending) != len(s.pending):
+                s.store.put_meta(txn, "pending", pending)
+            if rows:
+                s.store.append_log(txn, [{"vid": r.vid, "id": r.key, "cluster": r.cluster, "op": op, "t": now} for r in rows])
+                s.add_counters(txn, {"removed": len(rows)})
+            if finish is not None:
+                finish(txn)
+
+        s.store.write(write)
+        # Committed: now the live view and the index follow.
+        for record in touched.values():
+            if record.count == 0:
+                s.clusters.pop(record.id, None)
+            else:
+                s.clusters[record.id] = record
+        s.centroids.update(touched.values())  # drops the retired ones
+        s.pending = pending
+        if removed:
+            s.index.remove(np.asarray(sorted(removed), dtype=np.int64))
+        return len(rows)
+
+    def _rows(self, keys: list[str]) -> list[_Row]:
+        store = self.s.store
+        rows = []
+        with store.read() as txn:
+            for key in keys:
+                vid = store.lookup_id(txn, key)
+                if vid is None:
+                    continue
+                brief = store.brief(txn, vid)
+                vecs = store.vectors(txn, vid)
+                if brief is None or vecs is None:
+                    raise _damaged(self.s, key, vid)
+                rows.append(_Row(vid, key, brief.env, brief.success, list(brief.tokens), brief.task, vecs[1].copy(), vecs[2].copy(),
+                                 store.cluster_of(txn, vid)))
+        return rows
+
+    def _redescribe(self, touched: dict[int, ClusterRecord], rows: list[_Row], removed: set[int]) -> None:
+        """An offline description names an example goal: when that goal was a removed
+        trajectory's, it names a remaining member's instead (and the counts as they are now)."""
+        s = self.s
+        gone = {" ".join(r.query.split())[:120] for r in rows}
+        with s.store.read() as txn:
+            for record in touched.values():
+                if record.count == 0 or record.description_by != "offline":
+                    continue
+                example = example_task(record)
+                if example in gone:
+                    example = next((b.task for v in s.store.members(txn, record.id) if v not in removed
+                                    and (b := s.store.brief(txn, v)) is not None), "")
+                record.description = s.policy.describe(record.count, display_envs(record.envs), record.flows, example, record.skill)
+
+    # -- a whole tenant ------------------------------------------------------------------------
+    def purge_tenant(self, tenant: str) -> int:
+        """Delete every trajectory of ``tenant``; returns how many were removed. The intent is
+        committed first, so a purge a crash interrupts is finished by :meth:`resume`."""
+        s = self.s
+        s.check_writable()
+        with s.lock:
+            purging = list(s.store.get_meta("purging", default=[]) or [])
+            if tenant not in purging:
+                s.store.write(lambda txn: s.store.put_meta(txn, "purging", purging + [tenant]))
+        return self._purge(tenant)
+
+    def _purge(self, tenant: str) -> int:
+        s = self.s
+        total = 0
+        while True:
+            with s.lock:
+                with s.store.read() as txn:
+                    keys = s.store.tenant_id_keys(txn, tenant, PURGE_CHUNK)
+                if len(keys) < PURGE_CHUNK:
+                    # The last chunk: the intent is cleared in the same transaction.
+                    def finish(txn: Any) -> None:
+                        left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
+                        s.store.put_meta(txn, "purging", left)
+
+                    total += self.remove_keys(keys, "purge", finish)
+                    log.info("%s: purged tenant %r (%d trajectories)", s.path, tenant, total)
+                    return total
+                total += self.remove_keys(keys, "purge")
+
+    def resume(self) -> int:
+        """Finish the purges a crash interrupted (at a writable open); returns trajectories removed."""
+        s = self.s
+        if s.read_only:
+            return 0
+        purging = list(s.store.get_meta("purging", default=[]) or [])
+        total = 0
+        for tenant in purging:
+            log.warning("%s: finishing the purge of tenant %r that was interrupted", s.path, tenant)
+            total += self._purge(tenant)
+        return total
+
+
+def _damaged(s: EngineState, key: str, vid: int) -> Exception:
+    from ..errors import StoreError
+
+    return StoreError(f"{s.path}: trajectory {key!r} (vid {vid}) has no stored brief or vectors; run `lifemem-ray check`")
