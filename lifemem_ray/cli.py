@@ -198,13 +198,50 @@ def _client(args: argparse.Namespace, config: MemoryConfig) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .actors.deployment import deploy
+    from .actors.deployment import deploy, find_coordinator
 
     config = _config(args)
+    keyring = _http_keys(args, config) if args.http else None  # refused before anything starts
+    if not args.store and not args.http:
+        raise CommandError("--store DIR is required (or --http alone, in front of a running deployment)")
     namespace = _connect(args, config, start_local=True)
     config = config.replace({"cluster.namespace": namespace})
-    info = deploy(args.store, config, shards=args.shards)
-    _emit(args, info, lambda: f"serving {len(info['shards'])} shards from {info['store']} in Ray namespace {namespace!r}; stop with `lifemem-ray stop --namespace {namespace}`")
+    if args.store:
+        info = deploy(args.store, config, shards=args.shards)
+    else:
+        import ray
+
+        info = ray.get(find_coordinator(namespace).deployment.remote())
+    said = f"serving {len(info['shards'])} shards from {info['store']} in Ray namespace {namespace!r}"
+    if keyring is not None:
+        from .actors.http_app import start_http
+
+        info["http"] = start_http(namespace, config, keyring, host=args.host, port=args.port)
+        said += f"; HTTP at {info['http']['url']} (auth: {keyring.mode}, OpenAPI at /openapi.json, MCP at /mcp)"
+    _emit(args, info, lambda: said + f"; stop with `lifemem-ray stop --namespace {namespace}`")
+    return 0
+
+
+def _http_keys(args: argparse.Namespace, config: MemoryConfig) -> Any:
+    """The front door's keys (config and LIFEMEM_API_KEYS), and its bind address checked."""
+    from .auth import KeyRing, check_bind
+
+    keyring = KeyRing.from_config(config.http)
+    check_bind(args.host or config.http.host, keyring.mode)
+    return keyring
+
+
+def cmd_keys_new(args: argparse.Namespace) -> int:
+    """A fresh random API key, shown once, and the entry (its hash) the server's config keeps."""
+    from .auth import ENV_KEYS, new_key
+
+    key, entry = new_key(args.tenant, args.scopes, args.name)
+    data = {"key": key, "entry": entry.to_dict()}
+    scopes = ", ".join(f'"{s}"' for s in sorted(entry.scopes))
+    toml = (f'[[http.api_keys]]\nname = "{entry.name}"\nsha256 = "{entry.sha256}"\ntenant = "{entry.tenant}"\n'
+            f"scopes = [{scopes}]")
+    _emit(args, data, lambda: f"key (shown once; give it to the client, store it nowhere else):\n  {key}\n\n"
+          f"add to the server's config file (or as JSON to {ENV_KEYS}):\n{toml}")
     return 0
 
 
@@ -213,10 +250,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     config = _config(args)
     namespace = _connect(args, config)
+    from .actors.http_app import stop_http
+
+    http = stop_http(namespace)  # the front door goes with the deployment it stands in front of
     stopped = stop(namespace)
     head = _stop_local_head() if args.ray else ""
     said = f"stopped the deployment in {namespace!r}" if stopped else f"no deployment in {namespace!r}"
-    _emit(args, {"stopped": stopped, "namespace": namespace, **({"ray": head} if head else {})},
+    said += " and its HTTP front door" if http else ""
+    _emit(args, {"stopped": stopped, "namespace": namespace, "http": http, **({"ray": head} if head else {})},
           lambda: said + (f"; {head}" if head else ""))
     return 0
 
@@ -631,9 +672,20 @@ def _store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.
 
 def _deployment_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve", parents=[remote, common, llm], help="start a sharded deployment on Ray (named, detached)")
-    p.add_argument("--store", required=True, metavar="DIR", help="folder for the shards' and the coordinator's stores")
+    p.add_argument("--store", metavar="DIR", help="folder for the shards' and the coordinator's stores")
     p.add_argument("--shards", type=int, default=None, help="number of shards (default: cluster.shards)")
+    p.add_argument("--http", action="store_true", help="also serve REST and MCP on Ray Serve (without --store: in front of the running deployment)")
+    p.add_argument("--host", default=None, help="HTTP address (default: http.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: http.port, 8000)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("keys", help="API keys of the HTTP front door")
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="KEYS_COMMAND")
+    p = keys.add_parser("new", parents=[common], help="a fresh random key and its config entry (only the hash is stored)")
+    p.add_argument("--tenant", required=True, help="the tenant every request of the key acts as")
+    p.add_argument("--scopes", required=True, help="comma-separated: read, write, admin")
+    p.add_argument("--name", help="a non-secret name for the key (default: TENANT-random)")
+    p.set_defaults(func=cmd_keys_new)
 
     p = sub.add_parser("stop", parents=[remote, common], help="stop a deployment (closing every shard cleanly)")
     p.add_argument("--ray", action="store_true", help="also stop the local Ray head `serve` started (only that one)")

@@ -1,0 +1,255 @@
+"""What the REST routes (and the MCP tools) do, without the web layer: each operation of the
+front door against the running deployment, confined to the caller's tenant.
+
+One :class:`FrontService` per Serve replica holds a :class:`~lifemem_ray.actors.client.MemoryClient`
+(connected by name on first use, dropped and reconnected after the deployment went away) and
+the handle of the operations actor. Every method takes the request's
+:class:`~lifemem_ray.principal.Principal` explicitly and checks its scope; tenants come from it,
+never from a request body.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import threading
+import time
+from typing import Any, Sequence
+
+import ray
+
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.errors import ForbiddenError, InvalidTrajectoryError, LifeMemError, OverloadedError
+from lifemem_ray.model import Trajectory
+from lifemem_ray.principal import Principal
+
+from .errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
+from .operations import operations_actor
+
+__all__ = ["ApiError", "FrontService", "split_where", "unavailable_errors"]
+
+_PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
+
+
+class ApiError(LifeMemError, ValueError):
+    """A refusal with its HTTP answer: status, error type, where, what to do."""
+
+    def __init__(self, status: int, type_: str, message: str, where: str | None = None, what_to_do: str = "") -> None:
+        super().__init__(message)
+        self.status, self.type, self.where, self.what_to_do = status, type_, where, what_to_do
+
+
+def split_where(message: str) -> tuple[str | None, str]:
+    """``"steps[0].action: expected a string"`` -> ``("steps[0].action", "expected a string")``."""
+    m = _PATH.match(message)
+    return (m.group(1), m.group(2)) if m else (None, message)
+
+
+def unavailable_errors() -> tuple[type[BaseException], ...]:
+    """What means "the memory cannot answer now, try again": 503 with Retry-After."""
+    return (ShardUnavailableError, OverloadedError, DeploymentNotFoundError, ray.exceptions.GetTimeoutError, *actor_failures())
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A remote actor's own error without Ray's wrapping."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return cause if isinstance(cause, Exception) else exc
+
+
+class FrontService:
+    """The front door's operations on the deployment in ``namespace``."""
+
+    def __init__(self, namespace: str, config: MemoryConfig) -> None:
+        self.namespace = namespace
+        self.config = config
+        self.http = config.http
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._ops: Any = None
+        # Adds answered 202 are waited for here, at most max_ongoing_requests at a time per replica.
+        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-add")
+        self._waiting = threading.BoundedSemaphore(self.http.max_ongoing_requests)
+
+    # -- connections ----------------------------------------------------------------------
+    def client(self) -> Any:
+        """The MemoryClient (connected on first use)."""
+        with self._lock:
+            if self._client is None:
+                from .client import MemoryClient
+
+                self._client = MemoryClient(self.namespace, self.config)
+            return self._client
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(client, ...)``; a remote error comes back unwrapped, and a client whose
+        deployment went away is dropped so the next request connects again."""
+        try:
+            return fn(self.client(), *args, **kwargs)
+        except ray.exceptions.RayTaskError as exc:
+            raise _unwrap(exc) from None
+        except (DeploymentNotFoundError, *actor_failures()):
+            with self._lock:
+                self._client = None
+            raise
+
+    def operations(self) -> Any:
+        if self._ops is None:
+            self._ops = operations_actor(self.namespace, self.http.operations_max, self.http.operations_ttl_s)
+        return self._ops
+
+    # -- adding ----------------------------------------------------------------------------
+    def parse_records(self, records: Sequence[Any], principal: Principal) -> list[Trajectory]:
+        """Each record checked by :meth:`Trajectory.from_dict` (errors name
+        ``trajectories[i].<field>``), bound to the key's tenant."""
+        if len(records) > self.http.max_batch_items:
+            raise ApiError(422, "validation_error", f"{len(records):,} trajectories in one request, at most "
+                           f"{self.http.max_batch_items:,} (http.max_batch_items)", "trajectories", "split the batch into smaller requests")
+        out = []
+        for i, record in enumerate(records):
+            at = f"trajectories[{i}]"
+            if isinstance(record, dict) and "tenant" in record:
+                if record["tenant"] != principal.tenant:
+                    raise ForbiddenError(f"{at}.tenant: {record['tenant']!r} is not the tenant of this key "
+                                         f"({principal.tenant!r}); leave 'tenant' out, the key decides it")
+            if isinstance(record, dict):
+                record = {**record, "tenant": principal.tenant}
+            try:
+                out.append(Trajectory.from_dict(record))
+            except InvalidTrajectoryError as exc:
+                where, what = split_where(str(exc))
+                where = at if where in (None, "record") else f"{at}.{where}"
+                raise ApiError(422, "validation_error", f"{where}: {what}", where, "fix this field and send the batch again") from None
+        return out
+
+    def add(self, trajectories: list[Trajectory], principal: Principal) -> list[dict[str, Any]]:
+        """Store and wait for the memory's acknowledgement: the per-item results."""
+        self._require(principal, "write")
+        future = self.call(lambda c: c.add_many(trajectories))
+        try:
+            results = future.result(timeout=self.http.add_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise OverloadedError(f"the memory did not acknowledge the add within {self.http.add_timeout_s:g} s "
+                                  "(http.add_timeout_s); send the same batch again: ids make retries idempotent") from None
+        return [r.to_dict() for r in results]
+
+    def add_later(self, trajectories: list[Trajectory], principal: Principal) -> dict[str, Any]:
+        """Accept now; the answer lands in the operations actor (202 + operation id)."""
+        self._require(principal, "write")
+        if not self._waiting.acquire(blocking=False):
+            raise OverloadedError(f"this replica already waits for {self.http.max_ongoing_requests} adds; retry later or send with wait=true")
+        try:
+            ids = [t.id for t in trajectories]
+            deadline = self.http.add_timeout_s + 60.0
+            op = ray.get(self.operations().create.remote(principal.tenant, ids, deadline), timeout=self.http.health_timeout_s)
+            self._waiters.submit(self._finish, op, trajectories, principal)
+        except BaseException:
+            self._waiting.release()
+            raise
+        return {"operation": op, "status": "pending", "ids": ids}
+
+    def _finish(self, op: str, trajectories: list[Trajectory], principal: Principal) -> None:
+        from .http_errors import error_detail
+
+        try:
+            items = self.add(trajectories, principal)
+            self.operations().finish.remote(op, items)
+        except Exception as exc:  # reported to the poller in the one error shape
+            _, detail, _ = error_detail(exc, self.http.retry_after_s)
+            self.operations().fail.remote(op, detail)
+        finally:
+            self._waiting.release()
+
+    def operation(self, op: str, principal: Principal) -> dict[str, Any] | None:
+        self._require(principal, "read")
+        return ray.get(self.operations().get.remote(op, principal.tenant), timeout=self.http.health_timeout_s)
+
+    # -- reading ---------------------------------------------------------------------------
+    def retrieve(self, queries: Sequence[Any], k: int | None, skills: bool, context: bool, full: bool,
+                 principal: Principal) -> list[dict[str, Any]]:
+        self._require(principal, "read")
+        if len(queries) > self.http.max_queries:
+            raise ApiError(422, "validation_error", f"{len(queries):,} queries in one request, at most {self.http.max_queries:,} "
+                           "(http.max_queries)", "queries", "send fewer queries per request")
+        tasks, envs = [q.task for q in queries], [q.env for q in queries]
+        try:
+            got = self.call(lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant))
+        except ValueError as exc:
+            if isinstance(exc, LifeMemError) and not isinstance(exc, InvalidTrajectoryError):
+                raise
+            where, what = split_where(str(exc))
+            where = re.sub(r"^tasks\[(\d+)\]", r"queries[\1].task", re.sub(r"^envs\[(\d+)\]", r"queries[\1].env", where or "")) or None
+            raise ApiError(422, "validation_error", f"{where}: {what}" if where else what, where, "fix this field and ask again") from None
+        out = []
+        for r in got:
+            hits = []
+            for t in r.trajectories:
+                hit = t.to_dict()
+                if full:
+                    hit["trajectory"] = t.trajectory.to_dict()
+                hits.append(hit)
+            answer = {"task": r.task, "env": r.env, "trajectories": hits, "skills": [s.to_dict() for s in r.skills]}
+            if context:
+                answer["context"] = r.context
+            out.append(answer)
+        return out
+
+    def stats(self, principal: Principal, tenant: str | None) -> dict[str, Any]:
+        """The key's tenant's figures; ``tenant="*"`` (every tenant) or another tenant needs admin."""
+        self._require(principal, "read")
+        if tenant in (None, "", principal.tenant):
+            return self.call(lambda c: c.stats(tenant=principal.tenant))
+        self._require(principal, "admin", f"the stats of {'every tenant' if tenant == '*' else repr(tenant)}")
+        return self.call(lambda c: c.stats(tenant=None if tenant == "*" else tenant))
+
+    def clusters(self, principal: Principal, env: str | None) -> dict[str, Any]:
+        self._require(principal, "read")
+        got = self.call(lambda c: c.clusters(env, tenant=principal.tenant))
+        limit = self.http.max_clusters_listed
+        return {"clusters": [c.to_dict() for c in got[:limit]], "total": len(got), "truncated": len(got) > limit}
+
+    # -- deleting --------------------------------------------------------------------------
+    def delete(self, trajectory_id: str, principal: Principal) -> bool:
+        self._require(principal, "write")
+        return bool(self.call(lambda c: c.remove([trajectory_id], tenant=principal.tenant)))
+
+    def purge(self, tenant: str, principal: Principal) -> int:
+        self._require(principal, "admin", f"purging tenant {tenant!r}")
+        from lifemem_ray.tenancy import check_tenant
+
+        tenant = check_tenant(tenant, "tenant")
+        return int(self.call(lambda c: c.purge_tenant(tenant)))
+
+    # -- health ----------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Whether the coordinator and every shard answer a ping within http.health_timeout_s."""
+        try:
+            client = self.client()
+        except Exception as exc:  # no deployment, or Ray cannot reach it: the answer says so
+            with self._lock:
+                self._client = None
+            return {"ok": False, "coordinator": False, "shards": [], "detail": f"{type(exc).__name__}: {exc}"}
+        actors = [client.coordinator, *client.shards]
+        refs = [a.ping.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.http.health_timeout_s)
+        alive = []
+        for ref in refs:
+            ok = False
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                    ok = True
+                except Exception:  # a dead actor's ping: not alive
+                    ok = False
+            alive.append(ok)
+        ok = all(alive)
+        return {"ok": ok, "coordinator": alive[0], "shards": alive[1:], "detail": None if ok else "an actor did not answer the ping"}
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=False)
+
+    @staticmethod
+    def _require(principal: Principal, scope: str, what: str = "") -> None:
+        if not principal.allows(scope):
+            raise ForbiddenError(f"key {principal.key_id or '(unnamed)'} of tenant {principal.tenant!r} lacks the {scope!r} scope"
+                                 + (f" needed for {what}" if what else "") + "; use a key with that scope")
+
