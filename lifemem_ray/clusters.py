@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_FLOWS", "OTHER_FLOW", "ClusterInfo", "ClusterRecord", "add_member", "check_against_members", "cosine_to_sum", "example_task", "fold_member",
-    "merged", "needs_description", "needs_skill", "needs_skill_after_removal", "needs_split", "new_cluster_record", "unfold_member",
+    "merged", "needs_description", "needs_skill", "needs_skill_after_removal", "needs_split", "new_cluster_record", "scrub_text", "unfold_member",
 ]
 
 MAX_FLOWS = 24  # distinct workflow summaries kept per cluster (the rest count as OTHER_FLOW)
@@ -87,6 +87,15 @@ class ClusterRecord:
                 "split_into": list(self.split_into) if self.split_into is not None else None,
             }
         )
+
+
+def scrub_text(record: ClusterRecord) -> ClusterRecord:
+    """Drop what a record says about its members in words (description, skill, workflow
+    summaries), in place: a tombstone or a retired cluster keeps only numbers, so text about
+    trajectories deleted later does not outlive them."""
+    record.description = record.skill = record.description_by = record.skill_by = ""
+    record.flows = {}
+    return record
 
 
 def new_cluster_record(cluster_id: int, dim: int, wdim: int, born: str, now: float) -> ClusterRecord:

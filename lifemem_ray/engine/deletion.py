@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..clusters import ClusterRecord, example_task, needs_skill_after_removal, unfold_member
+from ..clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
 from ..tenancy import DEFAULT_TENANT, display_envs, id_key
 from ..workflow import workflow_summary
 from .state import EngineState
@@ -88,9 +88,14 @@ class Deletion:
         pending = [v for v in s.pending if v not in removed]
         evo = s.config.evolution
 
+        for record in touched.values():
+            if record.count == 0:
+                scrub_text(record)  # retired: no words about members that are gone
+
         def write(txn: Any) -> None:
             for row in rows:
                 s.store.delete_trajectory(txn, row.vid, row.key)
+            self._scrub_ancestors(txn, touched.values())
             for record in touched.values():
                 s.store.put_cluster(txn, record)
                 if record.count == 0:
@@ -117,6 +122,22 @@ class Deletion:
         if removed:
             s.index.remove(np.asarray(sorted(removed), dtype=np.int64))
         return len(rows)
+
+    def _scrub_ancestors(self, txn: Any, records: Iterable[ClusterRecord]) -> None:
+        """The tombstones a cluster was split from may still describe members in words (stores
+        written before tombstones were scrubbed when made): scrub them too."""
+        store = self.s.store
+        seen: set[int] = set()
+        for record in records:
+            parent = record.parent
+            while parent is not None and parent not in seen and len(seen) < 10_000:
+                seen.add(parent)
+                tomb = store.get_cluster(txn, parent)
+                if tomb is None or tomb.live:
+                    break
+                if tomb.description or tomb.skill or tomb.flows:
+                    store.put_cluster(txn, scrub_text(tomb))
+                parent = tomb.parent
 
     def _rows(self, keys: list[str]) -> list[_Row]:
         store = self.s.store
@@ -171,6 +192,7 @@ class Deletion:
                 if len(keys) < PURGE_CHUNK:
                     # The last chunk: the intent is cleared in the same transaction.
                     def finish(txn: Any) -> None:
+                        _forget_tombstones(s, txn, tenant)
                         left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
                         s.store.put_meta(txn, "purging", left)
 
@@ -190,6 +212,16 @@ class Deletion:
             log.warning("%s: finishing the purge of tenant %r that was interrupted", s.path, tenant)
             total += self._purge(tenant)
         return total
+
+
+def _forget_tombstones(s: EngineState, txn: Any, tenant: str) -> None:
+    """Of ``tenant``'s clusters that are no longer live (split, merged, retired) only numbers
+    stay: no words, no environment names."""
+    for record in list(s.store.iter_clusters(txn)):
+        if not record.live and record.tenant == tenant:
+            record = scrub_text(record)
+            record.envs = {}
+            s.store.put_cluster(txn, record)
 
 
 def _damaged(s: EngineState, key: str, vid: int) -> Exception:

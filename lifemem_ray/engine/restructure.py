@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..clusters import ClusterRecord, fold_member, merged, needs_description, new_cluster_record
+from ..clusters import ClusterRecord, fold_member, merged, needs_description, new_cluster_record, scrub_text
 from ..codec import Brief
 from ..decisions import ClusterView
 from ..workflow import workflow_summary
@@ -172,7 +172,7 @@ class Restructure:
                 child_id = ids[parts.index(int(labels[n]))]
                 s.store.set_cluster_of(txn, vid, child_id, previous=parent.id)
                 entries.append({"vid": vid, "id": briefs[n].id, "cluster": child_id, "from": parent.id, "op": "split", "by": by, "t": now})
-            tomb = parent.copy()
+            tomb = scrub_text(parent.copy())
             tomb.split_into = list(ids)
             tomb.updated = now
             s.store.put_cluster(txn, tomb)
@@ -217,7 +217,7 @@ class Restructure:
         s = self.s
         now = time.time()
         heir = merged(keep, gone, now)
-        tomb = gone.copy()
+        tomb = scrub_text(gone.copy())
         tomb.split_into = [keep.id]
         tomb.updated = now
 

@@ -1,0 +1,257 @@
+"""Deletion in the engine: by id and a whole tenant; clusters, skills and the index follow;
+it survives SIGKILL (acknowledged deletions hold, an acknowledged purge completes at the next
+open) and snapshots taken afterwards do not bring the data back."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.memory import Memory
+from lifemem_ray.tenancy import DEFAULT_TENANT
+
+CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
+
+
+def _acme(trajs):
+    return [dataclasses.replace(t, tenant="acme") for t in trajs]
+
+
+def _fill(path, synthetic, default: int = 200, acme: int = 300) -> None:
+    trajs, vecs = synthetic
+    with Memory.open(path, CONFIG) as mem:
+        mem.add_many(trajs[:default], vecs[:default])
+        mem.add_many(_acme(trajs[:acme]), vecs[:acme])
+
+
+def _check(mem: Memory) -> None:
+    """Every invariant against a recomputation (counts, sums and R of every live cluster) and
+    the index against the store."""
+    report = mem.verify(deep=True)
+    assert report["ok"], report["problems"]
+    assert len(mem.index) == len(mem)
+
+
+def test_remove_updates_counts_sums_r_and_retires_empty_clusters(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        smallest = min(mem.clusters(tenant="acme"), key=lambda c: c.count)
+        members = mem.members(smallest.id, tenant="acme")
+        others = [t.id for t in trajs[:50] if t.id not in members]
+        assert mem.remove(members + others, tenant="acme") == len(members) + len(others)
+        assert smallest.id not in {c.id for c in mem.clusters(tenant=None)}, "an emptied cluster is retired"
+        assert mem.stats("acme")["trajectories"] == 300 - len(members) - len(others)
+        _check(mem)
+        hits = mem.retrieve_many([t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50], tenant="acme")
+        assert not set(members + others) & {h.id for r in hits for h in r.trajectories}
+    with Memory.open(path, CONFIG) as mem:  # reopened: the retired cluster stays retired
+        assert smallest.id not in {c.id for c in mem.clusters(tenant=None)}
+        assert all(mem.get(i, tenant="acme") is None for i in members + others)
+        _check(mem)
+
+
+def test_removal_in_a_pending_store(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    with Memory.open(tmp_path / "m", CONFIG) as mem:
+        mem.add_many(trajs[:10], vecs[:10])
+        assert mem.remove([trajs[0].id, trajs[1].id]) == 2
+        assert mem.stats()["pending"] == 8
+        mem.add_many(trajs[10:40], vecs[10:40])
+        assert mem.initialised and sum(c.count for c in mem.clusters()) == 38
+        _check(mem)
+
+
+def test_shrinking_a_cluster_redistils_its_skill(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    growth = CONFIG.evolution.skill_refresh_growth
+    with Memory.open(tmp_path / "m", CONFIG) as mem:
+        mem.add_many(trajs[:300], vecs[:300])
+        mem.maintain()
+        big = max(mem.clusters(), key=lambda c: c.count)
+        record = mem._state.clusters[big.id]
+        distilled_at = record.skill_n
+        assert distilled_at > 4
+        keep = int(distilled_at / (1 + growth)) - 1
+        members = mem.members(big.id)
+        removed = mem.remove(members[: len(members) - keep])
+        assert removed == len(members) - keep
+        after = mem._state.clusters[big.id]
+        assert after.count == keep and after.skill_n == keep, "the skill was distilled again for the members left"
+        with mem.store.read() as txn:
+            assert big.id not in mem.store.todos(txn)
+        _check(mem)
+
+
+def test_offline_description_drops_a_removed_example(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    with Memory.open(tmp_path / "m", CONFIG) as mem:
+        mem.add_many(trajs[:100], vecs[:100])
+        c = max(mem.clusters(), key=lambda c: c.count)
+        example = c.description.partition("Example goal: ")[2]
+        founder = next(i for i in mem.members(c.id) if " ".join(mem.get(i).query_text.split())[:120] == example)
+        mem.remove([founder])
+        now = next(x for x in mem.clusters() if x.id == c.id)
+        assert now.description.partition("Example goal: ")[2] != example
+        assert f"[{now.count} trajectories" in now.description
+
+
+def test_purge_tenant_removes_everything_of_it_only(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        before = {c.id: c.count for c in mem.clusters()}
+        assert mem.purge_tenant("acme") == 300
+        assert mem.purge_tenant("acme") == 0, "purging again is harmless"
+        assert mem.clusters(tenant="acme") == [] and mem.stats("acme")["trajectories"] == 0
+        assert {c.id: c.count for c in mem.clusters()} == before, "the other tenant is untouched"
+        assert mem.stats()["purging"] == []
+        assert mem.retrieve(trajs[0].task, None, vector=vecs[0], tenant="acme").trajectories == []
+        _check(mem)
+
+
+def test_snapshots_after_a_deletion_do_not_bring_it_back(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    victims = [t.id for t in trajs[:40]]
+    with Memory.open(path, CONFIG) as mem:
+        mem.remove(victims)
+        mem.purge_tenant("acme")
+        mem.shard.snapshot(str(tmp_path / "snap"))
+    with Memory.open(tmp_path / "snap", CONFIG, read_only=True) as snap:
+        assert all(snap.get(i) is None for i in victims) and len(snap) == 160
+        assert snap.stats()["per_tenant"].keys() == {DEFAULT_TENANT}
+        assert snap.verify()["ok"]
+        hits = snap.retrieve_many([t.task for t in trajs[:40]], [t.env for t in trajs[:40]], k=10, vectors=vecs[:40])
+        assert not set(victims) & {h.id for r in hits for h in r.trajectories}
+    unique = [t.task.encode() for t in trajs[:40] if all(t.task != u.task for u in trajs[40:300])]
+    assert unique and not [e for e in _entries(tmp_path / "snap") if any(task in e for task in unique)], \
+        "no table of the snapshot holds a deleted task (records, briefs, cluster descriptions, tombstones)"
+    with Memory.open(tmp_path / "restored", CONFIG) as restored:  # a restore copies the snapshot's clusters
+        restored.absorb(tmp_path / "snap")
+        assert all(restored.get(i) is None for i in victims) and len(restored) == 160
+        _check(restored)
+
+
+def _entries(path) -> list[bytes]:
+    """Every key and value of every table of a store, read with LMDB itself."""
+    import lmdb
+
+    from lifemem_ray.storage import _DBS
+
+    env = lmdb.open(str(path), max_dbs=len(_DBS) + 2, readonly=True, lock=False)
+    try:
+        out = []
+        for name in _DBS:
+            db = env.open_db(name.encode(), create=False)
+            with env.begin(db=db) as txn:
+                out.extend(x for kv in txn.cursor() for x in kv)
+        return out
+    finally:
+        env.close()
+
+
+# -- SIGKILL ---------------------------------------------------------------------------------
+REMOVER = r"""
+import sys
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.memory import Memory
+from lifemem_ray.synthetic import generate
+
+path = sys.argv[1]
+config = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
+ids = [t.id for t in generate(600, seed=1, length_scale=0.2)][:300]
+with Memory.open(path, config) as memory:
+    print("ready", flush=True)
+    for i in range(0, len(ids), 5):
+        tenant = "acme" if (i // 5) % 2 else "default"
+        n = memory.remove(ids[i:i + 5], tenant=tenant)
+        print("ack", tenant, " ".join(ids[i:i + 5]), flush=True)  # acknowledged: remove() returned
+"""
+
+
+def test_sigkill_during_removals_keeps_every_acknowledged_one(tmp_path, synthetic):
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        mem.retrieve("warm", None, vector=synthetic[1][0])  # a saved index cache from before the removals (at close)
+    assert (path / "index").exists()
+    acked: dict[str, set[str]] = {"default": set(), "acme": set()}
+    for after in (3, 9, 17):
+        proc = subprocess.Popen([sys.executable, "-c", REMOVER, str(path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        seen = 0
+        while seen < after:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            _, tenant, *ids = line.split()
+            acked[tenant].update(ids)
+            seen += 1
+        os.kill(proc.pid, signal.SIGKILL)
+        for line in proc.stdout:
+            _, tenant, *ids = line.split()
+            acked[tenant].update(ids)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+        with Memory.open(path, CONFIG) as mem:
+            for tenant, ids in acked.items():
+                assert all(mem.get(i, tenant=tenant) is None for i in ids), "an acknowledged removal came back"
+            _check(mem)
+            vecs = synthetic[1]
+            hits = mem.retrieve_many([t.task for t in synthetic[0][:60]], [None] * 60, k=20, vectors=vecs[:60], tenant="acme")
+            assert not acked["acme"] & {h.id for r in hits for h in r.trajectories}
+    assert acked["default"] and acked["acme"]
+
+
+PURGER = r"""
+import os, signal, sys
+from lifemem_ray.config import MemoryConfig
+from lifemem_ray.engine import deletion
+from lifemem_ray.memory import Memory
+
+path, kill_after = sys.argv[1], int(sys.argv[2])
+deletion.PURGE_CHUNK = 40  # several bounded transactions
+calls = [0]
+original = deletion.Deletion.remove_keys
+
+def remove_keys(self, keys, op, finish=None):
+    if calls[0] == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)  # between two transactions of the purge
+    calls[0] += 1
+    return original(self, keys, op, finish)
+
+deletion.Deletion.remove_keys = remove_keys
+config = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
+with Memory.open(path, config) as memory:
+    print("purged", memory.purge_tenant("acme"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("kill_after", [0, 1, 4, 7])
+def test_sigkill_during_a_purge_completes_it_at_the_next_open(tmp_path, synthetic, kill_after):
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        default_before = {c.id: c.count for c in mem.clusters()}
+    proc = subprocess.run([sys.executable, "-c", PURGER, str(path), str(kill_after)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with Memory.open(path, CONFIG, read_only=True) as reader:  # what the crash left: the intent, part of the data
+        assert reader.stats()["purging"] == ["acme"]
+        left = reader.stats("acme")["trajectories"]
+        assert left == 300 - 40 * kill_after
+    with Memory.open(path, CONFIG) as mem:  # a writable open finishes the purge
+        assert mem.stats("acme")["trajectories"] == 0 and mem.clusters(tenant="acme") == []
+        assert mem.stats()["purging"] == []
+        assert {c.id: c.count for c in mem.clusters()} == default_before
+        _check(mem)
