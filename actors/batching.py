@@ -35,7 +35,7 @@ from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
 from lifemem_ray.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
 from lifemem_ray.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement, top_k_rows
-from lifemem_ray.ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
+from lifemem_ray.ingest_rules import AddResult, IdClasses, caller_results, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from lifemem_ray.memory import WORKFLOW_DIM
 from lifemem_ray.policy import OfflinePolicy
 
@@ -331,7 +331,7 @@ class BatchIngest:
             error = stage.failed.get(r) or next((errors[i] for i in range(offset, offset + n) if i in errors), None)
             if error is None and any(x is None for x in mine):
                 error = ShardUnavailableError("part of the request was not committed; retry it (ids make adds idempotent)")
-            out.append(error if error is not None else mine)
+            out.append(error if error is not None else caller_results(mine))  # type: ignore[arg-type]
             offset += n
         return out
 

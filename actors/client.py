@@ -29,6 +29,7 @@ from lifemem_ray.errors import EmbeddingError
 from lifemem_ray.ingest_rules import AddResult
 from lifemem_ray.llm import usage_totals
 from lifemem_ray.retrieval import Retrieval, assemble, check_retrieve_args, paused_gc
+from lifemem_ray.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 
 from . import deployment
 from .errors import ShardUnavailableError, actor_failures
@@ -43,6 +44,17 @@ def _shard_answers(refs: list[Any]) -> list[Any]:
         raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
 
 
+def _coordinator_answer(ref: Any) -> Any:
+    """A coordinator call's answer, its own errors without Ray's wrapping."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise exc.as_instanceof_cause() from None
+
+
 @dataclass
 class AddFuture:
     """Resolves when the coordinator acknowledged (every trajectory committed on its shard).
@@ -54,7 +66,8 @@ class AddFuture:
 
     ref: Any
     single: bool = False
-    sent: dict[str, str] | None = None  # id -> fingerprint of what the request carried
+    sent: dict[str, str] | None = None  # id key -> fingerprint of what the request carried
+    keys: list[str] | None = None  # per position of the request: its id key (tenancy.id_key)
     client: "MemoryClient | None" = None
     resend: Callable[[], Any] | None = None  # sends the same request again (a new ref)
     resends: int = 0  # how many times a request whose coordinator died is sent again
@@ -88,7 +101,7 @@ class AddFuture:
                 time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
                 self.ref = self.resend()
         if self.client is not None and self.sent:
-            out = self.client._settle(out, self.sent)
+            out = self.client._settle(out, self.sent, self.keys)
         if self.started is not None:  # the client's add latency: from add_many until acknowledged
             metrics.observe_latency("add", "client", time.monotonic() - self.started)
             self.started = None
@@ -152,10 +165,12 @@ class MemoryClient:
             # itself, knowing its ids are in doubt (see AddFuture.result).
             return self.coordinator.add_batch.options(max_task_retries=0).remote(batch, embedded)
 
-        return AddFuture(send(), sent=sent, client=self, resend=send, resends=self.config.cluster.add_resends, started=started)
+        return AddFuture(send(), sent=sent, keys=list(batch.ids), client=self, resend=send, resends=self.config.cluster.add_resends,
+                         started=started)
 
     def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
-        """Per id: whether a shard holds it with another fingerprint (one call per shard)."""
+        """Per id key (:func:`lifemem_ray.tenancy.id_key`: the id itself for the default tenant):
+        whether a shard holds it with another fingerprint (one call per shard)."""
         answers = _shard_answers([s.known.remote(ids, fingerprints) for s in self.shards])
         return [any(a[i] is not None and a[i].status == "conflict" for a in answers) for i in range(len(ids))]
 
@@ -166,16 +181,17 @@ class MemoryClient:
             while len(self._in_doubt) > IN_DOUBT_MAX:
                 self._in_doubt.popitem(last=False)
 
-    def _settle(self, results: list[AddResult], sent: dict[str, str]) -> list[AddResult]:
+    def _settle(self, results: list[AddResult], sent: dict[str, str], keys: list[str] | None = None) -> list[AddResult]:
         """``duplicate`` for an id this client sent before without an answer is its own
-        earlier attempt's commit: ``added``."""
+        earlier attempt's commit: ``added``. ``keys``: the request's id keys by position (the
+        results name the caller's ids, without the tenant)."""
         if not self._in_doubt:
             return results
         out = []
         with self._doubt_lock:
-            for r in results:
-                fp = self._in_doubt.pop(r.id, None)
-                if r.status == "duplicate" and fp is not None and fp == sent.get(r.id):
+            for r, key in zip(results, keys if keys is not None else [r.id for r in results]):
+                fp = self._in_doubt.pop(key, None)
+                if r.status == "duplicate" and fp is not None and fp == sent.get(key):
                     r = AddResult(r.id, "added", r.cluster_id)
                 out.append(r)
         return out
@@ -189,9 +205,11 @@ class MemoryClient:
         self._next += 1
         return ray.get(actor.embed.remote(texts))
 
-    def retrieve(self, task: str, env: str | None, k: int | None = None, *, vector: Any = None, token_budget: int | None = None, skills: bool = True) -> Retrieval:
-        """Like :meth:`lifemem_ray.memory.Memory.retrieve` (``env=None``: every environment)."""
-        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills)[0]
+    def retrieve(self, task: str, env: str | None, k: int | None = None, *, vector: Any = None, token_budget: int | None = None, skills: bool = True,
+                 tenant: str = DEFAULT_TENANT) -> Retrieval:
+        """Like :meth:`lifemem_ray.memory.Memory.retrieve` (``env=None``: every environment of the tenant)."""
+        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills,
+                                  tenant=tenant)[0]
 
     def retrieve_many(
         self,
@@ -202,23 +220,28 @@ class MemoryClient:
         vectors: Any = None,
         token_budget: int | None = None,
         skills: bool = True,
+        tenant: str = DEFAULT_TENANT,
     ) -> list[Retrieval]:
+        """Like :meth:`lifemem_ray.memory.Memory.retrieve_many`: queries of one tenant, which
+        see only that tenant's trajectories and skills (``None`` envs: all of its environments)."""
         started = time.monotonic()
         tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.config.retrieval)  # the engine's checks
+        targets = search_targets(tenant, envs)  # what the shards search: the tenant's scopes
         if not tasks:
             return []
         vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
         with paused_gc():
             if len(tasks) <= self.config.cluster.one_round_max:
-                out = self._retrieve_one_round(tasks, envs, k, vecs, skills, budget)
+                out = self._retrieve_one_round(tasks, envs, targets, k, vecs, skills, budget)
             else:
-                out = self._retrieve_two_rounds(tasks, envs, k, vecs, skills, budget)
+                out = self._retrieve_two_rounds(tasks, envs, targets, k, vecs, skills, budget)
         metrics.observe_latency("retrieve", "client", time.monotonic() - started)
         return out
 
-    def _retrieve_one_round(self, tasks: list[str], envs: list[str | None], k: int, vecs: np.ndarray, skills: bool, budget: int) -> list[Retrieval]:
+    def _retrieve_one_round(self, tasks: list[str], envs: list[str | None], targets: list[str], k: int, vecs: np.ndarray, skills: bool,
+                            budget: int) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
-        refs = [shard.search_records.remote(envs, k, vecs, skills) for shard in self.shards]
+        refs = [shard.search_records.remote(targets, k, vecs, skills) for shard in self.shards]
         per_shard = _shard_answers(refs)
         max_skills = self.config.retrieval.max_skills
         out = []
@@ -228,7 +251,8 @@ class MemoryClient:
             out.append(assemble(task, env, hits, texts, k, max_skills, budget))
         return out
 
-    def _retrieve_two_rounds(self, tasks: list[str], envs: list[str | None], k: int, vecs: np.ndarray, skills: bool, budget: int) -> list[Retrieval]:
+    def _retrieve_two_rounds(self, tasks: list[str], envs: list[str | None], targets: list[str], k: int, vecs: np.ndarray, skills: bool,
+                             budget: int) -> list[Retrieval]:
         """Shards send scores and ids, the top-k across shards is chosen here, then only those
         records are fetched: a shard's records that lose the merge never travel. Searches go
         out at once in large chunks (FAISS is cheaper per query on more queries of an
@@ -237,7 +261,7 @@ class MemoryClient:
         chunk = self.config.cluster.retrieve_chunk
         per_search = max(chunk, self.config.cluster.search_chunk // chunk * chunk)  # validated as a multiple of chunk
         starts = list(range(0, len(tasks), per_search))
-        searches = [[shard.search_hits.remote(envs[a : a + per_search], k, vecs[a : a + per_search]) for shard in self.shards] for a in starts]
+        searches = [[shard.search_hits.remote(targets[a : a + per_search], k, vecs[a : a + per_search]) for shard in self.shards] for a in starts]
         merged: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         owner = np.repeat(np.arange(len(self.shards)), k)  # column of the merged rows -> shard
 
@@ -279,21 +303,27 @@ class MemoryClient:
         return out
 
     # -- state -----------------------------------------------------------------------------
-    def stats(self) -> MemoryStats:
-        shard_stats = ray.get([s.stats.remote() for s in self.shards])
+    def stats(self, tenant: str | None = None) -> MemoryStats:
+        """The deployment's counts (``tenant``: only that tenant's data, without the coordinator's
+        figures; None: everything, with ``per_tenant``)."""
+        if tenant is not None:
+            check_tenant(tenant, "tenant")
+        shard_stats = ray.get([s.stats.remote(tenant) for s in self.shards])
         coordinator = ray.get(self.coordinator.stats.remote())
         per_env: dict[str, dict[str, int]] = {}
+        per_tenant: dict[str, dict[str, int]] = {}
         for st in shard_stats:
-            for env, v in st["per_env"].items():
-                slot = per_env.setdefault(env, {"trajectories": 0, "clusters": 0})
-                slot["trajectories"] += v["trajectories"]
-                slot["clusters"] += v["clusters"]
+            for table, key in ((per_env, "per_env"), (per_tenant, "per_tenant")):
+                for name, v in st.get(key, {}).items():
+                    slot = table.setdefault(name, {"trajectories": 0, "clusters": 0})
+                    slot["trajectories"] += v["trajectories"]
+                    slot["clusters"] += v["clusters"]
         llm_shards = [st["llm"] for st in shard_stats]
         coord_usage = coordinator["llm"]
         coord_calls, coord_tokens = usage_totals(coord_usage)
         calls = sum(l["calls"] for l in llm_shards) + coord_calls
         tokens = sum(l["tokens"] for l in llm_shards) + coord_tokens
-        return {
+        out: dict[str, Any] = {
             "trajectories": sum(st["trajectories"] for st in shard_stats),
             "clusters": sum(st["clusters"] for st in shard_stats),
             "pending": sum(st["pending"] for st in shard_stats),
@@ -302,12 +332,36 @@ class MemoryClient:
             "per_env": dict(sorted(per_env.items())),
             "llm": {"calls": calls, "tokens": tokens, "fallbacks": sum(l["fallbacks"] for l in llm_shards), "coordinator": coord_usage},
             "shards": [{"trajectories": st["trajectories"], "clusters": st["clusters"], "maintenance_queued": st["maintenance_queued"]} for st in shard_stats],
-            "coordinator": coordinator,
         }
+        if tenant is None:
+            out.update(per_tenant=dict(sorted(per_tenant.items())), coordinator=coordinator)
+        else:
+            out["tenant"] = tenant
+        return out  # type: ignore[return-value]
 
-    def clusters(self, env: str | None = None) -> list[Any]:
-        parts = ray.get([s.clusters.remote(env) for s in self.shards])
+    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> list[Any]:
+        """``tenant``'s live clusters on every shard, largest first (None: every tenant's)."""
+        if tenant is not None:
+            check_tenant(tenant, "tenant")
+        parts = ray.get([s.clusters.remote(env, tenant) for s in self.shards])
         return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))
+
+    # -- deleting ----------------------------------------------------------------------------
+    def remove(self, ids: Sequence[str], *, tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories of these ids; returns how many were stored. Sent
+        through the coordinator, which runs it between its micro-batches (never beside a batch
+        that may name the same clusters) on every shard; durable when this returns, and
+        idempotent: sending it again is safe (unknown ids are ignored)."""
+        check_tenant(tenant, "tenant")
+        if isinstance(ids, str):
+            raise TypeError("ids: expected a list of trajectory ids, got one string")
+        return _coordinator_answer(self.coordinator.remove.remote([str(i) for i in ids], tenant))
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Delete everything of ``tenant`` on every shard (see :meth:`remove`); each shard
+        records the intent first and finishes an interrupted purge when it restarts."""
+        check_tenant(tenant, "tenant")
+        return _coordinator_answer(self.coordinator.purge_tenant.remote(tenant))
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Every shard's invariants (``deep``: also every record's fingerprint, recomputed)."""

@@ -38,6 +38,7 @@ from lifemem_ray.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.ingest_rules import AddResult, make_decider
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
+from lifemem_ray.tenancy import DEFAULT_TENANT, check_tenant
 
 from .batching import BatchIngest, Committed, Stage
 from .errors import OverloadedError, ShardUnavailableError, actor_failures
@@ -185,6 +186,7 @@ class Coordinator:
         self._loop_task: asyncio.Task | None = None
         self._next: asyncio.Task | None = None  # the next micro-batch's lookups, started early
         self._paused = False
+        self._holds = 0  # pauses not yet resumed (a snapshot's, a removal's): batches wait while any is held
         self._idle: asyncio.Event | None = None
         self.counters = {"requests": 0, "pipelined": 0, "overloaded": 0}
 
@@ -256,16 +258,51 @@ class Coordinator:
         return [self.routing.shard_of(c) for c in cluster_ids]
 
     async def pause(self) -> None:
-        """Stop taking new micro-batches and wait for the one in flight (for a consistent snapshot)."""
+        """Stop taking new micro-batches and wait for the one in flight (for a consistent snapshot,
+        or a removal). Pauses nest: batches go on once every pause is resumed."""
         self._ensure_loop()
+        self._holds += 1
         self._paused = True
         assert self._idle is not None
         await self._idle.wait()
 
     async def resume(self) -> None:
-        self._paused = False
-        if self._wake is not None:
+        self._holds = max(0, self._holds - 1)
+        self._paused = self._holds > 0
+        if self._wake is not None and not self._paused:
             self._wake.set()
+
+    # -- deleting ------------------------------------------------------------------------------
+    async def remove(self, ids: list[str], tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories of these ids on every shard; how many were stored.
+
+        Runs between micro-batches (no batch in flight, none started until it is done), so a
+        batch never plans with, or commits to, a cluster the removal changes or retires; the
+        next batch looks its candidates up afterwards. Idempotent: a resent removal (the
+        coordinator or a shard restarted) removes what is left and ignores what is gone."""
+        check_tenant(tenant, "tenant")
+        if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
+            raise TypeError("ids: expected a list of trajectory id strings")
+        return await self._exclusive("remove", list(ids), tenant)
+
+    async def purge_tenant(self, tenant: str) -> int:
+        """Delete everything of ``tenant`` on every shard (between micro-batches, as :meth:`remove`).
+        Each shard records the intent durably first and finishes it after a crash."""
+        check_tenant(tenant, "tenant")
+        return await self._exclusive("purge_tenant", tenant)
+
+    async def _exclusive(self, method: str, *args: Any) -> int:
+        await self.pause()
+        try:
+            counts = await asyncio.gather(*[self.shards.call(s, method, *args) for s in range(len(self.shards))])
+        finally:
+            await self.resume()
+        loads = self.ingest.loads
+        for shard, n in enumerate(counts):
+            loads[shard] = max(0, loads[shard] - int(n))
+        self.routing.put_meta("shard_loads", loads)
+        self.counters["removed"] = self.counters.get("removed", 0) + sum(counts)
+        return int(sum(counts))
 
     async def snapshot_routing(self, target: str) -> int:
         self.routing.put_meta("shard_loads", self.ingest.loads)
