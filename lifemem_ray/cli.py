@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from .config import ConfigError, MemoryConfig
 from .model import InvalidTrajectoryError
 from .errors import CommandError
+from .tenancy import check_tenant
 
 __all__ = ["main"]
 
@@ -291,6 +292,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from .memory import Memory
 
     config = _config(args)
+    if args.tenant is not None:
+        check_tenant(args.tenant, "--tenant")
     if _remote(args):
         return _ingest_remote(args, config)
     if not args.store:
@@ -355,13 +358,13 @@ def _ingest_files(args: argparse.Namespace, report: Any, stored_conflicts: Calla
         for n, path in enumerate(args.paths):
             try:
                 checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
-                                     stored_conflicts=stored_conflicts)
+                                     stored_conflicts=stored_conflicts, tenant=args.tenant)
             except RecordError as exc:
                 raise CommandError(f"{exc}; nothing of {exc.path} was stored ({stored_so_far()} record(s) stored from "
                                    f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out") from None
             try:
                 batch: list = []
-                for traj in checked.records(fmt=args.format, env=args.env):
+                for traj in checked.records(fmt=args.format, env=args.env, tenant=args.tenant):
                     batch.append(traj)
                     if len(batch) >= batch_size:
                         store(batch)
@@ -411,9 +414,10 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
     from .retrieval import check_retrieve_args
 
     check_retrieve_args([args.task], [args.env], args.k, None, config.retrieval)  # before opening anything
+    check_tenant(args.tenant, "--tenant")
     memory = _open_or_connect(args, config)
     try:
-        result = memory.retrieve(args.task, args.env, args.k)
+        result = memory.retrieve(args.task, args.env, args.k, tenant=args.tenant)
     finally:
         memory.close()
     data = result.to_dict()
@@ -436,9 +440,11 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.tenant is not None:
+        check_tenant(args.tenant, "--tenant")
     memory = _open_or_connect(args, _config(args))
     try:
-        stats = memory.stats()
+        stats = memory.stats(args.tenant)
     finally:
         memory.close()
 
@@ -458,13 +464,41 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
+    check_tenant(args.tenant, "--tenant")
     memory = _open_or_connect(args, _config(args))
     try:
-        clusters = memory.clusters(args.env)
+        clusters = memory.clusters(args.env, tenant=args.tenant)
     finally:
         memory.close()
     data = [c.to_dict() for c in clusters]
     _emit(args, data, lambda: _format_clusters(clusters))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    """Delete trajectories of ``--tenant`` by id, or with ``--purge-tenant`` everything of it;
+    durable when it returns, and safe to run again (ids no longer stored are ignored)."""
+    from .memory import Memory
+
+    tenant = check_tenant(args.tenant, "--tenant")
+    if bool(args.ids) == bool(args.purge_tenant):
+        raise CommandError("give the trajectory ids to delete, or --purge-tenant (with --tenant) to delete everything of a tenant")
+    config = _config(args)
+    if _remote(args):
+        memory: Any = _client(args, config)
+    else:
+        if not args.store:
+            raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
+        if not (Path(args.store) / "data.mdb").is_file():
+            raise CommandError(f"{args.store}: no memory store here (data.mdb missing)")
+        memory = Memory.open(args.store, config)
+    try:
+        removed = memory.purge_tenant(tenant) if args.purge_tenant else memory.remove(args.ids, tenant=tenant)
+    finally:
+        memory.close()
+    data = {"removed": removed, "tenant": tenant, **({"purged": True} if args.purge_tenant else {"asked": len(args.ids)})}
+    what = f"every trajectory of tenant {tenant!r}" if args.purge_tenant else f"{len(args.ids)} id(s) of tenant {tenant!r}"
+    _emit(args, data, lambda: f"deleted {removed} trajectories ({what})")
     return 0
 
 
@@ -634,6 +668,7 @@ def _store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.
     p.add_argument("--env", help="environment of records that do not name one")
     p.add_argument("--format", choices=("auto", "native", "chat"), default="auto")
     p.add_argument("--skip-invalid", action="store_true", help="skip malformed records (counted and reported)")
+    p.add_argument("--tenant", help="tenant of records that do not name one (default: the default tenant)")
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("retrieve", parents=[remote, common], help="exemplars and skills for a task")
@@ -642,16 +677,26 @@ def _store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.
     p.add_argument("--env", required=True)
     p.add_argument("-k", type=int, default=None, help="trajectories to return, 1-1024 (default: retrieval.k)")
     p.add_argument("--context", action="store_true", help="also print the prompt block an agent would get")
+    p.add_argument("--tenant", default="default", help="whose trajectories to search (default: default)")
     p.set_defaults(func=cmd_retrieve)
 
     p = sub.add_parser("stats", parents=[remote, common], help="counts per environment, LLM usage")
     p.add_argument("--store", metavar="DIR")
+    p.add_argument("--tenant", help="only this tenant's data (default: everything, with counts per tenant)")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("clusters", parents=[remote, common], help="list workflow clusters with descriptions and skills")
     p.add_argument("--store", metavar="DIR")
     p.add_argument("--env")
+    p.add_argument("--tenant", default="default", help="whose clusters (default: default)")
     p.set_defaults(func=cmd_clusters)
+
+    p = sub.add_parser("delete", parents=[remote, common], help="delete trajectories by id, or everything of a tenant")
+    p.add_argument("ids", nargs="*", metavar="ID", help="trajectory ids of --tenant")
+    p.add_argument("--store", metavar="DIR")
+    p.add_argument("--tenant", default="default", help="whose trajectories (default: default)")
+    p.add_argument("--purge-tenant", action="store_true", help="delete every trajectory of --tenant (its clusters and skills go too)")
+    p.set_defaults(func=cmd_delete)
 
     p = sub.add_parser("export", parents=[common], help="write trajectories (native JSONL) and clusters")
     p.add_argument("--store", required=True, metavar="DIR")

@@ -40,6 +40,7 @@ Chat conversion (:func:`parse_record` with ``fmt="chat"``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from .model import InvalidTrajectoryError, Outcome, Step, Trajectory
+from .tenancy import id_key
 
 __all__ = [
     "FORMATS",
@@ -158,8 +160,9 @@ class ImportReport:
 # --------------------------------------------------------------------------- records
 
 
-def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None) -> Trajectory:
-    """One decoded JSON value -> a Trajectory; raises InvalidTrajectoryError naming the field."""
+def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None, tenant: str | None = None) -> Trajectory:
+    """One decoded JSON value -> a Trajectory; raises InvalidTrajectoryError naming the field.
+    ``env`` and ``tenant`` fill in a record that does not name its own."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if not isinstance(data, Mapping):
@@ -172,8 +175,9 @@ def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None) -> Tra
             raise InvalidTrajectoryError("record: neither 'messages' (chat format) nor 'steps' (native format)")
         fmt = "chat" if has_messages else "native"
     if fmt == "native":
-        return Trajectory.from_dict(data, env=env)
-    return _chat_to_trajectory(data, env)
+        return Trajectory.from_dict(data, env=env, tenant=tenant)
+    traj = _chat_to_trajectory(data, env)
+    return traj if tenant is None or tenant == traj.tenant else dataclasses.replace(traj, tenant=tenant)
 
 
 def split_agent_turn(text: str, style: str = "auto") -> tuple[str, str]:
@@ -477,11 +481,11 @@ def _raw_records(name: str, stream: BinaryIO, close: bool) -> Iterator[tuple[int
             stream.close()
 
 
-def _parse_raw(name: str, lineno: int, raw: bytes | RecordError, fmt: str, env: str | None) -> Trajectory:
+def _parse_raw(name: str, lineno: int, raw: bytes | RecordError, fmt: str, env: str | None, tenant: str | None = None) -> Trajectory:
     if isinstance(raw, RecordError):
         raise raw
     try:
-        return parse_record(_decode_line(raw, last_without_newline=not raw.endswith(b"\n")), fmt=fmt, env=env)
+        return parse_record(_decode_line(raw, last_without_newline=not raw.endswith(b"\n")), fmt=fmt, env=env, tenant=tenant)
     except InvalidTrajectoryError as exc:
         raise RecordError(name, lineno, str(exc)) from None
 
@@ -516,14 +520,14 @@ class CheckedFile:
     spooled: bool = False
     unreadable: bool = False  # a compressed file failed its checksum: none of its records is trusted
 
-    def records(self, *, fmt: str = "auto", env: str | None = None) -> Iterator[Trajectory]:
-        """The file's records that passed, in order."""
+    def records(self, *, fmt: str = "auto", env: str | None = None, tenant: str | None = None) -> Iterator[Trajectory]:
+        """The file's records that passed, in order (``tenant`` as given to :func:`check_file`)."""
         if self.unreadable:
             return
         name, stream, close = _open_binary(self.path)
         for lineno, raw in _raw_records(self.name, stream, close):
             if lineno not in self.skip:
-                yield _parse_raw(self.name, lineno, raw, fmt, env)
+                yield _parse_raw(self.name, lineno, raw, fmt, env, tenant)
 
     def close(self) -> None:
         """Remove the spooled copy of standard input, if any."""
@@ -540,13 +544,15 @@ def check_file(
     skip_invalid: bool = False,
     report: ImportReport | None = None,
     stored_conflicts: Callable[[list[str], list[str]], list[bool]] | None = None,
+    tenant: str | None = None,
 ) -> CheckedFile:
     """Read a whole JSONL file ("-" = standard input, spooled to a temporary file; gzip read
     to its checksum) and validate every record before anything of it is stored: a malformed
     record, an id repeated in the file with other content, or an id the memory holds with
     other content (``stored_conflicts(ids, fingerprints)``: per id, whether it is stored with
-    another fingerprint; asked for ``STORE_CHECK_BATCH`` ids at a time, so a remote memory
-    answers in few calls).
+    another fingerprint, by id key (:func:`lifemem_ray.tenancy.id_key`); asked for
+    ``STORE_CHECK_BATCH`` ids at a time, so a remote memory answers in few calls). ``tenant``
+    is the tenant of records that do not name one.
 
     Without ``skip_invalid`` the first such record raises :class:`RecordError` (``FILE:LINE:
     reason``) and nothing of the file may be stored; with it, each is counted in ``report``,
@@ -573,7 +579,7 @@ def check_file(
             if spool is not None and not isinstance(raw, RecordError):
                 spool.write(raw if raw.endswith(b"\n") else raw + b"\n")
             try:
-                traj = _parse_raw(name, lineno, raw, fmt, env)
+                traj = _parse_raw(name, lineno, raw, fmt, env, tenant)
                 if _first_occurrence(name, lineno, traj, seen):
                     asking.append((lineno, traj))
             except RecordError as err:
@@ -604,20 +610,21 @@ def check_file(
 
 
 def _first_occurrence(name: str, lineno: int, traj: Trajectory, seen: dict[str, tuple[str, int]]) -> bool:
-    """Whether this is the id's first line; a repeat with other content is a RecordError."""
-    first = seen.get(traj.id)
+    """Whether this is the id's first line (of its tenant); a repeat with other content is a RecordError."""
+    key = id_key(traj.tenant, traj.id)
+    first = seen.get(key)
     if first is not None:
         if first[0] != traj.fingerprint:
             raise RecordError(name, lineno, f"id {traj.id!r} repeats line {first[1]} with different content")
         return False
-    seen[traj.id] = (traj.fingerprint, lineno)
+    seen[key] = (traj.fingerprint, lineno)
     return True
 
 
 def _check_stored(name: str, asking: list[tuple[int, Trajectory]], stored_conflicts: Callable[[list[str], list[str]], list[bool]],
                   skip_invalid: bool, report: ImportReport, checked: CheckedFile) -> None:
     """Records whose id the memory holds with other content: a RecordError, or left out."""
-    flags = stored_conflicts([t.id for _, t in asking], [t.fingerprint for _, t in asking])
+    flags = stored_conflicts([id_key(t.tenant, t.id) for _, t in asking], [t.fingerprint for _, t in asking])
     for (lineno, traj), conflict in zip(asking, flags):
         if not conflict:
             continue

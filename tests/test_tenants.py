@@ -191,3 +191,125 @@ def test_export_and_reimport_keep_tenants(tmp_path, two_tenants):
         by_key = {id_key(t.tenant, t.id): i for i, t in enumerate(trajs[:260])}
         again.add_many(back, np.stack([vecs[by_key[t.id]] for t in back]))
         assert again.stats("acme")["trajectories"] == 260 and again.stats(DEFAULT_TENANT)["trajectories"] == 200
+
+
+# -- through a 2-shard Ray deployment ---------------------------------------------------------
+@pytest.mark.usefixtures("ray_local")
+def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):
+    trajs, vecs = synthetic
+    client, _ = deployment(shards=2, **{"evolution.init_size": 20})
+    assert {r.status for r in client.add_many(trajs[:300], vecs[:300]).result(timeout=300)} == {"added"}
+    acme = client.add_many(_tenant_copy(trajs[:360], "acme"), vecs[:360]).result(timeout=300)
+    assert {r.status for r in acme} == {"added"} and [r.id for r in acme] == [t.id for t in trajs[:360]]
+    again = client.add_many(_tenant_copy(trajs[:10], "acme"), vecs[:10]).result(timeout=300)
+    assert {r.status for r in again} == {"duplicate"}
+
+    # Retrieval (one round for a few queries, two rounds for many), scoped and pooled.
+    acme_only = {t.id for t in trajs[300:360]}
+    for n in (8, 60):
+        tasks, envs = [t.task for t in trajs[300 : 300 + n]], [t.env for t in trajs[300 : 300 + n]]
+        for tenant, query_envs in ((DEFAULT_TENANT, envs), (DEFAULT_TENANT, [None] * n), ("acme", envs), ("acme", [None] * n)):
+            got = client.retrieve_many(tasks, query_envs, k=8, vectors=vecs[300 : 300 + n], tenant=tenant)
+            assert all(h.trajectory.tenant == tenant for r in got for h in r.trajectories)
+            own = {c.id: c.skill for c in client.clusters(tenant=tenant)}
+            assert {s.cluster_id for r in got for s in r.skills} <= set(own)
+            if tenant == DEFAULT_TENANT:
+                assert not acme_only & {h.id for r in got for h in r.trajectories}
+    assert client.retrieve(trajs[0].task, None, vector=vecs[0], tenant="nobody").trajectories == []
+
+    # Clusters and stats per tenant.
+    default_clusters, acme_clusters = client.clusters(), client.clusters(tenant="acme")
+    assert {c.tenant for c in acme_clusters} == {"acme"} and {c.tenant for c in default_clusters} == {DEFAULT_TENANT}
+    assert sum(c.count for c in acme_clusters) + client.stats("acme")["pending"] == 360
+    assert client.stats("acme")["trajectories"] == 360 and client.stats()["trajectories"] == 660
+    assert client.stats()["per_tenant"]["acme"]["trajectories"] == 360
+    assert "coordinator" not in client.stats("acme")
+
+    # Removal while the other tenant keeps adding: serialised with the micro-batches.
+    more = [client.add_many(trajs[300 + i : 310 + i], vecs[300 + i : 310 + i]) for i in range(0, 60, 10)]
+    victims = [t.id for t in trajs[:50]]
+    assert client.remove(victims, tenant="acme") == 50
+    assert client.remove(victims, tenant="acme") == 0, "resending a removal is safe"
+    assert all(r.status == "added" for f in more for r in f.result(timeout=300))
+    got = client.retrieve_many([t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50], tenant="acme")
+    assert not set(victims) & {h.id for r in got for h in r.trajectories}
+    mine = client.retrieve_many([t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50])
+    assert set(victims) & {h.id for r in mine for h in r.trajectories}, "the default tenant's trajectories of those ids stay"
+    assert client.stats("acme")["trajectories"] == 310 and client.stats()["trajectories"] == 670
+
+    # Purging a tenant.
+    assert client.purge_tenant("acme") == 310
+    assert client.purge_tenant("acme") == 0
+    assert client.clusters(tenant="acme") == [] and client.stats("acme")["trajectories"] == 0
+    assert client.stats()["trajectories"] == 360
+    with pytest.raises(ValueError, match="tenant"):
+        client.remove(["x"], tenant="not a tenant")
+    report = client.verify(deep=True)
+    assert report["ok"], [s["problems"][:3] for s in report["shards"]]
+
+
+# -- the command line ---------------------------------------------------------------------------
+def _cli(*args: str) -> "subprocess.CompletedProcess[str]":
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "lifemem_ray.cli", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def _cli_json(*args: str) -> dict:
+    import json
+
+    out = _cli(*args, "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def _cli_round(where: list[str], data) -> None:
+    """Ingest the same file as two tenants, then retrieve, stats, clusters and delete per tenant."""
+    assert _cli_json("ingest", str(data), *where)["added"] == 30
+    assert _cli_json("ingest", str(data), *where, "--tenant", "acme")["added"] == 30, "the same ids for another tenant are new"
+    hits = _cli_json("retrieve", "buy running shoes", *where, "--env", "shop", "--tenant", "acme", "-k", "5")
+    assert hits["trajectories"] and all(h["env"] == "shop" for h in hits["trajectories"])
+    assert _cli_json("stats", *where)["trajectories"] == 60
+    acme = _cli_json("stats", *where, "--tenant", "acme")
+    assert acme["trajectories"] == 30 and set(acme["per_env"]) == {"shop", "sql"}
+    clusters = _cli_json("clusters", *where, "--tenant", "acme")
+    assert clusters and {c["tenant"] for c in clusters} == {"acme"} and sum(c["count"] for c in clusters) <= 30
+    ids = [h["id"] for h in hits["trajectories"]]
+    assert _cli_json("delete", *ids, *where, "--tenant", "acme")["removed"] == len(ids)
+    assert _cli_json("delete", *ids, *where, "--tenant", "acme")["removed"] == 0
+    assert _cli_json("stats", *where, "--tenant", "acme")["trajectories"] == 30 - len(ids)
+    assert _cli_json("stats", *where, "--tenant", "default")["trajectories"] == 30
+    assert _cli_json("delete", *where, "--tenant", "acme", "--purge-tenant")["removed"] == 30 - len(ids)
+    assert _cli_json("stats", *where)["trajectories"] == 30
+    bad = _cli("delete", *where, "--tenant", "acme")
+    assert bad.returncode == 1 and "--purge-tenant" in bad.stderr
+    bad = _cli("stats", *where, "--tenant", "no such tenant")
+    assert bad.returncode == 1 and "--tenant" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cli_tenants_and_delete_local(tmp_path):
+    from lifemem_ray.importers import write_jsonl
+    from lifemem_ray.synthetic import generate
+
+    data = tmp_path / "train.jsonl"
+    write_jsonl(generate(30, seed=3, envs=["shop", "sql"], length_scale=0.1), data)
+    _cli_round(["--store", str(tmp_path / "store")], data)
+    missing = _cli("delete", "x", "--store", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and "no memory store" in missing.stderr
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_cli_tenants_and_delete_remote(deployment, ray_local, tmp_path):
+    from lifemem_ray.importers import write_jsonl
+    from lifemem_ray.synthetic import generate
+
+    client, _ = deployment(shards=2, **{"evolution.init_size": 20})
+    data = tmp_path / "train.jsonl"
+    write_jsonl(generate(30, seed=3, envs=["shop", "sql"], length_scale=0.1), data)
+    _cli_round(["--address", ray_local.get_runtime_context().gcs_address, "--namespace", client.namespace], data)
+    assert client.verify()["ok"]
