@@ -178,7 +178,7 @@ class Coordinator:
         if embed is None and embedder_names:
             embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
         self.decider = decider if decider is not None else make_decider(config)
-        self.ingest = BatchIngest(config, self.shards, self.routing, dim, embed=embed, decider=decider)
+        self.ingest = BatchIngest(config, self.shards, self.routing, dim, embed=embed, decider=self.decider)
         self._queue: list[_Request] = []
         self._queued = 0
         self._wake: asyncio.Event | None = None
