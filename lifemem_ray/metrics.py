@@ -31,6 +31,7 @@ import math
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -170,6 +171,11 @@ CATALOGUE: dict[str, MetricSpec] = {
 
 _created: dict[str, Any] = {}  # name -> ray.util.metrics object, made on first use in this process
 _lock = threading.Lock()
+# Ray's metrics agent forgets a gauge series two report intervals after its last report, and a
+# process reports a gauge only when it is set: the last value of every gauge series set here is
+# set again on a timer (a few series per process), so a quiet shard or an idle queue stays visible.
+_gauges: dict[tuple[str, tuple[str, ...]], float] = {}
+_refresher: threading.Thread | None = None
 
 
 def enabled() -> bool:
@@ -218,6 +224,40 @@ def _record(name: str, value: float, *tags: str) -> None:
         metric.inc(float(value), tags=labels)
     else:
         metric.set(float(value), tags=labels)
+        _keep_gauge(name, tags, float(value))
+
+
+def _keep_gauge(name: str, tags: tuple[str, ...], value: float) -> None:
+    global _refresher
+    with _lock:
+        _gauges[(name, tags)] = value
+        if _refresher is None or not _refresher.is_alive():
+            _refresher = threading.Thread(target=_refresh_gauges, name="lifemem-metrics-gauges", daemon=True)
+            _refresher.start()
+
+
+def _refresh_period() -> float:
+    """Half of Ray's report interval (``RAY_metrics_report_interval_ms``, 10 s by default), within 0.5-5 s."""
+    try:
+        import ray
+
+        interval_s = ray._config.metrics_report_interval_ms() / 1000.0
+    except Exception:  # an internal of Ray: without it, its default
+        interval_s = 10.0
+    return min(5.0, max(0.5, interval_s / 2))
+
+
+def _refresh_gauges() -> None:
+    period = _refresh_period()
+    while True:
+        time.sleep(period)
+        if not enabled():
+            continue
+        with _lock:
+            values = list(_gauges.items())
+        for (name, tags), value in values:
+            spec = CATALOGUE[name]
+            _metric(spec).set(value, tags=dict(zip(spec.tag_keys, tags)))
 
 
 # -- what the layers call ---------------------------------------------------------------------
