@@ -78,6 +78,15 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_metrics_url(ray_local) -> str:
+    """The Prometheus endpoint of this session's Ray node (its metrics agent picks a free port,
+    read back from ``ray.nodes()``; token authentication does not cover it)."""
+    node_id = ray_local.get_runtime_context().get_node_id()
+    node = next(n for n in ray_local.nodes() if n["NodeID"] == node_id)
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+
 @pytest.fixture
 def deployment(ray_local, tmp_path):
     """A factory for sharded deployments, each in its own namespace; all stopped afterwards."""
