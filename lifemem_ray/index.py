@@ -296,10 +296,8 @@ class VectorIndex:
 
     # ------------------------------------------------------------------ search
 
-    def search(self, queries: np.ndarray, k: int, env: str | None = None, *, among: Callable[[str], bool] | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k by inner product: within ``env`` if given, else across all environments (those
-        whose name ``among`` accepts, when given: one tenant's scopes for a pooled search).
+    def search(self, queries: np.ndarray, k: int, env: str | None = None, *, among: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by inner product: within ``env`` if given, else across the envs ``among`` accepts (default: all).
 
         Returns ``(scores float32 (q, k), ids int64 (q, k))``, best first. Restricted to
         an env, each row holds exactly ``min(k, count(env))`` real results; the rest
@@ -317,10 +315,9 @@ class VectorIndex:
                 if e is None or len(queries) == 0:
                     return _padding(len(queries), k)
                 return self._search_env(env, e, queries, k)
-            chosen = [(name, e) for name, e in self._envs.items() if among is None or among(name)]
-            if not chosen or len(queries) == 0:
+            parts = [self._search_env(name, e, queries, k) for name, e in self._envs.items() if (among is None or among(name)) and len(queries)]
+            if not parts:
                 return _padding(len(queries), k)
-            parts = [self._search_env(name, e, queries, k) for name, e in chosen]
         return _merge(parts, k)
 
     def search_envs(

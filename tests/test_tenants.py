@@ -193,6 +193,19 @@ def test_export_and_reimport_keep_tenants(tmp_path, two_tenants):
         assert again.stats("acme")["trajectories"] == 260 and again.stats(DEFAULT_TENANT)["trajectories"] == 200
 
 
+def test_snapshot_and_absorb_keep_tenants(tmp_path, two_tenants):
+    mem, trajs, vecs = two_tenants
+    mem.shard.snapshot(str(tmp_path / "snap"))
+    with Memory.open(tmp_path / "restored", CONFIG) as restored:
+        restored.absorb(tmp_path / "snap")
+        assert restored.stats("acme")["trajectories"] == 260 and restored.stats(DEFAULT_TENANT)["trajectories"] == 200
+        assert {c.tenant for c in restored.clusters(tenant="acme")} == {"acme"}
+        got = restored.retrieve(trajs[210].task, trajs[210].env, vector=vecs[210], tenant="acme")
+        assert got.trajectories and all(h.trajectory.tenant == "acme" for h in got.trajectories)
+        assert restored.get(trajs[210].id) is None and restored.get(trajs[210].id, tenant="acme") is not None
+        assert restored.verify(deep=True)["ok"]
+
+
 # -- through a 2-shard Ray deployment ---------------------------------------------------------
 @pytest.mark.usefixtures("ray_local")
 def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):

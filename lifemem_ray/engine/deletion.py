@@ -112,6 +112,8 @@ class Deletion:
 
         s.store.write(write)
         # Committed: now the live view and the index follow.
+        for cid in touched:
+            s.shrunk[cid] = s.shrunk.get(cid, 0) + 1
         for record in touched.values():
             if record.count == 0:
                 s.clusters.pop(record.id, None)

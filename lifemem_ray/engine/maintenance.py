@@ -156,6 +156,7 @@ class Maintenance:
 
     def _update_one(self, cid: int, flags: dict[str, bool]) -> Update | None:
         s = self.s
+        removals = s.shrunk.get(cid, 0)  # a removal from the cluster after this makes the update stale
         sample = self._sample_members(cid)
         if sample is None:
             return None
@@ -182,6 +183,7 @@ class Maintenance:
             # Success or not, do not ask again until the cluster has grown.
             fields["description_n"] = count
             names.append("describe")
+        fields["_removals"] = removals
         return cid, fields, tuple(names)
 
     def _commit_updates(self, updates: list[Update], cleared: list[tuple[int, tuple[str, ...]]]) -> None:
@@ -190,6 +192,9 @@ class Maintenance:
             return
         s = self.s
         with s.lock:
+            # Members were removed since the sample was read: its text may quote them. Dropped,
+            # with its todo left queued (the removal queued a refresh where one is due).
+            updates = [u for u in updates if u[1].pop("_removals", 0) == s.shrunk.get(u[0], 0)]
             records: list[ClusterRecord] = []
             for cid, fields, _ in updates:
                 current = s.clusters.get(cid)

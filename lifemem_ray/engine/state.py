@@ -49,6 +49,7 @@ class EngineState:
         self.policy = OfflinePolicy(self.config.policy)
         self.lock = threading.RLock()
         self.closed = False
+        self.shrunk: dict[int, int] = {}  # cluster id -> removals from it in this session (maintenance drops stale samples)
         self.schedule: Callable[[], None] = lambda: None  # set by the maintenance part: run or wake it after a change
         try:
             self.decider = decider if decider is not None else make_decider(self.config)
