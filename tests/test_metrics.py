@@ -16,6 +16,7 @@ import pytest
 from conftest import ROOT, SMALL_ACTORS
 from lifemem_ray import metrics
 from lifemem_ray.errors import LifeMemError, MetricTagError
+from lifemem_ray.prompts import MEMORY_OPERATIONS
 from lifemem_ray.synthetic import generate, text_vectors
 from openai_stub import OpenAIStub, Reply
 
@@ -167,10 +168,12 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(ray_local
         return total(samples, name, **labels) - total(before, name, **labels)
 
     def llm_figures(samples: list[Sample]) -> tuple[float, float]:
-        calls = total(samples, "ray_lifemem_llm_calls_total", skip_worker=driver) - total(before, "ray_lifemem_llm_calls_total", skip_worker=driver)
-        tokens = (total(samples, "ray_lifemem_llm_tokens_total", skip_worker=driver)
-                  - total(before, "ray_lifemem_llm_tokens_total", skip_worker=driver))
-        return calls, tokens
+        """Calls and tokens of the memory's operations in Ray workers since ``before`` (this
+        process's own engine and an agent's ``act`` calls are not the deployment's)."""
+        def grown(name: str) -> float:
+            return sum(total(s, name, skip_worker=driver, operation=op) * sign
+                       for s, sign in ((samples, 1), (before, -1)) for op in MEMORY_OPERATIONS)
+        return grown("ray_lifemem_llm_calls_total"), grown("ray_lifemem_llm_tokens_total")
 
     def missing(samples: list[Sample]) -> list[str]:
         """What the scrape does not show yet (empty: everything done is there)."""
