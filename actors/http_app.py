@@ -236,11 +236,12 @@ def _write_routes(app: FastAPI, service: FrontService, principal: Callable[..., 
 
 
 def _read_routes(app: FastAPI, service: FrontService, principal: Callable[..., Awaitable[Principal]]) -> None:
-    @app.post("/v1/retrieve", response_model=m.RetrieveAnswer, response_model_exclude_none=True, tags=["retrieval"])
+    @app.post("/v1/retrieve", response_model=None, responses={200: {"model": m.RetrieveAnswer}}, tags=["retrieval"])
     async def retrieve(body: m.RetrieveRequest, who: Principal = Depends(principal)) -> Any:
-        """The most similar trajectories of the key's tenant, and their clusters' skills, per query."""
+        """The most similar trajectories of the key's tenant, and their clusters' skills, per query
+        (``context`` and each hit's ``trajectory`` only when asked for)."""
         results = await run_in_threadpool(service.retrieve, body.queries, body.k, body.skills, body.context, body.full, who)
-        return {"results": results}
+        return JSONResponse({"results": results})
 
     @app.get("/v1/stats", tags=["state"])
     async def stats(tenant: str | None = Q(None, description="admin keys: another tenant, or * for every tenant"),

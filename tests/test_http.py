@@ -286,27 +286,30 @@ def test_admin_purges_a_tenant(front):
 
 
 def test_overload_answers_503_with_retry_after(front):
+    """The coordinator paused and its queue (cluster.max_pending = 200) filled by adds answered
+    202: a waiting add is refused with 503 and Retry-After; the accepted ones finish on resume."""
     import ray
 
     with front.http("acme") as rw:
         ray.get(front.client.coordinator.pause.remote())
         try:
-            first = rw.post("/v1/trajectories", params={"wait": "false"}, json={"trajectories": _records(40, 13, "q1")})
-            assert first.status_code == 202
-            for _ in range(10):  # the queue fills as the waiting adds arrive
-                second = rw.post("/v1/trajectories", json={"trajectories": _records(50, 14, "q2")})
-                if second.status_code == 503:
-                    break
-            err = _error(second, 503)
-            assert err["type"] == "unavailable" and "max_pending" in err["message"] and second.headers["retry-after"] == "3"
+            accepted = []
+            for n, (count, seed) in enumerate(((40, 13), (50, 14), (50, 15), (50, 16))):  # 190 queued
+                r = rw.post("/v1/trajectories", params={"wait": "false"}, json={"trajectories": _records(count, seed, f"q{n}")})
+                assert r.status_code == 202
+                accepted.append(r.json()["operation"])
+            time.sleep(1.0)  # the accepted adds reach the coordinator's queue
+            refused = rw.post("/v1/trajectories", json={"trajectories": _records(50, 17, "q-over")})
+            err = _error(refused, 503)
+            assert err["type"] == "unavailable" and "max_pending" in err["message"] and refused.headers["retry-after"] == "3"
         finally:
             ray.get(front.client.coordinator.resume.remote())
-        op = first.json()["operation"]
-        deadline = time.monotonic() + 120
-        while (got := rw.get(f"/v1/operations/{op}").json())["status"] == "pending":
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        assert got["status"] == "done" and len(got["items"]) == 40
+        for op in accepted:
+            deadline = time.monotonic() + 120
+            while (got := rw.get(f"/v1/operations/{op}").json())["status"] == "pending":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert got["status"] == "done", got
 
 
 def test_no_auth_mode_refuses_a_non_loopback_host(front):
@@ -358,3 +361,29 @@ def test_mcp_is_mounted_at_mcp_behind_the_same_keys(front):
     with front.http("acme") as a, front.http("globex") as g:
         assert a.post("/v1/trajectories", json={"trajectories": [record]}).json()["items"][0]["status"] == "duplicate"
         assert g.get("/v1/clusters", params={"env": "web_forms"}).json()["total"] == 0
+
+
+def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
+    """Operations kept for polling: at most operations_max (the oldest finished go first; full of
+    pending ones, a new one is refused), each forgotten after the TTL, a stalled one reads failed."""
+    from lifemem_ray.actors import operations as ops_module
+    from lifemem_ray.errors import OverloadedError
+
+    now = [1000.0]
+    monkeypatch.setattr(ops_module.time, "time", lambda: now[0])
+    table = ops_module.Operations(max_kept=2, ttl_s=60)
+    a = table.create("acme", ["x"], deadline_s=10)
+    b = table.create("acme", ["y"], deadline_s=10)
+    with pytest.raises(OverloadedError, match="operations_max"):
+        table.create("acme", ["z"], deadline_s=10)
+    table.finish(a, [{"id": "x", "status": "added", "cluster_id": 1}])
+    c = table.create("globex", ["z"], deadline_s=10)  # the finished one made room
+    assert table.get(a, "acme") is None and table.count() == 2
+    assert table.get(c, "acme") is None and table.get(c, "globex")["status"] == "pending"  # another tenant's: unseen
+    now[0] += 11
+    stalled = table.get(b, "acme")
+    assert stalled["status"] == "failed" and "send the same trajectories again" in stalled["error"]["what_to_do"]
+    table.finish(b, [])  # a late answer does not overwrite what the poller was told
+    assert table.get(b, "acme")["status"] == "failed"
+    now[0] += 60
+    assert table.get(c, "globex") is None and table.count() == 0
