@@ -363,6 +363,34 @@ def test_mcp_is_mounted_at_mcp_behind_the_same_keys(front):
         assert g.get("/v1/clusters", params={"env": "web_forms"}).json()["total"] == 0
 
 
+def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_local):
+    """`lifemem-ray serve --http` in front of the running deployment (keys from LIFEMEM_API_KEYS),
+    then `lifemem-ray stop`: the deployment and its front door go. Runs last of the Serve tests."""
+    import os
+
+    key, entry = new_key("acme", "read", name="cli-key")
+    port = int(front.url.rsplit(":", 1)[1])
+    remote = ["--address", ray_local.get_runtime_context().gcs_address, "--namespace", front.namespace]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIFEMEM_API_KEYS": json.dumps([entry.to_dict()])}
+    out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(port), *remote, "--json"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout)
+    assert info["http"]["url"] == front.url and info["http"]["keys"] == 1 and len(info["shards"]) == 2
+    with httpx.Client(base_url=front.url, timeout=120) as http:
+        deadline = time.monotonic() + 120
+        while http.get("/v1/stats", headers={"Authorization": f"Bearer {key}"}).status_code != 200:  # the new replica takes over
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert http.get("/v1/stats", headers={"Authorization": f"Bearer {front.keys['acme']}"}).status_code == 401
+        other = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(_free_port()), *remote],
+                               capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert other.returncode == 1 and "already runs on this cluster with its HTTP proxy at" in other.stderr
+        stop = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "stop", *remote, "--json"],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert stop.returncode == 0 and json.loads(stop.stdout)["http"] is True, stop.stderr[-3000:]
+        assert http.get("/healthz").status_code == 404  # Serve answers, the front door is gone
+
 def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
     """Operations kept for polling: at most operations_max (the oldest finished go first; full of
     pending ones, a new one is refused), each forgotten after the TTL, a stalled one reads failed."""
