@@ -160,12 +160,16 @@ class MemoryShard:
     def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:
         """Delete ``tenant``'s trajectories of these ids held here. Idempotent (unknown ids are
         ignored), so a call retried after a restart is safe."""
-        return self.engine.remove(ids, tenant)
+        removed = self.engine.remove(ids, tenant)
+        self._publish_sizes()
+        return removed
 
     def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` held here; a purge a crash interrupted is finished
         when the restarted actor opens the store."""
-        return self.engine.purge_tenant(tenant)
+        removed = self.engine.purge_tenant(tenant)
+        self._publish_sizes()
+        return removed
 
     def cluster_ids(self) -> list[int]:
         return self.engine.cluster_ids()

@@ -77,6 +77,7 @@ ROUTES = (
     "/mcp",
     "/openapi.json",
     "/docs",
+    "/docs/oauth2-redirect",
     "/redoc",
     "other",
 )
