@@ -64,7 +64,10 @@ def scope(tenant: str, env: str) -> str:
 
 
 def id_key(tenant: str, trajectory_id: str) -> str:
-    """The store's key of ``tenant``'s trajectory id (the id itself for the default tenant)."""
+    """The store's key of ``tenant``'s trajectory id (the id itself for the default tenant). An
+    id with a NUL character is refused: no stored id has one, and it could name another
+    tenant's key."""
+    _plain(trajectory_id, "id")
     return trajectory_id if tenant == DEFAULT_TENANT else tenant + SEP + trajectory_id
 
 

@@ -120,6 +120,13 @@ def test_same_ids_are_independent_per_tenant(two_tenants):
     changed = dataclasses.replace(trajs[210], task="something else entirely")
     assert mem.add(changed, vecs[210]).status in ("added", "pending")
     assert mem.cluster_of(trajs[0].id) != mem.cluster_of(trajs[0].id, tenant="acme")
+    # A crafted id cannot reach another tenant's key.
+    for call in (lambda: mem.get(id_key("acme", trajs[210].id)), lambda: mem.remove([id_key("acme", trajs[210].id)])):
+        with pytest.raises(TenantError, match="NUL"):
+            call()
+    with pytest.raises(TenantError, match="NUL"):
+        mem.retrieve("x", "acme\x00" + trajs[0].env, vector=vecs[0])
+    assert mem.get(trajs[210].id, tenant="acme") is not None
 
 
 def test_stats_per_tenant(two_tenants):
