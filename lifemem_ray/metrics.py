@@ -4,7 +4,12 @@ Every metric is declared once in :data:`CATALOGUE`: its name (``lifemem_`` prefi
 description, tag keys with the values each may take, and a histogram's bucket boundaries.
 Ray's per-node metrics agent exports them on its Prometheus endpoint with a ``ray_`` prefix
 (``lifemem_latency_seconds`` is scraped as ``ray_lifemem_latency_seconds_bucket`` ...); the
-Grafana dashboard ``cluster_configs/grafana-lifemem.json`` queries those names.
+Grafana dashboard ``cluster_configs/grafana-lifemem.json`` queries those names. Every series
+also carries Ray's own labels (``WorkerId``, ``NodeAddress``, ``SessionName`` ...): sum or max
+over them. Two properties of Ray's exporter shape the rest: a histogram's ``_sum`` is estimated
+from bucket midpoints (quantiles and counts are exact, averages are not), and a gauge series is
+dropped two report intervals after its process last set it, so each process sets its gauges'
+last values again on a timer.
 
 Recording is a no-op where Ray is not initialised in the process: the engine runs without
 Ray, and this module never starts Ray nor imports it (it looks at ``sys.modules``). Tags are
@@ -40,6 +45,9 @@ from .prompts import MEMORY_OPERATIONS, OPERATIONS
 
 __all__ = [
     "CATALOGUE",
+    "EXPORT_PREFIX",
+    "LATENCY_BOUNDARIES",
+    "LATENCY_OPERATIONS",
     "LAYERS",
     "METHODS",
     "MetricSpec",
