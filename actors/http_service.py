@@ -23,6 +23,7 @@ from lifemem_ray.errors import ForbiddenError, InvalidTrajectoryError, LifeMemEr
 from lifemem_ray.model import Trajectory
 from lifemem_ray.principal import Principal
 
+from .deployment import find_coordinator
 from .errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
 from .operations import operations_actor
 
@@ -69,6 +70,8 @@ class FrontService:
         # Adds answered 202 are waited for here, at most max_ongoing_requests at a time per replica.
         self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-add")
         self._waiting = threading.BoundedSemaphore(self.http.max_ongoing_requests)
+        # Reads run here so a request can stop waiting for a shard that is restarting (503).
+        self._readers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-read")
 
     # -- connections ----------------------------------------------------------------------
     def client(self) -> Any:
@@ -91,6 +94,37 @@ class FrontService:
             with self._lock:
                 self._client = None
             raise
+
+    def read(self, fn: Any) -> Any:
+        """``call(fn)``, or :class:`ShardUnavailableError` (503) as soon as a shard is seen
+        restarting (checked every http.restart_probe_s while the read waits) or when it took
+        longer than http.read_timeout_s. Shard calls wait through a restart by themselves; the
+        caller is told to come back instead of hanging (the read finishes in the background)."""
+        future = self._readers.submit(self.call, fn)
+        deadline = time.monotonic() + self.http.read_timeout_s
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(self.http.restart_probe_s, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                down = self._restarting()
+                if down:
+                    raise ShardUnavailableError(f"{', '.join(down)} restarting; what it acknowledged is stored") from None
+                if time.monotonic() >= deadline:
+                    raise ShardUnavailableError(f"the shards did not answer within {self.http.read_timeout_s:g} s "
+                                                "(http.read_timeout_s)") from None
+
+    def _restarting(self) -> list[str]:
+        """Names of the deployment's actors Ray does not report alive (restarting, or dead)."""
+        client = self._client
+        if client is None:
+            return []
+        try:
+            from ray._private.state import actors as actor_table  # the GCS actor table (no dashboard needed)
+
+            named = [("coordinator", client.coordinator), *((f"shard {i}", s) for i, s in enumerate(client.shards))]
+            return [name for name, handle in named if actor_table(handle._actor_id.hex()).get("State") != "ALIVE"]
+        except Exception:  # the table moved in another Ray: rely on read_timeout_s alone
+            return []
 
     def operations(self) -> Any:
         if self._ops is None:
@@ -172,7 +206,7 @@ class FrontService:
                            "(http.max_queries)", "queries", "send fewer queries per request")
         tasks, envs = [q.task for q in queries], [q.env for q in queries]
         try:
-            got = self.call(lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant))
+            got = self.read(lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant))
         except ValueError as exc:
             if isinstance(exc, LifeMemError) and not isinstance(exc, InvalidTrajectoryError):
                 raise
@@ -197,13 +231,13 @@ class FrontService:
         """The key's tenant's figures; ``tenant="*"`` (every tenant) or another tenant needs admin."""
         self._require(principal, "read")
         if tenant in (None, "", principal.tenant):
-            return self.call(lambda c: c.stats(tenant=principal.tenant))
+            return self.read(lambda c: c.stats(tenant=principal.tenant))
         self._require(principal, "admin", f"the stats of {'every tenant' if tenant == '*' else repr(tenant)}")
-        return self.call(lambda c: c.stats(tenant=None if tenant == "*" else tenant))
+        return self.read(lambda c: c.stats(tenant=None if tenant == "*" else tenant))
 
     def clusters(self, principal: Principal, env: str | None) -> dict[str, Any]:
         self._require(principal, "read")
-        got = self.call(lambda c: c.clusters(env, tenant=principal.tenant))
+        got = self.read(lambda c: c.clusters(env, tenant=principal.tenant))
         limit = self.http.max_clusters_listed
         return {"clusters": [c.to_dict() for c in got[:limit]], "total": len(got), "truncated": len(got) > limit}
 
@@ -221,20 +255,26 @@ class FrontService:
 
     # -- health ----------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        """Whether the coordinator and every shard answer a ping within http.health_timeout_s."""
+        """Whether the coordinator and every shard answer a ping within http.health_timeout_s
+        (looked up by name each time, so a shard that is gone shows as such)."""
+        timeout = self.http.health_timeout_s
         try:
-            client = self.client()
-        except Exception as exc:  # no deployment, or Ray cannot reach it: the answer says so
-            with self._lock:
-                self._client = None
+            coordinator = find_coordinator(self.namespace)
+            names = ray.get(coordinator.deployment.remote(), timeout=timeout)["shards"]
+        except Exception as exc:  # no deployment, or its coordinator does not answer: the answer says so
             return {"ok": False, "coordinator": False, "shards": [], "detail": f"{type(exc).__name__}: {exc}"}
-        actors = [client.coordinator, *client.shards]
-        refs = [a.ping.remote() for a in actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.http.health_timeout_s)
+        refs: list[Any] = [coordinator.ping.remote()]
+        for name in names:
+            try:
+                refs.append(ray.get_actor(name, namespace=self.namespace).ping.remote())
+            except ValueError:  # the named actor is gone for good
+                refs.append(None)
+        waiting = [r for r in refs if r is not None]
+        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout)
         alive = []
         for ref in refs:
             ok = False
-            if ref in ready:
+            if ref is not None and ref in ready:
                 try:
                     ray.get(ref, timeout=0)
                     ok = True
@@ -246,6 +286,7 @@ class FrontService:
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=False)
+        self._readers.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _require(principal: Principal, scope: str, what: str = "") -> None:

@@ -363,6 +363,20 @@ def test_mcp_is_mounted_at_mcp_behind_the_same_keys(front):
         assert g.get("/v1/clusters", params={"env": "web_forms"}).json()["total"] == 0
 
 
+def test_a_dead_shard_answers_503_with_retry_after(front):
+    """A shard gone for good (killed without restart; the last test of the deployment but one):
+    reads and /healthz answer 503 with Retry-After, in the one error shape; nothing hangs."""
+    import ray
+
+    ray.kill(front.client.shards[1], no_restart=True)
+    with front.http("acme") as rw:
+        for r in (rw.post("/v1/retrieve", json={"queries": [{"task": "book a flight", "env": "airline"}]}), rw.get("/v1/stats")):
+            err = _error(r, 503)
+            assert err["type"] == "unavailable" and r.headers["retry-after"] == "3" and "retry after 3 s" in err["what_to_do"]
+        health = rw.get("/healthz")
+        assert health.status_code == 503 and health.headers["retry-after"] == "3"
+        assert health.json()["coordinator"] is True and health.json()["shards"] == [True, False]
+
 def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_local):
     """`lifemem-ray serve --http` in front of the running deployment (keys from LIFEMEM_API_KEYS),
     then `lifemem-ray stop`: the deployment and its front door go. Runs last of the Serve tests."""
@@ -379,10 +393,11 @@ def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_l
     assert info["http"]["url"] == front.url and info["http"]["keys"] == 1 and len(info["shards"]) == 2
     with httpx.Client(base_url=front.url, timeout=120) as http:
         deadline = time.monotonic() + 120
-        while http.get("/v1/stats", headers={"Authorization": f"Bearer {key}"}).status_code != 200:  # the new replica takes over
+        # The new replica takes over: its key is known (404: no such operation), the old keys are not.
+        while http.get("/v1/operations/none", headers={"Authorization": f"Bearer {key}"}).status_code != 404:
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        assert http.get("/v1/stats", headers={"Authorization": f"Bearer {front.keys['acme']}"}).status_code == 401
+        assert http.get("/v1/operations/none", headers={"Authorization": f"Bearer {front.keys['acme']}"}).status_code == 401
         other = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(_free_port()), *remote],
                                capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
         assert other.returncode == 1 and "already runs on this cluster with its HTTP proxy at" in other.stderr
