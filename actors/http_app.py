@@ -146,7 +146,7 @@ class FrontDoor:
             route = MCP_PATH if path == MCP_PATH else "other"
         try:
             metrics.count_http(route, scope.get("method", ""), status)
-            if route in _TIMED and scope.get("method") == "POST" and status < 400:
+            if route in _TIMED and scope.get("method") == "POST" and status == 200:  # answered (a 202 is not acknowledged yet)
                 metrics.observe_latency(_TIMED[route], "http", seconds)
         except Exception:  # metrics never fail a request
             log.warning("metrics failed", exc_info=True)
@@ -213,7 +213,7 @@ def _write_routes(app: FastAPI, service: FrontService, principal: Callable[..., 
     async def add_trajectories(body: m.AddRequest, wait: bool | None = Q(None, description="false: answer 202 at once"),
                                who: Principal = Depends(principal)) -> Any:
         """Store a batch; answers per item once the memory acknowledged it (or 202 with ``wait=false``)."""
-        service._require(who, "write")
+        service.require(who, "write")
         trajectories = await run_in_threadpool(service.parse_records, body.trajectories, who)
         if (body.wait if wait is None else wait) is False:
             accepted = await run_in_threadpool(service.add_later, trajectories, who)

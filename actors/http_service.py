@@ -80,7 +80,12 @@ class FrontService:
             if self._client is None:
                 from .client import MemoryClient
 
-                self._client = MemoryClient(self.namespace, self.config)
+                try:
+                    self._client = MemoryClient(self.namespace, self.config)
+                except DeploymentNotFoundError:
+                    raise
+                except ValueError as exc:  # Ray's lookup of a named actor that is gone
+                    raise ShardUnavailableError(f"the deployment in namespace {self.namespace!r} misses an actor: {exc}") from None
             return self._client
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -157,7 +162,7 @@ class FrontService:
 
     def add(self, trajectories: list[Trajectory], principal: Principal) -> list[dict[str, Any]]:
         """Store and wait for the memory's acknowledgement: the per-item results."""
-        self._require(principal, "write")
+        self.require(principal, "write")
         future = self.call(lambda c: c.add_many(trajectories))
         try:
             results = future.result(timeout=self.http.add_timeout_s)
@@ -168,7 +173,7 @@ class FrontService:
 
     def add_later(self, trajectories: list[Trajectory], principal: Principal) -> dict[str, Any]:
         """Accept now; the answer lands in the operations actor (202 + operation id)."""
-        self._require(principal, "write")
+        self.require(principal, "write")
         if not self._waiting.acquire(blocking=False):
             raise OverloadedError(f"this replica already waits for {self.http.max_ongoing_requests} adds; retry later or send with wait=true")
         try:
@@ -194,13 +199,13 @@ class FrontService:
             self._waiting.release()
 
     def operation(self, op: str, principal: Principal) -> dict[str, Any] | None:
-        self._require(principal, "read")
+        self.require(principal, "read")
         return ray.get(self.operations().get.remote(op, principal.tenant), timeout=self.http.health_timeout_s)
 
     # -- reading ---------------------------------------------------------------------------
     def retrieve(self, queries: Sequence[Any], k: int | None, skills: bool, context: bool, full: bool,
                  principal: Principal) -> list[dict[str, Any]]:
-        self._require(principal, "read")
+        self.require(principal, "read")
         if len(queries) > self.http.max_queries:
             raise ApiError(422, "validation_error", f"{len(queries):,} queries in one request, at most {self.http.max_queries:,} "
                            "(http.max_queries)", "queries", "send fewer queries per request")
@@ -229,25 +234,25 @@ class FrontService:
 
     def stats(self, principal: Principal, tenant: str | None) -> dict[str, Any]:
         """The key's tenant's figures; ``tenant="*"`` (every tenant) or another tenant needs admin."""
-        self._require(principal, "read")
+        self.require(principal, "read")
         if tenant in (None, "", principal.tenant):
             return self.read(lambda c: c.stats(tenant=principal.tenant))
-        self._require(principal, "admin", f"the stats of {'every tenant' if tenant == '*' else repr(tenant)}")
+        self.require(principal, "admin", f"the stats of {'every tenant' if tenant == '*' else repr(tenant)}")
         return self.read(lambda c: c.stats(tenant=None if tenant == "*" else tenant))
 
     def clusters(self, principal: Principal, env: str | None) -> dict[str, Any]:
-        self._require(principal, "read")
+        self.require(principal, "read")
         got = self.read(lambda c: c.clusters(env, tenant=principal.tenant))
         limit = self.http.max_clusters_listed
         return {"clusters": [c.to_dict() for c in got[:limit]], "total": len(got), "truncated": len(got) > limit}
 
     # -- deleting --------------------------------------------------------------------------
     def delete(self, trajectory_id: str, principal: Principal) -> bool:
-        self._require(principal, "write")
+        self.require(principal, "write")
         return bool(self.call(lambda c: c.remove([trajectory_id], tenant=principal.tenant)))
 
     def purge(self, tenant: str, principal: Principal) -> int:
-        self._require(principal, "admin", f"purging tenant {tenant!r}")
+        self.require(principal, "admin", f"purging tenant {tenant!r}")
         from lifemem_ray.tenancy import check_tenant
 
         tenant = check_tenant(tenant, "tenant")
@@ -289,7 +294,8 @@ class FrontService:
         self._readers.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
-    def _require(principal: Principal, scope: str, what: str = "") -> None:
+    def require(principal: Principal, scope: str, what: str = "") -> None:
+        """ForbiddenError unless ``principal`` has ``scope`` (admin has every scope)."""
         if not principal.allows(scope):
             raise ForbiddenError(f"key {principal.key_id or '(unnamed)'} of tenant {principal.tenant!r} lacks the {scope!r} scope"
                                  + (f" needed for {what}" if what else "") + "; use a key with that scope")
