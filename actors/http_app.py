@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from lifemem_ray import api_models as m
+from lifemem_ray import metrics
 from lifemem_ray.auth import KeyRing, check_bind
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.errors import ConfigError, LifeMemError
@@ -60,14 +61,6 @@ DEPLOYMENT_NAME = "lifemem-http"
 ROUTE_PREFIX = "/"
 MCP_PATH = "/mcp"
 _TIMED = {"/v1/trajectories": "add", "/v1/retrieve": "retrieve"}  # routes whose latency is observed
-
-
-def _metrics() -> Any:
-    try:
-        from lifemem_ray import metrics
-    except ImportError:  # metrics are optional for the front door
-        return None
-    return metrics
 
 
 class BodyTooLarge(HTTPException):
@@ -137,9 +130,6 @@ class FrontDoor:
 
     @staticmethod
     def _observe(scope: dict, status: int, seconds: float) -> None:
-        metrics = _metrics()
-        if metrics is None:
-            return
         route = getattr(scope.get("route"), "path", None)
         if route is None:
             path = scope.get("path", "")

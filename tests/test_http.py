@@ -46,7 +46,7 @@ class Front:
 
 @pytest.fixture(scope="module")
 def front(ray_local, tmp_path_factory) -> Iterator[Front]:
-    """Serve on a free loopback port, once for the module, shut down at the end."""
+    """Serve (two replicas) on a free loopback port, once for the module, shut down at the end."""
     from ray import serve
 
     from lifemem_ray.actors import deployment as dep
@@ -58,6 +58,7 @@ def front(ray_local, tmp_path_factory) -> Iterator[Front]:
         "cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS,
         "cluster.max_pending": 200, "cluster.overload_timeout_s": 1.0,
         "http.max_body_bytes": MAX_BODY, "http.max_batch_items": 50, "http.max_queries": 8, "http.retry_after_s": 3,
+        "http.replicas": 2,  # operations are polled through either replica
     })
     dep.deploy(tmp_path_factory.mktemp("http") / "store", config, shards=2)
     keys, entries = {}, []
@@ -362,6 +363,48 @@ def test_mcp_is_mounted_at_mcp_behind_the_same_keys(front):
         assert a.post("/v1/trajectories", json={"trajectories": [record]}).json()["items"][0]["status"] == "duplicate"
         assert g.get("/v1/clusters", params={"env": "web_forms"}).json()["total"] == 0
 
+
+def test_answers_and_latencies_reach_rays_prometheus_endpoint(front, ray_metrics_url):
+    """The front door counts every answer by route template, method and status, and observes
+    the latency of acknowledged adds and retrievals (layer http), in the replicas' processes."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> list:
+        body = urllib.request.urlopen(ray_metrics_url, timeout=10).read().decode()
+        return [(x.name, dict(x.labels), x.value) for f in text_string_to_metric_families(body) for x in f.samples]
+
+    def value(samples: list, name: str, labels: tuple) -> float:
+        return sum(v for n, got, v in samples if n == name and all(got.get(k) == want for k, want in labels))
+
+    wanted = [
+        ("ray_lifemem_http_responses_total", (("route", "/v1/retrieve"), ("method", "POST"), ("status", "200"))),
+        ("ray_lifemem_http_responses_total", (("route", "/v1/stats"), ("method", "GET"), ("status", "401"))),
+        ("ray_lifemem_http_responses_total", (("route", "/v1/trajectories/{id}"), ("method", "DELETE"), ("status", "404"))),
+        ("ray_lifemem_latency_seconds_count", (("operation", "add"), ("layer", "http"))),
+        ("ray_lifemem_latency_seconds_count", (("operation", "retrieve"), ("layer", "http"))),
+    ]
+    deadline = time.monotonic() + 90
+    while True:  # the node's metrics agent may still be starting
+        try:
+            before = {w: value(scrape(), *w) for w in wanted}
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(1.0)
+    with front.http("acme") as rw, front.http() as anon:
+        assert rw.post("/v1/trajectories", json={"trajectories": _records(2, 18, "metric")}).status_code == 200
+        assert rw.post("/v1/retrieve", json={"queries": [{"task": "buy a lamp", "env": "shop"}]}).status_code == 200
+        assert anon.get("/v1/stats").status_code == 401
+        assert rw.delete("/v1/trajectories/never-stored").status_code == 404
+    while True:
+        samples = scrape()
+        missing = [w for w in wanted if value(samples, *w) <= before[w]]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"not exported within 90 s: {missing}"
+        time.sleep(1.0)
 
 def test_a_dead_shard_answers_503_with_retry_after(front):
     """A shard gone for good (killed without restart; the last test of the deployment but one):
