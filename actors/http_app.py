@@ -210,7 +210,7 @@ def _write_routes(app: FastAPI, service: FrontService, principal: Callable[..., 
             return JSONResponse(accepted, status_code=202)
         return {"items": await run_in_threadpool(service.add, trajectories, who)}
 
-    @app.delete("/v1/trajectories/{trajectory_id}", response_model=m.DeleteAnswer, tags=["trajectories"],
+    @app.delete("/v1/trajectories/{trajectory_id:path}", response_model=m.DeleteAnswer, tags=["trajectories"],
                 responses={404: {"model": m.ErrorBody}})
     async def delete_trajectory(trajectory_id: str, who: Principal = Depends(principal)) -> Any:
         """Delete one of the key's tenant's trajectories (404 when it holds no such id)."""

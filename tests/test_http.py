@@ -270,6 +270,9 @@ def test_two_tenants_never_see_each_other(front):
         assert a.delete(f"/v1/trajectories/{victim}").json() == {"id": victim, "deleted": True}
         assert _error(a.delete(f"/v1/trajectories/{victim}"), 404)["where"] == "trajectory_id"
         assert a.get("/v1/stats").json()["trajectories"] == sa["trajectories"]  # one added, one deleted
+        slashed = {**_records(1, 19, "slash", envs=["retail"])[0], "id": "runs/2026/ep 7"}  # ids may hold '/' and spaces
+        assert a.post("/v1/trajectories", json={"trajectories": [slashed]}).json()["items"][0]["id"] == "runs/2026/ep 7"
+        assert a.delete("/v1/trajectories/runs/2026/ep%207").json() == {"id": "runs/2026/ep 7", "deleted": True}
         assert g.get("/v1/stats").json()["trajectories"] == sg["trajectories"]  # globex's copy of that id stays
         hits = g.post("/v1/retrieve", json={"queries": [{"task": records[0]["task"], "env": "retail"}], "k": 4}).json()
         assert victim in {h["id"] for h in hits["results"][0]["trajectories"]}
