@@ -234,6 +234,14 @@ def test_wait_false_answers_202_and_the_operation_is_pollable(front):
         assert r.status_code == 202
         assert _error(other.get(f"/v1/operations/{r.json()['operation']}"), 404)["type"] == "not_found"
         assert _error(rw.get("/v1/operations/no-such-operation"), 404)["where"] == "operation"
+        # An add that fails after the 202 (an id stored with other content) reads failed, with the error.
+        changed = {**records[0], "task": records[0]["task"] + " (edited)"}
+        op = rw.post("/v1/trajectories", params={"wait": "false"}, json={"trajectories": [changed]}).json()["operation"]
+        deadline = time.monotonic() + 120
+        while (got := rw.get(f"/v1/operations/{op}").json())["status"] == "pending":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert got["status"] == "failed" and got["items"] is None and got["error"]["type"] == "conflict", got
 
 
 def test_two_tenants_never_see_each_other(front):
