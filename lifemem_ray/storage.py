@@ -611,6 +611,21 @@ class MemoryStore(_Environment):
             seq += 1
         self.put_meta(txn, "next_log", seq)
 
+    def redact_log(self, txn: lmdb.Transaction, id_prefix: str) -> int:
+        """Blank the ``id`` of every log entry whose id starts with ``id_prefix`` (a purged
+        tenant's id keys), keeping the entry's numbers and operation; returns how many."""
+        changed = []
+        cursor = txn.cursor(db=self.db["log"])
+        for key, value in cursor:
+            entry = _unpackb(value)
+            tid = entry.get("id")
+            if isinstance(tid, str) and tid.startswith(id_prefix):
+                entry["id"] = ""
+                changed.append((key, _packb(entry)))
+        for key, value in changed:
+            txn.put(key, value, db=self.db["log"])
+        return len(changed)
+
     def iter_log(self, txn: lmdb.Transaction, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         cursor = txn.cursor(db=self.db["log"])
         if cursor.set_range(pack_u64(start)):

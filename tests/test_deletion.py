@@ -116,6 +116,10 @@ def test_purge_tenant_removes_everything_of_it_only(tmp_path, synthetic):
         assert {c.id: c.count for c in mem.clusters()} == before, "the other tenant is untouched"
         assert mem.stats()["purging"] == []
         assert mem.retrieve(trajs[0].task, None, vector=vecs[0], tenant="acme").trajectories == []
+        with mem.store.read() as txn:
+            logged = [e.get("id", "") for _, e in mem.store.iter_log(txn)]
+        assert not [i for i in logged if i.startswith("acme\x00")], "the log keeps no id of the purged tenant"
+        assert any(i and "\x00" not in i for i in logged), "the other tenant's log entries keep their ids"
         _check(mem)
 
 

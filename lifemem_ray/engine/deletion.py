@@ -11,8 +11,9 @@ vectors (:meth:`EngineState.save_index`), so a cache saved before the removal is
 loaded after it, crash or not.
 
 A purge records its intent (the ``purging`` meta entry) in its own transaction first, then
-removes the tenant's trajectories ``PURGE_CHUNK`` at a time (bounded transactions), then
-clears the intent. :meth:`Deletion.resume` finishes a purge a crash interrupted, at the next
+removes the tenant's trajectories ``PURGE_CHUNK`` at a time (bounded transactions), then,
+in the last one, blanks the tenant's ids in the assignment log, keeps only numbers of its
+retired clusters and clears the intent. :meth:`Deletion.resume` finishes a purge a crash interrupted, at the next
 writable open: an acknowledged purge always completes.
 """
 
@@ -26,7 +27,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
-from ..tenancy import DEFAULT_TENANT, display_envs, id_key
+from ..tenancy import DEFAULT_TENANT, display_envs, id_key, tenant_prefix
 from ..workflow import workflow_summary
 from .state import EngineState
 
@@ -195,6 +196,8 @@ class Deletion:
                     # The last chunk: the intent is cleared in the same transaction.
                     def finish(txn: Any) -> None:
                         _forget_tombstones(s, txn, tenant)
+                        if tenant != DEFAULT_TENANT:  # the assignment log keeps numbers, not the tenant's ids
+                            s.store.redact_log(txn, tenant_prefix(tenant))
                         left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
                         s.store.put_meta(txn, "purging", left)
 
