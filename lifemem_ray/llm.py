@@ -811,7 +811,7 @@ class LLMDecider:
     # -- assign ------------------------------------------------------------------------
 
     def assign(self, requests: Sequence[AssignRequest]) -> list[Assignment | None]:
-        """Batches of ``llm.items_per_call`` items, all batches in flight at once."""
+        """Batches of ``llm.items_per_call`` items of one tenant each, all batches in flight at once."""
         return self.client.run(self._assign(requests))
 
     async def assign_async(self, requests: Sequence[AssignRequest]) -> list[Assignment | None]:
@@ -825,7 +825,10 @@ class LLMDecider:
         if not requests:
             return []
         size = self.config.items_per_call
-        chunks = [list(requests[i : i + size]) for i in range(0, len(requests), size)]
+        by_tenant: dict[str, list[AssignRequest]] = {}
+        for r in requests:  # one prompt never holds two tenants' trajectories or clusters
+            by_tenant.setdefault(r.trajectory.tenant, []).append(r)
+        chunks = [group[i : i + size] for group in by_tenant.values() for i in range(0, len(group), size)]
         answers = await asyncio.gather(*(self._assign_chunk(i, chunk) for i, chunk in enumerate(chunks)))
         merged: dict[int, Assignment | None] = {}
         for answer in answers:

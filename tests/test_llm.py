@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import re
 import threading
@@ -100,13 +101,25 @@ def test_assign_multi_item(stub, make_decider):
 def test_assign_batches_concurrently_within_the_bound(make_decider):
     with OpenAIStub(sensible=True, latency_s=0.2) as stub:
         decider = make_decider(stub, items_per_call=2, concurrency=3, timeout_s=2.0)
-        started = time.monotonic()
         out = decider.assign([request(k, 3) for k in range(12)])
-        elapsed = time.monotonic() - started
     assert all(a is not None and a.cluster_id == 3 for a in out)
     assert len(stub.requests) == 6
     assert stub.max_in_flight == 3  # 6 calls, at most 3 at a time
-    assert 0.4 <= elapsed < 1.0  # two rounds of 0.2 s, not six
+
+
+def test_one_assign_prompt_never_mixes_tenants(make_decider):
+    with OpenAIStub(sensible=True) as stub:
+        decider = make_decider(stub, items_per_call=4)
+        acme = [dataclasses.replace(traj(k, task=f"acme secret task {k}"), tenant="acme") for k in range(3)]
+        reqs = [request(k, 3, trajectory=acme[k // 2] if k % 2 else None) for k in range(6)]  # tenants interleaved
+        out = decider.assign(reqs)
+    assert all(a is not None for a in out)
+    prompts = [user_prompt(body) for body in stub.requests]
+    assert len(prompts) == 2, "3 items of each tenant: one call each, though 4 fit in a call"
+    assert sum("acme secret task" in p for p in prompts) == 1
+    default_tasks = [f"buy a red shirt number {k}\n" for k in (0, 2, 4)]
+    for p in prompts:
+        assert ("acme secret task" in p) != any(t in p for t in default_tasks), p
 
 
 def test_malformed_json_gives_none_and_is_counted(stub, make_decider):
