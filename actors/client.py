@@ -304,12 +304,12 @@ class MemoryClient:
 
     # -- state -----------------------------------------------------------------------------
     def stats(self, tenant: str | None = None) -> MemoryStats:
-        """The deployment's counts (``tenant``: only that tenant's data, without the coordinator's
-        figures; None: everything, with ``per_tenant``)."""
+        """The deployment's counts (``tenant``: only that tenant's own figures, nothing of the
+        deployment as a whole; None: everything, with ``per_tenant``, LLM usage and the
+        coordinator's figures)."""
         if tenant is not None:
             check_tenant(tenant, "tenant")
         shard_stats = ray.get([s.stats.remote(tenant) for s in self.shards])
-        coordinator = ray.get(self.coordinator.stats.remote())
         per_env: dict[str, dict[str, int]] = {}
         per_tenant: dict[str, dict[str, int]] = {}
         for st in shard_stats:
@@ -318,25 +318,30 @@ class MemoryClient:
                     slot = table.setdefault(name, {"trajectories": 0, "clusters": 0})
                     slot["trajectories"] += v["trajectories"]
                     slot["clusters"] += v["clusters"]
-        llm_shards = [st["llm"] for st in shard_stats]
-        coord_usage = coordinator["llm"]
-        coord_calls, coord_tokens = usage_totals(coord_usage)
-        calls = sum(l["calls"] for l in llm_shards) + coord_calls
-        tokens = sum(l["tokens"] for l in llm_shards) + coord_tokens
         out: dict[str, Any] = {
             "trajectories": sum(st["trajectories"] for st in shard_stats),
             "clusters": sum(st["clusters"] for st in shard_stats),
             "pending": sum(st["pending"] for st in shard_stats),
-            "splits": sum(st["splits"] for st in shard_stats),
             "mixed_env_clusters": sum(st["mixed_env_clusters"] for st in shard_stats),
             "per_env": dict(sorted(per_env.items())),
-            "llm": {"calls": calls, "tokens": tokens, "fallbacks": sum(l["fallbacks"] for l in llm_shards), "coordinator": coord_usage},
-            "shards": [{"trajectories": st["trajectories"], "clusters": st["clusters"], "maintenance_queued": st["maintenance_queued"]} for st in shard_stats],
         }
-        if tenant is None:
-            out.update(per_tenant=dict(sorted(per_tenant.items())), coordinator=coordinator)
-        else:
+        if tenant is not None:
             out["tenant"] = tenant
+            out["shards"] = [{"trajectories": st["trajectories"], "clusters": st["clusters"]} for st in shard_stats]
+            return out  # type: ignore[return-value]
+        coordinator = ray.get(self.coordinator.stats.remote())
+        llm_shards = [st["llm"] for st in shard_stats]
+        coord_usage = coordinator["llm"]
+        coord_calls, coord_tokens = usage_totals(coord_usage)
+        out.update(
+            splits=sum(st["splits"] for st in shard_stats),
+            llm={"calls": sum(l["calls"] for l in llm_shards) + coord_calls, "tokens": sum(l["tokens"] for l in llm_shards) + coord_tokens,
+                 "fallbacks": sum(l["fallbacks"] for l in llm_shards), "coordinator": coord_usage},
+            shards=[{"trajectories": st["trajectories"], "clusters": st["clusters"], "maintenance_queued": st["maintenance_queued"]}
+                    for st in shard_stats],
+            per_tenant=dict(sorted(per_tenant.items())),
+            coordinator=coordinator,
+        )
         return out  # type: ignore[return-value]
 
     def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> list[Any]:

@@ -165,11 +165,11 @@ def _stop_local_head() -> str:
     """Stop the Ray head this machine's ``lifemem-ray serve`` started (by its pid), or say why not."""
     import json
     import signal
-    import time
 
     import ray
 
-    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    node = ray._private.worker._global_node
+    session, address = Path(node.get_session_dir_path()), node.address
     marker = session / HEAD_MARKER
     ray.shutdown()
     if not marker.exists():
@@ -179,8 +179,19 @@ def _stop_local_head() -> str:
     try:
         os.kill(pid, signal.SIGTERM)  # ray start --block stops its Ray processes on the way out
     except ProcessLookupError:
-        return "the local Ray head had already stopped"
-    deadline = time.monotonic() + 60
+        said = "the local Ray head had already stopped"
+    else:
+        said = _wait_gone(pid)
+    _forget_current_cluster(address)
+    return said
+
+
+def _wait_gone(pid: int, timeout_s: float = 60.0) -> str:
+    """Wait for the head's ``ray start --block`` to exit; past the timeout, kill its session."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
@@ -188,7 +199,21 @@ def _stop_local_head() -> str:
             return f"stopped the local Ray head (pid {pid})"
         time.sleep(0.5)
     os.killpg(pid, signal.SIGKILL)  # its session: the head and the Ray processes it started, nothing else
-    return f"killed the local Ray head (pid {pid}) after 60 s"
+    return f"killed the local Ray head (pid {pid}) after {timeout_s:.0f} s"
+
+
+def _forget_current_cluster(address: str) -> None:
+    """Remove Ray's "current cluster" file when it names the head just stopped, as `ray stop`
+    does: a stale one makes the next plain ``ray.init()`` try to join the dead cluster. A file
+    naming another cluster is left alone."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    try:
+        if path.read_text().strip() == address:
+            path.unlink()
+    except OSError:  # no file, or not ours to remove
+        pass
 
 
 def _client(args: argparse.Namespace, config: MemoryConfig) -> Any:
@@ -449,14 +474,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         memory.close()
 
     def text() -> str:
+        splits = f"{stats['splits']} splits, " if "splits" in stats else ""
         lines = [
-            f"{stats['trajectories']} trajectories, {stats['clusters']} clusters ({stats['mixed_env_clusters']} mix environments), "
-            f"{stats['splits']} splits, {stats['pending']} pending",
+            (f"tenant {stats['tenant']}: " if "tenant" in stats else "")
+            + f"{stats['trajectories']} trajectories, {stats['clusters']} clusters ({stats['mixed_env_clusters']} mix environments), "
+            f"{splits}{stats['pending']} pending",
         ]
         for env, s in stats["per_env"].items():
             lines.append(f"  {env:<20} {s['trajectories']:>8} trajectories {s['clusters']:>6} clusters")
-        llm = stats["llm"]
-        lines.append(f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, {llm['fallbacks']} fallbacks")
+        llm = stats.get("llm")  # the store's as a whole: not in a tenant's view
+        if llm is not None:
+            lines.append(f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, {llm['fallbacks']} fallbacks")
         return "\n".join(lines)
 
     _emit(args, stats, text)

@@ -26,7 +26,9 @@ __all__ = ["MemoryAPI", "MemoryStats", "ShardProtocol"]
 
 class MemoryStats(TypedDict, total=False):
     """``stats()`` of a memory: these keys from either implementation (a store adds
-    ``path``, ``cluster_sizes``, ``index`` and more; a deployment ``shards`` and ``coordinator``)."""
+    ``path``, ``cluster_sizes``, ``index`` and more; a deployment ``shards`` and ``coordinator``).
+    A tenant's view (``stats(tenant)``) has ``tenant`` and only that tenant's own figures: no
+    ``splits``, ``llm`` or other figure of the store as a whole."""
 
     trajectories: int
     clusters: int
@@ -35,6 +37,7 @@ class MemoryStats(TypedDict, total=False):
     mixed_env_clusters: int
     per_env: dict[str, dict[str, int]]  # env -> {"trajectories": n, "clusters": n}
     llm: dict[str, Any]  # calls, tokens, fallbacks (and backend where one applies)
+    tenant: str  # in a tenant's view only
 
 
 @runtime_checkable

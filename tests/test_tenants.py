@@ -136,6 +136,8 @@ def test_stats_per_tenant(two_tenants):
     assert everything["per_tenant"]["acme"]["trajectories"] == 260 and everything["per_tenant"][DEFAULT_TENANT]["trajectories"] == 200
     acme = mem.stats("acme")
     assert acme["trajectories"] == 260 and acme["tenant"] == "acme" and "per_tenant" not in acme
+    assert not {"path", "llm", "splits", "merges", "maintenance_queued", "generation", "purging"} & set(acme), \
+        "a tenant's view holds nothing of the store as a whole"
     assert sum(v["trajectories"] for v in acme["per_env"].values()) == 260
     assert set(acme["per_env"]) <= {t.env for t in trajs}
     assert all("\x00" not in name for name in acme["index"]["envs"])
@@ -242,6 +244,7 @@ def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):
     assert {c.tenant for c in acme_clusters} == {"acme"} and {c.tenant for c in default_clusters} == {DEFAULT_TENANT}
     assert sum(c.count for c in acme_clusters) + client.stats("acme")["pending"] == 360
     assert client.stats("acme")["trajectories"] == 360 and client.stats()["trajectories"] == 660
+    assert not {"llm", "splits", "coordinator", "per_tenant"} & set(client.stats("acme"))
     assert client.stats()["per_tenant"]["acme"]["trajectories"] == 360
     assert "coordinator" not in client.stats("acme")
 

@@ -22,9 +22,10 @@ class Audit:
         self.s = state
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
-        """What the memory holds; with ``tenant``, only that tenant's trajectories, clusters and
-        environments (the rest is about the store: splits, merges, LLM usage, the queue);
-        without, everything with ``per_tenant`` counts."""
+        """What the memory holds; with ``tenant``, only that tenant's trajectories, clusters,
+        environments and index entries (nothing about the store as a whole: its path, splits,
+        merges, LLM usage and queue are shared by every tenant, so an admin's view); without,
+        everything with ``per_tenant`` counts."""
         s = self.s
         s.refresh()
         with s.lock:
@@ -63,40 +64,22 @@ class Audit:
         if live_usage is not None:
             usage = live_usage
         sizes = sorted((r.count for r in records), reverse=True)
-        return {
-            "path": str(s.path),
+        mine = {
             "trajectories": total if tenant is None else sum(r.count for r in records) + pending_mine,
             "clusters": len(records),
             "pending": len(pending) if tenant is None else pending_mine,
             "per_env": dict(sorted(per_env.items())),
-            **({"per_tenant": dict(sorted(per_tenant.items())), "purging": list(s.store.get_meta("purging", default=[]) or [])}
-               if tenant is None else {"tenant": tenant}),
             "cluster_sizes": {
                 "max": sizes[0] if sizes else 0,
                 "median": sizes[len(sizes) // 2] if sizes else 0,
                 "singletons": sum(1 for n in sizes if n == 1),
             },
             "mixed_env_clusters": sum(1 for r in records if len(r.envs) > 1),
-            "splits": int(counters.get("splits", 0)),
-            # Splits the rule called for where the members showed no structure to split on.
-            "splits_refused": int(counters.get("splits_refused", 0)),
-            "merges": int(counters.get("merges", 0)),
-            "maintenance_queued": todo,
-            "background": {  # where maintenance and index retrains run (a Ray shard always runs both in the background)
-                "maintenance": s.config.evolution.background_maintenance,
-                "index_retrain": s.config.index.background_retrain,
-            },
-            "llm": {
-                "backend": s.config.llm.backend if s.decider is not None else "offline",
-                "calls": sum(int(v.get("calls", 0)) for v in usage.values()),
-                "tokens": sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values()),
-                "fallbacks": int(counters.get("llm_fallbacks", 0)),
-                "decided_offline": int(counters.get("llm_skipped", 0)),
-                "by_operation": usage,
-            },
             "index": s.index.stats() if tenant is None else _index_of(s.index.stats(), tenant),
-            "generation": s.store.generation(),
         }
+        if tenant is not None:  # a tenant's view holds its own figures only: nothing of the store or of other tenants
+            return {"tenant": tenant, **mine}
+        return {"path": str(s.path), **mine, "per_tenant": dict(sorted(per_tenant.items())), **_store_figures(s, counters, usage, todo)}
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Check every invariant against a recomputation from the stored trajectories; ``deep``:
@@ -182,3 +165,28 @@ def _index_of(stats: dict[str, Any], tenant: str) -> dict[str, Any]:
         out["envs"] = {split_scope(name)[1]: v for name, v in envs.items() if scope_tenant(name) == tenant}
         out["ntotal"] = sum(int(v.get("ntotal", 0)) for v in out["envs"].values() if isinstance(v, dict))
     return out
+
+
+def _store_figures(s: EngineState, counters: dict[str, Any], usage: dict[str, Any], todo: int) -> dict[str, Any]:
+    """The figures of the store as a whole (shared by every tenant: an admin's view)."""
+    return {
+        "purging": list(s.store.get_meta("purging", default=[]) or []),
+        "splits": int(counters.get("splits", 0)),
+        # Splits the rule called for where the members showed no structure to split on.
+        "splits_refused": int(counters.get("splits_refused", 0)),
+        "merges": int(counters.get("merges", 0)),
+        "maintenance_queued": todo,
+        "background": {  # where maintenance and index retrains run (a Ray shard always runs both in the background)
+            "maintenance": s.config.evolution.background_maintenance,
+            "index_retrain": s.config.index.background_retrain,
+        },
+        "llm": {
+            "backend": s.config.llm.backend if s.decider is not None else "offline",
+            "calls": sum(int(v.get("calls", 0)) for v in usage.values()),
+            "tokens": sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values()),
+            "fallbacks": int(counters.get("llm_fallbacks", 0)),
+            "decided_offline": int(counters.get("llm_skipped", 0)),
+            "by_operation": usage,
+        },
+        "generation": s.store.generation(),
+    }
