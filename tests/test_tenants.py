@@ -336,3 +336,18 @@ def test_cli_tenants_and_delete_remote(deployment, ray_local, tmp_path):
     write_jsonl(generate(30, seed=3, envs=["shop", "sql"], length_scale=0.1), data)
     _cli_round(["--address", ray_local.get_runtime_context().gcs_address, "--namespace", client.namespace], data)
     assert client.verify()["ok"]
+
+
+def test_in_batch_neighbours_are_of_the_same_tenant():
+    from lifemem_ray.evolution import _earlier_neighbours
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(1, 16)).astype(np.float32)
+    vecs = np.repeat(base, 6, axis=0) + 0.01 * rng.normal(size=(6, 16)).astype(np.float32)
+    tenants = np.asarray([0, 1, 0, 1, 0, 1], dtype=np.int32)
+    _, plain = _earlier_neighbours(vecs, 2, 8)
+    assert {int(j) for j in plain[5] if j >= 0} & {0, 2, 4}, "without tenants, near-identical items of both are neighbours"
+    _, masked = _earlier_neighbours(vecs, 2, 8, tenants)
+    for i in range(6):
+        assert all(tenants[j] == tenants[i] for j in masked[i] if j >= 0)
+    assert sorted(int(j) for j in masked[5] if j >= 0) == [1, 3]
