@@ -202,13 +202,14 @@ def _wait_gone(pid: int, timeout_s: float = 60.0) -> str:
     return f"killed the local Ray head (pid {pid}) after {timeout_s:.0f} s"
 
 
-def _forget_current_cluster(address: str) -> None:
-    """Remove Ray's "current cluster" file when it names the head just stopped, as `ray stop`
-    does: a stale one makes the next plain ``ray.init()`` try to join the dead cluster. A file
-    naming another cluster is left alone."""
-    from ray._common.utils import get_ray_address_file
+def _forget_current_cluster(address: str, path: Path | None = None) -> None:
+    """Remove Ray's "current cluster" file (``path``: Ray's default) when it names the head just
+    stopped, as `ray stop` does: a stale one makes the next plain ``ray.init()`` try to join the
+    dead cluster. A file naming another cluster is left alone."""
+    if path is None:
+        from ray._common.utils import get_ray_address_file
 
-    path = Path(get_ray_address_file(None))
+        path = Path(get_ray_address_file(None))
     try:
         if path.read_text().strip() == address:
             path.unlink()

@@ -218,3 +218,15 @@ def test_a_listening_cluster_that_refuses_us_is_reported_as_an_authentication_fa
     assert f"the token in {tmp_path / '.ray' / 'auth_token'} was not accepted" in _refused("10.0.0.1:6379")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "x")
     assert "RAY_AUTH_TOKEN was not accepted" in _refused("10.0.0.1:6379")
+
+
+def test_stopping_our_head_forgets_rays_current_cluster_file_only_when_it_names_that_head(tmp_path):
+    from lifemem_ray.cli import _forget_current_cluster
+
+    current = tmp_path / "ray_current_cluster"
+    current.write_text("10.0.0.7:6379")
+    _forget_current_cluster("10.0.0.8:6379", current)
+    assert current.read_text() == "10.0.0.7:6379", "another cluster's file stays"
+    _forget_current_cluster("10.0.0.7:6379", current)
+    assert not current.exists(), "the stopped head's file goes, as `ray stop` removes it"
+    _forget_current_cluster("10.0.0.7:6379", current)  # no file: nothing to do
