@@ -204,8 +204,8 @@ def _wait_gone(pid: int, timeout_s: float = 60.0) -> str:
 
 def _forget_current_cluster(address: str, path: Path | None = None) -> None:
     """Remove Ray's "current cluster" file (``path``: Ray's default) when it names the head just
-    stopped, as `ray stop` does: a stale one makes the next plain ``ray.init()`` try to join the
-    dead cluster. A file naming another cluster is left alone."""
+    stopped, as Ray's own stop command does: a stale one makes the next plain ``ray.init()``
+    try to join the dead cluster. A file naming another cluster is left alone."""
     if path is None:
         from ray._common.utils import get_ray_address_file
 

@@ -228,5 +228,5 @@ def test_stopping_our_head_forgets_rays_current_cluster_file_only_when_it_names_
     _forget_current_cluster("10.0.0.8:6379", current)
     assert current.read_text() == "10.0.0.7:6379", "another cluster's file stays"
     _forget_current_cluster("10.0.0.7:6379", current)
-    assert not current.exists(), "the stopped head's file goes, as `ray stop` removes it"
+    assert not current.exists(), "the stopped head's file goes, as Ray's own stop command removes it"
     _forget_current_cluster("10.0.0.7:6379", current)  # no file: nothing to do
