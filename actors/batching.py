@@ -418,6 +418,11 @@ class BatchIngest:
             committed.states.update(states)
             committed.owner.update((cid, shard) for cid in states)
             for pos, result in zip(positions, done):
+                if result.status == "duplicate":
+                    # Sent as new (classified against every shard and the previous batch), yet
+                    # stored with this content: an earlier attempt of this very commit stored it
+                    # (Ray resent the commit to a shard that restarted). It is this request's add.
+                    result = AddResult(result.id, "added", result.cluster_id)
                 placed[fresh[pos]] = result
                 committed.stored[result.id] = (part.fingerprints[pos], result.cluster_id)
                 if result.cluster_id is not None:

@@ -39,7 +39,8 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException
-from starlette.routing import Route
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.routing import Match, Route
 
 from lifemem_ray import api_models as m
 from lifemem_ray import metrics
@@ -49,7 +50,7 @@ from lifemem_ray.errors import ConfigError, LifeMemError
 from lifemem_ray.principal import Principal, acting_as, current
 
 from .http_errors import error_detail, validation_detail
-from .http_service import ApiError, FrontService, unavailable_errors
+from .http_service import ApiError, FrontService, ServiceMemory, unavailable_errors
 from .operations import OPERATIONS_ACTOR, operations_actor
 
 __all__ = ["APP_NAME", "DEPLOYMENT_NAME", "FrontDoor", "build_app", "start_http", "stop_http"]
@@ -60,6 +61,8 @@ APP_NAME = "lifemem"
 DEPLOYMENT_NAME = "lifemem-http"
 ROUTE_PREFIX = "/"
 MCP_PATH = "/mcp"
+PUBLIC_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # no key needed
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")  # Host names a keyless front door answers
 _TIMED = {"/v1/trajectories": "add", "/v1/retrieve": "retrieve"}  # routes whose latency is observed
 
 
@@ -73,11 +76,18 @@ class BodyTooLarge(HTTPException):
 
 class FrontDoor:
     """ASGI middleware around every request: the body limit (Content-Length and the bytes
-    actually streamed), authentication of ``/mcp``, and the metrics (answers by route
+    actually streamed), authentication of every route but :data:`PUBLIC_PATHS` (before the
+    route reads the body), and the metrics (answers by route
     template, method and status; latency of adds and retrievals)."""
 
-    def __init__(self, app: Any, keyring: KeyRing, max_body: int, retry_after_s: int) -> None:
+    def __init__(self, app: Any, keyring: KeyRing, max_body: int, retry_after_s: int, routes: list[Any]) -> None:
         self.app, self.keyring, self.max_body, self.retry_after_s = app, keyring, max_body, retry_after_s
+        self.routes = routes  # the application's routes (the live list: the /mcp route joins it)
+
+    def _needs_key(self, scope: dict) -> bool:
+        if scope.get("path", "") in PUBLIC_PATHS:
+            return False
+        return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
         if scope["type"] != "http":
@@ -113,27 +123,25 @@ class FrontDoor:
                     raise BodyTooLarge(self.max_body)
             return message
 
-        path = scope.get("path", "")
-        if path == MCP_PATH:
-            header = dict(scope.get("headers") or []).get(b"authorization")
-            principal = self.keyring.authenticate(header.decode("latin-1") if header else None)
-            scope.setdefault("state", {})["principal"] = principal
-            with acting_as(principal):
-                await self.app(scope, receiving, send)
+        if not self._needs_key(scope):  # /healthz, the OpenAPI document and docs; an unknown path answers 404
+            await self.app(scope, receiving, send)
             return
-        await self.app(scope, receiving, send)
+        # Before any route reads the body: a request without a valid key costs no parsing.
+        header = dict(scope.get("headers") or []).get(b"authorization")
+        principal = self.keyring.authenticate(header.decode("latin-1") if header else None)
+        scope.setdefault("state", {})["principal"] = principal  # the routes' `principal` dependency
+        with acting_as(principal):  # the MCP tools read it from here
+            await self.app(scope, receiving, send)
 
     async def _answer(self, exc: BaseException, send: Callable[[dict], Awaitable[None]]) -> None:
         code, detail, headers = error_detail(exc, self.retry_after_s)
         response = JSONResponse({"error": detail}, status_code=code, headers=headers)
         await response({"type": "http"}, _no_body, send)
 
-    @staticmethod
-    def _observe(scope: dict, status: int, seconds: float) -> None:
+    def _observe(self, scope: dict, status: int, seconds: float) -> None:
         route = getattr(scope.get("route"), "path", None)
-        if route is None:
-            path = scope.get("path", "")
-            route = MCP_PATH if path == MCP_PATH else "other"
+        if route is None:  # answered here (401, 413) before routing: the template of the route it was for
+            route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "other")
         try:
             metrics.count_http(route, scope.get("method", ""), status)
             if route in _TIMED and scope.get("method") == "POST" and status == 200:  # answered (a 202 is not acknowledged yet)
@@ -153,9 +161,6 @@ def build_app(service: FrontService, keyring: KeyRing) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if mcp is None:
-            yield
-            return
         async with mcp.run():  # the MCP SDK's session manager, for the app's lifetime
             yield
 
@@ -165,23 +170,26 @@ def build_app(service: FrontService, keyring: KeyRing) -> FastAPI:
                   responses={code: {"model": m.ErrorBody} for code in (401, 403, 413, 422, 503)})
 
     async def principal(request: Request) -> Principal:
-        return keyring.authenticate(request.headers.get("authorization"))
+        return request.state.principal  # FrontDoor authenticated the request before the body was read
 
     _error_handlers(app, http.retry_after_s)
     _write_routes(app, service, principal)
     _read_routes(app, service, principal)
-    app.add_middleware(FrontDoor, keyring=keyring, max_body=http.max_body_bytes, retry_after_s=http.retry_after_s)
-    if mcp is not None:  # the exact path (a Mount would redirect /mcp to /mcp/); FrontDoor authenticates it
-        app.router.routes.append(Route(MCP_PATH, endpoint=mcp.asgi, methods=["GET", "POST", "DELETE"]))
+    app.add_middleware(FrontDoor, keyring=keyring, max_body=http.max_body_bytes, retry_after_s=http.retry_after_s, routes=app.router.routes)
+    # The exact path (a Mount would redirect /mcp to /mcp/); FrontDoor authenticates it.
+    app.router.routes.append(Route(MCP_PATH, endpoint=mcp.asgi, methods=["GET", "POST", "DELETE"]))
+    if keyring.mode == "none":  # no keys, so no browser page may reach it under another host name (DNS rebinding)
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_HOSTS))
     return app
 
 
 def _mcp_app(service: FrontService) -> Any:
-    """The MCP server's stateless Streamable HTTP handler over this replica's MemoryClient,
-    acting as the principal FrontDoor set for the request."""
+    """The MCP server's stateless Streamable HTTP handler over this replica's service (the REST
+    routes' timeouts and 503s), acting as the principal FrontDoor set for the request."""
     from lifemem_ray import mcp_server
 
-    return mcp_server.mcp_http(mcp_server.build_mcp_server(service.client, current), max_body_bytes=service.http.max_body_bytes)
+    memory = ServiceMemory(service)
+    return mcp_server.mcp_http(mcp_server.build_mcp_server(lambda: memory, current), max_body_bytes=service.http.max_body_bytes)
 
 
 def _error_handlers(app: FastAPI, retry_after_s: int) -> None:
@@ -216,7 +224,7 @@ def _write_routes(app: FastAPI, service: FrontService, principal: Callable[..., 
         """Delete one of the key's tenant's trajectories (404 when it holds no such id)."""
         if not await run_in_threadpool(service.delete, trajectory_id, who):
             raise ApiError(404, "not_found", f"tenant {who.tenant!r} holds no trajectory {trajectory_id!r}", "trajectory_id",
-                           "check the id (GET /v1/retrieve answers ids)")
+                           "check the id (POST /v1/retrieve answers ids)")
         return {"id": trajectory_id, "deleted": True}
 
     @app.delete("/v1/tenants/{tenant}", response_model=m.PurgeAnswer, tags=["admin"])
@@ -275,6 +283,9 @@ class FrontDoorDeployment:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_app(self.service, self.keyring)
+
+    def __del__(self) -> None:  # Serve calls it when the replica stops: its waiting threads go too
+        self.service.close()
 
 
 def start_http(namespace: str, config: MemoryConfig, keyring: KeyRing, *, host: str | None = None, port: int | None = None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from .deployment import find_coordinator
 from .errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
 from .operations import operations_actor
 
-__all__ = ["ApiError", "FrontService", "split_where", "unavailable_errors"]
+__all__ = ["ApiError", "FrontService", "ServiceMemory", "split_where", "unavailable_errors"]
 
 _PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
 
@@ -82,8 +82,6 @@ class FrontService:
 
                 try:
                     self._client = MemoryClient(self.namespace, self.config)
-                except DeploymentNotFoundError:
-                    raise
                 except ValueError as exc:  # Ray's lookup of a named actor that is gone
                     raise ShardUnavailableError(f"the deployment in namespace {self.namespace!r} misses an actor: {exc}") from None
             return self._client
@@ -113,8 +111,10 @@ class FrontService:
             except concurrent.futures.TimeoutError:
                 down = self._restarting()
                 if down:
+                    future.cancel()  # still queued: never run a read already answered 503
                     raise ShardUnavailableError(f"{', '.join(down)} restarting; what it acknowledged is stored") from None
                 if time.monotonic() >= deadline:
+                    future.cancel()
                     raise ShardUnavailableError(f"the shards did not answer within {self.http.read_timeout_s:g} s "
                                                 "(http.read_timeout_s)") from None
 
@@ -146,30 +146,31 @@ class FrontService:
         out = []
         for i, record in enumerate(records):
             at = f"trajectories[{i}]"
-            if isinstance(record, dict) and "tenant" in record:
-                if record["tenant"] != principal.tenant:
-                    raise ForbiddenError(f"{at}.tenant: {record['tenant']!r} is not the tenant of this key "
-                                         f"({principal.tenant!r}); leave 'tenant' out, the key decides it")
-            if isinstance(record, dict):
-                record = {**record, "tenant": principal.tenant}
             try:
-                out.append(Trajectory.from_dict(record))
+                trajectory = Trajectory.from_dict(record, tenant=principal.tenant)  # a record without a tenant is the key's
             except InvalidTrajectoryError as exc:
                 where, what = split_where(str(exc))
                 where = at if where in (None, "record") else f"{at}.{where}"
                 raise ApiError(422, "validation_error", f"{where}: {what}", where, "fix this field and send the batch again") from None
+            if trajectory.tenant != principal.tenant:
+                raise ForbiddenError(f"{at}.tenant: {trajectory.tenant!r} is not the tenant of this key "
+                                     f"({principal.tenant!r}); leave 'tenant' out, the key decides it")
+            out.append(trajectory)
         return out
 
     def add(self, trajectories: list[Trajectory], principal: Principal) -> list[dict[str, Any]]:
         """Store and wait for the memory's acknowledgement: the per-item results."""
         self.require(principal, "write")
-        future = self.call(lambda c: c.add_many(trajectories))
+        return [r.to_dict() for r in self.acknowledged(trajectories)]
+
+    def acknowledged(self, trajectories: Sequence[Trajectory]) -> list[Any]:
+        """``add_many`` waited for until acknowledged, at most http.add_timeout_s (then 503)."""
+        future = self.call(lambda c: c.add_many(list(trajectories)))
         try:
-            results = future.result(timeout=self.http.add_timeout_s)
+            return future.result(timeout=self.http.add_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise OverloadedError(f"the memory did not acknowledge the add within {self.http.add_timeout_s:g} s "
                                   "(http.add_timeout_s); send the same batch again: ids make retries idempotent") from None
-        return [r.to_dict() for r in results]
 
     def add_later(self, trajectories: list[Trajectory], principal: Principal) -> dict[str, Any]:
         """Accept now; the answer lands in the operations actor (202 + operation id)."""
@@ -178,7 +179,8 @@ class FrontService:
             raise OverloadedError(f"this replica already waits for {self.http.max_ongoing_requests} adds; retry later or send with wait=true")
         try:
             ids = [t.id for t in trajectories]
-            deadline = self.http.add_timeout_s + 60.0
+            # AddFuture.result waits add_timeout_s per attempt and resends up to cluster.add_resends times
+            deadline = self.http.add_timeout_s * (1 + self.config.cluster.add_resends) + 60.0
             op = ray.get(self.operations().create.remote(principal.tenant, ids, deadline), timeout=self.http.health_timeout_s)
             self._waiters.submit(self._finish, op, trajectories, principal)
         except BaseException:
@@ -296,7 +298,26 @@ class FrontService:
     @staticmethod
     def require(principal: Principal, scope: str, what: str = "") -> None:
         """ForbiddenError unless ``principal`` has ``scope`` (admin has every scope)."""
-        if not principal.allows(scope):
-            raise ForbiddenError(f"key {principal.key_id or '(unnamed)'} of tenant {principal.tenant!r} lacks the {scope!r} scope"
-                                 + (f" needed for {what}" if what else "") + "; use a key with that scope")
+        principal.require(scope, what)
 
+
+class ServiceMemory:
+    """The memory calls of the MCP tools (``add_many``, ``retrieve_many``, ``stats``,
+    ``config``) made through a :class:`FrontService`, so MCP over HTTP gets the REST routes'
+    add timeout, restart probe, read timeout and error unwrapping."""
+
+    def __init__(self, service: FrontService) -> None:
+        self.service = service
+
+    @property
+    def config(self) -> MemoryConfig:
+        return self.service.config
+
+    def add_many(self, trajectories: Sequence[Trajectory]) -> list[Any]:
+        return self.service.acknowledged(trajectories)
+
+    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None], k: int | None = None, **options: Any) -> Any:
+        return self.service.read(lambda c: c.retrieve_many(tasks, envs, k, **options))
+
+    def stats(self, tenant: str | None = None) -> Any:
+        return self.service.read(lambda c: c.stats(tenant=tenant))

@@ -141,10 +141,10 @@ class MemoryShard:
         return out
 
     # -- reading -----------------------------------------------------------------------------
-    def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+    def search_records(self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
         return self.engine.search_records(envs, k, vectors, skills)
 
-    def search_hits(self, envs: Sequence[str | None], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.engine.search_hits(envs, k, vectors)
 
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:

@@ -1,5 +1,6 @@
-"""The request and answer shapes of the REST front door (and of the MCP tools): pydantic
-models, so FastAPI checks them and the OpenAPI document describes them.
+"""The request and answer shapes of the REST front door: pydantic models, so FastAPI checks
+them and the OpenAPI document describes them (the MCP tools declare theirs in
+:mod:`lifemem_ray.mcp_server`).
 
 Trajectory records inside a request are checked by the engine's own
 :meth:`~lifemem_ray.model.Trajectory.from_dict` (one set of rules for every entry point);

@@ -12,7 +12,7 @@ clusters than trajectories, so an exact matrix product is cheap.
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,8 @@ class ClusterCentroids:
         self._rows: dict[int, int] = {}
         self._ids = np.empty(0, dtype=np.int64)
         self._matrix = np.empty((0, self.dim), dtype=np.float32)
+        self._tenant_codes: dict[str, int] = {}  # tenant -> small int, for masking rows by tenant
+        self._tenants = np.empty(0, dtype=np.int32)  # per row: its cluster's tenant code (a cluster never changes tenant)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -38,7 +40,7 @@ class ClusterCentroids:
     def update(self, records: Iterable[ClusterRecord]) -> None:
         """Insert or refresh these clusters' centroids; clusters no longer live are dropped."""
         with self._lock:
-            add_ids, add_rows = [], []
+            add_ids, add_rows, add_tenants = [], [], []
             gone = []
             for record in records:
                 if not record.live:
@@ -49,12 +51,14 @@ class ClusterCentroids:
                 if at is None:
                     add_ids.append(record.id)
                     add_rows.append(row)
+                    add_tenants.append(self._tenant_codes.setdefault(record.tenant, len(self._tenant_codes)))
                 else:
                     self._matrix[at] = row
             if add_ids:
                 start = len(self._ids)
                 self._ids = np.concatenate([self._ids, np.asarray(add_ids, dtype=np.int64)])
                 self._matrix = np.vstack([self._matrix, np.stack(add_rows)])
+                self._tenants = np.concatenate([self._tenants, np.asarray(add_tenants, dtype=np.int32)])
                 for offset, cid in enumerate(add_ids):
                     self._rows[cid] = start + offset
             if gone:
@@ -72,25 +76,32 @@ class ClusterCentroids:
         keep[rows] = False
         self._ids = self._ids[keep]
         self._matrix = self._matrix[keep]
+        self._tenants = self._tenants[keep]
         self._rows = {int(c): i for i, c in enumerate(self._ids)}
 
     def query(self, vectors: np.ndarray, workflow_vectors: np.ndarray) -> np.ndarray:
         return np.hstack([self._a * workflow_vectors, self._b * vectors]).astype(np.float32)
 
-    def search(self, queries: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, m: int, tenants: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The ``m`` best-scoring clusters per query (see :meth:`query`), best first, as
-        (ids, scores) arrays of shape (n, min(m, clusters))."""
+        (ids, scores) arrays of shape (n, min(m, clusters)). With ``tenants`` (one per query)
+        only clusters of the query's tenant compete (so another tenant's never take a place);
+        where fewer exist, the rest is id -1 with score -inf."""
         with self._lock:
             n = len(self._ids)
             if n == 0 or m <= 0:
                 return np.zeros((len(queries), 0), np.int64), np.zeros((len(queries), 0), np.float32)
             scores = queries @ self._matrix.T
+            if tenants is not None and len(self._tenant_codes) > 1:
+                wanted = np.asarray([self._tenant_codes.get(t, -1) for t in tenants], dtype=np.int32)
+                scores = np.where(self._tenants[None, :] == wanted[:, None], scores, np.float32(-np.inf))
             m = min(m, n)
             top = np.argpartition(-scores, m - 1, axis=1)[:, :m]
             top_s = np.take_along_axis(scores, top, 1)
             order = np.argsort(-top_s, axis=1)
             top, top_s = np.take_along_axis(top, order, 1), np.take_along_axis(top_s, order, 1)
-            return self._ids[top], top_s.astype(np.float32, copy=False)
+            ids = np.where(np.isfinite(top_s), self._ids[top], -1)
+            return ids, top_s.astype(np.float32, copy=False)
 
 
 def _unit(vec: np.ndarray) -> np.ndarray:

@@ -231,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keyring = _http_keys(args, config) if args.http else None  # refused before anything starts
     if not args.store and not args.http:
         raise CommandError("--store DIR is required (or --http alone, in front of a running deployment)")
-    namespace = _connect(args, config, start_local=True)
+    namespace = _connect(args, config, start_local=bool(args.store))  # --http alone stands in front of a running one
     config = config.replace({"cluster.namespace": namespace})
     if args.store:
         info = deploy(args.store, config, shards=args.shards)
@@ -620,7 +620,6 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     from .mcp_server import run_stdio
     from .memory import Memory
     from .principal import Principal
-    from .tenancy import check_tenant
 
     config = _config(args)
     principal = Principal(check_tenant(args.tenant, "--tenant"), frozenset({"read", "write"}), "stdio")

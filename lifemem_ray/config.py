@@ -246,8 +246,8 @@ class ClusterConfig:
         _positive(self, "shards", "batch_size", "max_pending", "overload_timeout_s", "embedders", "call_timeout_s", "start_timeout_s")
         if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
             raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
-        if not self.namespace:
-            raise ConfigError("cluster.namespace: must not be empty")
+        if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
+            raise ConfigError(f"cluster.namespace: {self.namespace[:80]!r} must be 1-256 printable characters")
 
 
 @dataclass

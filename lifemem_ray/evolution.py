@@ -24,7 +24,7 @@ from .decisions import AssignRequest, Candidate, ClusterView, Decider
 from .model import Trajectory
 from .policy import OfflinePolicy
 from .clusters import MAX_FLOWS, ClusterRecord, add_member, fold_member, new_cluster_record
-from .tenancy import display_envs, id_key, record_tenant, scope, scope_tenant
+from .tenancy import display_envs, id_key, scope, scope_tenant
 
 __all__ = ["MAX_FLOWS", "MAX_PROVISIONAL_CANDIDATES", "BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateArrays", "CandidateSet", "Placement",
            "add_member", "fold_member", "new_cluster_record"]
@@ -384,7 +384,7 @@ class BatchPlanner:
         tenant = scope_tenant(item.env)
         for cid in hits:
             record = work.get(cid) or self.live.get(cid)
-            if record is None or record.count == 0 or record_tenant(record.envs) != tenant:
+            if record is None or record.count == 0 or record.tenant != tenant:
                 continue  # clusters never mix tenants, whatever a search or an earlier item of the batch suggested
             tn, wn = state.norms.of(record)
             ts = float(vec64 @ record.tsum) / tn if tn > 0 else 0.0

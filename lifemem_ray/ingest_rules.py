@@ -90,17 +90,25 @@ def classify_ids(ids: Sequence[str], fingerprints: Sequence[str], stored: Sequen
     for i, (tid, fp, got) in enumerate(zip(ids, fingerprints, stored)):
         if tid in out.first:
             if fingerprints[out.first[tid]] != fp:
-                out.conflicts.append((i, f"trajectory id {tid!r} is repeated in this request with different content"))
+                out.conflicts.append((i, f"trajectory id {_named(tid)} is repeated in this request with different content"))
             continue
         out.first[tid] = i
         if got is None:
             out.fresh.append(i)
         elif got[0] != fp:
             out.results[i] = AddResult(tid, "conflict", got[1])
-            out.conflicts.append((i, f"trajectory id {tid!r} is already stored with different content"))
+            out.conflicts.append((i, f"trajectory id {_named(tid)} is already stored with different content"))
         else:
             out.results[i] = AddResult(tid, "duplicate", got[1])
     return out
+
+
+def _named(key: str) -> str:
+    """An id key as its caller knows it: the id, and the tenant when it is not the default."""
+    from .tenancy import split_scope
+
+    tenant, tid = split_scope(key)
+    return repr(tid) if tid == key else f"{tid!r} of tenant {tenant!r}"
 
 
 def refuse_conflicts(classes: IdClasses, where: str = "") -> None:

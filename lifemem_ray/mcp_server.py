@@ -7,8 +7,8 @@ Three tools, each with a typed (pydantic) result, so ``tools/list`` advertises a
   thought / action / observation, outcome, optional id and metadata), checked by
   :meth:`Trajectory.from_dict`; it answers id, status and cluster after the memory acknowledged it.
 * ``retrieve_experience`` (scope ``read``; annotated read-only and idempotent): the top-k
-  trajectories for a task, rendered and as fields, the skills of their clusters, and the prompt
-  block an agent would get.
+  trajectories for a task as fields, the skills of their clusters, and the prompt block an
+  agent would get (``context``: the trajectories rendered as fenced data, within the token budget).
 * ``memory_stats`` (scope ``read``): the tenant's counts.
 
 The tenant of every call is the acting principal's (``principal_provider()``), never an
@@ -68,12 +68,11 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from .config import MemoryConfig
 from .errors import (AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError,
                      ShardUnavailableError)
 from .model import Trajectory
 from .principal import Principal
-from .retrieval import RetrievedTrajectory, check_retrieve_args
+from .retrieval import RetrievedTrajectory
 
 __all__ = ["McpHttp", "build_mcp_server", "mcp_http", "run_stdio", "streamable_http_app"]
 
@@ -126,7 +125,6 @@ class RetrievedRecord(BaseModel):
     metadata: dict[str, Any]
     score: float = Field(description="cosine similarity of its task to the query task")
     cluster_id: int | None
-    rendered: str = Field(description="the whole trajectory as plain text (Task, Thought/Action/Observation, Outcome)")
 
 
 class SkillRecord(BaseModel):
@@ -189,13 +187,9 @@ class _Tools:
 
     def _acting(self, scope: str) -> Principal:
         try:
-            principal = self._principal()
+            return self._principal().require(scope)
         except (AuthError, ForbiddenError) as exc:
             raise _problem(exc) from None
-        if not principal.allows(scope):
-            raise ToolError(f"not allowed: key {principal.key_id or '(unnamed)'} of tenant {principal.tenant!r} "
-                            f"lacks the {scope!r} scope; use a key with that scope")
-        return principal
 
     def add_trajectory(
         self,
@@ -237,13 +231,11 @@ class _Tools:
         principal = self._acting("read")
         try:
             backend = self._backend()
-            config = getattr(backend, "config", None) or MemoryConfig()
-            check_retrieve_args([task], [env], k, token_budget, config.retrieval)
             got = backend.retrieve_many([task], [env], k, token_budget=token_budget, tenant=principal.tenant)[0]
         except (LifeMemError, ValueError) as exc:
             raise _problem(exc) from None
         return RetrieveAnswer(
-            task=task, env=env, k=k if k is not None else config.retrieval.k,
+            task=task, env=env, k=k if k is not None else backend.config.retrieval.k,
             trajectories=[_record(hit) for hit in got.trajectories],
             skills=[SkillRecord(cluster_id=s.cluster_id, text=s.text) for s in got.skills],
             context=got.context, tokens=got.tokens,
@@ -268,7 +260,7 @@ def _record(hit: RetrievedTrajectory) -> RetrievedRecord:
         id=hit.id, env=hit.env, task=t.task, initial_observation=t.initial_observation,
         steps=[StepRecord(thought=s.thought, action=s.action, observation=s.observation) for s in t.steps],
         outcome=OutcomeRecord(success=t.outcome.success, reward=t.outcome.reward), metadata=dict(t.metadata),
-        score=float(hit.score), cluster_id=hit.cluster_id, rendered=t.render(),
+        score=float(hit.score), cluster_id=hit.cluster_id,
     )
 
 

@@ -154,7 +154,8 @@ CATALOGUE: dict[str, MetricSpec] = {
     for spec in (
         MetricSpec("lifemem_latency_seconds", "histogram",
                    "Seconds an add or retrieve call took until it answered (one observation per call, a batch or one "
-                   "item; errors are not observed): engine = Memory in process, client = MemoryClient until the add "
+                   "item; errors are not observed): engine = the engine's own work (Memory.add_many / retrieve_many in "
+                   "process; in a deployment each shard's commit and search), client = MemoryClient until the add "
                    "is acknowledged, http = the REST front door",
                    (Tag("operation", LATENCY_OPERATIONS), Tag("layer", LAYERS)), LATENCY_BOUNDARIES),
         MetricSpec("lifemem_http_responses_total", "counter", "HTTP answers of the front door by route template, method and status",
@@ -194,6 +195,8 @@ def enabled() -> bool:
 
 
 def _tags(spec: MetricSpec, values: tuple[str, ...]) -> dict[str, str]:
+    if len(values) != len(spec.tags):
+        raise MetricTagError(f"metric {spec.name}: {len(values)} tag values for the tags {list(spec.tag_keys)}")
     for tag, value in zip(spec.tags, values):
         if not isinstance(value, str) or not tag.admits(value):
             raise MetricTagError(f"metric {spec.name}: tag {tag.key}={value!r} is not one of {tag.describe()}")

@@ -34,6 +34,16 @@ class Principal:
     def allows(self, scope: str) -> bool:
         return scope in self.scopes or "admin" in self.scopes
 
+    def require(self, scope: str, what: str = "") -> "Principal":
+        """This principal if its key has ``scope``, else :class:`ForbiddenError` naming the key,
+        the scope and (``what``) the operation. The one scope check of REST, MCP and the rest."""
+        if scope not in SCOPES:
+            raise ValueError(f"scope: {scope!r} is not one of {SCOPES}")
+        if not self.allows(scope):
+            raise ForbiddenError(f"key {self.key_id or '(unnamed)'} of tenant {self.tenant!r} lacks the {scope!r} scope"
+                                 + (f" needed for {what}" if what else "") + "; use a key with that scope")
+        return self
+
 
 _current: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("lifemem_principal", default=None)
 
@@ -58,10 +68,4 @@ def current() -> Principal:
 
 def require(scope: str) -> Principal:
     """The running principal if its key has ``scope``, else :class:`ForbiddenError` naming the scope."""
-    if scope not in SCOPES:
-        raise ValueError(f"scope: {scope!r} is not one of {SCOPES}")
-    got = current()
-    if not got.allows(scope):
-        raise ForbiddenError(f"key {got.key_id or '(unnamed)'} of tenant {got.tenant!r} lacks the {scope!r} scope; "
-                             "use a key with that scope")
-    return got
+    return current().require(scope)

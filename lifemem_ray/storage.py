@@ -611,15 +611,17 @@ class MemoryStore(_Environment):
             seq += 1
         self.put_meta(txn, "next_log", seq)
 
-    def redact_log(self, txn: lmdb.Transaction, id_prefix: str) -> int:
-        """Blank the ``id`` of every log entry whose id starts with ``id_prefix`` (a purged
-        tenant's id keys), keeping the entry's numbers and operation; returns how many."""
+    def redact_log(self, txn: lmdb.Transaction, tenant: str) -> int:
+        """Blank the ``id`` of every log entry naming one of ``tenant``'s id keys (a purged
+        tenant's), keeping the entry's numbers and operation; returns how many."""
+        from .tenancy import scope_tenant
+
         changed = []
         cursor = txn.cursor(db=self.db["log"])
         for key, value in cursor:
             entry = _unpackb(value)
             tid = entry.get("id")
-            if isinstance(tid, str) and tid.startswith(id_prefix):
+            if isinstance(tid, str) and tid and scope_tenant(tid) == tenant:
                 entry["id"] = ""
                 changed.append((key, _packb(entry)))
         for key, value in changed:

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 from .errors import TenantError
 
 __all__ = [
-    "DEFAULT_TENANT", "SEP", "caller_id", "check_tenant", "display_envs", "id_key", "id_tenant", "is_pool", "pool", "record_tenant",
+    "DEFAULT_TENANT", "SEP", "caller_id", "check_tenant", "display_envs", "id_key", "is_pool", "pool", "record_tenant",
     "scope", "scope_tenant", "search_targets", "split_scope", "tenant_prefix",
 ]
 
@@ -81,8 +81,6 @@ def scope_tenant(key: str) -> str:
     """The tenant of a scope or id key."""
     return key.partition(SEP)[0] if SEP in key else DEFAULT_TENANT
 
-
-id_tenant = scope_tenant
 
 
 def caller_id(key: str) -> str:

@@ -133,3 +133,55 @@ def test_keys_new_command_prints_a_key_and_an_entry_that_the_server_accepts(tmp_
     bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,root"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 1 and "--scopes: unknown scope(s) ['root']" in bad.stderr
+
+
+class _NoMemory:
+    """A front service without a deployment: what build_app needs to build its routes."""
+
+    def __init__(self) -> None:
+        from lifemem_ray.config import MemoryConfig
+
+        self.config = MemoryConfig()
+        self.http = self.config.http
+        self.body_parsed = False
+
+    def require(self, principal, scope, what=""):
+        principal.require(scope, what)
+
+    def retrieve(self, *args):
+        self.body_parsed = True
+        return []
+
+    def health(self):
+        return {"ok": True, "coordinator": True, "shards": [], "detail": None}
+
+
+def _front_app(mode: str, entries=()):
+    from fastapi.testclient import TestClient
+
+    from lifemem_ray.actors.http_app import build_app
+
+    service = _NoMemory()
+    return service, TestClient(build_app(service, KeyRing.from_entries(list(entries), mode)))
+
+
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read():
+    key, entry = new_key("acme", "read")
+    service, client = _front_app("keys", [entry.to_dict()])
+    with client:
+        r = client.post("/v1/retrieve", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), r.text
+        r = client.post("/v1/retrieve", content=b"{not json", headers={"content-type": "application/json", "authorization": "Bearer lmk_wrong"})
+        assert r.status_code == 401
+        assert client.get("/healthz").status_code == 200 and client.get("/openapi.json").status_code == 200
+        assert client.get("/v1/nothing-here").status_code == 404
+        r = client.post("/v1/retrieve", json={"queries": [{"task": "t"}]}, headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and service.body_parsed
+
+
+def test_a_keyless_front_door_answers_loopback_host_names_only():
+    _, client = _front_app("none")
+    with client:
+        assert client.get("/healthz", headers={"host": "127.0.0.1:8000"}).status_code == 200
+        assert client.get("/healthz", headers={"host": "localhost:8000"}).status_code == 200
+        assert client.get("/healthz", headers={"host": "attacker.example:8000"}).status_code == 400, "DNS rebinding"

@@ -261,3 +261,24 @@ def test_the_client_offers_the_engines_user_operations():
         assert ours == engine[: len(ours)] and all(
             p.default is not inspect.Parameter.empty for p in list(inspect.signature(getattr(Memory, name)).parameters.values())[len(ours):]
         ), (name, ours, engine)
+
+
+class _ResentCommits(LocalShards):
+    """Every commit runs twice and answers the second time: the first attempt committed, its
+    answer was lost with a shard that restarted, and Ray sent the commit again."""
+
+    async def commit(self, shard, batch, placements, counters):
+        await super().commit(shard, batch, placements, counters)
+        return await super().commit(shard, batch, placements, counters)
+
+
+def test_a_resent_commit_reports_its_items_added_and_counts_them(cluster, data):
+    trajs, vecs = data
+    config = make_config()
+    local, routing = cluster(config)
+    shards = _ResentCommits(local.shards)
+    ingest = BatchIngest(config, shards, routing, DIM)
+    first, second = asyncio.run(ingest_serially(ingest, config, [[(trajs[:40], vecs[:40])], [(trajs[40:80], vecs[40:80])]]))
+    assert {r.status for r in second[0]} == {"added"}, "every id was new: the request's first attempt stored it"
+    assert sum(len(s.memory) for s in shards.shards) == 80
+    assert sum(ingest.loads) == sum(len(s.memory) for s in shards.shards) - sum(1 for r in first[0] if r.status != "added")

@@ -282,3 +282,17 @@ def test_removals_through_ray_survive_a_shard_sigkill(deployment, synthetic):
     assert not set(victims) & {h.id for r in got for h in r.trajectories}
     report = client.verify()
     assert report["ok"], [s["problems"][:3] for s in report["shards"]]
+
+
+def test_purging_the_default_tenant_blanks_its_ids_in_the_log_only(tmp_path, synthetic):
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        assert mem.purge_tenant(DEFAULT_TENANT) == 200
+        with mem.store.read() as txn:
+            logged = [e.get("id", "") for _, e in mem.store.iter_log(txn)]
+        assert not [i for i in logged if i and "\x00" not in i], "the log keeps no id of the purged default tenant"
+        assert any(i.startswith("acme\x00") for i in logged), "acme's entries keep their ids"
+        assert mem.stats("acme")["trajectories"] == 300
+        _check(mem)
+

@@ -104,7 +104,8 @@ def test_stdio_server_adds_retrieves_and_reports_errors(tmp_path):
             assert target.id in hits and hits[target.id]["score"] > 0.99
             first = hits[target.id]
             assert [s["action"] for s in first["steps"]] == [s.action for s in target.steps]
-            assert first["rendered"].startswith("Task: ") and target.steps[0].action in first["rendered"]
+            assert f"Task: {target.task}" in got["context"] and target.steps[0].action in got["context"]
+            assert "rendered" not in first, "the rendered text is the context's, within its token budget: not sent twice"
             assert got["context"] and got["k"] == 3
 
             stats = _structured(await client.call_tool("memory_stats", {}), tools["memory_stats"])

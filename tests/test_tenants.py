@@ -351,3 +351,26 @@ def test_in_batch_neighbours_are_of_the_same_tenant():
     for i in range(6):
         assert all(tenants[j] == tenants[i] for j in masked[i] if j >= 0)
     assert sorted(int(j) for j in masked[5] if j >= 0) == [1, 3]
+
+
+def test_centroid_candidates_are_of_the_query_tenant():
+    """Another tenant's clusters never take a centroid candidate's place (at ingest and merge)."""
+    from lifemem_ray.centroids import ClusterCentroids
+    from lifemem_ray.clusters import ClusterRecord
+
+    rng = np.random.default_rng(1)
+    base = rng.normal(size=8)
+
+    def record(cid: int, tenant: str, jitter: float) -> ClusterRecord:
+        vec = base + jitter * rng.normal(size=8)
+        return ClusterRecord(id=cid, count=3, tsum=vec, wsum=np.ones(4), envs={scope(tenant, "web"): 3})
+
+    centroids = ClusterCentroids(8, 4, 0.5)
+    centroids.update([record(1, "acme", 0.01), record(2, "acme", 0.02), record(3, DEFAULT_TENANT, 0.5)])
+    query = centroids.query((base / np.linalg.norm(base))[None, :].astype(np.float32), (np.ones(4) / 2)[None, :].astype(np.float32))
+    ids, _ = centroids.search(query, 2)
+    assert set(ids[0].tolist()) == {1, 2}, "unmasked, the nearest clusters win whoever's they are"
+    ids, scores = centroids.search(query, 2, [DEFAULT_TENANT])
+    assert ids[0].tolist() == [3, -1] and scores[0][1] == -np.inf
+    ids, _ = centroids.search(query, 2, ["nobody"])
+    assert ids[0].tolist() == [-1, -1]

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
-from ..tenancy import DEFAULT_TENANT, display_envs, id_key, tenant_prefix
+from ..tenancy import DEFAULT_TENANT, display_envs, id_key
 from ..workflow import workflow_summary
 from .state import EngineState
 
@@ -196,8 +196,7 @@ class Deletion:
                     # The last chunk: the intent is cleared in the same transaction.
                     def finish(txn: Any) -> None:
                         _forget_tombstones(s, txn, tenant)
-                        if tenant != DEFAULT_TENANT:  # the assignment log keeps numbers, not the tenant's ids
-                            s.store.redact_log(txn, tenant_prefix(tenant))
+                        s.store.redact_log(txn, tenant)  # the assignment log keeps numbers, not the tenant's ids
                         left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
                         s.store.put_meta(txn, "purging", left)
 

@@ -105,8 +105,7 @@ class Ingest:
         with s.lock:
             if n and evo.centroid_candidates:
                 combined = s.centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
-                extra_ids, extra_scores = s.centroids.search(combined, evo.centroid_candidates)
-                extra_ids, extra_scores = self._same_tenant(extra_ids, extra_scores, envs)
+                extra_ids, extra_scores = s.centroids.search(combined, evo.centroid_candidates, [scope_tenant(e) for e in envs])
             if n and (evo.neighbour_scope == "env" or len(s.index)):
                 # "global": every environment of the item's tenant (never another tenant's)
                 targets = envs if evo.neighbour_scope == "env" else [pool(scope_tenant(e)) for e in envs]
@@ -119,15 +118,6 @@ class Ingest:
             named = np.unique(np.concatenate([ids.ravel(), extra_ids.ravel()])).tolist()
             clusters = {cid: s.clusters[cid] for cid in named if cid in s.clusters}
         return CandidateArrays(ids, scores, extra_ids, extra_scores, clusters)
-
-    def _same_tenant(self, cids: np.ndarray, scores: np.ndarray, envs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Centroid candidates of another tenant than the item's are dropped (id -1, score -inf)."""
-        tenant_of = {cid: (r.tenant if (r := self.s.clusters.get(cid)) is not None else None) for cid in np.unique(cids).tolist()}
-        tenants = [scope_tenant(e) for e in envs]
-        if len(set(tenants)) == 1 and set(tenant_of.values()) <= {tenants[0], None}:
-            return cids, scores  # one tenant only (the usual case): nothing to drop
-        keep = np.asarray([[tenant_of.get(c) == t for c in row] for row, t in zip(cids.tolist(), tenants)], dtype=bool).reshape(cids.shape)
-        return np.where(keep, cids, -1), np.where(keep, scores, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def _clusters_of(self, vids: np.ndarray) -> np.ndarray:
         """The live cluster of each vid (-1: none); each distinct vid looked up once

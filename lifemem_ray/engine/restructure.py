@@ -200,7 +200,7 @@ class Restructure:
             if record is None:
                 return False
             row = s.centroids.query(_unit(record.tsum)[None, :], _unit(record.wsum)[None, :])
-            ids, _ = s.centroids.search(row, evo.merge_candidates + 1)
+            ids, _ = s.centroids.search(row, evo.merge_candidates + 1, [record.tenant])
             for other_id in ids[0].tolist():
                 other = s.clusters.get(int(other_id))
                 if other is None or other.id == cid or set(other.envs) != set(record.envs):

@@ -38,7 +38,7 @@ class Search:
         with paused_gc():
             return [assemble(task, env, hits, texts, k, retrieval.max_skills, budget) for task, env, (hits, texts) in zip(tasks, envs, found)]
 
-    def search_records(self, vectors: Any, envs: Sequence[str | None], k: int, *, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+    def search_records(self, vectors: Any, envs: Sequence[str], k: int, *, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
         """Per query: the top-k hits as (score, cluster id, stored record bytes) and the skills
         of their clusters. What a shard returns to a client that merges several shards: the
         records travel undecoded and only the merged winners are decoded."""
@@ -59,7 +59,7 @@ class Search:
             out.append((hits, texts))
         return out
 
-    def search_hits(self, vectors: Any, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_hits(self, vectors: Any, envs: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(scores (q, k), ids (q, k))`` of each query's top-k, padded with -inf / -1: the first
         half of a sharded retrieval, which fetches records only for the winners across shards."""
         self.s.check_open()
@@ -74,12 +74,7 @@ class Search:
         self.s.refresh()
         if not envs:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
-        return self._search(queries, envs, k)
-
-    def _search(self, queries: np.ndarray, envs: Sequence[str | None], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k per query within its scope, pooled over a tenant's scopes, or over everything (None)."""
         return search_index(self.s.index, queries, envs, k)
-
 
     def hit_records(self, ids: Any, *, skills: bool = True) -> tuple[list[tuple[int | None, bytes] | None], dict[int, str]]:
         """Per id: ``(cluster id, stored record bytes)``, or None where it is not stored (padding,
@@ -107,14 +102,18 @@ class Search:
         return out, texts
 
 
-def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str | None], k: int, *,
+def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str], k: int, *,
                    nprobe_fraction: float = 1.0, max_codes: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k per query within its target: a scope (:func:`lifemem_ray.tenancy.scope`), a tenant's
-    pool (:func:`lifemem_ray.tenancy.pool`: every scope of that tenant) or None (every scope of
-    every tenant: only for callers that are not a tenant's query). ``nprobe_fraction`` and
+    """Top-k per query within its target: a scope (:func:`lifemem_ray.tenancy.scope`) or a
+    tenant's pool (:func:`lifemem_ray.tenancy.pool`: every scope of that tenant). There is no
+    "every tenant" target: a search is always some tenant's. ``nprobe_fraction`` and
     ``max_codes`` apply to scoped searches (see :meth:`VectorIndex.search_envs`)."""
     targets = list(targets)
-    scoped = [i for i, t in enumerate(targets) if t is not None and not is_pool(t)]
+    for i, t in enumerate(targets):
+        if not isinstance(t, str):
+            raise ValueError(f"targets[{i}]: {t!r} is not a search target; give a scope (tenancy.scope) or a tenant's "
+                             "pool (tenancy.pool, for every environment of one tenant)")
+    scoped = [i for i, t in enumerate(targets) if not is_pool(t)]
     if len(scoped) == len(targets):
         return index.search_envs(queries, k, targets, nprobe_fraction=nprobe_fraction, max_codes=max_codes)
     scores = np.full((len(targets), k), -np.inf, dtype=np.float32)
@@ -122,12 +121,11 @@ def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str 
     if scoped:
         scores[scoped], ids[scoped] = index.search_envs(queries[scoped], k, [targets[i] for i in scoped],  # type: ignore[misc]
                                                         nprobe_fraction=nprobe_fraction, max_codes=max_codes)
-    groups: dict[str | None, list[int]] = {}
+    groups: dict[str, list[int]] = {}
     for i, t in enumerate(targets):
-        if t is None or is_pool(t):
+        if is_pool(t):
             groups.setdefault(t, []).append(i)
     for target, rows in groups.items():
-        tenant = None if target is None else target[:-1]
-        among = None if tenant is None else (lambda name, tenant=tenant: scope_tenant(name) == tenant)
-        scores[rows], ids[rows] = index.search(queries[rows], k, among=among)
+        tenant = target[:-1]
+        scores[rows], ids[rows] = index.search(queries[rows], k, among=lambda name, tenant=tenant: scope_tenant(name) == tenant)
     return scores, ids

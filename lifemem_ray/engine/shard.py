@@ -5,11 +5,13 @@ store (:class:`lifemem_ray.protocols.ShardProtocol`), in process. The Ray actor
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .. import metrics
 from ..clusters import ClusterInfo, ClusterRecord
 from ..evolution import CandidateArrays, ItemBatch, Placement
 from ..ingest_rules import AddResult
@@ -55,6 +57,7 @@ class EngineShard:
         """Store the coordinator's decisions; return the results and the states of the clusters
         they went to. Idempotent: items already here are reported, not stored again (the
         coordinator refused conflicts before deciding; one that raced in is reported)."""
+        started = time.perf_counter()
         self._state.check_writable()
         self.check_features(batch.features)
         items = batch.items()
@@ -64,13 +67,17 @@ class EngineShard:
             placed = self._ingest.commit([items[i] for i in classes.fresh], [placements[i] for i in classes.fresh], counters=counters)
         self._state.schedule()  # maintenance (splits, skills) for what just changed
         done = classes.complete(placed)
+        metrics.observe_latency("add", "engine", time.perf_counter() - started)
         return done, self.cluster_states(r.cluster_id for r in done if r.cluster_id is not None)
 
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the
         initial partition exists, all go to one shard through here)."""
+        started = time.perf_counter()
         self.check_features(batch.features)
-        return self._ingest.add_items(batch.items())
+        out = self._ingest.add_items(batch.items())
+        metrics.observe_latency("add", "engine", time.perf_counter() - started)
+        return out
 
     def cluster_states(self, cluster_ids: Any) -> dict[int, ClusterRecord]:
         """Copies of these clusters' live states (those still live): what a coordinator plans
@@ -80,11 +87,17 @@ class EngineShard:
             return {cid: s.clusters[cid].copy() for cid in set(cluster_ids) if cid in s.clusters}
 
     # -- reading -----------------------------------------------------------------------------
-    def search_records(self, envs: Sequence[str | None], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
-        return self._search.search_records(vectors, envs, k, skills=skills)
+    def search_records(self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+        started = time.perf_counter()
+        out = self._search.search_records(vectors, envs, k, skills=skills)
+        metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
+        return out
 
-    def search_hits(self, envs: Sequence[str | None], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self._search.search_hits(vectors, envs, k)
+    def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        started = time.perf_counter()
+        out = self._search.search_hits(vectors, envs, k)
+        metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
+        return out
 
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
         return self._search.hit_records(ids, skills=skills)

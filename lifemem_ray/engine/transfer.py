@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from ..clusters import ClusterInfo, ClusterRecord
 from ..errors import StoreError
 from ..storage import ID_SEQ_BITS, MemoryStore, RawItem
+from ..tenancy import scope_tenant
 from .state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Transfer"]
@@ -57,13 +58,19 @@ class Transfer:
             list[tuple[ClusterRecord, list[int]]], list[int], bool, dict[str, Any]]:
         with src.read() as stxn:
             wanted = list(cluster_ids) if cluster_ids is not None else [r.id for r in src.iter_clusters(stxn) if r.live]
+            # A snapshot taken between two transactions of a tenant purge holds part of that
+            # tenant and the intent: the purge was acknowledged, so none of it comes back.
+            purging = set(src.get_meta("purging", stxn) or [])
             records = []
             for cid in wanted:
                 record = src.get_cluster(stxn, cid)
                 if record is None or not record.live:
                     raise StoreError(f"{source}: cluster {cid} is not a live cluster there")
-                records.append((record, src.members(stxn, cid)))
+                if record.tenant not in purging:
+                    records.append((record, src.members(stxn, cid)))
             pending = list(src.get_meta("pending", stxn) or []) if include_pending else []
+            if purging:
+                pending = [v for v in pending if (b := src.brief(stxn, v)) is not None and scope_tenant(b.env) not in purging]
             return records, pending, bool(src.get_meta("initialised", stxn)), src.get_meta("counters", stxn, {}) or {}
 
     def _copy_items(self, src: MemoryStore, source: Any, part: list[tuple[int | None, int]]) -> int:
