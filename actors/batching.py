@@ -34,7 +34,7 @@ import numpy as np
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.decisions import Decider
 from lifemem_ray.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
-from lifemem_ray.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement, top_k_rows
+from lifemem_ray.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement, ScopeSums, top_k_rows
 from lifemem_ray.ingest_rules import AddResult, IdClasses, caller_results, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from lifemem_ray.memory import WORKFLOW_DIM
 from lifemem_ray.policy import OfflinePolicy
@@ -136,6 +136,7 @@ class Committed:
 
     stored: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # id -> (fingerprint, cluster)
     vecs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # the added trajectories
+    wvecs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # their workflow vectors
     envs: list[str] = field(default_factory=list)
     clusters: list[int] = field(default_factory=list)  # their clusters
     states: dict[int, ClusterRecord] = field(default_factory=dict)  # the touched clusters after the commit
@@ -371,14 +372,15 @@ class BatchIngest:
         """One plan for the batch, as the engine makes it; ``overlap`` runs while it is made."""
         merged, owner_of = found
         if previous is not None:
-            absorb_previous(part, merged, owner_of, previous, self.config.evolution.top_k, self.config.evolution.max_provisional_candidates)
+            absorb_previous(part, merged, owner_of, previous, self.config.evolution.top_k, self.config.evolution.max_provisional_candidates,
+                            count_scopes=self.config.policy.env_contrast > 0)
         t0 = time.perf_counter()
         self.routing.set(owner_of.items())
         planner = make_planner(merged.clusters, self.policy, self.config, self.dim, WORKFLOW_DIM, self.decider)
         extra = [[c for c, _ in row] for row in merged.extra]
         pending = overlap() if overlap is not None else None  # e.g. the next batch's lookups
         # Planning is CPU work (and LLM calls): off the event loop, so requests keep queueing.
-        plan = await asyncio.to_thread(planner.plan, part.items(), merged.neighbours, 0, extra)
+        plan = await asyncio.to_thread(planner.plan, part.items(), merged.neighbours, 0, extra, merged.scopes)
         if pending is not None:
             await asyncio.wait([asyncio.ensure_future(pending)])  # its lookups must not see this batch half-committed
         self.stage_seconds["plan"] += time.perf_counter() - t0
@@ -432,6 +434,7 @@ class BatchIngest:
                     added_rows.append(pos)
                     committed.note_added(result.cluster_id, part.envs[pos], opened=plan.placements[pos].cluster < 0)
         committed.vecs = part.vecs[added_rows]
+        committed.wvecs = part.wvecs[added_rows]
         committed.envs = [part.envs[p] for p in added_rows]
         self.routing.set(new_routes)
         self.routing.put_meta("shard_loads", self.loads)
@@ -485,20 +488,30 @@ def concat_batches(batches: list[ItemBatch]) -> ItemBatch:
 
 def select_rows(found: Found, rows: list[int]) -> Found:
     merged, owner_of = found
-    return CandidateSet([merged.neighbours[r] for r in rows], [merged.extra[r] for r in rows], merged.clusters), owner_of
+    return CandidateSet([merged.neighbours[r] for r in rows], [merged.extra[r] for r in rows], merged.clusters, merged.scopes), owner_of
 
 
-def absorb_previous(part: ItemBatch, merged: CandidateSet, owner_of: dict[int, int], previous: Committed, k: int, max_provisional: int) -> None:
+def absorb_previous(part: ItemBatch, merged: CandidateSet, owner_of: dict[int, int], previous: Committed, k: int, max_provisional: int,
+                    count_scopes: bool = False) -> None:
     """Make candidates looked up before the previous batch's commit as if looked up after it.
 
     The previous batch's trajectories join each item's neighbours (exact search within the
     environment), the clusters it touched are planned with their committed states, and
     the clusters it opened in an item's environment become candidates, as clusters opened
     earlier in the same batch are (at most ``max_provisional``, the latest). The result is
-    what one batch twice the size would see.
+    what one batch twice the size would see. With ``count_scopes`` (``policy.env_contrast``
+    on, so the shards reported their environments' sums) those sums gain the previous
+    batch's trajectories.
     """
     merged.clusters.update(previous.states)
     owner_of.update(previous.owner)
+    if count_scopes and len(previous.envs):
+        for row, env in enumerate(previous.envs):
+            sums = merged.scopes.get(env)
+            if sums is None:
+                merged.scopes[env] = ScopeSums(1, previous.vecs[row].astype(np.float64), previous.wvecs[row].astype(np.float64))
+            else:
+                sums.add(ScopeSums(1, previous.vecs[row], previous.wvecs[row]))
     if len(previous.envs):
         prev_envs = np.asarray(previous.envs, dtype=object)
         envs = np.asarray(part.envs, dtype=object)

@@ -45,6 +45,13 @@ class EvolutionConfig:
     split_min_size: int = 50  # L: split only clusters with n > L
     split_mrl_threshold: float = 0.95  # tau: ... and R < tau
     split_max_parts: int = 6  # at most this many children per split
+    # How a split cuts (the rule above decides whether): "size": the fewest parts whose
+    # children are homogeneous (R >= tau) or no larger than L; "silhouette": the number of
+    # parts with the best mean silhouette, refused (counted as splits_refused) when even that
+    # is below split_min_silhouette: no substantial structure to cut along. Children that
+    # still meet the rule are split again.
+    split_cut: str = "size"
+    split_min_silhouette: float = 0.25
     skill_refresh_growth: float = 0.5  # re-distil when a cluster grew by this fraction
     skill_sample_size: int = 50  # members read when distilling a skill
     description_refresh_growth: float = 1.0  # with an LLM: re-describe after this growth
@@ -71,6 +78,8 @@ class EvolutionConfig:
         _choice(self, "workflow_features", ("roles", "tokens"))
         _in_range(self, "merge_ratio", 0.0, 1.0)
         _in_range(self, "split_mrl_threshold", 0.0, 1.0)
+        _choice(self, "split_cut", ("size", "silhouette"))
+        _in_range(self, "split_min_silhouette", 0.0, 1.0)
         _choice(self, "neighbour_scope", ("env", "global"))
         if self.centroid_candidates < 0:
             raise ConfigError("evolution.centroid_candidates: must be >= 0")
@@ -90,10 +99,14 @@ class PolicyConfig:
     # > 0: a cluster's join threshold adapts to its density, this times its R over the
     # combined vectors (never below join_threshold); 0: join_threshold for every cluster.
     density_ratio: float = 0.7
+    # > 0: a cluster must also be tighter than its environment as a whole: the threshold is at
+    # least R_env + env_contrast * (1 - R_env), R_env the environment's R; 0: no such floor.
+    env_contrast: float = 0.0
 
     def validate(self) -> None:
         _in_range(self, "join_threshold", 0.0, 1.0)
         _in_range(self, "density_ratio", 0.0, 1.0)
+        _in_range(self, "env_contrast", 0.0, 0.99)
         _in_range(self, "workflow_weight", 0.0, 1.0)
         _in_range(self, "confident_margin", 0.0, 1.0)
 
@@ -295,6 +308,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "evolution.split_min_size": (1, 1_000_000),
     "evolution.split_mrl_threshold": (0.0, 1.0),
     "evolution.split_max_parts": (2, 64),
+    "evolution.split_min_silhouette": (0.0, 1.0),
     "evolution.skill_refresh_growth": (0.01, 100.0),
     "evolution.skill_sample_size": (1, 1_000),
     "evolution.description_refresh_growth": (0.01, 100.0),
@@ -304,6 +318,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "evolution.in_batch_window": (1, 65_536),
     "evolution.max_provisional_candidates": (1, 4_096),
     "policy.join_threshold": (0.0, 1.0),
+    "policy.env_contrast": (0.0, 0.99),
     "policy.workflow_weight": (0.0, 1.0),
     "policy.confident_margin": (0.0, 1.0),
     "policy.density_ratio": (0.0, 1.0),

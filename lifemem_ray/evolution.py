@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -165,6 +165,45 @@ class CandidateSet:
     neighbours: list[list[tuple[int, float]]]
     extra: list[list[tuple[int, float]]]
     clusters: dict[int, ClusterRecord]
+    scopes: dict[str, "ScopeSums"] = field(default_factory=dict)  # the batch's environments' running sums
+
+
+@dataclass
+class ScopeSums:
+    """An environment's (a scope's) members summed over its clusters: how alike the
+    environment's trajectories are as a whole, which a cluster's join threshold is set
+    against (``policy.env_contrast``, see :meth:`OfflinePolicy.threshold`)."""
+
+    count: int
+    tsum: np.ndarray  # (dim,) float64 sum of the members' unit text vectors
+    wsum: np.ndarray  # (wdim,) float64 sum of their unit workflow vectors
+
+    def add(self, other: "ScopeSums") -> None:
+        self.count += other.count
+        self.tsum = self.tsum + other.tsum
+        self.wsum = self.wsum + other.wsum
+
+    def copy(self) -> "ScopeSums":
+        return ScopeSums(self.count, self.tsum.copy(), self.wsum.copy())
+
+
+def scope_sums(clusters: Iterable[ClusterRecord], scopes: Iterable[str]) -> dict[str, ScopeSums]:
+    """Per scope of ``scopes``: the sums of the live clusters that hold that scope alone (a
+    cluster holding several environments counts for none of them)."""
+    wanted = set(scopes)
+    out: dict[str, ScopeSums] = {}
+    for record in clusters:
+        if record.count <= 0 or record.split_into is not None or len(record.envs) != 1:
+            continue
+        env = next(iter(record.envs))
+        if env not in wanted:
+            continue
+        got = out.get(env)
+        if got is None:
+            out[env] = ScopeSums(record.count, record.tsum.astype(np.float64), record.wsum.astype(np.float64))
+        else:
+            got.add(ScopeSums(record.count, record.tsum, record.wsum))
+    return out
 
 
 @dataclass
@@ -177,12 +216,14 @@ class CandidateArrays:
     extra_ids: np.ndarray  # (n, m) int64 best clusters by centroid score, best first
     extra_scores: np.ndarray  # (n, m) float32
     clusters: dict[int, ClusterRecord]
+    scopes: dict[str, ScopeSums] = field(default_factory=dict)  # the store's sums of the batch's environments
 
     def to_set(self) -> CandidateSet:
         return CandidateSet(
             neighbours=_rows(self.neighbour_ids, self.neighbour_scores),
             extra=_rows(self.extra_ids, self.extra_scores),
             clusters=self.clusters,
+            scopes=self.scopes,
         )
 
     @staticmethod
@@ -190,12 +231,19 @@ class CandidateArrays:
         """The global top-k neighbours and top-m clusters over several stores' candidates
         (stable: equal scores keep the stores' order)."""
         clusters: dict[int, ClusterRecord] = {}
+        scopes: dict[str, ScopeSums] = {}
         for part in parts:
             clusters.update(part.clusters)
+            for env, sums in part.scopes.items():  # a cluster lives on one store: the stores' sums add up
+                if env in scopes:
+                    scopes[env].add(sums)
+                else:
+                    scopes[env] = sums.copy()
         return CandidateSet(
             neighbours=_rows(*_top(np.hstack([p.neighbour_ids for p in parts]), np.hstack([p.neighbour_scores for p in parts]), k)),
             extra=_rows(*_top(np.hstack([p.extra_ids for p in parts]), np.hstack([p.extra_scores for p in parts]), m)),
             clusters=clusters,
+            scopes=scopes,
         )
 
 
@@ -282,6 +330,7 @@ class _PlanState:
     candidates_of: list[list[Candidate]] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
     norms: _SumNorms = field(default_factory=lambda: _SumNorms())
+    scopes: dict[str, ScopeSums] = field(default_factory=dict)  # the environments' sums, with this batch's items placed so far
 
 
 class BatchPlanner:
@@ -310,13 +359,15 @@ class BatchPlanner:
         neighbours: Sequence[Sequence[tuple[int, float]]],
         init_count: int = 0,
         extra: Sequence[Sequence[int]] | None = None,
+        scopes: dict[str, ScopeSums] | None = None,
     ) -> BatchPlan:
         """Place every item.
 
         ``neighbours[i]`` are (cluster id, similarity) of item i's nearest stored
         trajectories, best first; ``extra[i]`` are further candidate clusters (found by
         centroid similarity). The first ``init_count`` items form the initial memory:
-        they are partitioned among themselves.
+        they are partitioned among themselves. ``scopes``: the stored sums of the items'
+        environments (:func:`scope_sums`; missing ones count as empty).
         """
         now = time.time()
         n = len(items)
@@ -333,6 +384,7 @@ class BatchPlanner:
         groups = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None
         init_labels, init_descriptions = groups if groups is not None else (None, [])
         state = _PlanState(plan, -(max(init_labels) + 1) if init_labels else 0)  # the last provisional id handed out
+        state.scopes = {env: sums.copy() for env, sums in (scopes or {}).items()}
         if init_labels:
             for label, it in zip(init_labels, items):
                 ids = state.provisional_by_env.setdefault(it.env, [])
@@ -345,6 +397,7 @@ class BatchPlanner:
                 state.candidates_of.append([])
                 state.margins.append(1.0)
                 self._apply(plan.clusters, plan.placements[i].cluster, item, now, born="init")
+                self._count_in_scope(state, item)
                 continue
             hits = self._hits(i, item, state, [] if i < init_count else neighbours[i], near,
                               extra[i] if extra is not None and i >= init_count else ())
@@ -382,6 +435,8 @@ class BatchPlanner:
         scored: list[tuple[float, int, float, float]] = []
         thresholds: list[float] = []
         tenant = scope_tenant(item.env)
+        env = state.scopes.get(item.env)
+        env_norms = (env.count, math.sqrt(float(env.tsum @ env.tsum)), math.sqrt(float(env.wsum @ env.wsum))) if env is not None else None
         for cid in hits:
             record = work.get(cid) or self.live.get(cid)
             if record is None or record.count == 0 or record.tenant != tenant:
@@ -390,7 +445,7 @@ class BatchPlanner:
             ts = float(vec64 @ record.tsum) / tn if tn > 0 else 0.0
             ws = float(wvec64 @ record.wsum) / wn if wn > 0 else 0.0
             scored.append((self.policy.score(ts, ws), cid, ts, ws))
-            thresholds.append(self.policy.threshold(record.count, tn, wn))
+            thresholds.append(self.policy.threshold(record.count, tn, wn, env_norms))
         order = sorted(range(len(scored)), key=lambda j: -scored[j][0])
         scored = [scored[j] for j in order]
         thresholds = [thresholds[j] for j in order]
@@ -415,6 +470,17 @@ class BatchPlanner:
         state.candidates_of.append(candidates)
         state.margins.append(margin)
         self._apply(work, cid, item, now, born="init" if i < init_count else "new")
+        self._count_in_scope(state, item)
+
+    def _count_in_scope(self, state: "_PlanState", item: BatchItem) -> None:
+        """Add a placed item to its environment's sums (later items of the batch see it)."""
+        sums = state.scopes.get(item.env)
+        if sums is None:
+            state.scopes[item.env] = ScopeSums(1, item.vec.astype(np.float64), item.wvec.astype(np.float64))
+        else:
+            sums.count += 1
+            sums.tsum += item.vec
+            sums.wsum += item.wvec
 
     def _partition(self, plan: BatchPlan, items: Sequence[BatchItem]) -> tuple[list[int], list[str]] | None:
         """Initial groups from the LLM as dense labels 0..g-1 with a description each, or None

@@ -27,7 +27,7 @@ from .skills import distil_procedure
 if TYPE_CHECKING:
     from .clusters import ClusterRecord
 
-__all__ = ["OfflinePolicy", "skill_step_texts", "spherical_kmeans"]
+__all__ = ["OfflinePolicy", "mean_silhouette", "skill_step_texts", "spherical_kmeans"]
 
 MAX_DESCRIBED_STEPS = 5
 
@@ -66,6 +66,40 @@ def spherical_kmeans(x: np.ndarray, k: int, *, seed: int = 0, iterations: int = 
     return labels
 
 
+SILHOUETTE_SAMPLE = 1000  # members a split's silhouette is measured on (O(m^2) work)
+
+
+def mean_silhouette(x: np.ndarray, labels: np.ndarray, *, sample: int = SILHOUETTE_SAMPLE, seed: int = 0) -> float:
+    """Mean silhouette (Rousseeuw 1987) of a partition of unit rows under cosine distance,
+    over at most ``sample`` rows (drawn at random, the same rows for every partition of
+    one ``seed``); a member alone in its part scores 0.
+
+    >>> x = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    >>> round(mean_silhouette(x, np.array([0, 0, 1, 1])), 3)
+    1.0
+    """
+    n = x.shape[0]
+    rows = np.arange(n) if n <= sample else np.sort(np.random.default_rng(seed).choice(n, sample, replace=False))
+    xs = x[rows].astype(np.float64)
+    _, lab = np.unique(labels[rows], return_inverse=True)
+    k = int(lab.max()) + 1 if len(lab) else 0
+    if k < 2:
+        return 0.0
+    dist = np.clip(1.0 - xs @ xs.T, 0.0, 2.0)
+    onehot = np.zeros((len(rows), k))
+    onehot[np.arange(len(rows)), lab] = 1.0
+    sums = dist @ onehot  # (m, k): summed distance of each row to each part
+    sizes = onehot.sum(axis=0)
+    own_size = sizes[lab]
+    a = np.where(own_size > 1, sums[np.arange(len(rows)), lab] / np.maximum(own_size - 1, 1), 0.0)
+    means = sums / sizes
+    means[np.arange(len(rows)), lab] = np.inf
+    b = means.min(axis=1)
+    denom = np.maximum(np.maximum(a, b), 1e-12)
+    s = np.where(own_size > 1, (b - a) / denom, 0.0)
+    return float(s.mean())
+
+
 class OfflinePolicy:
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
@@ -75,21 +109,35 @@ class OfflinePolicy:
         w = self.config.workflow_weight
         return min(1.0, max(0.0, w * workflow_similarity + (1.0 - w) * text_similarity))
 
-    def threshold(self, count: int, text_norm: float, workflow_norm: float) -> float:
+    def threshold(self, count: int, text_norm: float, workflow_norm: float,
+                  env: tuple[int, float, float] | None = None) -> float:
         """The score a trajectory needs to join a cluster of ``count`` members whose running sums
         have these norms. ``policy.density_ratio`` = 0: ``policy.join_threshold`` for every
         cluster. Else the threshold adapts to the cluster's density: ``density_ratio`` times its
         mean resultant length R over the combined vectors (the mean cosine of its members to
         its centroid), never below ``join_threshold``; a tight cluster asks for a close match,
         a diffuse one accepts what resembles its members as much as they resemble each other.
-        A single member says nothing of density: a singleton asks for ``join_threshold``."""
+        A single member says nothing of density: a singleton asks for ``join_threshold``.
+
+        ``env`` (count, text sum norm, workflow sum norm of the cluster's environment):
+        with ``policy.env_contrast`` = c > 0, the trajectory must also resemble the
+        cluster's members more than the environment's trajectories resemble each other: its
+        mean cosine to the members (its centroid score times the cluster's R) must reach
+        rho_env + c (1 - rho_env), rho_env the environment's mean pairwise cosine. A cluster
+        that has grown as diffuse as its whole environment (every ALFWorld task goes to,
+        takes and puts) then stops taking everything that arrives."""
         base = self.config.join_threshold
+        w = self.config.workflow_weight
+        r = _mean_resultant(count, text_norm, workflow_norm, w) if count >= 1 else 1.0
+        contrast = self.config.env_contrast
+        if contrast > 0 and env is not None and env[0] >= 2:
+            n_env = env[0]
+            rho_env = max(0.0, (_mean_resultant(n_env, env[1], env[2], w) ** 2 * n_env * n_env - n_env) / (n_env * (n_env - 1)))
+            base = max(base, min(1.0, (rho_env + contrast * (1.0 - rho_env)) / max(r, 1e-6)))
         ratio = self.config.density_ratio
         if ratio <= 0 or count < 2:  # one member says nothing of a cluster's density
             return base
-        w = self.config.workflow_weight
-        r = math.sqrt(w * workflow_norm * workflow_norm + (1.0 - w) * text_norm * text_norm) / count
-        return max(base, ratio * min(r, 1.0))
+        return max(base, ratio * r)
 
     def decide(self, scores: Sequence[float], thresholds: Sequence[float] | None = None) -> tuple[int | None, float]:
         """Index of the candidate to join (or None for new) and the decision's margin.
@@ -126,12 +174,16 @@ class OfflinePolicy:
         return cross >= ratio * reference
 
     # -- split -----------------------------------------------------------------------------
-    def split(self, vectors: np.ndarray, *, tau: float, min_size: int, max_parts: int, seed: int) -> np.ndarray | None:
+    def split(self, vectors: np.ndarray, *, tau: float, min_size: int, max_parts: int, seed: int,
+              cut: str = "size", min_silhouette: float = 0.25) -> np.ndarray | None:
         """Labels 0..p-1 of a finer partition of the members' vectors, or None when they are
-        all one vector (nothing to split on)."""
+        all one vector, or (``cut = "silhouette"``) when no number of parts reaches a mean
+        silhouette of ``min_silhouette``: nothing to split on."""
         n = vectors.shape[0]
         if n < 2 or not (vectors != vectors[0]).any():
             return None
+        if cut == "silhouette":
+            return self._split_by_silhouette(vectors, max_parts=max_parts, seed=seed, min_silhouette=min_silhouette)
         best: tuple[float, np.ndarray] | None = None
         for k in range(2, min(max_parts, n) + 1):
             labels = spherical_kmeans(vectors, k, seed=seed)
@@ -145,6 +197,23 @@ class OfflinePolicy:
             if best is None or weighted > best[0] + 1e-9:
                 best = (weighted, labels)
         return None if best is None else _relabel(best[1])
+
+    @staticmethod
+    def _split_by_silhouette(vectors: np.ndarray, *, max_parts: int, seed: int, min_silhouette: float) -> np.ndarray | None:
+        """The k-means partition (2..max_parts parts) with the best mean silhouette, if it
+        reaches ``min_silhouette``."""
+        x = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        best: tuple[float, np.ndarray] | None = None
+        for k in range(2, min(max_parts, x.shape[0]) + 1):
+            labels = spherical_kmeans(x, k, seed=seed)
+            if len(np.unique(labels)) < 2:
+                continue
+            score = mean_silhouette(x, labels, seed=seed)
+            if best is None or score > best[0] + 1e-9:
+                best = (score, labels)
+        if best is None or best[0] < min_silhouette:
+            return None
+        return _relabel(best[1])
 
     # -- descriptions and skills -----------------------------------------------------------
     def describe(self, count: int, envs: dict[str, int], flows: dict[str, int], example_task: str, skill: str = "") -> str:
@@ -176,6 +245,11 @@ def skill_step_texts(skill: str) -> list[str]:
         if dot and head.isdigit() and rest.strip():
             out.append(rest.strip())
     return out
+
+
+def _mean_resultant(count: int, text_norm: float, workflow_norm: float, w: float) -> float:
+    """R over the combined vectors of ``count`` members from their sums' norms (at most 1)."""
+    return min(1.0, math.sqrt(w * workflow_norm * workflow_norm + (1.0 - w) * text_norm * text_norm) / count)
 
 
 def _mean_pairwise(record: "ClusterRecord", w: float) -> float:

@@ -172,17 +172,19 @@ def test_route_joins_to_owners_new_clusters_to_the_least_loaded():
         route([Placement(3, "join", "offline")], {}, {}.get, [0, 0])
 
 
-def test_serial_micro_batches_cluster_as_the_engine(cluster, data, tmp_path):
+@pytest.mark.parametrize("contrast", [0.0, 0.2])
+def test_serial_micro_batches_cluster_as_the_engine(cluster, data, tmp_path, contrast):
     """Micro-batches of the coordinator's logic over two shards give the engine's partition
-    when the engine gets the same batches."""
+    when the engine gets the same batches (with the environment contrast on too: the shards'
+    environment sums add up to the engine's)."""
     trajs, vecs = data
-    config = make_config()
+    config = make_config(**{"policy.env_contrast": contrast})
     shards, routing = cluster(config)
     ingest = BatchIngest(config, shards, routing, DIM)
     bounds = [(0, 5)] + [(a, a + 50) for a in range(5, 305, 50)]
     asyncio.run(ingest_serially(ingest, config, [[(trajs[a:b], vecs[a:b])] for a, b in bounds]))
     assert all(len(s.memory) > 20 for s in shards.shards), [len(s.memory) for s in shards.shards]
-    with Memory.open(tmp_path / "single", make_config(), dim=DIM) as memory:
+    with Memory.open(tmp_path / "single", make_config(**{"policy.env_contrast": contrast}), dim=DIM) as memory:
         for a, b in bounds:
             memory.add_many(trajs[a:b], vecs[a:b])
         expected = partition([memory])
@@ -282,3 +284,18 @@ def test_a_resent_commit_reports_its_items_added_and_counts_them(cluster, data):
     assert {r.status for r in second[0]} == {"added"}, "every id was new: the request's first attempt stored it"
     assert sum(len(s.memory) for s in shards.shards) == 80
     assert sum(ingest.loads) == sum(len(s.memory) for s in shards.shards) - sum(1 for r in first[0] if r.status != "added")
+
+
+def test_absorbing_the_previous_batch_adds_its_items_to_the_environment_sums():
+    from lifemem_ray.actors.batching import Committed
+    from lifemem_ray.evolution import CandidateSet, ScopeSums
+
+    part = ItemBatch.of([], "roles")
+    part.envs = []
+    previous = Committed(vecs=np.ones((3, 4), np.float32), wvecs=np.ones((3, 2), np.float32), envs=["a", "a", "b"])
+    merged = CandidateSet([], [], {}, {"a": ScopeSums(2, np.zeros(4), np.zeros(2))})
+    absorb_previous(part, merged, {}, previous, 4, 4, count_scopes=True)
+    assert merged.scopes["a"].count == 4 and merged.scopes["a"].tsum.tolist() == [2.0] * 4 and merged.scopes["b"].count == 1
+    untouched = CandidateSet([], [], {}, {})
+    absorb_previous(part, untouched, {}, previous, 4, 4)  # the contrast off: the shards sent no sums, none are made up
+    assert untouched.scopes == {}

@@ -131,3 +131,110 @@ def test_clusters_of_different_workflows_do_not_merge(tmp_path):
         memory.add_many(trajs, goal_vectors(trajs))
         groups = [{tid.split("-")[0] for tid in memory.members(c.id)} for c in memory.clusters()]
     assert all(len(g) == 1 for g in groups) and len(groups) >= 2
+
+
+def test_env_contrast_stops_a_cluster_as_diffuse_as_its_environment_from_taking_everything(tmp_path):
+    """Two workflows, goals alike and a join threshold every item passes: one cluster. With
+    ``policy.env_contrast`` a trajectory must resemble a cluster more than the environment's
+    trajectories resemble each other, and no cluster mixes the two workflows (after the first
+    few: two members are too few to know how alike the environment's trajectories are)."""
+    trajs = [measure(i) for i in range(12, 16)] + [f(i) for i in range(12) for f in (measure, place)]
+    vecs = goal_vectors(trajs)
+    lax = MemoryConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
+    with Memory.open(tmp_path / "lax", lax) as memory:
+        memory.add_many(trajs, vecs)
+        assert len(memory.clusters()) == 1
+    with Memory.open(tmp_path / "contrast", lax.replace({"policy.env_contrast": 0.3})) as memory:
+        memory.add_many(trajs, vecs)
+        groups = [{tid.split("-")[0] for tid in memory.members(c.id)} for c in memory.clusters()]
+    assert len(groups) >= 2 and all(len(g) == 1 for g in groups), groups
+
+
+def test_env_contrast_threshold_and_scope_sums():
+    from lifemem_ray.clusters import new_cluster_record
+    from lifemem_ray.config import PolicyConfig
+    from lifemem_ray.evolution import CandidateArrays, scope_sums
+
+    policy = OfflinePolicy(PolicyConfig(join_threshold=0.6, density_ratio=0.7, env_contrast=0.2))
+    # A cluster of 10 with R = 0.7 in an environment of 100 with R = 0.7 (text and workflow alike).
+    cluster_norm, env_norm = 0.7 * 10, 0.7 * 100
+    rho_env = (env_norm**2 - 100) / (100 * 99)
+    got = policy.threshold(10, cluster_norm, cluster_norm, (100, env_norm, env_norm))
+    assert abs(got - (rho_env + 0.2 * (1 - rho_env)) / 0.7) < 1e-9 and got > 0.6
+    assert policy.threshold(10, cluster_norm, cluster_norm, None) == 0.6  # no environment known: as before
+    assert policy.threshold(10, cluster_norm, cluster_norm, (1, 1.0, 1.0)) == 0.6  # one member says nothing
+    off = OfflinePolicy(PolicyConfig(join_threshold=0.6, density_ratio=0.7, env_contrast=0.0))
+    assert off.threshold(10, cluster_norm, cluster_norm, (100, env_norm, env_norm)) == 0.6
+
+    def record(cid, envs, count):
+        r = new_cluster_record(cid, 4, 3, "new", 0.0)
+        r.count, r.envs = count, envs
+        r.tsum, r.wsum = np.full(4, float(count)), np.full(3, float(count))
+        return r
+
+    tomb = record(4, {"a": 5}, 5)
+    tomb.split_into = [1]
+    clusters = [record(1, {"a": 2}, 2), record(2, {"a": 3}, 3), record(3, {"a": 1, "b": 1}, 2), tomb, record(5, {"b": 4}, 4)]
+    sums = scope_sums(clusters, {"a"})
+    assert set(sums) == {"a"} and sums["a"].count == 5 and sums["a"].tsum.tolist() == [5.0] * 4
+    empty = np.zeros((1, 0))
+
+    def part(scopes):
+        return CandidateArrays(empty.astype(np.int64), empty.astype(np.float32), empty.astype(np.int64), empty.astype(np.float32), {}, scopes)
+
+    merged = CandidateArrays.merge([part(scope_sums(clusters[:1], {"a"})), part(scope_sums(clusters[1:], {"a", "b"}))], 4, 4)
+    assert merged.scopes["a"].count == 5 and merged.scopes["b"].count == 4
+
+
+def test_a_silhouette_split_cuts_along_the_groups_and_refuses_noise():
+    policy = OfflinePolicy()
+    rng = np.random.default_rng(0)
+    axes = np.eye(16)[:3]
+    groups = np.vstack([axes[0] + 0.05 * rng.standard_normal((40, 16)), axes[1] + 0.05 * rng.standard_normal((15, 16)),
+                        axes[2] + 0.05 * rng.standard_normal((5, 16))])
+    groups = unit(groups)
+    labels = policy.split(groups, tau=0.95, min_size=20, max_parts=6, seed=0, cut="silhouette")
+    assert sorted(np.bincount(labels).tolist()) == [5, 15, 40]  # the groups as they are, uneven
+    by_size = policy.split(groups, tau=0.95, min_size=20, max_parts=6, seed=0, cut="size")
+    assert by_size is not None and max(np.bincount(by_size)) <= 40
+    noise = unit(np.ones(16) + 0.35 * rng.standard_normal((80, 16)))  # one diffuse group: R < tau, nothing to cut along
+    assert float(np.linalg.norm(noise.mean(axis=0))) < 0.95
+    assert policy.split(noise, tau=0.95, min_size=20, max_parts=6, seed=0, cut="silhouette") is None
+    assert policy.split(noise, tau=0.95, min_size=20, max_parts=6, seed=0, cut="size") is not None
+
+
+def test_mean_silhouette_matches_its_definition_on_a_sample():
+    from lifemem_ray.policy import mean_silhouette
+
+    rng = np.random.default_rng(1)
+    x = unit(rng.standard_normal((30, 8))).astype(np.float64)
+    labels = np.repeat([0, 1, 2], 10)
+    labels[0] = 3  # a member alone scores 0
+    d = 1.0 - x @ x.T
+    expected = []
+    for i in range(30):
+        own = labels == labels[i]
+        if own.sum() == 1:
+            expected.append(0.0)
+            continue
+        a = d[i, own & (np.arange(30) != i)].mean()
+        b = min(d[i, labels == j].mean() for j in set(labels.tolist()) if j != labels[i])
+        expected.append((b - a) / max(a, b))
+    assert abs(mean_silhouette(x, labels) - float(np.mean(expected))) < 1e-6
+    assert -1.0 <= mean_silhouette(x, labels, sample=12, seed=3) <= 1.0
+
+
+def test_a_split_refused_for_want_of_structure_is_counted_and_keeps_the_members(tmp_path):
+    rng = random.Random(0)
+    verbs = [f"verb{chr(97 + i)}{chr(97 + j)}" for i in range(8) for j in range(8)]
+    trajs = [Trajectory(env="lab", task="do something", id=f"noise-{i}", outcome=Outcome(success=True),
+                     steps=tuple(Step(action=f"{rng.choice(verbs)} thing") for _ in range(3))) for i in range(60)]
+    config = MemoryConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20,
+                                     "evolution.split_cut": "silhouette"})
+    with Memory.open(tmp_path / "m", config) as memory:
+        memory.add_many(trajs, goal_vectors(trajs))
+        stats = memory.stats()
+        clusters = memory.clusters()
+        assert memory.verify()["ok"]
+    assert len(clusters) == 1 and clusters[0].count == 60 and clusters[0].mrl < 0.95  # the rule holds ...
+    assert stats["splits"] == 0 and stats["splits_refused"] >= 1  # ... and the refusal is counted

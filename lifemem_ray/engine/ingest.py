@@ -15,7 +15,7 @@ import numpy as np
 
 from ..clusters import ClusterRecord, add_member, cosine_to_sum, example_task, needs_description, needs_skill, new_cluster_record
 from ..errors import StoreError, UnknownClusterError
-from ..evolution import BatchItem, CandidateArrays, CandidateSet, ItemBatch, Placement
+from ..evolution import BatchItem, CandidateArrays, CandidateSet, ItemBatch, Placement, scope_sums
 from ..ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from ..model import Trajectory
 from ..steps import featurize
@@ -83,7 +83,7 @@ class Ingest:
         found = self.candidates(items[init_count:])
         planner = make_planner(found.clusters, s.policy, s.config, s.dim, WORKFLOW_DIM, s.decider)
         plan = planner.plan(items, [[]] * init_count + found.neighbours, init_count=init_count,
-                            extra=[[]] * init_count + [[c for c, _ in row] for row in found.extra])
+                            extra=[[]] * init_count + [[c for c, _ in row] for row in found.extra], scopes=found.scopes)
         return self.commit(items, plan.placements, initialise=bool(init_count), counters=plan_counters(plan))
 
     def candidates(self, items: Sequence[BatchItem]) -> CandidateSet:
@@ -117,7 +117,8 @@ class Ingest:
             scores = np.where(ids >= 0, scores, np.float32(-np.inf)).astype(np.float32, copy=False)
             named = np.unique(np.concatenate([ids.ravel(), extra_ids.ravel()])).tolist()
             clusters = {cid: s.clusters[cid] for cid in named if cid in s.clusters}
-        return CandidateArrays(ids, scores, extra_ids, extra_scores, clusters)
+            scopes = scope_sums(s.clusters.values(), set(envs)) if s.config.policy.env_contrast > 0 else {}
+        return CandidateArrays(ids, scores, extra_ids, extra_scores, clusters, scopes)
 
     def _clusters_of(self, vids: np.ndarray) -> np.ndarray:
         """The live cluster of each vid (-1: none); each distinct vid looked up once

@@ -81,7 +81,8 @@ class Restructure:
                     labels, descriptions = answer
                 by = "llm" if labels is not None else "fallback"
             if labels is None:
-                labels = s.policy.split(wv, tau=evo.split_mrl_threshold, min_size=evo.split_min_size, max_parts=evo.split_max_parts, seed=cid)
+                labels = s.policy.split(wv, tau=evo.split_mrl_threshold, min_size=evo.split_min_size, max_parts=evo.split_max_parts, seed=cid,
+                                        cut=evo.split_cut, min_silhouette=evo.split_min_silhouette)
             with s.lock:
                 parent = s.clusters.get(cid)
                 if parent is None:
