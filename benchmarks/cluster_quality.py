@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.cluster_metrics import equal_k_baseline, partition_scores, sequence_distance
+from lifemem_ray.cluster_metrics import equal_k_baseline, partition_scores, pure_partition_nmi, sequence_distance
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
 from lifemem_ray.embedding import MiniLMEmbedder
@@ -193,6 +193,8 @@ def score_partition(trajs: list[Trajectory], assigned: Sequence[Any]) -> dict[st
         for level in LABEL_LEVELS.get(env, ()):
             truth = np.array([label_of(trajs[i], level) or "?" for i in idx])
             entry[level] = {**_rounded(partition_scores(pred, truth)), "labels": int(len(set(truth)))}
+            if len(set(truth)) <= entry["k"]:
+                entry[level]["pure_nmi_at_k"] = _rounded(pure_partition_nmi(truth, entry["k"]))
         per_env[env] = entry
     topic = np.array([f"{t.env}:{label_of(t, LABEL_LEVELS[t.env][-1])}" for t in trajs])
     overall = _rounded(partition_scores(np.array([str(a) for a in assigned]), topic))
@@ -360,7 +362,8 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
         combos = [b for b in VIEW_COMBINATIONS if b in base
                   and all(base[b]["per_env"][env][level][m]["mean"] > best[m] for m in best)]
         out[env] = {"workflows": e[level]["labels"], "best_baseline": best, "lifemem_worse_order": ours,
-                    "beats": all(ours[m] > best[m] for m in best), "ties": tie, "batch_combinations_beating": combos}
+                    "beats": all(ours[m] > best[m] for m in best), "ties": tie, "batch_combinations_beating": combos,
+                    "pure_nmi_at_k": e[level].get("pure_nmi_at_k")}
     return out
 
 
@@ -382,6 +385,9 @@ def table(report: dict[str, Any]) -> str:
                 widths = (12, 13, 11, 11, 12, 12)
                 lines.append(f"{env:<14}{e['k']:>5} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
                              + ("  yes" if res["verdicts"][env]["beats"] else "  tie" if res["verdicts"][env]["ties"] else "  no"))
+            pure = {env: v["pure_nmi_at_k"] for env, v in res["verdicts"].items() if v.get("pure_nmi_at_k")}
+            lines.append("  NMI of a perfectly pure partition at the memory's k, largest labels halved / single members split off: "
+                         + "; ".join(f"{env} {p['even']:.2f}/{p['splinters']:.2f}" for env, p in pure.items()))
             combos = {env: v["batch_combinations_beating"] for env, v in res["verdicts"].items()}
             lines.append("  batch k-means over a combination of views (not LifeMem) beating the best named view: "
                          + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items()))

@@ -29,7 +29,7 @@ import numpy as np
 
 from .policy import spherical_kmeans
 
-__all__ = ["equal_k_baseline", "partition_scores", "purity", "sequence_distance"]
+__all__ = ["equal_k_baseline", "partition_scores", "pure_partition_nmi", "purity", "sequence_distance"]
 
 
 def purity(clusters: np.ndarray, labels: np.ndarray) -> float:
@@ -56,6 +56,41 @@ def partition_scores(clusters: np.ndarray, labels: np.ndarray) -> dict[str, floa
         "nmi": float(normalized_mutual_info_score(labels, clusters)),
         "ari": float(adjusted_rand_score(labels, clusters)),
     }
+
+
+def pure_partition_nmi(labels: Sequence[Hashable], k: int) -> dict[str, float]:
+    """NMI of two partitions that are perfectly pure and have ``k`` parts (k >= the number of
+    labels): the labels with the largest part halved again and again (``even``), and the
+    labels with single members split off the largest part (``splinters``). With purity 1 the
+    NMI depends only on how the parts' sizes spread (the more uneven, the higher), so these
+    are two reference points of what "pure at this k" scores: a difference in NMI between
+    them says how a partition cut, not whether it mixed labels.
+
+    >>> r = pure_partition_nmi(["a"] * 8 + ["b"] * 8, 3)
+    >>> r["even"] < r["splinters"] < 1.0
+    True
+    """
+    from sklearn.metrics import normalized_mutual_info_score
+
+    truth = np.asarray([str(x) for x in labels])
+    if len(truth) == 0:
+        raise ValueError("labels: empty")
+    names, codes = np.unique(truth, return_inverse=True)
+    if k < len(names) or k > len(truth):
+        raise ValueError(f"k: must be within [{len(names)}, {len(truth)}] (the labels, the members), got {k}")
+    out = {}
+    for how in ("even", "splinters"):
+        parts = [list(np.flatnonzero(codes == c)) for c in range(len(names))]
+        while len(parts) < k:
+            parts.sort(key=len)
+            largest = parts.pop()
+            cut = len(largest) // 2 if how == "even" else len(largest) - 1
+            parts += [largest[:cut], largest[cut:]]
+        assigned = np.empty(len(truth), dtype=np.int64)
+        for j, members in enumerate(parts):
+            assigned[members] = j
+        out[how] = float(normalized_mutual_info_score(truth, assigned))
+    return out
 
 
 def equal_k_baseline(vectors: np.ndarray, k: int, seed: int = 0) -> np.ndarray:

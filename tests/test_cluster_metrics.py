@@ -48,3 +48,15 @@ def test_equal_k_baseline_finds_separated_groups_with_the_asked_k():
 )
 def test_sequence_distance(a, b, expected):
     assert sequence_distance(list(a), list(b)) == pytest.approx(expected)
+
+
+def test_pure_partition_nmi_rewards_uneven_parts_and_checks_k():
+    from lifemem_ray.cluster_metrics import pure_partition_nmi
+
+    labels = ["a"] * 20 + ["b"] * 20 + ["c"] * 4
+    exact = pure_partition_nmi(labels, 3)
+    assert exact["even"] == exact["splinters"] == pytest.approx(1.0)  # k = the labels: the labels themselves
+    r = pure_partition_nmi(labels, 6)
+    assert r["even"] < r["splinters"] < 1.0
+    with pytest.raises(ValueError, match="k: must be within"):
+        pure_partition_nmi(labels, 2)
