@@ -78,7 +78,7 @@ ABLATION: dict[str, dict[str, Any]] = {
     "goal text only (workflow weight 0)": {"policy.workflow_weight": 0.0},
     "workflow only (workflow weight 1)": {"policy.workflow_weight": 1.0},
     "environment contrast on (0.2)": {"policy.env_contrast": 0.2},
-    "splits cut by silhouette": {"evolution.split_cut": "silhouette"},
+    "splits cut by size (children <= L)": {"evolution.split_cut": "size"},
 }
 
 

@@ -50,7 +50,7 @@ class EvolutionConfig:
     # parts with the best mean silhouette, refused (counted as splits_refused) when even that
     # is below split_min_silhouette: no substantial structure to cut along. Children that
     # still meet the rule are split again.
-    split_cut: str = "size"
+    split_cut: str = "silhouette"
     split_min_silhouette: float = 0.25
     skill_refresh_growth: float = 0.5  # re-distil when a cluster grew by this fraction
     skill_sample_size: int = 50  # members read when distilling a skill

@@ -5,10 +5,12 @@
   :mod:`lifemem_ray.steps`) with the text similarity of goals; the best candidate is
   joined when its score reaches ``policy.join_threshold``, else a new cluster opens.
 * split (the paper's rule decides *whether*: n > L and R < tau; this decides *how*):
-  spherical k-means over the members' vectors, the smallest number of parts whose
-  children are homogeneous (R >= tau) or no larger than L, else the number of parts
-  (up to ``evolution.split_max_parts``) whose children are the most homogeneous. Only
-  members that are all the same vector show no structure to split on.
+  spherical k-means over the members' workflow vectors into the number of parts (2 to
+  ``evolution.split_max_parts``) with the best mean silhouette; when even that is below
+  ``evolution.split_min_silhouette`` the members show no substantial structure and the
+  split is refused (the caller counts it). ``evolution.split_cut = "size"`` instead takes
+  the smallest number of parts whose children are homogeneous (R >= tau) or no larger
+  than L, else the most homogeneous; only members that are all one vector refuse it.
 * skills: the ordered procedure the successful members follow (:mod:`lifemem_ray.skills`);
   descriptions: that procedure's first steps, where the cluster occurs, an example goal.
 """
@@ -175,7 +177,7 @@ class OfflinePolicy:
 
     # -- split -----------------------------------------------------------------------------
     def split(self, vectors: np.ndarray, *, tau: float, min_size: int, max_parts: int, seed: int,
-              cut: str = "size", min_silhouette: float = 0.25) -> np.ndarray | None:
+              cut: str = "silhouette", min_silhouette: float = 0.25) -> np.ndarray | None:
         """Labels 0..p-1 of a finer partition of the members' vectors, or None when they are
         all one vector, or (``cut = "silhouette"``) when no number of parts reaches a mean
         silhouette of ``min_silhouette``: nothing to split on."""
