@@ -21,6 +21,15 @@ memory's **own number of clusters per environment** (five seeds) over goal embed
 over action-text embeddings, over the workflow vectors, and over the clusterer's own
 combined representation (what batch clustering of the same features reaches).
 
+Per environment the verdict says whether LifeMem (the similarity order, and the mean of
+the random orders) is above the best of the three named baselines on purity and on NMI;
+``mean_gap_to_best`` averages LifeMem's worse order minus that baseline over environments
+and both metrics (what variants were compared by on the tune fold). Two diagnostics stand
+beside it: whether batch k-means over a fixed combination of the views (workflow+action,
+goal+action, all three, LifeMem's own) beats the best single view at the same k at all,
+and the NMI two perfectly pure partitions score at LifeMem's k (at equal k NMI rewards
+uneven parts).
+
 Skill quality (report fold): every 10th trajectory per environment is held out (not
 ingested); its retrieval's first exemplar names a cluster, whose skill's ordered steps are
 compared with the held-out trajectory's action categories (normalised edit distance),
@@ -316,6 +325,7 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     if skill_runs:
         results["skills"] = skill_runs
     results["verdicts"] = verdicts(results)
+    results["mean_gap_to_best"] = mean_gap(results["verdicts"])
     return results
 
 
@@ -367,6 +377,13 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def mean_gap(verdicts_of: dict[str, dict[str, Any]]) -> float:
+    """One number to compare variants by: the mean over environments and the two metrics of
+    LifeMem's worse order minus the best named baseline (negative: below it)."""
+    gaps = [v["lifemem_worse_order"][m] - v["best_baseline"][m] for v in verdicts_of.values() for m in ("purity", "nmi")]
+    return round(float(np.mean(gaps)), 4) if gaps else float("nan")
+
+
 def table(report: dict[str, Any]) -> str:
     lines = []
     for fold, scales in report["folds"].items():
@@ -388,6 +405,8 @@ def table(report: dict[str, Any]) -> str:
             pure = {env: v["pure_nmi_at_k"] for env, v in res["verdicts"].items() if v.get("pure_nmi_at_k")}
             lines.append("  NMI of a perfectly pure partition at the memory's k, largest labels halved / single members split off: "
                          + "; ".join(f"{env} {p['even']:.2f}/{p['splinters']:.2f}" for env, p in pure.items()))
+            lines.append(f"  beats the best named baseline in {sum(v['beats'] for v in res['verdicts'].values())} of "
+                         f"{len(res['verdicts'])} environments; mean gap to it (worse order, purity and NMI): {res['mean_gap_to_best']:+.4f}")
             combos = {env: v["batch_combinations_beating"] for env, v in res["verdicts"].items()}
             lines.append("  batch k-means over a combination of views (not LifeMem) beating the best named view: "
                          + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items()))
