@@ -99,8 +99,10 @@ class PolicyConfig:
     # > 0: a cluster's join threshold adapts to its density, this times its R over the
     # combined vectors (never below join_threshold); 0: join_threshold for every cluster.
     density_ratio: float = 0.7
-    # > 0: a cluster must also be tighter than its environment as a whole: the threshold is at
-    # least R_env + env_contrast * (1 - R_env), R_env the environment's R; 0: no such floor.
+    # > 0: a trajectory must also resemble a cluster's members more than the environment's
+    # trajectories resemble each other: its mean cosine to the members must reach
+    # rho_env + env_contrast * (1 - rho_env), rho_env the environment's mean pairwise cosine
+    # (see OfflinePolicy.threshold); 0: no such floor.
     env_contrast: float = 0.0
 
     def validate(self) -> None:

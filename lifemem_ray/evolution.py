@@ -435,7 +435,7 @@ class BatchPlanner:
         scored: list[tuple[float, int, float, float]] = []
         thresholds: list[float] = []
         tenant = scope_tenant(item.env)
-        env = state.scopes.get(item.env)
+        env = state.scopes.get(item.env) if self.policy.config.env_contrast > 0 else None
         env_norms = (env.count, math.sqrt(float(env.tsum @ env.tsum)), math.sqrt(float(env.wsum @ env.wsum))) if env is not None else None
         for cid in hits:
             record = work.get(cid) or self.live.get(cid)
@@ -473,7 +473,10 @@ class BatchPlanner:
         self._count_in_scope(state, item)
 
     def _count_in_scope(self, state: "_PlanState", item: BatchItem) -> None:
-        """Add a placed item to its environment's sums (later items of the batch see it)."""
+        """Add a placed item to its environment's sums (later items of the batch see it); only
+        the environment contrast reads them."""
+        if self.policy.config.env_contrast <= 0:
+            return
         sums = state.scopes.get(item.env)
         if sums is None:
             state.scopes[item.env] = ScopeSums(1, item.vec.astype(np.float64), item.wvec.astype(np.float64))

@@ -133,8 +133,7 @@ class OfflinePolicy:
         r = _mean_resultant(count, text_norm, workflow_norm, w) if count >= 1 else 1.0
         contrast = self.config.env_contrast
         if contrast > 0 and env is not None and env[0] >= 2:
-            n_env = env[0]
-            rho_env = max(0.0, (_mean_resultant(n_env, env[1], env[2], w) ** 2 * n_env * n_env - n_env) / (n_env * (n_env - 1)))
+            rho_env = max(0.0, _pairwise_from_norms(env[0], env[1], env[2], w))
             base = max(base, min(1.0, (rho_env + contrast * (1.0 - rho_env)) / max(r, 1e-6)))
         ratio = self.config.density_ratio
         if ratio <= 0 or count < 2:  # one member says nothing of a cluster's density
@@ -256,9 +255,14 @@ def _mean_resultant(count: int, text_norm: float, workflow_norm: float, w: float
 
 def _mean_pairwise(record: "ClusterRecord", w: float) -> float:
     """Mean cosine between two distinct members, over the combined vectors, from the sums alone."""
-    n = record.count
-    squared = w * float(record.wsum @ record.wsum) + (1.0 - w) * float(record.tsum @ record.tsum)
-    return (squared - n) / (n * (n - 1))
+    return _pairwise_from_norms(record.count, math.sqrt(float(record.tsum @ record.tsum)), math.sqrt(float(record.wsum @ record.wsum)), w)
+
+
+def _pairwise_from_norms(count: int, text_norm: float, workflow_norm: float, w: float) -> float:
+    """Mean cosine between two distinct of ``count`` (>= 2) members, over the combined vectors
+    (each of norm 1), from their sums' norms: (|sum|^2 - n) / (n (n - 1))."""
+    squared = w * workflow_norm * workflow_norm + (1.0 - w) * text_norm * text_norm
+    return (squared - count) / (count * (count - 1))
 
 
 def _relabel(labels: np.ndarray) -> np.ndarray:
