@@ -202,8 +202,6 @@ def score_partition(trajs: list[Trajectory], assigned: Sequence[Any]) -> dict[st
         for level in LABEL_LEVELS.get(env, ()):
             truth = np.array([label_of(trajs[i], level) or "?" for i in idx])
             entry[level] = {**_rounded(partition_scores(pred, truth)), "labels": int(len(set(truth)))}
-            if len(set(truth)) <= entry["k"]:
-                entry[level]["pure_nmi_at_k"] = _rounded(pure_partition_nmi(truth, entry["k"]))
         per_env[env] = entry
     topic = np.array([f"{t.env}:{label_of(t, LABEL_LEVELS[t.env][-1])}" for t in trajs])
     overall = _rounded(partition_scores(np.array([str(a) for a in assigned]), topic))
@@ -322,11 +320,24 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     results["runs"] = counts
     k_of_env = {env: e["k"] for env, e in lifemem_runs[0]["per_env"].items()}  # similarity order's k
     results["baselines_at_similarity_k"] = baselines(train, reps, k_of_env)
+    results["pure_nmi_at_k"] = pure_nmi_references(train, k_of_env)
     if skill_runs:
         results["skills"] = skill_runs
     results["verdicts"] = verdicts(results)
     results["mean_gap_to_best"] = mean_gap(results["verdicts"])
     return results
+
+
+def pure_nmi_references(trajs: list[Trajectory], k_of_env: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per environment, at its topic level: the NMI of two perfectly pure partitions with the
+    memory's k (:func:`lifemem_ray.cluster_metrics.pure_partition_nmi`), where k reaches the
+    number of labels."""
+    out = {}
+    for env, k in k_of_env.items():
+        truth = [label_of(t, LABEL_LEVELS[env][-1]) or "?" for t in trajs if t.env == env]
+        if len(set(truth)) <= k <= len(truth):
+            out[env] = _rounded(pure_partition_nmi(truth, k))
+    return out
 
 
 def view_combinations(goal: np.ndarray, action: np.ndarray, workflow: np.ndarray) -> dict[str, np.ndarray]:
@@ -373,7 +384,7 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
                   and all(base[b]["per_env"][env][level][m]["mean"] > best[m] for m in best)]
         out[env] = {"workflows": e[level]["labels"], "best_baseline": best, "lifemem_worse_order": ours,
                     "beats": all(ours[m] > best[m] for m in best), "ties": tie, "batch_combinations_beating": combos,
-                    "pure_nmi_at_k": e[level].get("pure_nmi_at_k")}
+                    "pure_nmi_at_k": res.get("pure_nmi_at_k", {}).get(env)}
     return out
 
 

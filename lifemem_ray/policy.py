@@ -124,8 +124,10 @@ class OfflinePolicy:
         ``env`` (count, text sum norm, workflow sum norm of the cluster's environment):
         with ``policy.env_contrast`` = c > 0, the trajectory must also resemble the
         cluster's members more than the environment's trajectories resemble each other: its
-        mean cosine to the members (its centroid score times the cluster's R) must reach
-        rho_env + c (1 - rho_env), rho_env the environment's mean pairwise cosine. A cluster
+        score times the cluster's R over the combined vectors (its mean cosine to the
+        members when the two views' sums are equally concentrated, an estimate otherwise)
+        must reach rho_env + c (1 - rho_env), rho_env the environment's mean pairwise cosine
+        over the combined vectors. A cluster
         that has grown as diffuse as its whole environment (every ALFWorld task goes to,
         takes and puts) then stops taking everything that arrives."""
         base = self.config.join_threshold
