@@ -59,7 +59,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.cluster_metrics import equal_k_baseline, partition_scores, pure_partition_nmi, sequence_distance
+from lifemem_ray.cluster_metrics import (bootstrap_weights, equal_k_baseline, partition_scores, pure_partition_nmi,
+                                         sequence_distance, weighted_scores)
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
 from lifemem_ray.embedding import MiniLMEmbedder
@@ -75,6 +76,7 @@ SMALL_FLOOR = 30  # every environment keeps at least this many in the small samp
 BASELINE_SEEDS = (0, 1, 2, 3, 4)
 RANDOM_ORDER_SEEDS = (0, 1, 2)
 HOLDOUT_EVERY = 10
+BOOTSTRAP_DRAWS = 1000  # resamples behind each gap's 95% interval
 # Each entry changes one thing of the default offline clustering (config overrides), so the
 # table shows what that piece buys: a feature switched off, a setting as it was before, or
 # an option the default leaves off.
@@ -212,14 +214,16 @@ def _rounded(scores: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in scores.items()}
 
 
-def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: dict[str, int]) -> dict[str, Any]:
-    """Spherical k-means per environment with the memory's k, for each representation and seed."""
+def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: dict[str, int]) -> tuple[dict[str, Any], dict[str, list[list[str]]]]:
+    """Spherical k-means per environment with the memory's k, for each representation and seed:
+    the scores (mean, min, max over seeds) and the partitions themselves (per seed)."""
     by_env: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(trajs):
         by_env[t.env].append(i)
     out: dict[str, Any] = {}
+    partitions: dict[str, list[list[str]]] = {}
     for name, vectors in reps.items():
-        runs = []
+        runs, partitions[name] = [], []
         for seed in BASELINE_SEEDS:
             assigned: list[str] = [""] * len(trajs)
             for env, idx in by_env.items():
@@ -227,7 +231,43 @@ def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: di
                 for i, lab in zip(idx, labels):
                     assigned[i] = f"{env}/{lab}"
             runs.append(score_partition(trajs, assigned))
+            partitions[name].append(assigned)
         out[name] = summarise_runs(runs)
+    return out, partitions
+
+
+def gap_intervals(trajs: list[Trajectory], lifemem: list[list[Any]], named: dict[str, list[list[str]]],
+                  draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per environment at its topic level: the verdict's gap (LifeMem's worse order, the
+    similarity order or the mean of the random ones, minus the best named baseline's mean over
+    seeds) on purity and NMI, with a 95% interval from a paired bootstrap over the
+    environment's trajectories (every partition scored on the same resamples, the best
+    baseline picked again on each). ``above``: both intervals above 0; ``below``: either
+    interval under 0; else ``within noise``. It shows how far the gap could move with other
+    trajectories of the same tasks; not the spread over data generations or configurations."""
+    out: dict[str, dict[str, Any]] = {}
+    by_env: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        by_env[t.env].append(i)
+    for env, idx in sorted(by_env.items()):
+        truth = np.array([label_of(trajs[i], LABEL_LEVELS[env][-1]) or "?" for i in idx])
+        weights = np.vstack([np.ones(len(idx)), bootstrap_weights(len(idx), draws, seed)])  # row 0: the data as is
+
+        def scores(part: list[Any]) -> dict[str, np.ndarray]:
+            return weighted_scores(np.array([str(part[i]) for i in idx]), truth, weights)
+
+        ours_runs = [scores(part) for part in lifemem]
+        base_runs = {name: [scores(part) for part in parts] for name, parts in named.items()}
+        entry: dict[str, Any] = {}
+        for m in ("purity", "nmi"):
+            ours = np.minimum(ours_runs[0][m], np.mean([r[m] for r in ours_runs[1:]], axis=0)) if len(ours_runs) > 1 else ours_runs[0][m]
+            best = np.max([np.mean([r[m] for r in runs], axis=0) for runs in base_runs.values()], axis=0)
+            gap = ours - best
+            low, high = np.percentile(gap[1:], [2.5, 97.5])
+            entry[m] = {"gap": round(float(gap[0]), 4), "low": round(float(low), 4), "high": round(float(high), 4)}
+        lows, highs = [entry[m]["low"] for m in ("purity", "nmi")], [entry[m]["high"] for m in ("purity", "nmi")]
+        entry["verdict"] = "above" if min(lows) > 0 else "below" if min(highs) < 0 else "within noise"
+        out[env] = entry
     return out
 
 
@@ -304,10 +344,11 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     reps = {"goal_embedding": tvecs, "action_text_embedding": avecs, "workflow_vector": wvecs, "own_features_batch": combined,
             **view_combinations(tvecs, avecs, wvecs)}
     results: dict[str, Any] = {"n": len(train), "held_out": len(held)}
-    lifemem_runs, skill_runs, counts = [], [], []
+    lifemem_runs, lifemem_parts, skill_runs, counts = [], [], [], []
     for name, order in orders(train).items():
         run = ingest(train, tvecs, order, config, tmp, held, hvecs)
-        scored = score_partition(train, [run["cluster_of"].get(t.id) for t in train])
+        lifemem_parts.append([run["cluster_of"].get(t.id) for t in train])
+        scored = score_partition(train, lifemem_parts[-1])
         lifemem_runs.append(scored)
         counts.append({"order": name, "clusters": run["stats"]["clusters"], "splits": run["stats"]["splits"],
                        "splits_refused": run["stats"].get("splits_refused", 0), "merges": run["stats"].get("merges", 0),
@@ -319,7 +360,8 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     results["random"] = summarise_runs(lifemem_runs[1:])
     results["runs"] = counts
     k_of_env = {env: e["k"] for env, e in lifemem_runs[0]["per_env"].items()}  # similarity order's k
-    results["baselines_at_similarity_k"] = baselines(train, reps, k_of_env)
+    results["baselines_at_similarity_k"], partitions = baselines(train, reps, k_of_env)
+    results["gap_intervals"] = gap_intervals(train, lifemem_parts, {name: partitions[name] for name in NAMED_BASELINES})
     results["pure_nmi_at_k"] = pure_nmi_references(train, k_of_env)
     if skill_runs:
         results["skills"] = skill_runs
@@ -371,7 +413,8 @@ VIEW_COMBINATIONS = ("own_features_batch", "workflow+action", "goal+action", "al
 
 def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per environment at its topic level: whether LifeMem (similarity order, and the mean of the
-    random orders) is above the best of the named baselines' means, on purity and on NMI."""
+    random orders) is above the best of the named baselines' means, on purity and on NMI, and
+    what the bootstrap says of that gap (:func:`gap_intervals`)."""
     out = {}
     sim, rnd, base = res["similarity"]["per_env"], res["random"]["per_env"], res["baselines_at_similarity_k"]
     for env, e in sim.items():
@@ -384,7 +427,8 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
                   and all(base[b]["per_env"][env][level][m]["mean"] > best[m] for m in best)]
         out[env] = {"workflows": e[level]["labels"], "best_baseline": best, "lifemem_worse_order": ours,
                     "beats": all(ours[m] > best[m] for m in best), "ties": tie, "batch_combinations_beating": combos,
-                    "pure_nmi_at_k": res.get("pure_nmi_at_k", {}).get(env)}
+                    "pure_nmi_at_k": res.get("pure_nmi_at_k", {}).get(env),
+                    "bootstrap": res.get("gap_intervals", {}).get(env, {}).get("verdict")}
     return out
 
 
@@ -402,7 +446,7 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"\n{fold} fold, {scale} ({res['n']} stored): topic-level purity / NMI at the memory's k "
                          "(k-means: mean of 5 seeds; LifeMem random: mean of 3 orders)")
             lines.append(f"{'env':<14}{'k':>5} {'LifeMem sim':>12} {'LifeMem rand':>13} {'goal km':>11} {'action km':>11} "
-                         f"{'workflow km':>12} {'own-feat km':>12}  beats best named")
+                         f"{'workflow km':>12} {'own-feat km':>12}  beats best named; gap purity / NMI [95% bootstrap]")
             sim, rnd, base = res["similarity"]["per_env"], res["random"]["per_env"], res["baselines_at_similarity_k"]
             for env, e in sim.items():
                 level = LABEL_LEVELS[env][-1]
@@ -411,13 +455,18 @@ def table(report: dict[str, Any]) -> str:
                     b = base[rep]["per_env"][env][level]
                     cells.append(f"{b['purity']['mean']:.2f}/{b['nmi']['mean']:.2f}")
                 widths = (12, 13, 11, 11, 12, 12)
+                gap = res.get("gap_intervals", {}).get(env)
                 lines.append(f"{env:<14}{e['k']:>5} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
-                             + ("  yes" if res["verdicts"][env]["beats"] else "  tie" if res["verdicts"][env]["ties"] else "  no"))
+                             + ("  yes" if res["verdicts"][env]["beats"] else "  tie" if res["verdicts"][env]["ties"] else "  no ")
+                             + (_gap_cell(gap) if gap else ""))
             pure = {env: v["pure_nmi_at_k"] for env, v in res["verdicts"].items() if v.get("pure_nmi_at_k")}
             lines.append("  NMI of a perfectly pure partition at the memory's k, largest labels halved / single members split off: "
                          + "; ".join(f"{env} {p['even']:.2f}/{p['splinters']:.2f}" for env, p in pure.items()))
             lines.append(f"  beats the best named baseline in {sum(v['beats'] for v in res['verdicts'].values())} of "
                          f"{len(res['verdicts'])} environments; mean gap to it (worse order, purity and NMI): {res['mean_gap_to_best']:+.4f}")
+            said = Counter(v["bootstrap"] for v in res["verdicts"].values() if v.get("bootstrap"))
+            if said:
+                lines.append("  bootstrap over trajectories (95%, both metrics): " + ", ".join(f"{said[w]} {w}" for w in ("above", "within noise", "below")))
             combos = {env: v["batch_combinations_beating"] for env, v in res["verdicts"].items()}
             lines.append("  batch k-means over a combination of views (not LifeMem) beating the best named view: "
                          + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items()))
@@ -432,6 +481,11 @@ def table(report: dict[str, Any]) -> str:
     if "ablation" in report:
         lines.append(ablation_table(report))
     return "\n".join(lines)
+
+
+def _gap_cell(gap: dict[str, Any]) -> str:
+    return (f"; {gap['purity']['gap']:+.3f} [{gap['purity']['low']:+.3f},{gap['purity']['high']:+.3f}] / "
+            f"{gap['nmi']['gap']:+.3f} [{gap['nmi']['low']:+.3f},{gap['nmi']['high']:+.3f}] {gap['verdict']}")
 
 
 def ablation_table(report: dict[str, Any]) -> str:

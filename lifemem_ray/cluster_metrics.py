@@ -9,6 +9,9 @@ benchmark composes them; tests check them on partitions whose figures are known 
 * :func:`equal_k_baseline`: spherical k-means with a given number of clusters over any
   representation, the baseline that isolates what the representation and the online
   procedure buy at the same granularity;
+* :func:`bootstrap_weights` and :func:`weighted_scores`: purity and NMI under resampled
+  item weights (a bootstrap over items), so a difference between two partitions of the same
+  items comes with an interval;
 * :func:`sequence_distance`: normalised edit distance between two sequences, used to ask how
   well a skill's ordered steps predict a trajectory's action categories.
 
@@ -29,7 +32,8 @@ import numpy as np
 
 from .policy import spherical_kmeans
 
-__all__ = ["equal_k_baseline", "partition_scores", "pure_partition_nmi", "purity", "sequence_distance"]
+__all__ = ["bootstrap_weights", "equal_k_baseline", "partition_scores", "pure_partition_nmi", "purity", "sequence_distance",
+           "weighted_scores"]
 
 
 def purity(clusters: np.ndarray, labels: np.ndarray) -> float:
@@ -56,6 +60,58 @@ def partition_scores(clusters: np.ndarray, labels: np.ndarray) -> dict[str, floa
         "nmi": float(normalized_mutual_info_score(labels, clusters)),
         "ari": float(adjusted_rand_score(labels, clusters)),
     }
+
+
+def bootstrap_weights(n: int, draws: int, seed: int = 0) -> np.ndarray:
+    """(draws, n) item counts of ``draws`` bootstrap resamples of n items (each row sums to n):
+    resampling as weights, so every partition of the same items is scored on the same draws
+    (a paired bootstrap).
+
+    >>> w = bootstrap_weights(5, 3)
+    >>> w.shape, w.sum(axis=1).tolist()
+    ((3, 5), [5.0, 5.0, 5.0])
+    """
+    if n < 1 or draws < 1:
+        raise ValueError(f"n and draws: must be at least 1, got n={n}, draws={draws}")
+    return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws).astype(np.float64)
+
+
+def weighted_scores(clusters: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray]:
+    """Purity and NMI (arithmetic normalisation, as :func:`partition_scores`) of one partition
+    under each row of item ``weights`` (draws, n): arrays of length draws. With all weights 1
+    they equal :func:`partition_scores`.
+
+    >>> c, y = np.array([0, 0, 1, 1]), np.array(["a", "a", "a", "b"])
+    >>> s = weighted_scores(c, y, np.ones((1, 4)))
+    >>> round(float(s["purity"][0]), 2), round(float(s["nmi"][0]), 4) == round(partition_scores(c, y)["nmi"], 4)
+    (0.75, True)
+    """
+    clusters, labels = _check(clusters, labels)
+    w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
+    if w.shape[1] != len(clusters):
+        raise ValueError(f"weights: expected (draws, {len(clusters)}), got {w.shape}")
+    _, c = np.unique(clusters, return_inverse=True)
+    _, y = np.unique(labels, return_inverse=True)
+    kc, ky = int(c.max()) + 1, int(y.max()) + 1
+    onehot = np.zeros((len(c), kc * ky))
+    onehot[np.arange(len(c)), c * ky + y] = 1.0
+    table = (w @ onehot).reshape(len(w), kc, ky)
+    total = table.sum(axis=(1, 2))
+    purity_ = table.max(axis=2).sum(axis=1) / total
+    p = table / total[:, None, None]
+    pc, py = p.sum(axis=2), p.sum(axis=1)
+
+    def entropy(q: np.ndarray) -> np.ndarray:
+        return -np.where(q > 0, q * np.log(np.where(q > 0, q, 1.0)), 0.0).sum(axis=1)
+
+    outer = pc[:, :, None] * py[:, None, :]
+    mi = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0) / np.where(outer > 0, outer, 1.0)), 0.0).sum(axis=(1, 2))
+    hc, hy = entropy(pc), entropy(py)
+    mean_h = (hc + hy) / 2
+    # scikit-learn's conventions: one cluster and one label agree perfectly; otherwise no
+    # entropy means no information.
+    nmi = np.where((hc == 0) & (hy == 0), 1.0, np.where(mean_h > 0, np.maximum(mi, 0.0) / np.where(mean_h > 0, mean_h, 1.0), 0.0))
+    return {"purity": purity_, "nmi": np.minimum(nmi, 1.0)}
 
 
 def pure_partition_nmi(labels: Sequence[Hashable], k: int) -> dict[str, float]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lifemem_ray.cluster_metrics import equal_k_baseline, partition_scores, purity, sequence_distance
+from lifemem_ray.cluster_metrics import (bootstrap_weights, equal_k_baseline, partition_scores, purity, sequence_distance,
+                                         weighted_scores)
 
 
 def test_purity_counts_each_clusters_majority():
@@ -60,3 +61,29 @@ def test_pure_partition_nmi_rewards_uneven_parts_and_checks_k():
     assert r["even"] < r["splinters"] < 1.0
     with pytest.raises(ValueError, match="k: must be within"):
         pure_partition_nmi(labels, 2)
+
+
+def test_weighted_scores_equal_the_plain_ones_with_unit_weights_and_follow_the_weights():
+    rng = np.random.default_rng(3)
+    for n, kc, ky in ((40, 5, 3), (200, 12, 6), (7, 1, 1), (7, 1, 3), (7, 4, 1)):
+        clusters, labels = rng.integers(kc, size=n), np.array([f"l{v}" for v in rng.integers(ky, size=n)])
+        got = weighted_scores(clusters, labels, np.ones((2, n)))
+        want = partition_scores(clusters, labels)
+        for m in ("purity", "nmi"):
+            assert got[m].shape == (2,) and got[m] == pytest.approx([want[m]] * 2, abs=1e-12)
+    # Weight 2 on an item is the item twice; weight 0 drops it.
+    clusters, labels = np.array([0, 0, 1, 1]), np.array(list("aabb"))
+    doubled = partition_scores(np.array([0, 0, 0, 1, 1]), np.array(list("aaabb")))
+    assert weighted_scores(clusters, labels, np.array([[2.0, 1, 1, 1]]))["nmi"][0] == pytest.approx(doubled["nmi"])
+    assert weighted_scores(np.array([0, 1, 1]), np.array(list("abb")), np.array([[0.0, 1, 1]]))["nmi"][0] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="weights"):
+        weighted_scores(clusters, labels, np.ones((1, 3)))
+
+
+def test_bootstrap_weights_are_resamples_of_the_items():
+    w = bootstrap_weights(50, 200, seed=1)
+    assert w.shape == (200, 50) and (w.sum(axis=1) == 50).all() and (w >= 0).all()
+    assert (w == bootstrap_weights(50, 200, seed=1)).all() and not (w == bootstrap_weights(50, 200, seed=2)).all()
+    assert 0.55 < (w > 0).mean() < 0.72  # about 1 - 1/e of the items appear in a resample
+    with pytest.raises(ValueError, match="draws"):
+        bootstrap_weights(5, 0)

@@ -49,3 +49,25 @@ def test_one_fold_evaluates_with_verdicts_gap_and_diagnostics(tmp_path):
     report = {"folds": {"report": {"full": res}}}
     text = cluster_quality.table(report)
     assert "mean gap to it" in text and "perfectly pure partition" in text and "sql" in text
+    interval = res["gap_intervals"]["sql"]
+    assert verdict["bootstrap"] == interval["verdict"] in ("above", "below", "within noise")
+    for m in ("purity", "nmi"):  # the interval is around the verdict's own gap
+        assert interval[m]["gap"] == round(verdict["lifemem_worse_order"][m] - verdict["best_baseline"][m], 4)
+        assert interval[m]["low"] <= interval[m]["gap"] + 1e-4 and interval[m]["gap"] - 1e-4 <= interval[m]["high"]
+    assert "bootstrap over trajectories" in text
+
+
+def test_gap_intervals_tell_a_real_gap_from_noise():
+    trajs = labelled(90)
+    perfect = [t.metadata["labels"]["task_type"] for t in trajs]
+    rng = np.random.default_rng(0)
+    shuffled = [[str(x) for x in rng.permutation(perfect)] for _ in range(5)]
+    above = cluster_quality.gap_intervals(trajs, [perfect, perfect], {"view": shuffled})["sql"]
+    assert above["verdict"] == "above" and above["purity"]["low"] > 0 and above["nmi"]["low"] > 0
+    below = cluster_quality.gap_intervals(trajs, [shuffled[0]], {"view": [perfect] * 5})["sql"]
+    assert below["verdict"] == "below" and below["nmi"]["high"] < 0
+    same = cluster_quality.gap_intervals(trajs, [perfect], {"view": [perfect]})["sql"]
+    assert same["verdict"] == "within noise" and same["purity"] == {"gap": 0.0, "low": 0.0, "high": 0.0}
+    # The worse of the similarity order and the random orders' mean counts: one bad order is enough.
+    mixed = cluster_quality.gap_intervals(trajs, [perfect, shuffled[1], shuffled[2]], {"view": [perfect]})["sql"]
+    assert mixed["verdict"] == "below"
