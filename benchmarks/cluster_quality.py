@@ -24,11 +24,15 @@ combined representation (what batch clustering of the same features reaches).
 Per environment the verdict says whether LifeMem (the similarity order, and the mean of
 the random orders) is above the best of the three named baselines on purity and on NMI;
 ``mean_gap_to_best`` averages LifeMem's worse order minus that baseline over environments
-and both metrics (what variants were compared by on the tune fold). Two diagnostics stand
-beside it: whether batch k-means over a fixed combination of the views (workflow+action,
-goal+action, all three, LifeMem's own) beats the best single view at the same k at all,
-and the NMI two perfectly pure partitions score at LifeMem's k (at equal k NMI rewards
-uneven parts).
+and both metrics (what variants were compared by on the tune fold). Each environment's gap
+comes with a 95% interval from a paired bootstrap over its trajectories, and a verdict:
+above, within noise, or below (:func:`gap_intervals`). Three diagnostics stand beside
+it: whether batch k-means over a fixed combination of the views (workflow+action,
+goal+action, all three, LifeMem's own) beats the best single view at the same k at all;
+the NMI two perfectly pure partitions score at LifeMem's k (at equal k NMI rewards uneven
+parts); and whether the view whose k-means partition has the best silhouette is the view
+the labels say is best (whether the representation could be chosen per environment
+without labels).
 
 Skill quality (report fold): every 10th trajectory per environment is held out (not
 ingested); its retrieval's first exemplar names a cluster, whose skill's ordered steps are
@@ -66,7 +70,7 @@ from lifemem_ray.datasets import LABEL_LEVELS, default_sources, generate, label_
 from lifemem_ray.embedding import MiniLMEmbedder
 from lifemem_ray.memory import Memory
 from lifemem_ray.model import Trajectory
-from lifemem_ray.policy import skill_step_texts
+from lifemem_ray.policy import mean_silhouette, skill_step_texts
 from lifemem_ray.steps import featurize
 from lifemem_ray.workflow import action_tokens, canonical_token, step_tokens
 
@@ -362,12 +366,31 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     k_of_env = {env: e["k"] for env, e in lifemem_runs[0]["per_env"].items()}  # similarity order's k
     results["baselines_at_similarity_k"], partitions = baselines(train, reps, k_of_env)
     results["gap_intervals"] = gap_intervals(train, lifemem_parts, {name: partitions[name] for name in NAMED_BASELINES})
+    results["view_by_silhouette"] = view_by_silhouette(train, reps, partitions)
     results["pure_nmi_at_k"] = pure_nmi_references(train, k_of_env)
     if skill_runs:
         results["skills"] = skill_runs
     results["verdicts"] = verdicts(results)
     results["mean_gap_to_best"] = mean_gap(results["verdicts"])
     return results
+
+
+def view_by_silhouette(trajs: list[Trajectory], reps: dict[str, np.ndarray], partitions: dict[str, list[list[str]]]) -> dict[str, dict[str, float]]:
+    """Per environment, each named view's mean silhouette (cosine, in that view) of its own
+    equal-k k-means partitions, over the seeds: the view an unsupervised criterion would pick
+    for the environment, set beside the view the labels say is best (whether a per-environment
+    choice of representation could be made without labels)."""
+    by_env: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        by_env[t.env].append(i)
+    out: dict[str, dict[str, float]] = {}
+    for env, idx in sorted(by_env.items()):
+        out[env] = {}
+        for name in NAMED_BASELINES:
+            x = reps[name][idx].astype(np.float64)
+            x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+            out[env][name] = round(float(np.mean([mean_silhouette(x, np.array([part[i] for i in idx])) for part in partitions[name]])), 4)
+    return out
 
 
 def pure_nmi_references(trajs: list[Trajectory], k_of_env: dict[str, int]) -> dict[str, dict[str, float]]:
@@ -428,7 +451,9 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out[env] = {"workflows": e[level]["labels"], "best_baseline": best, "lifemem_worse_order": ours,
                     "beats": all(ours[m] > best[m] for m in best), "ties": tie, "batch_combinations_beating": combos,
                     "pure_nmi_at_k": res.get("pure_nmi_at_k", {}).get(env),
-                    "bootstrap": res.get("gap_intervals", {}).get(env, {}).get("verdict")}
+                    "bootstrap": res.get("gap_intervals", {}).get(env, {}).get("verdict"),
+                    "best_view_by_labels": max(NAMED_BASELINES, key=lambda b: base[b]["per_env"][env][level]["nmi"]["mean"]),
+                    "view_by_silhouette": max(res["view_by_silhouette"][env].items(), key=lambda kv: kv[1])[0] if env in res.get("view_by_silhouette", {}) else None}
     return out
 
 
@@ -467,6 +492,10 @@ def table(report: dict[str, Any]) -> str:
             said = Counter(v["bootstrap"] for v in res["verdicts"].values() if v.get("bootstrap"))
             if said:
                 lines.append("  bootstrap over trajectories (95%, both metrics): " + ", ".join(f"{said[w]} {w}" for w in ("above", "within noise", "below")))
+            picks = {env: (v["view_by_silhouette"], v["best_view_by_labels"]) for env, v in res["verdicts"].items() if v.get("view_by_silhouette")}
+            if picks:
+                lines.append(f"  the view with the best silhouette is the best by labels (NMI) in {sum(a == b for a, b in picks.values())} of {len(picks)}: "
+                             + "; ".join(f"{env} {a.split('_')[0]}{'' if a == b else ' (labels: ' + b.split('_')[0] + ')'}" for env, (a, b) in picks.items()))
             combos = {env: v["batch_combinations_beating"] for env, v in res["verdicts"].items()}
             lines.append("  batch k-means over a combination of views (not LifeMem) beating the best named view: "
                          + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items()))

@@ -55,6 +55,10 @@ def test_one_fold_evaluates_with_verdicts_gap_and_diagnostics(tmp_path):
         assert interval[m]["gap"] == round(verdict["lifemem_worse_order"][m] - verdict["best_baseline"][m], 4)
         assert interval[m]["low"] <= interval[m]["gap"] + 1e-4 and interval[m]["gap"] - 1e-4 <= interval[m]["high"]
     assert "bootstrap over trajectories" in text
+    # The unsupervised view choice: every named view scored by silhouette, the best one named.
+    assert set(res["view_by_silhouette"]["sql"]) == set(cluster_quality.NAMED_BASELINES)
+    assert verdict["view_by_silhouette"] == max(res["view_by_silhouette"]["sql"].items(), key=lambda kv: kv[1])[0]
+    assert verdict["best_view_by_labels"] in cluster_quality.NAMED_BASELINES and "best silhouette" in text
 
 
 def test_gap_intervals_tell_a_real_gap_from_noise():
