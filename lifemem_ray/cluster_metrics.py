@@ -12,6 +12,8 @@ benchmark composes them; tests check them on partitions whose figures are known 
 * :func:`bootstrap_weights` and :func:`weighted_scores`: purity and NMI under resampled
   item weights (a bootstrap over items), so a difference between two partitions of the same
   items comes with an interval;
+* :func:`refine_partition`: spherical k-means iterations started from a given partition
+  (what a batch consolidation of an online partition would reach);
 * :func:`sequence_distance`: normalised edit distance between two sequences, used to ask how
   well a skill's ordered steps predict a trajectory's action categories.
 
@@ -33,7 +35,7 @@ import numpy as np
 from .policy import spherical_kmeans
 
 __all__ = ["bootstrap_weights", "equal_k_baseline", "partition_scores", "pure_partition_nmi", "purity", "sequence_distance",
-           "weighted_scores"]
+           "refine_partition", "weighted_scores"]
 
 
 def purity(clusters: np.ndarray, labels: np.ndarray) -> float:
@@ -162,6 +164,31 @@ def equal_k_baseline(vectors: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     if k == 1:
         return np.zeros(len(x), dtype=np.int64)
     return spherical_kmeans(x, min(k, len(x)), seed=seed, iterations=50)
+
+
+def refine_partition(vectors: np.ndarray, labels: np.ndarray, iterations: int = 50) -> np.ndarray:
+    """Labels (n,) after spherical k-means (Lloyd) iterations that start from the partition
+    ``labels`` instead of a seeding: each item moves to the nearest centroid of the current
+    parts until nothing moves. Parts that empty vanish, so there are at most as many parts.
+
+    >>> x = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    >>> refine_partition(x, np.array([0, 1, 1, 1])).tolist()
+    [0, 0, 1, 1]
+    """
+    x = np.asarray(vectors, dtype=np.float64)
+    if x.ndim != 2 or len(x) != len(labels):
+        raise ValueError(f"vectors and labels: expected (n, d) and (n,), got {x.shape} and {np.shape(labels)}")
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    _, current = np.unique(np.asarray(labels), return_inverse=True)
+    for _ in range(iterations):
+        centres = np.zeros((int(current.max()) + 1, x.shape[1]))
+        np.add.at(centres, current, x)
+        centres /= np.maximum(np.linalg.norm(centres, axis=1, keepdims=True), 1e-12)
+        moved = np.argmax(x @ centres.T, axis=1)
+        if np.array_equal(moved, current):
+            break
+        _, current = np.unique(moved, return_inverse=True)
+    return current
 
 
 def sequence_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:

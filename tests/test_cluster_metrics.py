@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lifemem_ray.cluster_metrics import (bootstrap_weights, equal_k_baseline, partition_scores, purity, sequence_distance,
-                                         weighted_scores)
+from lifemem_ray.cluster_metrics import (bootstrap_weights, equal_k_baseline, partition_scores, purity, refine_partition,
+                                         sequence_distance, weighted_scores)
 
 
 def test_purity_counts_each_clusters_majority():
@@ -87,3 +87,18 @@ def test_bootstrap_weights_are_resamples_of_the_items():
     assert 0.55 < (w > 0).mean() < 0.72  # about 1 - 1/e of the items appear in a resample
     with pytest.raises(ValueError, match="draws"):
         bootstrap_weights(5, 0)
+
+
+def test_refine_partition_moves_members_to_the_nearest_part_and_keeps_a_settled_one():
+    rng = np.random.default_rng(4)
+    centres = np.eye(6)[:3]
+    x = np.vstack([c + 0.05 * rng.standard_normal((15, 6)) for c in centres])
+    truth = np.repeat([0, 1, 2], 15)
+    scrambled = truth.copy()
+    scrambled[[0, 16, 32]] = [1, 2, 0]  # one member of each group put in the wrong part
+    refined = refine_partition(x, scrambled)
+    assert purity(refined, truth) == 1.0 and len(set(refined.tolist())) == 3
+    assert (refine_partition(x, truth) == truth).all()  # already settled: nothing moves
+    assert len(set(refine_partition(x, np.zeros(45, int)).tolist())) == 1  # never more parts than given
+    with pytest.raises(ValueError, match="labels"):
+        refine_partition(x, truth[:10])

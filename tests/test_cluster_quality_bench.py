@@ -59,6 +59,10 @@ def test_one_fold_evaluates_with_verdicts_gap_and_diagnostics(tmp_path):
     assert set(res["view_by_silhouette"]["sql"]) == set(cluster_quality.NAMED_BASELINES)
     assert verdict["view_by_silhouette"] == max(res["view_by_silhouette"]["sql"].items(), key=lambda kv: kv[1])[0]
     assert verdict["best_view_by_labels"] in cluster_quality.NAMED_BASELINES and "best silhouette" in text
+    refined = res["refined_in_picked_view"]["sql"]
+    assert refined["view"] == verdict["view_by_silhouette"] and 0 < refined["purity"] <= 1 and 0 <= refined["nmi"] <= 1
+    assert verdict["refined_beats"] == all(refined[m] > verdict["best_baseline"][m] for m in ("purity", "nmi"))
+    assert "refined by k-means" in text
 
 
 def test_gap_intervals_tell_a_real_gap_from_noise():
