@@ -409,9 +409,10 @@ def refined_in_picked_view(trajs: list[Trajectory], reps: dict[str, np.ndarray],
     for env, idx in sorted(by_env.items()):
         view = max(silhouettes[env].items(), key=lambda kv: kv[1])[0]
         truth = np.array([label_of(trajs[i], LABEL_LEVELS[env][-1]) or "?" for i in idx])
-        scored = [partition_scores(refine_partition(reps[view][idx], np.array([str(part[i]) for i in idx])), truth) for part in lifemem]
+        refined = [refine_partition(reps[view][idx], np.array([str(part[i]) for i in idx])) for part in lifemem]
+        scored = [partition_scores(labels, truth) for labels in refined]
         worse = {m: min(scored[0][m], float(np.mean([r[m] for r in scored[1:]]))) if len(scored) > 1 else scored[0][m] for m in ("purity", "nmi")}
-        out[env] = {"view": view, **_rounded(worse)}
+        out[env] = {"view": view, **_rounded(worse), "k_similarity": int(refined[0].max()) + 1}  # parts can empty: k may fall
     return out
 
 
@@ -523,7 +524,7 @@ def table(report: dict[str, Any]) -> str:
             if refined:
                 lines.append(f"  LifeMem's partition refined by k-means in that view (a batch consolidation; the engine has none) beats the best named "
                              f"baseline in {sum(bool(v.get('refined_beats')) for v in res['verdicts'].values())} of {len(refined)}: "
-                             + "; ".join(f"{env} {r['purity']:.3f}/{r['nmi']:.3f}" for env, r in refined.items()))
+                             + "; ".join(f"{env} {r['purity']:.3f}/{r['nmi']:.3f} (k {r['k_similarity']})" for env, r in refined.items()))
             combos = {env: v["batch_combinations_beating"] for env, v in res["verdicts"].items()}
             lines.append("  batch k-means over a combination of views (not LifeMem) beating the best named view: "
                          + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items()))
