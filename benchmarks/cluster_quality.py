@@ -549,8 +549,9 @@ def _gap_cell(gap: dict[str, Any]) -> str:
 def ablation_table(report: dict[str, Any]) -> str:
     rows = {"default": report["folds"].get("report", {}).get("full"), **report["ablation"]}
     envs = list(next(r for r in rows.values() if r)["similarity"]["per_env"])
-    lines = ["\nablation, report fold, full: topic-level purity / NMI, similarity order (clusters; skill distance own vs other)"]
-    lines.append(f"{'variant':<37}" + "".join(f"{e[:12]:>13}" for e in envs) + f"{'overall':>13}{'clusters':>9}{'skills':>13}")
+    lines = ["\nablation, report fold, full: topic-level purity / NMI, similarity order (clusters; skill distance own vs other; "
+             "mean gap to the best equal-k baseline at the variant's own k; environments beaten, and above / within noise / below by the bootstrap)"]
+    lines.append(f"{'variant':<37}" + "".join(f"{e[:12]:>13}" for e in envs) + f"{'overall':>13}{'clusters':>9}{'skills':>13}{'gap':>9}{'beats':>7}{'a/n/b':>8}")
     for name, res in rows.items():
         if not res:
             continue
@@ -558,8 +559,11 @@ def ablation_table(report: dict[str, Any]) -> str:
         cells = [f"{per[e][LABEL_LEVELS[e][-1]]['purity']:.2f}/{per[e][LABEL_LEVELS[e][-1]]['nmi']:.2f}" for e in envs]
         o = res["similarity"]["overall_topic"]
         sk = res["skills"][0]["overall"] if res.get("skills") else {"own_cluster": float("nan"), "random_other_cluster": float("nan")}
+        said = Counter(v.get("bootstrap") for v in res["verdicts"].values())
         lines.append(f"{name:<37}" + "".join(f"{c:>13}" for c in cells) + f"{o['purity']:.2f}/{o['nmi']:.2f}".rjust(13)
-                     + f"{res['runs'][0]['clusters']:>9}" + f"{sk['own_cluster']:.2f}/{sk['random_other_cluster']:.2f}".rjust(13))
+                     + f"{res['runs'][0]['clusters']:>9}" + f"{sk['own_cluster']:.2f}/{sk['random_other_cluster']:.2f}".rjust(13)
+                     + f"{res['mean_gap_to_best']:>+9.3f}" + f"{sum(v['beats'] for v in res['verdicts'].values()):>7}"
+                     + f"{said['above']}/{said['within noise']}/{said['below']}".rjust(8))
     return "\n".join(lines)
 
 
