@@ -46,8 +46,10 @@ def test_one_fold_evaluates_with_verdicts_gap_and_diagnostics(tmp_path):
     assert abs(res["mean_gap_to_best"] - round(float(gap), 4)) < 1e-9
     assert set(res["baselines_at_similarity_k"]) == set(cluster_quality.BASELINES) | {"workflow+action", "goal+action", "all_three_views"}
     assert res["held_out"] == 6 and res["skills"]  # every 10th held out, its retrieved cluster's skill scored
-    report = {"folds": {"report": {"full": res}}}
+    report = {"folds": {"report": {"full": res}}, "ablation": {"a variant": res}}
     text = cluster_quality.table(report)
+    row = next(line for line in text.splitlines() if line.startswith("a variant"))
+    assert f"{res['mean_gap_to_best']:+.3f}" in row  # the ablation rows carry the verdict's figures
     assert "mean gap to it" in text and "perfectly pure partition" in text and "sql" in text
     interval = res["gap_intervals"]["sql"]
     assert verdict["bootstrap"] == interval["verdict"] in ("above", "below", "within noise")
