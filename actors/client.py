@@ -32,7 +32,7 @@ from lifemem_ray.retrieval import Retrieval, assemble, check_retrieve_args, paus
 from lifemem_ray.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 
 from . import deployment
-from .errors import ShardUnavailableError, actor_failures
+from .errors import ShardUnavailableError, actor_failures, raise_remote, remote_cause
 
 __all__ = ["AddFuture", "MemoryClient"]
 
@@ -49,10 +49,7 @@ def _coordinator_answer(ref: Any) -> Any:
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise exc.as_instanceof_cause() from None
+        raise_remote(exc)
 
 
 @dataclass
@@ -84,12 +81,9 @@ class AddFuture:
                 break
             except ray.exceptions.RayTaskError as exc:
                 # The coordinator's own error (conflict, overload, a shard gone), without Ray's wrapping.
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, ShardUnavailableError):
+                if isinstance(remote_cause(exc), ShardUnavailableError):
                     self._doubt()
-                if isinstance(cause, Exception):
-                    raise cause from None
-                raise exc.as_instanceof_cause() from None
+                raise_remote(exc)
             except ray.exceptions.GetTimeoutError:
                 self._doubt()  # still running, or lost: unknown whether it will commit; not resent
                 raise

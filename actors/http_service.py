@@ -24,7 +24,7 @@ from lifemem_ray.model import Trajectory
 from lifemem_ray.principal import Principal
 
 from .deployment import find_coordinator
-from .errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
+from .errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures, remote_cause
 from .operations import operations_actor
 
 __all__ = ["ApiError", "FrontService", "ServiceMemory", "split_where", "unavailable_errors"]
@@ -49,12 +49,6 @@ def split_where(message: str) -> tuple[str | None, str]:
 def unavailable_errors() -> tuple[type[BaseException], ...]:
     """What means "the memory cannot answer now, try again": 503 with Retry-After."""
     return (ShardUnavailableError, OverloadedError, DeploymentNotFoundError, ray.exceptions.GetTimeoutError, *actor_failures())
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """A remote actor's own error without Ray's wrapping."""
-    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
-    return cause if isinstance(cause, Exception) else exc
 
 
 class FrontService:
@@ -92,7 +86,7 @@ class FrontService:
         try:
             return fn(self.client(), *args, **kwargs)
         except ray.exceptions.RayTaskError as exc:
-            raise _unwrap(exc) from None
+            raise remote_cause(exc) from None
         except (DeploymentNotFoundError, *actor_failures()):
             with self._lock:
                 self._client = None

@@ -35,7 +35,7 @@ from lifemem_ray.rollout import EnvHung, EpisodeLimits, EpisodeTimeout, run_epis
 
 from lifemem_ray.errors import EnvStateError
 
-from .errors import actor_failures
+from .errors import actor_failures, remote_cause
 
 __all__ = ["MEMORY_MODES", "EpisodeSpec", "RolloutPool", "RolloutWorker", "TaskOutcome", "print_progress"]
 
@@ -376,7 +376,7 @@ class RolloutPool:
             self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"worker died: {type(exc).__name__}", st.stats, st.on_result)
             return
         except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+            cause = remote_cause(exc)
             st.free.append(w)
             if isinstance(cause, (ValueError, KeyError)):  # not transient: no retry
                 self._finish(st.results, TaskOutcome(task, attempts=attempt, error=f"{type(cause).__name__}: {cause}"), i, st.stats, st.on_result)
@@ -405,7 +405,7 @@ class RolloutPool:
                 # died after the commit): the memory keeps the first, as promised.
                 outcome.stored = "conflict-existing"
             except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc
+                cause = remote_cause(exc)
                 if not isinstance(cause, IdConflictError):
                     self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"not stored: {type(cause).__name__}: {cause}", st.stats, st.on_result)
                     continue
