@@ -4,7 +4,8 @@ Three tools, each with a typed (pydantic) result, so ``tools/list`` advertises a
 ``outputSchema`` and every answer carries ``structuredContent`` beside its text:
 
 * ``add_trajectory`` (scope ``write``): one native trajectory record (task, env, steps of
-  thought / action / observation, outcome, optional id and metadata), checked by
+  thought / action / observation, outcome, optional id and metadata: what the REST route and
+  ``ingest`` accept, an integer id and a bare true/false outcome included), checked by
   :meth:`Trajectory.from_dict`; it answers id, status and cluster after the memory acknowledged it.
 * ``retrieve_experience`` (scope ``read``; annotated read-only and idempotent): the top-k
   trajectories for a task as fields, the skills of their clusters, and the prompt block an
@@ -63,7 +64,7 @@ from mcp.server.stdio import stdio_server
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
 from mcp_types import ToolAnnotations
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
@@ -196,8 +197,10 @@ class _Tools:
         task: Annotated[str, Field(description="the goal the agent was given")],
         env: Annotated[str, Field(description="the environment or application, e.g. 'webshop' (at most 128 characters)")],
         steps: Annotated[list[StepRecord], Field(description="the turns in order; each needs an action or a thought")],
-        outcome: Annotated[OutcomeRecord | None, Field(description="success true/false/null and an optional reward")] = None,
-        id: Annotated[str | None, Field(description="your id for the run: makes a retry idempotent (default: a content hash)")] = None,
+        outcome: Annotated[OutcomeRecord | StrictBool | None,
+                           Field(description="success true/false/null and an optional reward, or just true/false")] = None,
+        id: Annotated[str | StrictInt | None,
+                      Field(description="your id for the run (a string or an integer): makes a retry idempotent (default: a content hash)")] = None,
         initial_observation: Annotated[str, Field(description="what the environment showed before the first action")] = "",
         metadata: Annotated[dict[str, Any] | None, Field(description="free JSON kept with the record")] = None,
     ) -> AddAnswer:
@@ -208,7 +211,7 @@ class _Tools:
         principal = self._acting("write")
         record: dict[str, Any] = {
             "env": env, "task": task, "steps": [s.model_dump() for s in steps], "initial_observation": initial_observation,
-            "outcome": None if outcome is None else outcome.model_dump(), "metadata": metadata, "tenant": principal.tenant,
+            "outcome": outcome.model_dump() if isinstance(outcome, OutcomeRecord) else outcome, "metadata": metadata, "tenant": principal.tenant,
         }
         if id is not None:
             record["id"] = id

@@ -116,6 +116,12 @@ def test_stdio_server_adds_retrieves_and_reports_errors(tmp_path):
             assert bad_step.is_error and "steps[0]" in _text(bad_step) and "neither an action nor a thought" in _text(bad_step)
             no_env = await client.call_tool("add_trajectory", {"task": "t", "steps": [{"action": "a"}]})
             assert no_env.is_error and "env" in _text(no_env) and "Field required" in _text(no_env)
+            # The record forms REST and ingest accept: an integer id, a bare true/false outcome.
+            native = _structured(await client.call_tool("add_trajectory", {"task": "count the rows", "env": "e", "id": 7, "outcome": True,
+                                                                           "steps": [{"action": "SELECT COUNT(*) FROM t"}]}), tools["add_trajectory"])
+            assert native["id"] == "7" and native["status"] in ("added", "pending")
+            bool_id = await client.call_tool("add_trajectory", {"task": "t", "env": "e", "id": True, "steps": [{"action": "a"}]})
+            assert bool_id.is_error and "id" in _text(bool_id)
             bad_k = await client.call_tool("retrieve_experience", {"task": "t", "k": 0})
             assert bad_k.is_error and "k: expected an integer within [1, " in _text(bad_k)
 
@@ -123,7 +129,8 @@ def test_stdio_server_adds_retrieves_and_reports_errors(tmp_path):
     # The server closed the store when its stdin closed: it opens again, for writing, with every add.
     memory = Memory.open(store)
     try:
-        assert memory.stats(tenant="acme")["trajectories"] == len(trajectories)
+        assert memory.stats(tenant="acme")["trajectories"] == len(trajectories) + 1
+        assert memory.get("7", tenant="acme").outcome.success is True
         assert memory.stats(tenant="default")["trajectories"] == 0
     finally:
         memory.close()
