@@ -212,6 +212,37 @@ def test_overload_makes_callers_wait_then_fail(deployment, data):
     assert client.stats()["coordinator"]["counters"]["overloaded"] == 1
 
 
+def test_a_snapshot_whose_pause_times_out_does_not_leave_ingest_paused(deployment, data, tmp_path):
+    """The pause goes on waiting for the batch in flight after the snapshot gave up on it; it
+    is resumed all the same, so later adds are served (before: the coordinator stayed paused)."""
+    import ray
+
+    from lifemem_ray.actors import deployment as dep
+    from openai_stub import OpenAIStub, sensible_reply
+
+    trajs, vecs = data
+    assigning = threading.Event()
+
+    def slow_assignments(request: dict):
+        reply = sensible_reply(request)
+        if "assignments" in (reply.content or ""):
+            assigning.set()
+            reply.delay_s = 3.0  # the micro-batch waits on this call: a pause cannot finish meanwhile
+        return reply
+
+    with OpenAIStub(responder=slow_assignments) as stub:
+        client, _ = deployment(shards=1, **{"llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
+                                            "llm.timeout_s": 30, "policy.confident_margin": 1.0})
+        client.add_many(trajs[:10], vecs[:10]).result(timeout=300)
+        assigning.clear()
+        in_flight = client.add_many(trajs[10:20], vecs[10:20])
+        assert assigning.wait(60), "no assignment call: the test needs a micro-batch waiting on the LLM"
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            dep.snapshot(tmp_path / "snapshot", client.namespace, timeout_s=0.5)
+        assert len(in_flight.result(timeout=120)) == 10
+        assert {r.status for r in client.add_many(trajs[20:30], vecs[20:30]).result(timeout=120)} == {"added"}
+
+
 def _ingest_with_retries(client, trajs, vecs, acked: set, stop: threading.Event, errors: list, statuses: list | None = None) -> None:
     """What a rollout worker does: send, and retry a request that was not acknowledged."""
     for start in range(0, len(trajs), 40):
