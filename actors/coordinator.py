@@ -292,17 +292,24 @@ class Coordinator:
         return await self._exclusive("purge_tenant", tenant)
 
     async def _exclusive(self, method: str, *args: Any) -> int:
+        """``method`` on every shard between micro-batches; the shard loads follow what each
+        shard removed, also when another shard failed (whose error is then raised: a resent
+        call removes what that shard still holds)."""
         await self.pause()
         try:
-            counts = await asyncio.gather(*[self.shards.call(s, method, *args) for s in range(len(self.shards))])
+            answers = await asyncio.gather(*[self.shards.call(s, method, *args) for s in range(len(self.shards))], return_exceptions=True)
         finally:
             await self.resume()
+        counts = [0 if isinstance(a, BaseException) else int(a) for a in answers]
         loads = self.ingest.loads
         for shard, n in enumerate(counts):
-            loads[shard] = max(0, loads[shard] - int(n))
+            loads[shard] = max(0, loads[shard] - n)
         self.routing.put_meta("shard_loads", loads)
         self.counters["removed"] = self.counters.get("removed", 0) + sum(counts)
-        return int(sum(counts))
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return sum(counts)
 
     async def snapshot_routing(self, target: str) -> int:
         self.routing.put_meta("shard_loads", self.ingest.loads)

@@ -299,3 +299,34 @@ def test_absorbing_the_previous_batch_adds_its_items_to_the_environment_sums():
     untouched = CandidateSet([], [], {}, {})
     absorb_previous(part, untouched, {}, previous, 4, 4)  # the contrast off: the shards sent no sums, none are made up
     assert untouched.scopes == {}
+
+
+def test_a_removal_that_fails_on_one_shard_keeps_the_loads_of_the_others(cluster, data, tmp_path):
+    """The shard loads (where new clusters go) follow what each shard removed; the failing
+    shard's error reaches the caller, and ingest is not left paused."""
+    trajs, vecs = data
+    config = make_config(**{"cluster.batch_wait_ms": 0.0})
+    shards, routing = cluster(config)
+    routing.close()
+    coordinator = Coordinator(str(tmp_path), config, ["s0", "s1"], [], DIM, shards=shards)
+
+    def broken_remove(*args):
+        raise OSError("disk gone on shard 1")
+
+    async def run():
+        await coordinator.add_many(trajs[:120], vecs[:120])
+        before = list(coordinator.ingest.loads)
+        held = {i for i in (0, 1) if len(shards.shards[i].memory)}
+        assert held == {0, 1}, "both shards should hold trajectories for this test"
+        on_shard0 = [t.id for t in trajs[:120] if shards.shards[0].memory.get(t.id) is not None][:5]
+        shards.shards[1].remove = broken_remove
+        with pytest.raises(OSError, match="shard 1"):
+            await coordinator.remove(on_shard0)
+        after = list(coordinator.ingest.loads)
+        more = await coordinator.add_many(trajs[120:130], vecs[120:130])  # not left paused
+        return before, after, more
+
+    before, after, more = asyncio.run(run())
+    coordinator.routing.close()
+    assert after == [before[0] - 5, before[1]]
+    assert {r.status for r in more} == {"added"}
