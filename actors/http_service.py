@@ -11,6 +11,7 @@ never from a request body.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import re
 import threading
 import time
@@ -26,6 +27,8 @@ from lifemem_ray.principal import Principal
 from .deployment import find_coordinator
 from .errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures, remote_cause
 from .operations import operations_actor
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ApiError", "FrontService", "ServiceMemory", "split_where", "unavailable_errors"]
 
@@ -263,7 +266,10 @@ class FrontService:
             coordinator = find_coordinator(self.namespace)
             names = ray.get(coordinator.deployment.remote(), timeout=timeout)["shards"]
         except Exception as exc:  # no deployment, or its coordinator does not answer: the answer says so
-            return {"ok": False, "coordinator": False, "shards": [], "detail": f"{type(exc).__name__}: {exc}"}
+            # The route needs no key: the answer names no namespace, actor or Ray internals (the log does).
+            log.warning("health check: the deployment in namespace %r did not answer: %s: %s", self.namespace, type(exc).__name__, exc)
+            detail = "no deployment is serving" if isinstance(exc, DeploymentNotFoundError) else "the coordinator did not answer"
+            return {"ok": False, "coordinator": False, "shards": [], "detail": detail}
         refs: list[Any] = [coordinator.ping.remote()]
         for name in names:
             try:

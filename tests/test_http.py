@@ -484,3 +484,29 @@ def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
     assert table.get(b, "acme")["status"] == "failed"
     now[0] += 60
     assert table.get(c, "globex") is None and table.count() == 0
+
+
+@pytest.mark.parametrize("failure", ["gone", "silent"])
+def test_health_without_a_deployment_names_no_namespace_or_internals(monkeypatch, failure, caplog):
+    """/healthz needs no key: a failed check says what kind of failure, the log says the rest."""
+    import ray
+
+    from lifemem_ray.actors import http_service
+    from lifemem_ray.actors.errors import DeploymentNotFoundError
+
+    def find(namespace: str):
+        if failure == "gone":
+            raise DeploymentNotFoundError(f"no lifemem deployment in Ray namespace {namespace!r}")
+        raise ray.exceptions.GetTimeoutError("Get timed out: ObjectRef(00ffab12) not ready")
+
+    monkeypatch.setattr(http_service, "find_coordinator", find)
+    service = http_service.FrontService("tenant-secret-ns", MemoryConfig())
+    try:
+        with caplog.at_level("WARNING", logger=http_service.__name__):
+            answer = service.health()
+    finally:
+        service.close()
+    assert answer["ok"] is False and answer["coordinator"] is False and answer["shards"] == []
+    assert answer["detail"] == ("no deployment is serving" if failure == "gone" else "the coordinator did not answer")
+    assert "tenant-secret-ns" not in json.dumps(answer) and "ObjectRef" not in json.dumps(answer)
+    assert "tenant-secret-ns" in caplog.text  # an operator still finds it
