@@ -69,6 +69,8 @@ class FrontService:
         self._waiting = threading.BoundedSemaphore(self.http.max_ongoing_requests)
         # Reads run here so a request can stop waiting for a shard that is restarting (503).
         self._readers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-read")
+        # Deletions and purges run here so a request stops waiting after http.delete_timeout_s.
+        self._removers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-remove")
 
     # -- connections ----------------------------------------------------------------------
     def client(self) -> Any:
@@ -248,14 +250,25 @@ class FrontService:
     # -- deleting --------------------------------------------------------------------------
     def delete(self, trajectory_id: str, principal: Principal) -> bool:
         self.require(principal, "write")
-        return bool(self.call(lambda c: c.remove([trajectory_id], tenant=principal.tenant)))
+        return bool(self.removal(lambda c: c.remove([trajectory_id], tenant=principal.tenant)))
 
     def purge(self, tenant: str, principal: Principal) -> int:
         self.require(principal, "admin", f"purging tenant {tenant!r}")
         from lifemem_ray.tenancy import check_tenant
 
         tenant = check_tenant(tenant, "tenant")
-        return int(self.call(lambda c: c.purge_tenant(tenant)))
+        return int(self.removal(lambda c: c.purge_tenant(tenant)))
+
+    def removal(self, fn: Any) -> Any:
+        """``call(fn)`` waited for at most http.delete_timeout_s, then 503: the removal goes on in
+        the memory (it cannot be called back), and sending it again is safe (idempotent)."""
+        future = self._removers.submit(self.call, fn)
+        try:
+            return future.result(timeout=self.http.delete_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # still queued behind others: the caller sends it again
+            raise OverloadedError(f"the removal did not finish within {self.http.delete_timeout_s:g} s (http.delete_timeout_s); "
+                                  "it goes on in the memory: send it again later (removals are idempotent)") from None
 
     # -- health ----------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -294,6 +307,7 @@ class FrontService:
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=False)
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._removers.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def require(principal: Principal, scope: str, what: str = "") -> None:

@@ -284,6 +284,7 @@ class HttpConfig:
     max_clusters_listed: int = 10_000  # clusters per GET /v1/clusters answer
     add_timeout_s: float = 300.0  # a waiting add not acknowledged by then answers 503 (its ids stay idempotent)
     read_timeout_s: float = 30.0  # retrieve, stats, clusters: shards not answering by then answer 503
+    delete_timeout_s: float = 300.0  # a deletion or purge not finished by then answers 503 (it goes on; sending it again is safe)
     restart_probe_s: float = 0.25  # a read not answered by then checks whether a shard is restarting (then 503 at once)
     retry_after_s: int = 2  # Retry-After of 503 answers
     health_timeout_s: float = 5.0  # /healthz waits this long for the coordinator and shards
@@ -380,6 +381,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "http.max_clusters_listed": (1, 1_000_000),
     "http.add_timeout_s": (0.1, 86_400.0),
     "http.read_timeout_s": (0.1, 86_400.0),
+    "http.delete_timeout_s": (0.1, 86_400.0),
     "http.restart_probe_s": (0.01, 600.0),
     "http.retry_after_s": (1, 3_600),
     "http.health_timeout_s": (0.1, 600.0),

@@ -510,3 +510,37 @@ def test_health_without_a_deployment_names_no_namespace_or_internals(monkeypatch
     assert answer["detail"] == ("no deployment is serving" if failure == "gone" else "the coordinator did not answer")
     assert "tenant-secret-ns" not in json.dumps(answer) and "ObjectRef" not in json.dumps(answer)
     assert "tenant-secret-ns" in caplog.text  # an operator still finds it
+
+
+def test_a_removal_that_outlasts_its_timeout_answers_503_and_goes_on(monkeypatch):
+    """Deletions and purges are bounded by http.delete_timeout_s like reads and adds: the caller
+    gets a 503 telling it to send again; the removal itself is not called back."""
+    import threading
+
+    from lifemem_ray.actors import http_service
+    from lifemem_ray.errors import OverloadedError
+    from lifemem_ray.principal import Principal
+
+    release, finished = threading.Event(), threading.Event()
+
+    class SlowClient:
+        def remove(self, ids, tenant):
+            release.wait(30)
+            finished.set()
+            return len(ids)
+
+        def purge_tenant(self, tenant):
+            return 3
+
+    service = http_service.FrontService("ns", MemoryConfig().replace({"http.delete_timeout_s": 0.2}))
+    monkeypatch.setattr(service, "client", lambda: SlowClient())
+    admin = Principal(tenant="acme", scopes=frozenset({"read", "write", "admin"}))
+    try:
+        with pytest.raises(OverloadedError, match="http.delete_timeout_s") as info:
+            service.delete("t-1", admin)
+        assert "send it again" in str(info.value) and not finished.is_set()
+        release.set()
+        assert finished.wait(10)  # the removal went on and finished
+        assert service.purge("acme", admin) == 3  # within the bound: the count
+    finally:
+        service.close()
