@@ -411,6 +411,12 @@ class VectorIndex:
     def __len__(self) -> int:
         return self.count()
 
+    def ids(self) -> dict[str, np.ndarray]:
+        """Per environment, the ids its FAISS sub-index holds (read back from FAISS, not from
+        the id cache: what a search can return; O(n), for audits)."""
+        with self._lock:
+            return {env: _export_ids(e) for env, e in self._envs.items()}
+
     def envs(self) -> list[str]:
         """Environments holding at least one vector, sorted."""
         with self._lock:
@@ -799,9 +805,13 @@ def _flat_search(e: _Env, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.n
 
 
 def _export_ids(e: _Env) -> np.ndarray:
+    """The ids a sub-index holds (for IVF, read from its inverted lists without their codes)."""
     if e.kind == "flat":
         return faiss.vector_to_array(e.index.id_map).astype(np.int64, copy=False)
-    return _export(e)[0]
+    invlists = e.index.invlists
+    parts = [faiss.rev_swig_ptr(invlists.get_ids(lst), invlists.list_size(lst)).copy()
+             for lst in range(invlists.nlist) if invlists.list_size(lst)]
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.empty(0, dtype=np.int64)
 
 
 def _export(e: _Env) -> tuple[np.ndarray, np.ndarray]:

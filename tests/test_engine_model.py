@@ -86,6 +86,23 @@ def test_verify_finds_a_cluster_whose_sums_were_changed_behind_the_engine(tmp_pa
         assert not report["ok"] and any(f"cluster {record.id}: count" in p for p in report["problems"])
 
 
+def test_verify_compares_the_index_with_the_store_by_id_not_only_by_count(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    with Memory.open(tmp_path / "m") as m:
+        m.add_many(trajs[:60], vecs[:60])
+        index = m._state.index
+        env = trajs[0].env
+        with m.store.read() as txn:
+            vid = m.store.lookup_id(txn, trajs[0].id)
+        # One stored trajectory dropped from the index, a stray id put in its place: same count.
+        assert index.remove(np.array([vid], dtype=np.int64)) == 1
+        index.add(env, np.array([10**9], dtype=np.int64), vecs[:1])
+        report = m.verify()
+        assert not report["ok"] and not any("index holds" in p for p in report["problems"])
+        assert f"index of env {env}: lacks 1 stored trajectory vid(s) ({vid})" in report["problems"]
+        assert f"index of env {env}: holds 1 id(s) no stored trajectory of it has ({10**9})" in report["problems"]
+
+
 # -- the codec -------------------------------------------------------------------------------
 def test_cluster_records_round_trip_byte_for_byte():
     record = _record()

@@ -268,6 +268,15 @@ def test_retrain_growth_is_configurable(clustered: dict[str, object]) -> None:
     assert trained == [0, 4000, 4000, 4000, 10_000, 10_000]
 
 
+def test_ids_are_read_back_from_faiss_for_flat_and_ivf(grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]) -> None:
+    index, _ = grown
+    ids = clustered["ids"]
+    held = index.ids()
+    assert set(held) == {"big", "side"}
+    assert sorted(held["big"].tolist()) == sorted(ids[:18_000].tolist())  # IVF: from its inverted lists
+    assert sorted(held["side"].tolist()) == sorted(ids[18_000:].tolist())  # flat: from its id map
+
+
 def test_ivf_recall_on_held_out_queries(grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]) -> None:
     ivf_index = grown[0]
     ids, vectors, queries = clustered["ids"], clustered["vectors"], clustered["queries"]

@@ -113,7 +113,9 @@ class Audit:
                         problems.append(f"id index: {tid!r} points at vid {vid}, which holds trajectory {stored[0].id!r}")
             pending = set(store.get_meta("pending", txn) or [])
             sums: dict[int, list[Any]] = {}
-            for vid, _, vec, wvec in store.iter_vectors(txn):
+            stored_ids: dict[int, list[int]] = {}
+            for vid, code, vec, wvec in store.iter_vectors(txn):
+                stored_ids.setdefault(code, []).append(vid)
                 cid = store.cluster_of(txn, vid)
                 if cid is None:
                     if vid not in pending:
@@ -137,10 +139,31 @@ class Audit:
                 record = store.get_cluster(txn, cid)
                 if record is None or not record.live:
                     problems.append(f"trajectories point at cluster {cid}, which is not live")
+            names = {code: name for name, code in store.env_codes(txn).items()}
+            problems.extend(index_problems({names.get(code, f"env code {code}"): vids for code, vids in stored_ids.items()}, s.index.ids()))
         if n_index != n_traj:
             problems.append(f"index holds {n_index} vectors, the store {n_traj} trajectories")
         return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems,
                 **({"deep": True} if deep else {})}
+
+
+def index_problems(stored: dict[str, list[int]], indexed: dict[str, np.ndarray], shown: int = 5) -> list[str]:
+    """Per environment, the stored trajectories' vids the vector index lacks (a search cannot
+    find them) and the indexed ids no trajectory of that environment has (a search returns
+    them), at most ``shown`` of each named.
+
+    >>> index_problems({"sql": [1, 2, 3]}, {"sql": np.array([2, 3, 9])})
+    ['index of env sql: lacks 1 stored trajectory vid(s) (1)', 'index of env sql: holds 1 id(s) no stored trajectory of it has (9)']
+    """
+    problems = []
+    for env in sorted(set(stored) | set(indexed)):
+        want = set(stored.get(env, ()))
+        have = set(np.asarray(indexed.get(env, np.empty(0, dtype=np.int64))).tolist())
+        for what, ids in (("lacks {n} stored trajectory vid(s)", want - have), ("holds {n} id(s) no stored trajectory of it has", have - want)):
+            if ids:
+                named = ", ".join(str(i) for i in sorted(ids)[:shown]) + (", ..." if len(ids) > shown else "")
+                problems.append(f"index of env {env}: {what.format(n=len(ids))} ({named})")
+    return problems
 
 
 def _fingerprint_problems(vid: int, traj: Trajectory, stored_fp: str) -> list[str]:
