@@ -178,8 +178,7 @@ class FrontService:
             raise OverloadedError(f"this replica already waits for {self.http.max_ongoing_requests} adds; retry later or send with wait=true")
         try:
             ids = [t.id for t in trajectories]
-            # AddFuture.result waits add_timeout_s per attempt and resends up to cluster.add_resends times
-            deadline = self.http.add_timeout_s * (1 + self.config.cluster.add_resends) + 60.0
+            deadline = self.config.add_operation_deadline_s()  # AddFuture.result's attempts, each waited add_timeout_s
             op = ray.get(self.operations().create.remote(principal.tenant, ids, deadline), timeout=self.http.health_timeout_s)
             self._waiters.submit(self._finish, op, trajectories, principal)
         except BaseException:

@@ -417,7 +417,17 @@ class MemoryConfig:
             for f in dataclasses.fields(getattr(self, section)):
                 check_bound(f"{section}.{f.name}", getattr(getattr(self, section), f.name))
             getattr(self, section).validate()
+        deadline = self.add_operation_deadline_s()
+        if self.http.operations_ttl_s < deadline:
+            raise ConfigError(f"http.operations_ttl_s: {self.http.operations_ttl_s:g} s would forget an add answered 202 before it can "
+                              f"finish ({deadline:g} s: http.add_timeout_s x (1 + cluster.add_resends) + 60); raise it or lower those")
         return self
+
+    def add_operation_deadline_s(self) -> float:
+        """How long an add answered 202 may take before its operation reads failed: every
+        attempt's wait (``http.add_timeout_s``, the first and ``cluster.add_resends`` resends)
+        plus a minute of slack."""
+        return self.http.add_timeout_s * (1 + self.cluster.add_resends) + 60.0
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         out = dataclasses.asdict(self)

@@ -83,6 +83,8 @@ def test_every_number_in_the_config_has_a_hard_bound():
         kind = type(getattr(getattr(config, section), key))
         assert low <= getattr(getattr(config, section), key) <= high, dotted  # the defaults are inside
         linked = {"cluster.search_chunk": 65_536, "cluster.retrieve_chunk": 65_536} if "chunk" in dotted else {}  # one a multiple of the other
+        if dotted in ("http.add_timeout_s", "cluster.add_resends"):  # an add answered 202 must outlive its attempts
+            linked = {"http.operations_ttl_s": BOUNDS["http.operations_ttl_s"][1]}
         MemoryConfig().replace({dotted: kind(high), **linked})  # the bounds themselves are accepted
         for bad in ([high + 1] if kind is int else [high * 2 + 1, float("inf"), float("nan")]):
             with pytest.raises(ConfigError, match=dotted.replace(".", r"\.")):
@@ -102,3 +104,11 @@ def test_range_and_encoding_errors_name_the_file(tmp_path):
         MemoryConfig.load(path)
     with pytest.raises(ConfigError, match="LIFEMEM_EMBEDDING_MAX_TOKENS"):
         MemoryConfig.load(environ={"LIFEMEM_EMBEDDING_MAX_TOKENS": "100000"})
+
+
+def test_operations_must_outlive_the_adds_they_answer():
+    config = MemoryConfig()
+    assert config.add_operation_deadline_s() == 300.0 * 11 + 60.0 <= config.http.operations_ttl_s
+    with pytest.raises(ConfigError, match=r"http\.operations_ttl_s: 600 s would forget an add answered 202 before it can finish \(3360 s"):
+        MemoryConfig().replace({"http.operations_ttl_s": 600})
+    MemoryConfig().replace({"http.operations_ttl_s": 600, "http.add_timeout_s": 30, "cluster.add_resends": 2})  # 150 s: fine
