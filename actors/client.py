@@ -21,6 +21,7 @@ import numpy as np
 import ray
 
 from lifemem_ray import metrics
+from lifemem_ray.clusters import check_listing_limit
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.memory import pack_trajectories
 from lifemem_ray.model import Trajectory
@@ -338,12 +339,20 @@ class MemoryClient:
         )
         return out  # type: ignore[return-value]
 
-    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> list[Any]:
-        """``tenant``'s live clusters on every shard, largest first (None: every tenant's)."""
+    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[Any]:
+        """``tenant``'s live clusters on every shard, largest first (None: every tenant's); with
+        ``limit``, the largest that many (each shard sends at most that many)."""
         if tenant is not None:
             check_tenant(tenant, "tenant")
-        parts = ray.get([s.clusters.remote(env, tenant) for s in self.shards])
-        return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))
+        check_listing_limit(limit)
+        parts = ray.get([s.clusters.remote(env, tenant, limit) for s in self.shards])
+        return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))[:limit]
+
+    def cluster_count(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> int:
+        """How many clusters :meth:`clusters` would list without a limit."""
+        if tenant is not None:
+            check_tenant(tenant, "tenant")
+        return sum(ray.get([s.cluster_count.remote(env, tenant) for s in self.shards]))
 
     # -- deleting ----------------------------------------------------------------------------
     def remove(self, ids: Sequence[str], *, tenant: str = DEFAULT_TENANT) -> int:

@@ -242,9 +242,10 @@ class FrontService:
 
     def clusters(self, principal: Principal, env: str | None) -> dict[str, Any]:
         self.require(principal, "read")
-        got = self.read(lambda c: c.clusters(env, tenant=principal.tenant))
         limit = self.http.max_clusters_listed
-        return {"clusters": [c.to_dict() for c in got[:limit]], "total": len(got), "truncated": len(got) > limit}
+        got = self.read(lambda c: c.clusters(env, tenant=principal.tenant, limit=limit))  # the shards send at most this many
+        total = len(got) if len(got) < limit else self.read(lambda c: c.cluster_count(env, tenant=principal.tenant))
+        return {"clusters": [c.to_dict() for c in got], "total": total, "truncated": total > len(got)}
 
     # -- deleting --------------------------------------------------------------------------
     def delete(self, trajectory_id: str, principal: Principal) -> bool:

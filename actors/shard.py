@@ -153,8 +153,11 @@ class MemoryShard:
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         return self.engine.stats(tenant)
 
-    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> list[ClusterInfo]:
-        return self.engine.clusters(env, tenant)
+    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
+        return self.engine.clusters(env, tenant, limit)
+
+    def cluster_count(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> int:
+        return self.engine.cluster_count(env, tenant)
 
     # -- deleting (the coordinator calls these between its micro-batches) --------------------
     def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:

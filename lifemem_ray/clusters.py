@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .config import EvolutionConfig, LLMConfig
 
 __all__ = [
-    "MAX_FLOWS", "OTHER_FLOW", "ClusterInfo", "ClusterRecord", "add_member", "check_against_members", "cosine_to_sum", "example_task", "fold_member",
+    "MAX_FLOWS", "OTHER_FLOW", "ClusterInfo", "ClusterRecord", "add_member", "check_against_members", "check_listing_limit", "cosine_to_sum",
+    "example_task", "fold_member",
     "merged", "needs_description", "needs_skill", "needs_skill_after_removal", "needs_split", "new_cluster_record", "scrub_text", "unfold_member",
 ]
 
@@ -226,6 +227,13 @@ def needs_description(record: ClusterRecord, evo: "EvolutionConfig", llm: "LLMCo
 def example_task(record: ClusterRecord) -> str:
     """The example goal an offline description ends with."""
     return record.description.partition("Example goal: ")[2]
+
+
+def check_listing_limit(limit: Any) -> None:
+    """How many clusters a listing may return: a positive integer, or None for all (the one
+    check of the engine's and the client's ``clusters``)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit: expected a positive integer or None, got {limit!r}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from . import metrics
-from .clusters import ClusterInfo
+from .clusters import ClusterInfo, check_listing_limit
 from .config import MemoryConfig
 from .decisions import Decider
 from .embedding import Embedder
@@ -290,9 +290,19 @@ class Memory:
             vid = store.lookup_id(txn, id_key(check_tenant(tenant, "tenant"), trajectory_id))
             return None if vid is None else store.cluster_of(txn, vid)
 
-    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> list[ClusterInfo]:
+    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
         """``tenant``'s live clusters, largest first; with ``env``, those holding trajectories of
-        it (``tenant=None``: every tenant's, for administration)."""
+        it (``tenant=None``: every tenant's, for administration); with ``limit``, only that many
+        (the largest)."""
+        check_listing_limit(limit)
+        records = sorted(self._matching_clusters(env, tenant), key=lambda r: (-r.count, r.id))
+        return [ClusterInfo.of(r) for r in records[:limit]]
+
+    def cluster_count(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> int:
+        """How many clusters :meth:`clusters` would list without a limit."""
+        return len(self._matching_clusters(env, tenant))
+
+    def _matching_clusters(self, env: str | None, tenant: str | None) -> list[Any]:
         self._state.refresh()
         with self._state.lock:
             records = list(self._state.clusters.values())
@@ -301,7 +311,7 @@ class Memory:
             records = [r for r in records if r.tenant == tenant]
         if env is not None:
             records = [r for r in records if any(split_scope(key)[1] == env for key in r.envs)]
-        return [ClusterInfo.of(r) for r in sorted(records, key=lambda r: (-r.count, r.id))]
+        return records
 
     def members(self, cluster_id: int, tenant: str = DEFAULT_TENANT) -> list[str]:
         """The ids of a cluster of ``tenant`` ([] for a cluster of another tenant)."""

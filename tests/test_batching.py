@@ -257,7 +257,7 @@ def test_the_client_offers_the_engines_user_operations():
     from lifemem_ray.protocols import MemoryAPI
 
     assert isinstance(MemoryClient.__new__(MemoryClient), MemoryAPI)
-    for name in ("add", "add_many", "retrieve", "retrieve_many", "clusters", "verify", "maintain", "close"):
+    for name in ("add", "add_many", "retrieve", "retrieve_many", "clusters", "cluster_count", "verify", "maintain", "close"):
         ours = list(inspect.signature(getattr(MemoryClient, name)).parameters)
         engine = list(inspect.signature(getattr(Memory, name)).parameters)
         assert ours == engine[: len(ours)] and all(

@@ -544,3 +544,37 @@ def test_a_removal_that_outlasts_its_timeout_answers_503_and_goes_on(monkeypatch
         assert service.purge("acme", admin) == 3  # within the bound: the count
     finally:
         service.close()
+
+
+def test_cluster_listing_asks_the_shards_for_at_most_the_limit(monkeypatch):
+    """GET /v1/clusters: the shards send at most http.max_clusters_listed clusters; the total
+    is counted apart only when the listing is cut."""
+    from types import SimpleNamespace
+
+    from lifemem_ray.actors import http_service
+    from lifemem_ray.principal import Principal
+
+    asked: list[tuple[str, Any]] = []
+
+    class Client:
+        def clusters(self, env, tenant, limit=None):
+            asked.append(("clusters", limit))
+            sizes = [9, 7, 5, 3, 1] if env is None else [4]
+            return [SimpleNamespace(count=n, to_dict=lambda n=n: {"count": n}) for n in sizes][:limit]
+
+        def cluster_count(self, env, tenant):
+            asked.append(("count", env))
+            return 5
+
+    service = http_service.FrontService("ns", MemoryConfig().replace({"http.max_clusters_listed": 3}))
+    monkeypatch.setattr(service, "client", lambda: Client())
+    reader = Principal(tenant="acme", scopes=frozenset({"read"}))
+    try:
+        cut = service.clusters(reader, None)
+        assert cut == {"clusters": [{"count": 9}, {"count": 7}, {"count": 5}], "total": 5, "truncated": True}
+        assert asked == [("clusters", 3), ("count", None)]
+        asked.clear()
+        assert service.clusters(reader, "airline") == {"clusters": [{"count": 4}], "total": 1, "truncated": False}
+        assert asked == [("clusters", 3)]  # not cut: no count asked
+    finally:
+        service.close()

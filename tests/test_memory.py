@@ -424,3 +424,19 @@ def test_retrieved_exemplars_decode_their_trajectory_on_demand(tmp_path, synthet
     assert first != second and [s.cluster_id for s in got.skills] == [3]
     with pytest.raises(TypeError):
         RetrievedTrajectory("a", "e", "t", 0.1, None)
+
+
+def test_clusters_can_be_listed_largest_first_up_to_a_limit(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    with Memory.open(tmp_path / "m") as m:
+        m.add_many(trajs[:300], vecs[:300])
+        every = m.clusters()
+        assert len(every) >= 3 and m.cluster_count() == len(every)
+        top = m.clusters(limit=2)
+        assert [c.id for c in top] == [c.id for c in every[:2]] and top[0].count >= top[1].count
+        env = trajs[0].env
+        assert m.cluster_count(env) == len(m.clusters(env)) <= len(every)
+        assert m.clusters(limit=10**6) == every and m.cluster_count(tenant="nobody") == 0
+        for bad in (0, -1, True, 2.0):
+            with pytest.raises(ValueError, match="limit"):
+                m.clusters(limit=bad)

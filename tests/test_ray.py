@@ -55,6 +55,8 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
     client.maintain()
     report = client.verify()
     assert report["ok"], [s["problems"][:3] for s in report["shards"]]
+    every = client.clusters()
+    assert client.cluster_count() == len(every) and [c.id for c in client.clusters(limit=3)] == [c.id for c in every[:3]]
     # The same top-k trajectories as the single-process engine on the same data.
     with Memory.open(tmp_path / "single") as memory:
         memory.add_many(trajs[:1200], vecs[:1200])

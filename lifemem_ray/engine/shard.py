@@ -105,8 +105,11 @@ class EngineShard:
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         return self.memory.stats(tenant)
 
-    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> list[ClusterInfo]:
-        return self.memory.clusters(env, tenant=tenant)
+    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
+        return self.memory.clusters(env, tenant=tenant, limit=limit)
+
+    def cluster_count(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> int:
+        return self.memory.cluster_count(env, tenant=tenant)
 
     # -- deleting ----------------------------------------------------------------------------
     def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:
