@@ -1,8 +1,9 @@
 """Adds answered ``202 Accepted``: their state, pollable from any HTTP replica.
 
 One small named, detached actor per deployment namespace keeps the operations in memory:
-at most ``http.operations_max`` of them, each forgotten ``http.operations_ttl_s`` after it
-was created (the oldest finished ones go first when full). An operation still pending past
+at most ``http.operations_max`` of them holding at most ``http.operations_max_items``
+trajectory answers in all, each forgotten ``http.operations_ttl_s`` after it was created
+(the oldest finished ones go first when full). An operation still pending past
 its deadline (the replica waiting for it stopped) reads ``failed``: its ids may or may not
 be stored, and sending the same trajectories again is safe (ids make adds idempotent).
 The operations are bookkeeping, not data: losing this actor loses no trajectory.
@@ -29,26 +30,35 @@ LOST = {"type": "unavailable", "message": "the replica waiting for this add stop
 class Operations:
     """The operations table (an actor; plain methods, called one at a time)."""
 
-    def __init__(self, max_kept: int, ttl_s: float) -> None:
-        self.max_kept = max_kept
+    def __init__(self, max_kept: int, ttl_s: float, max_items: int = 1_000_000) -> None:
+        self.max_kept = max_kept  # operations kept
+        self.max_items = max_items  # trajectory ids (and later their answers) kept over all operations
         self.ttl_s = ttl_s
         self._ops: OrderedDict[str, dict[str, Any]] = OrderedDict()  # in creation order
+        self._items = 0  # the ids of the kept operations
 
     def create(self, tenant: str, ids: list[str], deadline_s: float) -> str:
         """A new pending operation of ``tenant``; its id. :class:`OverloadedError` when the
-        table is full of pending operations."""
+        table is full (operations or items) of pending operations."""
         now = time.time()
         self._expire(now)
-        if len(self._ops) >= self.max_kept:
+        if len(ids) > self.max_items:
+            raise OverloadedError(f"{len(ids):,} trajectories in one operation, at most {self.max_items:,} (http.operations_max_items)")
+        while len(self._ops) >= self.max_kept or self._items + len(ids) > self.max_items:
             done = next((k for k, v in self._ops.items() if v["status"] != "pending"), None)
             if done is None:
-                raise OverloadedError(f"{len(self._ops)} operations are pending (http.operations_max); wait for some to "
-                                      "finish, or send with wait=true")
-            del self._ops[done]
+                what = "http.operations_max" if len(self._ops) >= self.max_kept else "http.operations_max_items"
+                raise OverloadedError(f"{len(self._ops)} operations of {self._items:,} trajectories are pending ({what}); wait for "
+                                      "some to finish, or send with wait=true")
+            self._drop(done)
         op = uuid.uuid4().hex
         self._ops[op] = {"operation": op, "tenant": tenant, "status": "pending", "created": now, "finished": None,
                          "deadline": now + deadline_s, "ids": list(ids), "items": None, "error": None}
+        self._items += len(ids)
         return op
+
+    def _drop(self, op: str) -> None:
+        self._items -= len(self._ops.pop(op)["ids"])
 
     def finish(self, op: str, items: list[dict[str, Any]]) -> None:
         self._settle(op, "done", items=items)
@@ -75,17 +85,20 @@ class Operations:
     def count(self) -> int:
         return len(self._ops)
 
+    def item_count(self) -> int:
+        return self._items
+
     def _expire(self, now: float) -> None:
         while self._ops:
             op, slot = next(iter(self._ops.items()))
             if now - slot["created"] <= self.ttl_s:
                 break
-            del self._ops[op]
+            self._drop(op)
 
 
-def operations_actor(namespace: str, max_kept: int, ttl_s: float) -> Any:
+def operations_actor(namespace: str, max_kept: int, ttl_s: float, max_items: int) -> Any:
     """The namespace's operations actor (created on first use; every replica shares it)."""
     return ray.remote(Operations).options(
         name=OPERATIONS_ACTOR, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_concurrency=1, max_restarts=-1,
-    ).remote(max_kept, ttl_s)
+    ).remote(max_kept, ttl_s, max_items)

@@ -289,6 +289,7 @@ class HttpConfig:
     retry_after_s: int = 2  # Retry-After of 503 answers
     health_timeout_s: float = 5.0  # /healthz waits this long for the coordinator and shards
     operations_max: int = 10_000  # operations (adds answered 202) kept for polling; the oldest finished go first
+    operations_max_items: int = 1_000_000  # trajectory answers kept over all those operations (their memory), likewise
     operations_ttl_s: float = 3_600.0  # an operation is forgotten this long after it was created
 
     def validate(self) -> None:
@@ -387,6 +388,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "http.health_timeout_s": (0.1, 600.0),
     "http.operations_max": (1, 10_000_000),
     "http.operations_ttl_s": (1.0, 30 * 86_400.0),
+    "http.operations_max_items": (1_000, 100_000_000),
 }
 
 
@@ -417,6 +419,9 @@ class MemoryConfig:
             for f in dataclasses.fields(getattr(self, section)):
                 check_bound(f"{section}.{f.name}", getattr(getattr(self, section), f.name))
             getattr(self, section).validate()
+        if self.http.operations_max_items < self.http.max_batch_items:
+            raise ConfigError(f"http.operations_max_items: {self.http.operations_max_items:,} is below http.max_batch_items "
+                              f"({self.http.max_batch_items:,}): one add answered 202 could never be kept; raise it")
         deadline = self.add_operation_deadline_s()
         if self.http.operations_ttl_s < deadline:
             raise ConfigError(f"http.operations_ttl_s: {self.http.operations_ttl_s:g} s would forget an add answered 202 before it can "

@@ -483,7 +483,27 @@ def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
     table.finish(b, [])  # a late answer does not overwrite what the poller was told
     assert table.get(b, "acme")["status"] == "failed"
     now[0] += 60
-    assert table.get(c, "globex") is None and table.count() == 0
+    assert table.get(c, "globex") is None and table.count() == 0 and table.item_count() == 0
+
+
+def test_the_operations_table_bounds_the_answers_it_keeps():
+    """At most http.operations_max_items trajectory answers over all operations: the oldest
+    finished ones make room; a table full of pending ones refuses (503), as does one operation
+    larger than the bound."""
+    from lifemem_ray.actors import operations as ops_module
+    from lifemem_ray.errors import OverloadedError
+
+    table = ops_module.Operations(max_kept=100, ttl_s=600, max_items=10)
+    a = table.create("acme", [f"a{i}" for i in range(6)], deadline_s=60)
+    with pytest.raises(OverloadedError, match="http.operations_max_items"):
+        table.create("acme", [f"b{i}" for i in range(6)], deadline_s=60)  # 12 > 10, nothing finished yet
+    table.finish(a, [{"id": f"a{i}", "status": "added", "cluster_id": 1} for i in range(6)])
+    b = table.create("acme", [f"b{i}" for i in range(6)], deadline_s=60)  # the finished one made room
+    assert table.get(a, "acme") is None and table.get(b, "acme")["status"] == "pending" and table.item_count() == 6
+    with pytest.raises(OverloadedError, match="at most 10"):
+        table.create("acme", [f"c{i}" for i in range(11)], deadline_s=60)
+    with pytest.raises(ConfigError, match="http.operations_max_items"):
+        MemoryConfig().replace({"http.operations_max_items": 5_000, "http.max_batch_items": 10_000})
 
 
 @pytest.mark.parametrize("failure", ["gone", "silent"])
