@@ -276,11 +276,11 @@ def top_k_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return top, np.take_along_axis(scores, top, 1)
 
 
-def _earlier_neighbours(vecs: np.ndarray, k: int, w: int, tenants: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _earlier_neighbours(vecs: np.ndarray, k: int, w: int, groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each item, its k most similar items among the ``w`` before it
-    (``evolution.in_batch_window``; index -1 where there are fewer) of the same tenant
-    (``tenants``: a code per item), so another tenant's items of the batch never take a
-    neighbour's place. Blocked, so a large batch costs linear time: the clusters opened
+    (``evolution.in_batch_window``; index -1 where there are fewer) of the same group
+    (``groups``: a code per item: the environment's scope, or the tenant), so another
+    environment's or tenant's items of the batch never take a neighbour's place. Blocked, so a large batch costs linear time: the clusters opened
     further back in the batch are candidates anyway (see :meth:`BatchPlanner.plan`)."""
     n = len(vecs)
     sims = np.full((n, k), -np.inf, dtype=np.float32)
@@ -292,8 +292,8 @@ def _earlier_neighbours(vecs: np.ndarray, k: int, w: int, tenants: np.ndarray | 
         rows = np.arange(start, stop)[:, None]
         cols = np.arange(lo, stop)[None, :]
         keep = (cols < rows) & (cols >= rows - w)
-        if tenants is not None:
-            keep &= tenants[lo:stop][None, :] == tenants[start:stop][:, None]
+        if groups is not None:
+            keep &= groups[lo:stop][None, :] == groups[start:stop][:, None]
         block = np.where(keep, block, -np.inf)
         top, top_s = top_k_rows(block, k)
         kk = top.shape[1]
@@ -375,10 +375,12 @@ class BatchPlanner:
         # Sums are float64: compare in float64 (a mixed-dtype dot would cast on every call).
         vec64 = vecs.astype(np.float64)
         wvec64 = np.stack([it.wvec for it in items]).astype(np.float64) if n else np.zeros((0, self.wdim))
-        owners = [scope_tenant(it.env) for it in items]
-        codes = {t: c for c, t in enumerate(dict.fromkeys(owners))}
-        tenants = np.asarray([codes[t] for t in owners], dtype=np.int32) if len(codes) > 1 else None
-        near_s, near_j = _earlier_neighbours(vecs, self.config.top_k, self.config.in_batch_window, tenants)
+        # In-batch neighbours come from where stored ones do: the item's environment (its scope,
+        # tenant included) with neighbour_scope "env", else anywhere in its tenant.
+        groups_of = [it.env if self.config.neighbour_scope == "env" else scope_tenant(it.env) for it in items]
+        codes = {g: c for c, g in enumerate(dict.fromkeys(groups_of))}
+        neighbour_groups = np.asarray([codes[g] for g in groups_of], dtype=np.int32) if len(codes) > 1 else None
+        near_s, near_j = _earlier_neighbours(vecs, self.config.top_k, self.config.in_batch_window, neighbour_groups)
         near = (near_s.tolist(), near_j.tolist())  # Python floats: the loop below is per item
         plan = BatchPlan(placements=[], clusters={})
         groups = self._partition(plan, items[:init_count]) if self.decider is not None and init_count >= 2 else None

@@ -440,3 +440,18 @@ def test_clusters_can_be_listed_largest_first_up_to_a_limit(tmp_path, synthetic)
         for bad in (0, -1, True, 2.0):
             with pytest.raises(ValueError, match="limit"):
                 m.clusters(limit=bad)
+
+
+def test_in_batch_neighbours_come_from_the_items_environment(tmp_path):
+    """With evolution.neighbour_scope = "env", an item's neighbours earlier in its batch are of
+    its environment, as its stored neighbours are: two environments doing the very same thing,
+    interleaved in one batch (no centroid candidates), keep apart."""
+    steps = (Step(action="search[shoes]"), Step(action="click[item 3]"), Step(action="buy[now]"))
+    trajs = [Trajectory(env=env, task=f"buy shoes, order {i}", id=f"{env}-{i}", steps=steps, outcome=Outcome(success=True))
+             for i in range(20) for env in ("shop-a", "shop-b")]
+    vecs = unit(np.tile(np.random.default_rng(0).normal(size=(1, 384)), (len(trajs), 1)))
+    config = MemoryConfig().replace({"evolution.neighbour_scope": "env", "evolution.centroid_candidates": 0, "evolution.init_size": 2})
+    with Memory.open(tmp_path / "m", config) as m:
+        m.add_many(trajs[:2], vecs[:2])  # initialised: one trajectory of each
+        m.add_many(trajs[2:], vecs[2:])  # one batch, the two environments interleaved
+        assert all(len(c.envs) == 1 for c in m.clusters()), [c.envs for c in m.clusters()]
