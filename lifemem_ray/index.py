@@ -477,23 +477,9 @@ class VectorIndex:
             index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
             index.add_with_ids(vectors, ids)
             return _Env(index=index, kind="flat", flat=faiss.downcast_index(index.index))
-        # A configured nlist is an upper bound while the env is too small to train it well.
-        nlist = self.config.nlist or int(round(4 * math.sqrt(n)))
-        nlist = max(1, min(nlist, n // _MIN_PER_CENTROID))
-        quantizer = faiss.IndexFlatIP(self.dim)
-        ivf = faiss.IndexIVFFlat(quantizer, self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        ivf.cp.niter = _KMEANS_ITERS if n < _KMEANS_FEWER_ITERS_FROM else _KMEANS_ITERS // 2
-        ivf.cp.seed = _SEED
-        ivf.cp.spherical = True  # unit-norm centroids suit inner product on normalised vectors
-        ivf.cp.min_points_per_centroid = 1  # we size the sample ourselves; no FAISS warnings
-        ivf.cp.max_points_per_centroid = _TRAIN_PER_CENTROID
         rng = np.random.default_rng(_SEED)
-        sample_size = min(n, _TRAIN_PER_CENTROID * nlist)
-        sample = vectors if sample_size == n else vectors[np.sort(rng.choice(n, sample_size, replace=False))]
-        ivf.train(np.ascontiguousarray(sample))
-        ivf, lists = _without_empty_lists(ivf, vectors)
+        ivf, lists = _trained_ivf(self.dim, vectors, self.config.nlist, rng)
         nlist = ivf.nlist
-        ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct + remove_ids with arbitrary ids
         vectors, ids = np.ascontiguousarray(vectors, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64)
         add_preassigned(ivf, vectors, lists, ids)  # the assignment is already known: not searched twice
         e = _Env(index=ivf, kind="ivf", nlist=nlist, nprobe=min(self.config.nprobe, nlist) if self.config.nprobe else nlist, trained_size=n)
@@ -833,6 +819,27 @@ def _export(e: _Env) -> tuple[np.ndarray, np.ndarray]:
     if not id_parts:
         return np.empty(0, dtype=np.int64), np.empty((0, d), dtype=np.float32)
     return np.concatenate(id_parts).astype(np.int64, copy=False), np.concatenate(vec_parts)
+
+
+def _trained_ivf(dim: int, vectors: np.ndarray, nlist_setting: int, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    """An empty IVF trained on (a sample of) ``vectors``, without lists none of them falls in,
+    and each vector's list in it. ``nlist_setting`` (0: 4 sqrt(n)) is an upper bound while the
+    env is too small to train that many lists well."""
+    n = len(vectors)
+    nlist = nlist_setting or int(round(4 * math.sqrt(n)))
+    nlist = max(1, min(nlist, n // _MIN_PER_CENTROID))
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    ivf.cp.niter = _KMEANS_ITERS if n < _KMEANS_FEWER_ITERS_FROM else _KMEANS_ITERS // 2
+    ivf.cp.seed = _SEED
+    ivf.cp.spherical = True  # unit-norm centroids suit inner product on normalised vectors
+    ivf.cp.min_points_per_centroid = 1  # we size the sample ourselves; no FAISS warnings
+    ivf.cp.max_points_per_centroid = _TRAIN_PER_CENTROID
+    sample_size = min(n, _TRAIN_PER_CENTROID * nlist)
+    sample = vectors if sample_size == n else vectors[np.sort(rng.choice(n, sample_size, replace=False))]
+    ivf.train(np.ascontiguousarray(sample))
+    ivf, lists = _without_empty_lists(ivf, vectors)
+    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct + remove_ids with arbitrary ids
+    return ivf, lists
 
 
 def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> tuple[Any, np.ndarray]:
