@@ -425,14 +425,19 @@ def _emit_ingest(args: argparse.Namespace, report: Any, counts: dict[str, int], 
 REMOTE_IN_FLIGHT = 4  # add requests of one remote ingest awaiting their acknowledgement
 
 
-def _open_or_connect(args: argparse.Namespace, config: MemoryConfig) -> Any:
+def _open_or_connect(args: argparse.Namespace, config: MemoryConfig, *, write: bool = False) -> Any:
+    """The deployment's client (``--address``/``--namespace``), else the store at ``--store``:
+    read-only, or (``write``) writable but only where a store already is, so a mistyped path
+    is an error rather than a new empty store."""
     from .memory import Memory
 
     if _remote(args):
         return _client(args, config)
     if not args.store:
         raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
-    return Memory.open(args.store, config, read_only=True)
+    if write and not (Path(args.store) / "data.mdb").is_file():
+        raise CommandError(f"{args.store}: no memory store here (data.mdb missing)")
+    return Memory.open(args.store, config, read_only=not write)
 
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
@@ -507,20 +512,10 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_delete(args: argparse.Namespace) -> int:
     """Delete trajectories of ``--tenant`` by id, or with ``--purge-tenant`` everything of it;
     durable when it returns, and safe to run again (ids no longer stored are ignored)."""
-    from .memory import Memory
-
     tenant = check_tenant(args.tenant, "--tenant")
     if bool(args.ids) == bool(args.purge_tenant):
         raise CommandError("give the trajectory ids to delete, or --purge-tenant (with --tenant) to delete everything of a tenant")
-    config = _config(args)
-    if _remote(args):
-        memory: Any = _client(args, config)
-    else:
-        if not args.store:
-            raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
-        if not (Path(args.store) / "data.mdb").is_file():
-            raise CommandError(f"{args.store}: no memory store here (data.mdb missing)")
-        memory = Memory.open(args.store, config)
+    memory = _open_or_connect(args, _config(args), write=True)
     try:
         removed = memory.purge_tenant(tenant) if args.purge_tenant else memory.remove(args.ids, tenant=tenant)
     finally:

@@ -230,3 +230,10 @@ def test_stopping_our_head_forgets_rays_current_cluster_file_only_when_it_names_
     _forget_current_cluster("10.0.0.7:6379", current)
     assert not current.exists(), "the stopped head's file goes, as Ray's own stop command removes it"
     _forget_current_cluster("10.0.0.7:6379", current)  # no file: nothing to do
+
+
+def test_delete_on_a_mistyped_store_path_creates_nothing(tmp_path):
+    missing = tmp_path / "stroe"
+    out = run("delete", "some-id", "--store", str(missing), check=False)
+    assert out.returncode == 1 and "no memory store here (data.mdb missing)" in out.stderr
+    assert not missing.exists()
