@@ -296,7 +296,7 @@ def start_http(namespace: str, config: MemoryConfig, keyring: KeyRing, *, host: 
     host = host or http.host
     port = port or http.port
     check_bind(host, keyring.mode)
-    operations_actor(namespace, http.operations_max, http.operations_ttl_s)  # marks the namespace as served (stop_http)
+    operations_actor(namespace, http)  # marks the namespace as served (stop_http)
     serve.start(http_options={"host": host, "port": port})
     running = _serve_address()
     if running is not None and running != (host, port):

@@ -132,7 +132,7 @@ class FrontService:
 
     def operations(self) -> Any:
         if self._ops is None:
-            self._ops = operations_actor(self.namespace, self.http.operations_max, self.http.operations_ttl_s, self.http.operations_max_items)
+            self._ops = operations_actor(self.namespace, self.http)
         return self._ops
 
     # -- adding ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from lifemem_ray.config import HttpConfig
 from lifemem_ray.errors import OverloadedError
 
 __all__ = ["OPERATIONS_ACTOR", "Operations", "operations_actor"]
@@ -96,9 +97,10 @@ class Operations:
             self._drop(op)
 
 
-def operations_actor(namespace: str, max_kept: int, ttl_s: float, max_items: int) -> Any:
-    """The namespace's operations actor (created on first use; every replica shares it)."""
+def operations_actor(namespace: str, http: HttpConfig) -> Any:
+    """The namespace's operations actor (created on first use with ``http``'s limits; every
+    replica shares it)."""
     return ray.remote(Operations).options(
         name=OPERATIONS_ACTOR, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_concurrency=1, max_restarts=-1,
-    ).remote(max_kept, ttl_s, max_items)
+    ).remote(http.operations_max, http.operations_ttl_s, http.operations_max_items)
