@@ -51,6 +51,7 @@ __all__ = ["Coordinator", "RayShards"]
 
 log = logging.getLogger(__name__)
 
+MAX_EARLY_RESUMES = 1_024  # resumes remembered whose pause has not started yet
 
 
 class RayShards:
@@ -187,6 +188,8 @@ class Coordinator:
         self._next: asyncio.Task | None = None  # the next micro-batch's lookups, started early
         self._paused = False
         self._holds = 0  # pauses not yet resumed (a snapshot's, a removal's): batches wait while any is held
+        self._held_tokens: set[str] = set()  # tokens of the pauses holding now
+        self._resumed_early: dict[str, None] = {}  # tokens resumed before their pause started (oldest first, bounded)
         self._idle: asyncio.Event | None = None
         self.counters = {"requests": 0, "pipelined": 0, "overloaded": 0}
 
@@ -257,16 +260,29 @@ class Coordinator:
     async def route(self, cluster_ids: list[int]) -> list[int | None]:
         return [self.routing.shard_of(c) for c in cluster_ids]
 
-    async def pause(self) -> None:
+    async def pause(self, token: str | None = None) -> None:
         """Stop taking new micro-batches and wait for the one in flight (for a consistent snapshot,
-        or a removal). Pauses nest: batches go on once every pause is resumed."""
+        or a removal). Pauses nest: batches go on once every pause is resumed. ``token`` pairs
+        it with its :meth:`resume`, which may then arrive first (Ray does not order an async
+        actor's calls): a pause whose token was already resumed holds nothing."""
         self._ensure_loop()
+        if token is not None and token in self._resumed_early:
+            self._resumed_early.pop(token)
+            return
+        if token is not None:
+            self._held_tokens.add(token)
         self._holds += 1
         self._paused = True
         assert self._idle is not None
         await self._idle.wait()
 
-    async def resume(self) -> None:
+    async def resume(self, token: str | None = None) -> None:
+        if token is not None and token not in self._held_tokens:
+            self._resumed_early[token] = None  # its pause has not started: it will hold nothing
+            while len(self._resumed_early) > MAX_EARLY_RESUMES:
+                self._resumed_early.pop(next(iter(self._resumed_early)))
+            return
+        self._held_tokens.discard(token)
         self._holds = max(0, self._holds - 1)
         self._paused = self._holds > 0
         if self._wake is not None and not self._paused:

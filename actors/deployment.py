@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -232,17 +233,18 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     target.mkdir(parents=True, exist_ok=True)
     info = ray.get(coordinator.deployment.remote())
     started = time.time()
+    token = uuid.uuid4().hex  # pairs the pause with its resume, whichever the actor starts first
     try:
         # Inside the try: a pause that times out still holds (it goes on waiting for the batch
         # in flight, then holds ingest), so it is resumed like one that returned.
-        ray.get(coordinator.pause.remote(), timeout=timeout_s)
+        ray.get(coordinator.pause.remote(token), timeout=timeout_s)
         copies = ray.get(
             [ray.get_actor(n, namespace=namespace).snapshot.remote(str(target / f"shard-{i:02d}")) for i, n in enumerate(info["shards"])],
             timeout=timeout_s,
         )
         routes = ray.get(coordinator.snapshot_routing.remote(str(target / "coordinator")), timeout=timeout_s)
     finally:
-        ray.get(coordinator.resume.remote(), timeout=timeout_s)
+        ray.get(coordinator.resume.remote(token), timeout=timeout_s)
     manifest = {
         "created": started,
         "seconds": round(time.time() - started, 3),

@@ -330,3 +330,27 @@ def test_a_removal_that_fails_on_one_shard_keeps_the_loads_of_the_others(cluster
     coordinator.routing.close()
     assert after == [before[0] - 5, before[1]]
     assert {r.status for r in more} == {"added"}
+
+
+def test_a_resume_that_arrives_before_its_pause_leaves_nothing_held(cluster, data, tmp_path):
+    """Ray does not order an async actor's calls: a snapshot's resume may start before its
+    pause. Paired by token, the late pause then holds nothing and ingest goes on."""
+    trajs, vecs = data
+    config = make_config(**{"cluster.batch_wait_ms": 0.0})
+    shards, routing = cluster(config)
+    routing.close()
+    coordinator = Coordinator(str(tmp_path), config, ["s0", "s1"], [], DIM, shards=shards)
+
+    async def run():
+        await coordinator.add_many(trajs[:40], vecs[:40])
+        await coordinator.resume("t-1")  # its pause has not started
+        await coordinator.pause("t-1")  # returns at once, holding nothing
+        more = await asyncio.wait_for(coordinator.add_many(trajs[40:50], vecs[40:50]), timeout=60)
+        await coordinator.pause("t-2")  # in order: holds until resumed
+        held = coordinator._paused
+        await coordinator.resume("t-2")
+        return more, held, coordinator._paused
+
+    more, held, after = asyncio.run(run())
+    coordinator.routing.close()
+    assert {r.status for r in more} == {"added"} and held and not after
