@@ -30,10 +30,10 @@ above, within noise, or below (:func:`gap_intervals`). Four diagnostics stand be
 it: whether batch k-means over a fixed combination of the views (workflow+action,
 goal+action, all three, LifeMem's own) beats the best single view at the same k at all;
 the NMI two perfectly pure partitions score at LifeMem's k (at equal k NMI rewards uneven
-parts); and whether the view whose k-means partition has the best silhouette is the view
-the labels say is best (whether the representation could be chosen per environment
-without labels); and LifeMem's own partitions refined by k-means in that view (what a
-batch consolidation step, which the engine does not have, would buy).
+parts); whether the view whose k-means partition has the best silhouette is the view the
+labels say is best (whether the representation could be chosen per environment without
+labels); and LifeMem's own partitions refined by k-means in that view (what a batch
+consolidation step, which the engine does not have, would buy).
 
 Skill quality (report fold): every 10th trajectory per environment is held out (not
 ingested); its retrieval's first exemplar names a cluster, whose skill's ordered steps are
@@ -141,12 +141,24 @@ def action_text(traj: Trajectory) -> str:
     return " ; ".join(s.action for s in traj.steps)
 
 
-def stratified_sample(trajs: list[Trajectory], size: int, seed: int = 0) -> list[int]:
-    """Positions of about ``size`` trajectories, each environment in proportion (floor SMALL_FLOOR),
-    keeping the set's order."""
+def positions_by_env(trajs: Sequence[Trajectory]) -> dict[str, list[int]]:
+    """Each environment's positions in ``trajs``, in order."""
     by_env: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(trajs):
         by_env[t.env].append(i)
+    return by_env
+
+
+def worse_order(similarity: Any, random_orders: Sequence[Any]) -> Any:
+    """The verdict's LifeMem figure: the worse of the similarity order's and the random orders'
+    mean (scalars, or arrays element-wise); the similarity order alone when there are no others."""
+    return np.minimum(similarity, np.mean(random_orders, axis=0)) if len(random_orders) else similarity
+
+
+def stratified_sample(trajs: list[Trajectory], size: int, seed: int = 0) -> list[int]:
+    """Positions of about ``size`` trajectories, each environment in proportion (floor SMALL_FLOOR),
+    keeping the set's order."""
+    by_env = positions_by_env(trajs)
     rng = random.Random(seed)
     keep: list[int] = []
     for env, idx in by_env.items():
@@ -222,9 +234,7 @@ def _rounded(scores: dict[str, float]) -> dict[str, float]:
 def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: dict[str, int]) -> tuple[dict[str, Any], dict[str, list[list[str]]]]:
     """Spherical k-means per environment with the memory's k, for each representation and seed:
     the scores (mean, min, max over seeds) and the partitions themselves (per seed)."""
-    by_env: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_env[t.env].append(i)
+    by_env = positions_by_env(trajs)
     out: dict[str, Any] = {}
     partitions: dict[str, list[list[str]]] = {}
     for name, vectors in reps.items():
@@ -251,9 +261,7 @@ def gap_intervals(trajs: list[Trajectory], lifemem: list[list[Any]], named: dict
     interval under 0; else ``within noise``. It shows how far the gap could move with other
     trajectories of the same tasks; not the spread over data generations or configurations."""
     out: dict[str, dict[str, Any]] = {}
-    by_env: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_env[t.env].append(i)
+    by_env = positions_by_env(trajs)
     for env, idx in sorted(by_env.items()):
         truth = np.array([label_of(trajs[i], LABEL_LEVELS[env][-1]) or "?" for i in idx])
         weights = np.vstack([np.ones(len(idx)), bootstrap_weights(len(idx), draws, seed)])  # row 0: the data as is
@@ -265,7 +273,7 @@ def gap_intervals(trajs: list[Trajectory], lifemem: list[list[Any]], named: dict
         base_runs = {name: [scores(part) for part in parts] for name, parts in named.items()}
         entry: dict[str, Any] = {}
         for m in ("purity", "nmi"):
-            ours = np.minimum(ours_runs[0][m], np.mean([r[m] for r in ours_runs[1:]], axis=0)) if len(ours_runs) > 1 else ours_runs[0][m]
+            ours = worse_order(ours_runs[0][m], [r[m] for r in ours_runs[1:]])
             best = np.max([np.mean([r[m] for r in runs], axis=0) for runs in base_runs.values()], axis=0)
             gap = ours - best
             low, high = np.percentile(gap[1:], [2.5, 97.5])
@@ -382,9 +390,7 @@ def view_by_silhouette(trajs: list[Trajectory], reps: dict[str, np.ndarray], par
     equal-k k-means partitions, over the seeds: the view an unsupervised criterion would pick
     for the environment, set beside the view the labels say is best (whether a per-environment
     choice of representation could be made without labels)."""
-    by_env: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_env[t.env].append(i)
+    by_env = positions_by_env(trajs)
     out: dict[str, dict[str, float]] = {}
     for env, idx in sorted(by_env.items()):
         out[env] = {}
@@ -402,16 +408,14 @@ def refined_in_picked_view(trajs: list[Trajectory], reps: dict[str, np.ndarray],
     in the view with the best silhouette there, scored by the verdict's rule (the worse of the
     similarity order and the random orders' mean). What a batch consolidation step would buy;
     the engine has none."""
-    by_env: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_env[t.env].append(i)
+    by_env = positions_by_env(trajs)
     out: dict[str, dict[str, Any]] = {}
     for env, idx in sorted(by_env.items()):
         view = max(silhouettes[env].items(), key=lambda kv: kv[1])[0]
         truth = np.array([label_of(trajs[i], LABEL_LEVELS[env][-1]) or "?" for i in idx])
         refined = [refine_partition(reps[view][idx], np.array([str(part[i]) for i in idx])) for part in lifemem]
         scored = [partition_scores(labels, truth) for labels in refined]
-        worse = {m: min(scored[0][m], float(np.mean([r[m] for r in scored[1:]]))) if len(scored) > 1 else scored[0][m] for m in ("purity", "nmi")}
+        worse = {m: float(worse_order(scored[0][m], [r[m] for r in scored[1:]])) for m in ("purity", "nmi")}
         out[env] = {"view": view, **_rounded(worse), "k_similarity": int(refined[0].max()) + 1}  # parts can empty: k may fall
     return out
 
@@ -466,7 +470,7 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for env, e in sim.items():
         level = LABEL_LEVELS[env][-1]
         best = {m: max(base[b]["per_env"][env][level][m]["mean"] for b in NAMED_BASELINES) for m in ("purity", "nmi")}
-        ours = {m: min(e[level][m], rnd[env][level][m]["mean"]) for m in ("purity", "nmi")}
+        ours = {m: float(worse_order(e[level][m], [rnd[env][level][m]["mean"]])) for m in ("purity", "nmi")}
         tie = all(abs(ours[m] - best[m]) < 5e-4 for m in best)
         # Whether batch k-means over some fixed combination of the views gets there at all.
         combos = [b for b in VIEW_COMBINATIONS if b in base
