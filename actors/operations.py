@@ -31,7 +31,7 @@ LOST = {"type": "unavailable", "message": "the replica waiting for this add stop
 class Operations:
     """The operations table (an actor; plain methods, called one at a time)."""
 
-    def __init__(self, max_kept: int, ttl_s: float, max_items: int = 1_000_000) -> None:
+    def __init__(self, max_kept: int, ttl_s: float, max_items: int) -> None:
         self.max_kept = max_kept  # operations kept
         self.max_items = max_items  # trajectory ids (and later their answers) kept over all operations
         self.ttl_s = ttl_s

@@ -280,8 +280,9 @@ def _earlier_neighbours(vecs: np.ndarray, k: int, w: int, groups: np.ndarray | N
     """For each item, its k most similar items among the ``w`` before it
     (``evolution.in_batch_window``; index -1 where there are fewer) of the same group
     (``groups``: a code per item: the environment's scope, or the tenant), so another
-    environment's or tenant's items of the batch never take a neighbour's place. Blocked, so a large batch costs linear time: the clusters opened
-    further back in the batch are candidates anyway (see :meth:`BatchPlanner.plan`)."""
+    environment's or tenant's items of the batch never take a neighbour's place. Blocked,
+    so a large batch costs linear time: the clusters opened further back in the batch are
+    candidates anyway (see :meth:`BatchPlanner.plan`)."""
     n = len(vecs)
     sims = np.full((n, k), -np.inf, dtype=np.float32)
     idx = np.full((n, k), -1, dtype=np.int64)

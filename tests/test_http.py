@@ -468,7 +468,7 @@ def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
 
     now = [1000.0]
     monkeypatch.setattr(ops_module.time, "time", lambda: now[0])
-    table = ops_module.Operations(max_kept=2, ttl_s=60)
+    table = ops_module.Operations(max_kept=2, ttl_s=60, max_items=1_000)
     a = table.create("acme", ["x"], deadline_s=10)
     b = table.create("acme", ["y"], deadline_s=10)
     with pytest.raises(OverloadedError, match="operations_max"):
