@@ -585,9 +585,12 @@ class MemoryStore(_Environment):
         raw = txn.get(pack_u64(cluster_id), db=self.db["clusters"])
         return None if raw is None else codec.decode_cluster(raw)
 
-    def iter_clusters(self, txn: lmdb.Transaction) -> Iterator[ClusterRecord]:
-        for _, value in txn.cursor(db=self.db["clusters"]):
-            yield codec.decode_cluster(value)
+    def iter_clusters(self, txn: lmdb.Transaction, after: int = -1) -> Iterator[ClusterRecord]:
+        """Every stored cluster record (live or not) in id order; with ``after``, those with a larger id."""
+        cursor = txn.cursor(db=self.db["clusters"])
+        if cursor.set_range(pack_u64(after + 1)):
+            for _, value in cursor:
+                yield codec.decode_cluster(value)
 
     def members(self, txn: lmdb.Transaction, cluster_id: int) -> list[int]:
         prefix = pack_u64(cluster_id)
@@ -611,22 +614,31 @@ class MemoryStore(_Environment):
             seq += 1
         self.put_meta(txn, "next_log", seq)
 
-    def redact_log(self, txn: lmdb.Transaction, tenant: str) -> int:
+    def redact_log(self, txn: lmdb.Transaction, tenant: str, start: int = 0, limit: int | None = None) -> tuple[int, int | None]:
         """Blank the ``id`` of every log entry naming one of ``tenant``'s id keys (a purged
-        tenant's), keeping the entry's numbers and operation; returns how many."""
+        tenant's), keeping the entry's numbers and operation, from sequence number ``start``
+        on, at most ``limit`` entries read. Returns how many were blanked and where to go on
+        (None: the end of the log was reached). The log is append-only, so a pass in chunks
+        misses only what is appended after it."""
         from .tenancy import scope_tenant
 
         changed = []
         cursor = txn.cursor(db=self.db["log"])
-        for key, value in cursor:
-            entry = _unpackb(value)
-            tid = entry.get("id")
-            if isinstance(tid, str) and tid and scope_tenant(tid) == tenant:
-                entry["id"] = ""
-                changed.append((key, _packb(entry)))
+        seen, next_start = 0, None
+        if cursor.set_range(pack_u64(start)):
+            for key, value in cursor:
+                if limit is not None and seen >= limit:
+                    next_start = unpack_u64(key)
+                    break
+                seen += 1
+                entry = _unpackb(value)
+                tid = entry.get("id")
+                if isinstance(tid, str) and tid and scope_tenant(tid) == tenant:
+                    entry["id"] = ""
+                    changed.append((key, _packb(entry)))
         for key, value in changed:
             txn.put(key, value, db=self.db["log"])
-        return len(changed)
+        return len(changed), next_start
 
     def iter_log(self, txn: lmdb.Transaction, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         cursor = txn.cursor(db=self.db["log"])

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,6 +121,61 @@ def test_purge_tenant_removes_everything_of_it_only(tmp_path, synthetic):
             logged = [e.get("id", "") for _, e in mem.store.iter_log(txn)]
         assert not [i for i in logged if i.startswith("acme\x00")], "the log keeps no id of the purged tenant"
         assert any(i and "\x00" not in i for i in logged), "the other tenant's log entries keep their ids"
+        _check(mem)
+
+
+def test_a_purge_blanks_the_log_and_tombstones_in_bounded_passes(tmp_path, synthetic, monkeypatch):
+    """The log and the clusters are gone over a few entries per transaction before the last
+    one, which reads the log only from where those passes ended; the outcome is the same."""
+    from lifemem_ray.engine import deletion
+    from lifemem_ray.storage import MemoryStore
+
+    monkeypatch.setattr(deletion, "PURGE_LOG_CHUNK", 7)
+    calls: list[tuple[int, int | None]] = []
+    real = MemoryStore.redact_log
+
+    def spy(self, txn, tenant, start=0, limit=None):
+        calls.append((start, limit))
+        return real(self, txn, tenant, start, limit)
+
+    monkeypatch.setattr(MemoryStore, "redact_log", spy)
+    events: list[tuple[str, Any]] = []  # the tombstone passes and the cluster records written, in order
+    real_forget, real_put = deletion._forget_tombstones, MemoryStore.put_cluster
+
+    def forget(s, txn, tenant, after=-1, limit=None):
+        events.append(("pass", limit))
+        return real_forget(s, txn, tenant, after=after, limit=limit)
+
+    def put(self, txn, record):
+        events.append(("put", record.id))
+        return real_put(self, txn, record)
+
+    monkeypatch.setattr(deletion, "_forget_tombstones", forget)
+    monkeypatch.setattr(MemoryStore, "put_cluster", put)
+    trajs, vecs = synthetic
+    splitting = CONFIG.replace({"evolution.split_min_size": 8, "evolution.split_mrl_threshold": 0.99})
+    with Memory.open(tmp_path / "m", splitting) as mem:
+        mem.add_many(trajs[:200], vecs[:200])
+        mem.add_many(_acme(trajs[:300]), vecs[:300])
+        calls.clear()
+        with mem.store.read() as txn:
+            entries = len(list(mem.store.iter_log(txn)))
+            acme = {r.id for r in mem.store.iter_clusters(txn) if r.tenant == "acme"}
+            worded = {r.id for r in mem.store.iter_clusters(txn) if r.tenant == "acme" and not r.live}  # split parents
+        assert worded, "the test needs tombstones with words (clusters split before the purge)"
+        assert mem.purge_tenant("acme") == 300
+        chunked, last = calls[:-1], calls[-1]
+        assert all(limit == 7 for _, limit in chunked) and len(chunked) >= entries // 7
+        assert last[1] is None and last[0] >= entries, "the last transaction reads only what came after the passes"
+        with mem.store.read() as txn:
+            logged = [e.get("id", "") for _, e in mem.store.iter_log(txn)]
+            after = [r for r in mem.store.iter_clusters(txn) if r.id in acme]
+        assert logged and not [i for i in logged if i.startswith("acme\x00")]
+        assert len(after) == len(acme) and not any(r.live or r.envs or r.description or r.skill or r.flows for r in after)
+        last_pass = max(i for i, e in enumerate(events) if e == ("pass", None))
+        assert ("pass", 7) in events and not [e for e in events[last_pass:] if e[0] == "put" and e[1] in worded], \
+            "the tombstones that were there before are scrubbed in the bounded passes, not in the last transaction"
+        assert mem.stats()["purging"] == [] and mem.clusters(tenant="acme") == []
         _check(mem)
 
 

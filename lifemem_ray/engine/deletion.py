@@ -11,14 +11,17 @@ vectors (:meth:`EngineState.save_index`), so a cache saved before the removal is
 loaded after it, crash or not.
 
 A purge records its intent (the ``purging`` meta entry) in its own transaction first, then
-removes the tenant's trajectories ``PURGE_CHUNK`` at a time (bounded transactions), then,
-in the last one, blanks the tenant's ids in the assignment log, keeps only numbers of its
-retired clusters and clears the intent. :meth:`Deletion.resume` finishes a purge a crash interrupted, at the next
-writable open: an acknowledged purge always completes.
+removes the tenant's trajectories ``PURGE_CHUNK`` at a time (bounded transactions), then
+blanks the tenant's ids in the assignment log and keeps only numbers of its retired
+clusters in bounded transactions too, and in the last one removes what is left, redoes
+both for what came after them and clears the intent. :meth:`Deletion.resume` finishes a
+purge a crash interrupted, at the next writable open: an acknowledged purge always
+completes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ __all__ = ["Deletion", "PURGE_CHUNK"]
 log = logging.getLogger("lifemem_ray.memory")
 
 PURGE_CHUNK = 1000  # trajectories per purge transaction: bounded, so a purge never holds the writer for long
+PURGE_LOG_CHUNK = 50_000  # log entries, or clusters, read per transaction of a purge's last passes
 
 
 @dataclass
@@ -192,18 +196,52 @@ class Deletion:
             with s.lock:
                 with s.store.read() as txn:
                     keys = s.store.tenant_id_keys(txn, tenant, PURGE_CHUNK)
-                if len(keys) < PURGE_CHUNK:
-                    # The last chunk: the intent is cleared in the same transaction.
-                    def finish(txn: Any) -> None:
-                        _forget_tombstones(s, txn, tenant)
-                        s.store.redact_log(txn, tenant)  # the assignment log keeps numbers, not the tenant's ids
-                        left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
-                        s.store.put_meta(txn, "purging", left)
+                if len(keys) >= PURGE_CHUNK:
+                    total += self.remove_keys(keys, "purge")
+                    continue
+            # Fewer than a chunk left: the words the tenant left elsewhere go first, in bounded
+            # transactions (the log is append-only; tombstones stay scrubbed), so the last one
+            # redoes only what came after them.
+            log_from = self._redact_log_in_chunks(tenant)
+            self._forget_tombstones_in_chunks(tenant)
+            with s.lock:
+                with s.store.read() as txn:
+                    keys = s.store.tenant_id_keys(txn, tenant, PURGE_CHUNK)
+                if len(keys) >= PURGE_CHUNK:
+                    continue  # adds of the tenant arrived meanwhile
 
-                    total += self.remove_keys(keys, "purge", finish)
-                    log.info("%s: purged tenant %r (%d trajectories)", s.path, tenant, total)
-                    return total
-                total += self.remove_keys(keys, "purge")
+                def finish(txn: Any) -> None:  # the last removal's transaction; the intent is cleared in it
+                    _forget_tombstones(s, txn, tenant)  # reads every cluster, rewrites only ones not yet scrubbed
+                    s.store.redact_log(txn, tenant, start=log_from)  # the entries since the chunked pass, this removal's own too
+                    left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
+                    s.store.put_meta(txn, "purging", left)
+
+                total += self.remove_keys(keys, "purge", finish)
+            log.info("%s: purged tenant %r (%d trajectories)", s.path, tenant, total)
+            return total
+
+    def _redact_log_in_chunks(self, tenant: str) -> int:
+        """Blank the tenant's ids in the log, PURGE_LOG_CHUNK entries per transaction (the
+        lock taken per chunk); returns the sequence number the pass reached (the log's end then)."""
+        s = self.s
+        start = 0
+        while True:
+            with s.lock:
+                _, next_start, end = s.store.write(
+                    lambda txn: (*s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK), s.store.get_meta("next_log", txn) or 0))
+            if next_start is None:
+                return int(end)
+            start = next_start
+
+    def _forget_tombstones_in_chunks(self, tenant: str) -> None:
+        """:func:`_forget_tombstones` over the clusters PURGE_LOG_CHUNK at a time."""
+        s = self.s
+        after = -1
+        while True:
+            with s.lock:
+                after = s.store.write(lambda txn: _forget_tombstones(s, txn, tenant, after=after, limit=PURGE_LOG_CHUNK))
+            if after is None:
+                return
 
     def resume(self) -> int:
         """Finish the purges a crash interrupted (at a writable open); returns trajectories removed."""
@@ -218,14 +256,19 @@ class Deletion:
         return total
 
 
-def _forget_tombstones(s: EngineState, txn: Any, tenant: str) -> None:
+def _forget_tombstones(s: EngineState, txn: Any, tenant: str, after: int = -1, limit: int | None = None) -> int | None:
     """Of ``tenant``'s clusters that are no longer live (split, merged, retired) only numbers
-    stay: no words, no environment names."""
-    for record in list(s.store.iter_clusters(txn)):
+    stay: no words, no environment names. Clusters with ids above ``after``, at most ``limit``
+    read; returns the last id read when it stopped at the limit, else None (the end). A
+    scrubbed record names no environment, so no tenant: it is not written again."""
+    records = list(itertools.islice(s.store.iter_clusters(txn, after=after), None if limit is None else limit + 1))
+    more = limit is not None and len(records) > limit
+    for record in records[:limit]:
         if not record.live and record.tenant == tenant:
-            record = scrub_text(record)
+            scrub_text(record)
             record.envs = {}
             s.store.put_cluster(txn, record)
+    return records[limit - 1].id if more and limit else None
 
 
 def _damaged(s: EngineState, key: str, vid: int) -> Exception:
