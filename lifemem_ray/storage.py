@@ -408,6 +408,20 @@ class MemoryStore(_Environment):
     def env_codes(self, txn: lmdb.Transaction) -> dict[str, int]:
         return {k.decode(): codec.unpack_u32(v) for k, v in txn.cursor(db=self.db["envs"])}
 
+    def forget_env_names(self, txn: lmdb.Transaction, tenant: str) -> int:
+        """Replace the names of ``tenant``'s environments in the code table by placeholders
+        (``SEP + "purged" + SEP + code``, which no scope can be), keeping their codes, so a
+        purged tenant's environment names are gone and codes are never handed out twice (a
+        new code is the table's size). Call only when the tenant holds no trajectory. Returns
+        how many."""
+        from .tenancy import SEP, scope_tenant
+
+        names = [(k, v) for k, v in txn.cursor(db=self.db["envs"]) if not k.startswith(SEP.encode()) and scope_tenant(k.decode()) == tenant]
+        for key, value in names:
+            txn.delete(key, db=self.db["envs"])
+            txn.put(f"{SEP}purged{SEP}{codec.unpack_u32(value)}".encode(), value, db=self.db["envs"])
+        return len(names)
+
     def env_code(self, txn: lmdb.Transaction, env: str) -> int:
         """The code of ``env``, allocated in this transaction when new."""
         key = env.encode()

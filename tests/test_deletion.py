@@ -124,6 +124,31 @@ def test_purge_tenant_removes_everything_of_it_only(tmp_path, synthetic):
         _check(mem)
 
 
+def test_a_purge_forgets_the_tenants_environment_names_and_codes_stay_unique(tmp_path, synthetic):
+    trajs, vecs = synthetic
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        with mem.store.read() as txn:
+            before = mem.store.env_codes(txn)
+        acme_envs = {name for name in before if name.startswith("acme\x00")}
+        assert acme_envs
+        mem.purge_tenant("acme")
+        with mem.store.read() as txn:
+            after = mem.store.env_codes(txn)
+        assert not acme_envs & set(after), "no name of the purged tenant's environments is left"
+        assert {n: c for n, c in after.items() if not n.startswith("\x00")} == {n: c for n, c in before.items() if n not in acme_envs}
+        assert sorted(after.values()) == sorted(before.values()), "every code is kept, under a placeholder"
+        mem.add_many(_acme(trajs[:30]), vecs[:30])  # the tenant starts again: new codes, none reused
+        with mem.store.read() as txn:
+            again = mem.store.env_codes(txn)
+        assert len(set(again.values())) == len(again) and acme_envs <= set(again)
+        _check(mem)
+    with Memory.open(path, CONFIG) as mem:  # reopened: the index is built from the codes again
+        assert mem.stats("acme")["trajectories"] == 30 and mem.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0], tenant="acme").trajectories
+        _check(mem)
+
+
 def test_a_purge_blanks_the_log_and_tombstones_in_bounded_passes(tmp_path, synthetic, monkeypatch):
     """The log and the clusters are gone over a few entries per transaction before the last
     one, which reads the log only from where those passes ended; the outcome is the same."""

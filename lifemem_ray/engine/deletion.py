@@ -14,7 +14,8 @@ A purge records its intent (the ``purging`` meta entry) in its own transaction f
 removes the tenant's trajectories ``PURGE_CHUNK`` at a time (bounded transactions), then
 blanks the tenant's ids in the assignment log and keeps only numbers of its retired
 clusters in bounded transactions too, and in the last one removes what is left, redoes
-both for what came after them and clears the intent. :meth:`Deletion.resume` finishes a
+both for what came after them, replaces the names of its environments in the code table
+by placeholders and clears the intent. :meth:`Deletion.resume` finishes a
 purge a crash interrupted, at the next writable open: an acknowledged purge always
 completes.
 """
@@ -213,6 +214,7 @@ class Deletion:
                 def finish(txn: Any) -> None:  # the last removal's transaction; the intent is cleared in it
                     _forget_tombstones(s, txn, tenant)  # reads every cluster, rewrites only ones not yet scrubbed
                     s.store.redact_log(txn, tenant, start=log_from)  # the entries since the chunked pass, this removal's own too
+                    s.store.forget_env_names(txn, tenant)  # none of its trajectories is left to name them
                     left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
                     s.store.put_meta(txn, "purging", left)
 
