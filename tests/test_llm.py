@@ -55,8 +55,10 @@ def make_decider():
 
     def make(stub: OpenAIStub, **overrides) -> LLMDecider:
         client_options = {k: overrides.pop(k) for k in ("send_schema", "retry_after_max_s") if k in overrides}
+        # The timeout is far above the stub's answer time on a loaded machine (at 0.5 s a busy
+        # full suite once saw retries double the calls a test counts); timeout tests set their own.
         fields = dict(backend="openai", base_url=stub.base_url, api_key="sk-test", model="small-model",
-                      strong_model="strong-model", timeout_s=0.5, max_retries=2, concurrency=4, items_per_call=5)
+                      strong_model="strong-model", timeout_s=10.0, max_retries=2, concurrency=4, items_per_call=5)
         fields.update(overrides)
         decider = LLMDecider(LLMConfig(**fields), backoff_base_s=0.01, backoff_max_s=0.05, **client_options)
         made.append(decider)
