@@ -243,8 +243,15 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
             timeout=timeout_s,
         )
         routes = ray.get(coordinator.snapshot_routing.remote(str(target / "coordinator")), timeout=timeout_s)
-    finally:
-        ray.get(coordinator.resume.remote(token), timeout=timeout_s)
+    except BaseException:
+        # The snapshot's own error is the one to see; a resume that fails too (the coordinator
+        # is gone) is logged, not raised over it.
+        try:
+            ray.get(coordinator.resume.remote(token), timeout=timeout_s)
+        except Exception:
+            log.warning("snapshot of namespace %r failed, and ingest could not be resumed", namespace, exc_info=True)
+        raise
+    ray.get(coordinator.resume.remote(token), timeout=timeout_s)
     manifest = {
         "created": started,
         "seconds": round(time.time() - started, 3),

@@ -1,5 +1,5 @@
-"""How a remote task's own error is recovered from Ray's wrapper (actors/errors.py), on
-wrappers built the way Ray builds them, without a cluster."""
+"""How remote errors reach the caller (actors/errors.py, the snapshot's resume), on
+wrappers and calls built the way Ray builds them, without a cluster."""
 
 from __future__ import annotations
 
@@ -33,3 +33,34 @@ def test_raise_remote_raises_the_cause_in_place_of_the_wrapper():
     assert info.value.__suppress_context__  # the wrapper is not chained onto it
     with pytest.raises(ValueError, match="plain"):
         raise_remote(ValueError("plain"))
+
+
+def test_a_failed_snapshot_raises_its_own_error_when_the_resume_fails_too(tmp_path, monkeypatch, caplog):
+    """A pause that timed out, then a coordinator that cannot resume: the caller sees the
+    timeout (what went wrong first), the failed resume is logged."""
+    from lifemem_ray.actors import deployment as dep
+
+    class Call:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args):
+            return self.name
+
+    class Coordinator:
+        deployment, pause, resume, snapshot_routing = Call("deployment"), Call("pause"), Call("resume"), Call("routing")
+
+    def get(ref, timeout=None):
+        if ref == "deployment":
+            return {"shards": []}
+        if ref == "pause":
+            raise ray_exceptions.GetTimeoutError("the pause did not return in time")
+        if ref == "resume":
+            raise RuntimeError("the coordinator is gone")
+        return []
+
+    monkeypatch.setattr(dep, "find_coordinator", lambda namespace: Coordinator())
+    monkeypatch.setattr(dep.ray, "get", get)
+    with caplog.at_level("WARNING", logger=dep.__name__), pytest.raises(ray_exceptions.GetTimeoutError, match="pause"):
+        dep.snapshot(tmp_path / "snap", "ns", timeout_s=1)
+    assert "ingest could not be resumed" in caplog.text and "the coordinator is gone" in caplog.text
