@@ -81,3 +81,26 @@ def test_gap_intervals_tell_a_real_gap_from_noise():
     # The worse of the similarity order and the random orders' mean counts: one bad order is enough.
     mixed = cluster_quality.gap_intervals(trajs, [perfect, shuffled[1], shuffled[2]], {"view": [perfect]})["sql"]
     assert mixed["verdict"] == "below"
+
+
+def test_weight_sweep_scores_every_weight_and_picks_the_largest_mean_gap(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster_quality, "WEIGHT_GRID", (0.2, 0.9))
+    trajs = labelled(30)
+    rng = np.random.default_rng(1)
+    goal = unit(rng.standard_normal((30, 384)))
+    action = unit(rng.standard_normal((30, 384)))
+    sweep = cluster_quality.weight_sweep(trajs, goal, action, MemoryConfig(), tmp_path, with_skills=False)
+    assert set(sweep["per_weight"]) == {"0.2", "0.9"}
+    chosen = sweep["label_chosen"]["sql"]
+    means = {w: np.mean(list(e["sql"]["gap"].values())) for w, e in sweep["per_weight"].items()}
+    assert means[str(chosen["weight"])] == max(means.values())
+    assert chosen["gap"] == sweep["per_weight"][str(chosen["weight"])]["sql"]["gap"]
+    text = cluster_quality.table({"folds": {}, "weight_sweep": {"tune": {"full": sweep}}})
+    assert "workflow weight picked per environment with the labels" in text and f"sql {chosen['weight']}" in text
+
+
+def test_benchmark_docstring_examples_hold():
+    import doctest
+
+    result = doctest.testmod(cluster_quality, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 1
