@@ -435,9 +435,16 @@ def _open_or_connect(args: argparse.Namespace, config: MemoryConfig, *, write: b
         return _client(args, config)
     if not args.store:
         raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
-    if write and not (Path(args.store) / "data.mdb").is_file():
-        raise CommandError(f"{args.store}: no memory store here (data.mdb missing)")
+    if write:
+        _require_store(args.store)
     return Memory.open(args.store, config, read_only=not write)
+
+
+def _require_store(store: str | Path, remedy: str = "") -> None:
+    """A command that writes into an existing store refuses a folder without one, so that a
+    mistyped path is an error rather than a new empty store."""
+    if not (Path(store) / "data.mdb").is_file():
+        raise CommandError(f"{store}: no memory store here (data.mdb missing){remedy}")
 
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
@@ -611,13 +618,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_mcp(args: argparse.Namespace) -> int:
     """The MCP server over stdin / stdout as one principal (the tenant, read and write), on the
-    engine alone; stdout is the protocol, logs go to stderr. Closes the store on EOF or SIGTERM."""
+    engine alone; stdout is the protocol, logs go to stderr. Closes the store on EOF or SIGTERM.
+    Serves an existing store only, unless ``--create``."""
     from .mcp_server import run_stdio
     from .memory import Memory
     from .principal import Principal
 
     config = _config(args)
     principal = Principal(check_tenant(args.tenant, "--tenant"), frozenset({"read", "write"}), "stdio")
+    if not args.create:
+        _require_store(args.store, "; pass --create to start a new store there")
     memory = Memory.open(args.store, config)
     try:
         run_stdio(memory, principal)
@@ -733,7 +743,9 @@ def _store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("mcp", parents=[common, llm], help="serve the store to an agent host over MCP (stdio, no Ray)")
-    p.add_argument("--store", required=True, metavar="DIR", help="the store folder (created if missing)")
+    p.add_argument("--store", required=True, metavar="DIR", help="the store folder (must hold a store, unless --create)")
+    p.add_argument("--create", action="store_true", help="create the store when DIR has none (else that is an error: a mistyped path "
+                   "would serve a new empty memory)")
     p.add_argument("--tenant", default="default", help="the tenant every call acts as (default: default)")
     p.set_defaults(func=cmd_mcp)
 

@@ -89,7 +89,7 @@ def test_stdio_server_adds_retrieves_and_reports_errors(tmp_path):
     trajectories = list(generate(8, seed=5, length_scale=0.1))
 
     async def session() -> None:
-        async with Client(_stdio(store, "--tenant", "acme"), read_timeout_seconds=120) as client:
+        async with Client(_stdio(store, "--create", "--tenant", "acme"), read_timeout_seconds=120) as client:
             tools = _check_schemas(await client.list_tools())
             for t in trajectories:
                 answer = _structured(await client.call_tool("add_trajectory", _record(t)), tools["add_trajectory"])
@@ -147,7 +147,7 @@ def _read_line(stream: Any, deadline: float) -> bytes:
 def test_stdio_server_closes_the_store_on_sigterm(tmp_path):
     store = tmp_path / "store"
     command, prefix = _command()
-    proc = subprocess.Popen([command, *prefix, "mcp", "--store", str(store)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([command, *prefix, "mcp", "--store", str(store), "--create"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
         hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
@@ -171,6 +171,16 @@ def test_stdio_server_refuses_a_bad_tenant_before_serving(tmp_path):
     done = subprocess.run([command, *prefix, "mcp", "--store", str(tmp_path / "s"), "--tenant", "no spaces"],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert done.returncode == 1 and "--tenant" in done.stderr and done.stdout == ""
+
+
+def test_stdio_server_refuses_a_folder_without_a_store_unless_told_to_create_one(tmp_path):
+    command, prefix = _command()
+    mistyped = tmp_path / "stroe"
+    done = subprocess.run([command, *prefix, "mcp", "--store", str(mistyped)],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"{mistyped}: no memory store here" in done.stderr and "--create" in done.stderr
+    assert not mistyped.exists()
 
 
 # -- Streamable HTTP ---------------------------------------------------------------------------------
