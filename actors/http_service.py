@@ -54,6 +54,51 @@ def unavailable_errors() -> tuple[type[BaseException], ...]:
     return (ShardUnavailableError, OverloadedError, DeploymentNotFoundError, ray.exceptions.GetTimeoutError, *actor_failures())
 
 
+class StateLog:
+    """Logs a watched state the way an operator wants to read it: a warning when it turns bad
+    or changes, a reminder at most every ``repeat_s`` while it stays bad, one line when it
+    is good again; repeats in between go to debug. ``/healthz`` needs no key and may be
+    polled many times a second: one outage must not write a warning per poll.
+
+    >>> import logging
+    >>> now = [0.0]
+    >>> states = StateLog(logging.getLogger("doc"), repeat_s=60, clock=lambda: now[0])
+    >>> states.bad("shard 1 down", "health: %s", "shard 1 down"), states.bad("shard 1 down", "health")
+    (True, False)
+    >>> now[0] = 61.0; states.bad("shard 1 down", "health"), states.good("health: recovered")
+    (True, True)
+    """
+
+    def __init__(self, logger: logging.Logger, repeat_s: float = 60.0, clock: Any = time.monotonic) -> None:
+        self._log = logger
+        self._repeat_s = repeat_s
+        self._clock = clock
+        self._lock = threading.Lock()  # health runs on the request threads
+        self._state: str | None = None  # the bad state last warned of; None while good
+        self._warned_at = 0.0
+
+    def bad(self, state: str, message: str, *args: Any) -> bool:
+        """Record a bad ``state``; returns whether this call warned."""
+        with self._lock:
+            now = self._clock()
+            warn = state != self._state or now - self._warned_at >= self._repeat_s
+            if warn:
+                self._state, self._warned_at = state, now
+        self._log.log(logging.WARNING if warn else logging.DEBUG, message, *args)
+        return warn
+
+    def good(self, message: str, *args: Any) -> bool:
+        """Record that all is well; returns whether this ended a bad state (and logged so)."""
+        with self._lock:
+            ended, self._state = self._state is not None, None
+        if ended:
+            self._log.info(message, *args)
+        return ended
+
+
+HEALTH_REPEAT_S = 60.0  # while the deployment stays unhealthy, /healthz warns again at most this often
+
+
 class FrontService:
     """The front door's operations on the deployment in ``namespace``."""
 
@@ -71,6 +116,7 @@ class FrontService:
         self._readers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-read")
         # Deletions and purges run here so a request stops waiting after http.delete_timeout_s.
         self._removers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-remove")
+        self._health_log = StateLog(log, HEALTH_REPEAT_S)  # what /healthz found, logged on change, not per poll
 
     # -- connections ----------------------------------------------------------------------
     def client(self) -> Any:
@@ -280,7 +326,8 @@ class FrontService:
             names = ray.get(coordinator.deployment.remote(), timeout=timeout)["shards"]
         except Exception as exc:  # no deployment, or its coordinator does not answer: the answer says so
             # The route needs no key: the answer names no namespace, actor or Ray internals (the log does).
-            log.warning("health check: the deployment in namespace %r did not answer: %s: %s", self.namespace, type(exc).__name__, exc)
+            self._health_log.bad(f"{type(exc).__name__}", "health check: the deployment in namespace %r did not answer: %s: %s",
+                                 self.namespace, type(exc).__name__, exc)
             detail = "no deployment is serving" if isinstance(exc, DeploymentNotFoundError) else "the coordinator did not answer"
             return {"ok": False, "coordinator": False, "shards": [], "detail": detail}
         refs: list[Any] = [coordinator.ping.remote()]
@@ -302,6 +349,11 @@ class FrontService:
                     ok = False
             alive.append(ok)
         ok = all(alive)
+        if ok:
+            self._health_log.good("health check: the deployment in namespace %r answers again", self.namespace)
+        else:
+            silent = ["coordinator" if i == 0 else names[i - 1] for i, up in enumerate(alive) if not up]
+            self._health_log.bad(",".join(silent), "health check in namespace %r: no answer to the ping from %s", self.namespace, ", ".join(silent))
         return {"ok": ok, "coordinator": alive[0], "shards": alive[1:], "detail": None if ok else "an actor did not answer the ping"}
 
     def close(self) -> None:
