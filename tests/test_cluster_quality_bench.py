@@ -40,7 +40,10 @@ def test_one_fold_evaluates_with_verdicts_gap_and_diagnostics(tmp_path):
     action = unit(rng.standard_normal((60, 384)))
     res = cluster_quality.evaluate_fold(trajs, goal, action, MemoryConfig(), tmp_path, with_skills=True)
     verdict = res["verdicts"]["sql"]
-    assert set(verdict) >= {"beats", "best_baseline", "lifemem_worse_order", "batch_combinations_beating", "pure_nmi_at_k"}
+    assert set(verdict) >= {"beats", "best_baseline", "lifemem_worse_order", "batch_combinations_beating", "pure_nmi_at_k",
+                            "baseline_at_ceiling", "beats_or_ties_at_ceiling"}
+    assert res["distinct_workflows"]["sql"]["distinct"] == 3  # the three statement kinds, whatever the goal
+    assert 0 < res["distinct_workflows"]["sql"]["cosine_between"]["max"] < 1
     assert set(verdict["batch_combinations_beating"]) <= set(cluster_quality.VIEW_COMBINATIONS)
     gap = np.mean([verdict["lifemem_worse_order"][m] - verdict["best_baseline"][m] for m in ("purity", "nmi")])
     assert abs(res["mean_gap_to_best"] - round(float(gap), 4)) < 1e-9
@@ -104,3 +107,14 @@ def test_benchmark_docstring_examples_hold():
 
     result = doctest.testmod(cluster_quality, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted >= 1
+
+
+def test_a_baseline_at_purity_one_can_be_tied_but_not_beaten():
+    per_env = lambda purity, nmi: {"sql": {"task_type": {"purity": purity, "nmi": nmi, "labels": 3}}}  # noqa: E731
+    base = {name: {"per_env": {"sql": {"task_type": {"purity": {"mean": 1.0}, "nmi": {"mean": 0.8}}}}}
+            for name in cluster_quality.NAMED_BASELINES}
+    random = {"sql": {"task_type": {"purity": {"mean": 1.0}, "nmi": {"mean": 0.9}}}}
+    tied = cluster_quality.verdicts({"similarity": {"per_env": per_env(1.0, 0.9)}, "random": {"per_env": random}, "baselines_at_similarity_k": base})["sql"]
+    assert tied["baseline_at_ceiling"] == ["purity"] and not tied["beats"] and tied["beats_or_ties_at_ceiling"]
+    short = cluster_quality.verdicts({"similarity": {"per_env": per_env(0.99, 0.9)}, "random": {"per_env": random}, "baselines_at_similarity_k": base})["sql"]
+    assert not short["beats_or_ties_at_ceiling"]
