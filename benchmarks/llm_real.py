@@ -89,6 +89,33 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _per_operation(usage: dict[str, Any], recording: "_Recording") -> dict[str, Any]:
+    """Per LLM operation: the engine's counts beside the HTTP calls the recording client saw."""
+    per_op: dict[str, Any] = {}
+    for op in OPERATIONS:
+        u = usage.get(op, {})
+        calls = int(u.get("calls", 0))
+        http = [c for c in args_calls(recording, op)]
+        latencies = [c["latency_s"] for c in http]
+        ok = [c for c in http if c["ok"]]
+        per_op[op] = {
+            "calls": calls,
+            "http_calls": len(http),
+            "valid_answers": calls - int(u.get("failures", 0)),
+            "valid_rate": (calls - int(u.get("failures", 0))) / calls if calls else None,
+            "invalid_answers": int(u.get("invalid", 0)),
+            "failures": int(u.get("failures", 0)),
+            "retries": int(u.get("retries", 0)),
+            "items": int(u.get("items", 0)),
+            "items_invalid": int(u.get("items_invalid", 0)),
+            "cut_at_max_tokens": sum(1 for c in ok if c.get("finish_reason") == "length"),
+            "latency_s": {"mean": _mean(latencies), "p50": _percentile(latencies, 0.5), "p95": _percentile(latencies, 0.95)},
+            "prompt_tokens_per_call": _mean([c["prompt_tokens"] for c in ok if c.get("prompt_tokens") is not None]),
+            "completion_tokens_per_call": _mean([c["completion_tokens"] for c in ok if c.get("completion_tokens") is not None]),
+        }
+    return per_op
+
+
 def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     envs = [e for e in args.envs.split(",") if e] or None
     trajs = list(generate(args.n, seed=args.seed, envs=envs, length_scale=args.length_scale))
@@ -121,29 +148,7 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         finally:
             memory.close()
 
-    usage = stats["llm"]["by_operation"]
-    per_op: dict[str, Any] = {}
-    for op in OPERATIONS:
-        u = usage.get(op, {})
-        calls = int(u.get("calls", 0))
-        http = [c for c in args_calls(recording, op)]
-        latencies = [c["latency_s"] for c in http]
-        ok = [c for c in http if c["ok"]]
-        per_op[op] = {
-            "calls": calls,
-            "http_calls": len(http),
-            "valid_answers": calls - int(u.get("failures", 0)),
-            "valid_rate": (calls - int(u.get("failures", 0))) / calls if calls else None,
-            "invalid_answers": int(u.get("invalid", 0)),
-            "failures": int(u.get("failures", 0)),
-            "retries": int(u.get("retries", 0)),
-            "items": int(u.get("items", 0)),
-            "items_invalid": int(u.get("items_invalid", 0)),
-            "cut_at_max_tokens": sum(1 for c in ok if c.get("finish_reason") == "length"),
-            "latency_s": {"mean": _mean(latencies), "p50": _percentile(latencies, 0.5), "p95": _percentile(latencies, 0.95)},
-            "prompt_tokens_per_call": _mean([c["prompt_tokens"] for c in ok if c.get("prompt_tokens") is not None]),
-            "completion_tokens_per_call": _mean([c["completion_tokens"] for c in ok if c.get("completion_tokens") is not None]),
-        }
+    per_op = _per_operation(stats["llm"]["by_operation"], recording)
     every = recording.calls
     latencies = [c["latency_s"] for c in every]
     ok = [c for c in every if c["ok"]]
