@@ -486,34 +486,9 @@ class VectorIndex:
         if self.config.nprobe:
             ivf.nprobe = e.nprobe
         else:
-            self._calibrate_env(e, ids, vectors, rng)
+            _calibrate_env(self.config, e, ids, vectors, rng)
         log.debug("index: built IVF nlist=%d nprobe=%d max_codes=%d over %d vectors", nlist, e.nprobe, e.max_codes, n)
         return e
-
-    def _calibration(self) -> dict[str, Any]:
-        c = self.config
-        return {"k": c.calibration_k, "target_recall": c.target_recall, "search_max_codes": c.search_max_codes, "nprobe": c.nprobe}
-
-    def _calibrate_env(
-        self, e: _Env, ids: np.ndarray | None = None, vectors: np.ndarray | None = None, rng: np.random.Generator | None = None
-    ) -> None:
-        """Set an IVF env's nprobe and scan cap to the cheapest reaching target_recall.
-
-        Caps are tried from 1/16 of ``search_max_codes`` up to all of it (a smaller cap
-        scans less, whatever the nprobe), each with nprobe calibrated under it; where none
-        reaches the target (many near neighbours in one huge list), the env is
-        calibrated and searched without a cap."""
-        if ids is None or vectors is None:
-            ids, vectors = _export(e)
-        rng = rng if rng is not None else np.random.default_rng(_SEED)
-        top = self.config.search_max_codes
-        k = self.config.calibration_k
-        caps = sorted({max(k + 1, top >> shift) for shift in range(5)}) + [0] if top else [0]
-        e.nprobe, e.recall, cap = _calibrate(e.index, ids, vectors, e.nlist, self.config.target_recall, rng, caps, k)
-        # Stored relative to trained_size: searches scale it by the growth since (a loaded env
-        # may be calibrated after it has grown).
-        e.max_codes = max(k + 1, math.ceil(cap * e.trained_size / max(e.trained_size, e.ntotal))) if cap else 0
-        e.index.nprobe = e.nprobe
 
     # ------------------------------------------------------------------ GPU
 
@@ -539,6 +514,32 @@ class VectorIndex:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _calibration_settings(config: IndexConfig) -> dict[str, Any]:
+    """What an IVF env's nprobe and scan cap are calibrated for (a saved cache records it)."""
+    return {"k": config.calibration_k, "target_recall": config.target_recall, "search_max_codes": config.search_max_codes, "nprobe": config.nprobe}
+
+
+def _calibrate_env(config: IndexConfig, e: _Env, ids: np.ndarray | None = None, vectors: np.ndarray | None = None,
+                   rng: np.random.Generator | None = None) -> None:
+    """Set an IVF env's nprobe and scan cap to the cheapest reaching target_recall.
+
+    Caps are tried from 1/16 of ``search_max_codes`` up to all of it (a smaller cap
+    scans less, whatever the nprobe), each with nprobe calibrated under it; where none
+    reaches the target (many near neighbours in one huge list), the env is
+    calibrated and searched without a cap."""
+    if ids is None or vectors is None:
+        ids, vectors = _export(e)
+    rng = rng if rng is not None else np.random.default_rng(_SEED)
+    top = config.search_max_codes
+    k = config.calibration_k
+    caps = sorted({max(k + 1, top >> shift) for shift in range(5)}) + [0] if top else [0]
+    e.nprobe, e.recall, cap = _calibrate(e.index, ids, vectors, e.nlist, config.target_recall, rng, caps, k)
+    # Stored relative to trained_size: searches scale it by the growth since (a loaded env
+    # may be calibrated after it has grown).
+    e.max_codes = max(k + 1, math.ceil(cap * e.trained_size / max(e.trained_size, e.ntotal))) if cap else 0
+    e.index.nprobe = e.nprobe
 
 
 def _save_index(index: "VectorIndex", directory: str | Path, stamp: int, identity: str) -> None:
@@ -579,7 +580,7 @@ def _write_files(index: "VectorIndex", directory: Path, stamp: int, identity: st
         "stamp": stamp,
         "identity": identity,
         "count": len(index._where),
-        "calibration": index._calibration(),  # what the IVF envs' nprobe and scan caps are calibrated for
+        "calibration": _calibration_settings(index.config),  # what the IVF envs' nprobe and scan caps are calibrated for
         "envs": entries,
     }
     tmp = directory / (_MANIFEST + ".tmp")
@@ -645,9 +646,9 @@ def _load_index(cls: type["VectorIndex"], directory: str | Path, dim: int, confi
             if e.kind == "ivf" and index.config.nprobe:
                 e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
                 e.max_codes = 0
-            elif e.kind == "ivf" and manifest.get("calibration") != index._calibration():
-                log.info("index: %s was calibrated for %s; calibrating for %s", name, manifest.get("calibration"), index._calibration())
-                index._calibrate_env(e)
+            elif e.kind == "ivf" and manifest.get("calibration") != _calibration_settings(index.config):
+                log.info("index: %s was calibrated for %s; calibrating for %s", name, manifest.get("calibration"), _calibration_settings(index.config))
+                _calibrate_env(index.config, e)
             ids = _export_ids(e)
             before = len(index._where)
             index._where.update(dict.fromkeys(ids.tolist(), name))
