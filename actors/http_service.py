@@ -326,7 +326,7 @@ class FrontService:
             names = ray.get(coordinator.deployment.remote(), timeout=timeout)["shards"]
         except Exception as exc:  # no deployment, or its coordinator does not answer: the answer says so
             # The route needs no key: the answer names no namespace, actor or Ray internals (the log does).
-            self._health_log.bad(f"{type(exc).__name__}", "health check: the deployment in namespace %r did not answer: %s: %s",
+            self._health_log.bad(type(exc).__name__, "health check: the deployment in namespace %r did not answer: %s: %s",
                                  self.namespace, type(exc).__name__, exc)
             detail = "no deployment is serving" if isinstance(exc, DeploymentNotFoundError) else "the coordinator did not answer"
             return {"ok": False, "coordinator": False, "shards": [], "detail": detail}
