@@ -307,11 +307,13 @@ class _Environment:
             with self._gate.resizing():
                 self.env.set_mapsize(0)
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction], T], *, changed: Callable[[T], bool] | None = None) -> T:
         """Run ``fn`` in one write transaction and commit; grow the map and rerun when full.
 
         ``fn`` must only touch the transaction (no outside side effects), since it may run twice.
-        The generation counter is bumped in the same transaction.
+        The generation counter is bumped in the same transaction (read-only views reload when
+        it moves), unless ``changed`` says of ``fn``'s result that it wrote nothing (a pass
+        over a chunk that found nothing to do).
         """
         if self.read_only:
             raise StoreError(f"{self.path}: opened read-only")
@@ -321,8 +323,9 @@ class _Environment:
                     with self._gate.reading():
                         with self.env.begin(write=True) as txn:
                             result = fn(txn)
-                            gen = txn.get(b"generation", db=self.db["meta"])
-                            txn.put(b"generation", _packb((_unpackb(gen) if gen else 0) + 1), db=self.db["meta"])
+                            if changed is None or changed(result):
+                                gen = txn.get(b"generation", db=self.db["meta"])
+                                txn.put(b"generation", _packb((_unpackb(gen) if gen else 0) + 1), db=self.db["meta"])
                     return result
                 except lmdb.MapFullError:
                     self._grow()

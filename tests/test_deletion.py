@@ -124,6 +124,40 @@ def test_purge_tenant_removes_everything_of_it_only(tmp_path, synthetic):
         _check(mem)
 
 
+def test_purge_passes_that_find_nothing_leave_the_generation_alone(tmp_path, synthetic, monkeypatch):
+    """Read-only views reload when the store's generation moves: the bounded log and tombstone
+    passes of a purge bump it only where they rewrote something."""
+    from lifemem_ray.engine import deletion
+
+    monkeypatch.setattr(deletion, "PURGE_LOG_CHUNK", 7)
+    path = tmp_path / "m"
+    _fill(path, synthetic)
+    with Memory.open(path, CONFIG) as mem:
+        assert mem.purge_tenant("acme") == 300
+        with mem.store.read() as txn:
+            entries = sum(1 for _ in mem.store.iter_log(txn))
+            clusters = sum(1 for _ in mem.store.iter_clusters(txn))
+        before = mem.store.generation()
+        assert mem.purge_tenant("acme") == 0  # nothing left to blank or scrub: dozens of passes, each a no-op
+        bumped = mem.store.generation() - before
+        assert entries // 7 + clusters // 7 > 20 and bumped <= 2, (entries, clusters, bumped)  # the intent and the last removal
+        _check(mem)
+
+
+def test_store_write_bumps_the_generation_unless_told_nothing_changed(tmp_path):
+    from lifemem_ray.storage import MemoryStore
+
+    store = MemoryStore(tmp_path / "s", dim=4, workflow_dim=4)
+    try:
+        start = store.generation()
+        assert store.write(lambda txn: 0, changed=lambda n: n > 0) == 0 and store.generation() == start
+        store.write(lambda txn: 1, changed=lambda n: n > 0)
+        store.write(lambda txn: None)
+        assert store.generation() == start + 2
+    finally:
+        store.close()
+
+
 def test_a_purge_forgets_the_tenants_environment_names_and_codes_stay_unique(tmp_path, synthetic):
     trajs, vecs = synthetic
     path = tmp_path / "m"

@@ -230,7 +230,8 @@ class Deletion:
         while True:
             with s.lock:
                 _, next_start, end = s.store.write(
-                    lambda txn: (*s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK), s.store.get_meta("next_log", txn) or 0))
+                    lambda txn: (*s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK), s.store.get_meta("next_log", txn) or 0),
+                    changed=lambda got: got[0] > 0)
             if next_start is None:
                 return int(end)
             start = next_start
@@ -241,7 +242,8 @@ class Deletion:
         after = -1
         while True:
             with s.lock:
-                after = s.store.write(lambda txn: _forget_tombstones(s, txn, tenant, after=after, limit=PURGE_LOG_CHUNK))
+                _, after = s.store.write(lambda txn: _forget_tombstones(s, txn, tenant, after=after, limit=PURGE_LOG_CHUNK),
+                                         changed=lambda got: got[0] > 0)
             if after is None:
                 return
 
@@ -258,19 +260,22 @@ class Deletion:
         return total
 
 
-def _forget_tombstones(s: EngineState, txn: Any, tenant: str, after: int = -1, limit: int | None = None) -> int | None:
+def _forget_tombstones(s: EngineState, txn: Any, tenant: str, after: int = -1, limit: int | None = None) -> tuple[int, int | None]:
     """Of ``tenant``'s clusters that are no longer live (split, merged, retired) only numbers
     stay: no words, no environment names. Clusters with ids above ``after``, at most ``limit``
-    read; returns the last id read when it stopped at the limit, else None (the end). A
-    scrubbed record names no environment, so no tenant: it is not written again."""
+    read; returns how many were rewritten and the last id read when it stopped at the limit,
+    else None (the end). A scrubbed record names no environment, so no tenant: it is not
+    written again."""
     records = list(itertools.islice(s.store.iter_clusters(txn, after=after), None if limit is None else limit + 1))
     more = limit is not None and len(records) > limit
+    rewritten = 0
     for record in records[:limit]:
         if not record.live and record.tenant == tenant:
             scrub_text(record)
             record.envs = {}
             s.store.put_cluster(txn, record)
-    return records[limit - 1].id if more and limit else None
+            rewritten += 1
+    return rewritten, records[limit - 1].id if more and limit else None
 
 
 def _damaged(s: EngineState, key: str, vid: int) -> Exception:
