@@ -395,13 +395,17 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
 
 
 def weight_sweep(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarray, config: MemoryConfig, tmp: Path,
-                 with_skills: bool) -> dict[str, Any]:
+                 with_skills: bool, evaluated: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fold evaluated again at each workflow weight of WEIGHT_GRID: per weight and
     environment, k, the gaps to the best named baseline at that k and whether it is beaten;
-    and per environment the weight with the largest mean gap (:func:`label_chosen_weights`)."""
+    and per environment the weight with the largest mean gap (:func:`label_chosen_weights`).
+    ``evaluated``: the fold's evaluation at ``config``'s own weight, used instead of a rerun."""
     per_weight: dict[str, dict[str, Any]] = {}
     for weight in WEIGHT_GRID:
-        res = evaluate_fold(trajs, vecs, act_vecs, config.replace({"policy.workflow_weight": weight}), tmp, with_skills)
+        if evaluated is not None and weight == config.policy.workflow_weight:
+            res = evaluated
+        else:
+            res = evaluate_fold(trajs, vecs, act_vecs, config.replace({"policy.workflow_weight": weight}), tmp, with_skills)
         per_weight[str(weight)] = {
             env: {"k": res["similarity"]["per_env"][env]["k"], "beats": v["beats"], "bootstrap": v["bootstrap"],
                   "gap": {m: round(v["lifemem_worse_order"][m] - v["best_baseline"][m], 4) for m in ("purity", "nmi")}}
@@ -680,7 +684,7 @@ def main() -> None:
                 report["folds"][fold][scale] = evaluate_fold(sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report")
                 if args.weight_sweep:
                     report.setdefault("weight_sweep", {}).setdefault(fold, {})[scale] = weight_sweep(
-                        sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report")
+                        sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report", evaluated=report["folds"][fold][scale])
                 print(f"{fold}/{scale} done", file=sys.stderr, flush=True)
             if args.ablation and fold == "report":
                 report["ablation"] = {name: evaluate_fold(trajs, vecs, act_vecs, config.replace(over), tmp, with_skills=True)

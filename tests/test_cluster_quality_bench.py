@@ -98,6 +98,12 @@ def test_weight_sweep_scores_every_weight_and_picks_the_largest_mean_gap(tmp_pat
     means = {w: np.mean(list(e["sql"]["gap"].values())) for w, e in sweep["per_weight"].items()}
     assert means[str(chosen["weight"])] == max(means.values())
     assert chosen["gap"] == sweep["per_weight"][str(chosen["weight"])]["sql"]["gap"]
+    marked = cluster_quality.evaluate_fold(trajs, goal, action, MemoryConfig(), tmp_path, with_skills=False)
+    marked["verdicts"]["sql"]["lifemem_worse_order"]["purity"] = marked["verdicts"]["sql"]["best_baseline"]["purity"] + 0.123
+    reused = cluster_quality.weight_sweep(trajs, goal, action, MemoryConfig().replace({"policy.workflow_weight": 0.9}), tmp_path,
+                                          with_skills=False, evaluated=marked)
+    assert reused["per_weight"]["0.9"]["sql"]["gap"]["purity"] == 0.123  # the given evaluation at the config's weight, not a rerun
+    assert reused["per_weight"]["0.2"] == sweep["per_weight"]["0.2"]
     text = cluster_quality.table({"folds": {}, "weight_sweep": {"tune": {"full": sweep}}})
     assert "workflow weight picked per environment with the labels" in text and f"sql {chosen['weight']}" in text
 
