@@ -13,8 +13,9 @@ import logging
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -31,7 +32,7 @@ from .errors import DeploymentNotFoundError, ShardUnavailableError
 from .routing import RoutingTable
 from .shard import MemoryShard
 
-__all__ = ["COORDINATOR", "deploy", "find_coordinator", "restore", "snapshot", "stop"]
+__all__ = ["COORDINATOR", "compact", "deploy", "find_coordinator", "restore", "snapshot", "stop"]
 
 log = logging.getLogger(__name__)
 
@@ -219,12 +220,33 @@ def stop(namespace: str = "lifemem", *, timeout_s: float = 120.0) -> bool:
     return True
 
 
+@contextmanager
+def _ingest_paused(coordinator: Any, what: str, namespace: str, timeout_s: float) -> Iterator[None]:
+    """Ingest held for the block (the micro-batch in flight finishes first), resumed after it
+    whatever happens. The block's own error is the one raised; a resume that fails too (the
+    coordinator is gone) is logged, not raised over it."""
+    token = uuid.uuid4().hex  # pairs the pause with its resume, whichever the actor starts first
+    try:
+        # Inside the try: a pause that times out still holds (it goes on waiting for the batch
+        # in flight, then holds ingest), so it is resumed like one that returned.
+        ray.get(coordinator.pause.remote(token), timeout=timeout_s)
+        yield
+    except BaseException:
+        try:
+            ray.get(coordinator.resume.remote(token), timeout=timeout_s)
+        except Exception:
+            log.warning("%s of namespace %r failed, and ingest could not be resumed", what, namespace, exc_info=True)
+        raise
+    ray.get(coordinator.resume.remote(token), timeout=timeout_s)
+
+
 def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str, Any]:
     """A consistent copy of every shard and the routing table.
 
     Ingest pauses (the micro-batch in flight finishes first), each shard copies its
-    LMDB environment in one read transaction, then ingest resumes. On a real cluster
-    ``directory`` should be a shared filesystem every shard's node can write.
+    store in one read transaction, record by record into fresh pages (no byte of a deleted
+    trajectory is in the copy), then ingest resumes. On a real cluster ``directory`` should
+    be a shared filesystem every shard's node can write.
     """
     coordinator = find_coordinator(namespace)
     target = Path(directory).resolve()
@@ -233,25 +255,12 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     target.mkdir(parents=True, exist_ok=True)
     info = ray.get(coordinator.deployment.remote())
     started = time.time()
-    token = uuid.uuid4().hex  # pairs the pause with its resume, whichever the actor starts first
-    try:
-        # Inside the try: a pause that times out still holds (it goes on waiting for the batch
-        # in flight, then holds ingest), so it is resumed like one that returned.
-        ray.get(coordinator.pause.remote(token), timeout=timeout_s)
+    with _ingest_paused(coordinator, "snapshot", namespace, timeout_s):
         copies = ray.get(
             [ray.get_actor(n, namespace=namespace).snapshot.remote(str(target / f"shard-{i:02d}")) for i, n in enumerate(info["shards"])],
             timeout=timeout_s,
         )
         routes = ray.get(coordinator.snapshot_routing.remote(str(target / "coordinator")), timeout=timeout_s)
-    except BaseException:
-        # The snapshot's own error is the one to see; a resume that fails too (the coordinator
-        # is gone) is logged, not raised over it.
-        try:
-            ray.get(coordinator.resume.remote(token), timeout=timeout_s)
-        except Exception:
-            log.warning("snapshot of namespace %r failed, and ingest could not be resumed", namespace, exc_info=True)
-        raise
-    ray.get(coordinator.resume.remote(token), timeout=timeout_s)
     manifest = {
         "created": started,
         "seconds": round(time.time() - started, 3),
@@ -265,6 +274,25 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(target / SNAPSHOT_MANIFEST)
     return manifest
+
+
+def compact(namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Every shard of a running deployment rewrites its store in place into fresh pages and
+    saves its index cache anew (:meth:`MemoryShard.compact`), so the bytes of deleted
+    trajectories that LMDB keeps in free pages and page slack are gone. Ingest pauses
+    meanwhile, as for a snapshot; searches go on (each shard holds them only while it swaps
+    its data file). Returns per shard the data file's bytes before and after, and the totals."""
+    coordinator = find_coordinator(namespace)
+    info = ray.get(coordinator.deployment.remote())
+    started = time.time()
+    with _ingest_paused(coordinator, "compaction", namespace, timeout_s):
+        shards = ray.get([ray.get_actor(n, namespace=namespace).compact.remote() for n in info["shards"]], timeout=timeout_s)
+    return {
+        "seconds": round(time.time() - started, 3),
+        "shards": shards,
+        "bytes_before": sum(s["bytes_before"] for s in shards),
+        "bytes_after": sum(s["bytes_after"] for s in shards),
+    }
 
 
 def restore(snapshot_dir: str | Path, store_dir: str | Path, config: MemoryConfig | None = None, *, shards: int | None = None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import lmdb
 
 from lifemem_ray import codec
+from lifemem_ray.lmdb_rewrite import write_fresh_copy
 
 __all__ = ["RoutingTable"]
 
@@ -90,8 +91,12 @@ class RoutingTable:
         return len(self._cache)
 
     def snapshot(self, target: str | Path) -> None:
-        Path(target).mkdir(parents=True, exist_ok=True)
-        self.env.copy(str(target), compact=True)
+        """A consistent copy of the table in ``target``, written record by record into fresh
+        pages like a shard's (:func:`lifemem_ray.lmdb_rewrite.write_fresh_copy`). The table holds
+        cluster ids, shard numbers and the deployment's settings, never a trajectory's id or
+        text; it is copied the same way so no snapshot file carries stale page bytes."""
+        with self.env.begin() as txn:
+            write_fresh_copy(self.env, txn, target)
 
     def close(self) -> None:
         self.env.close()

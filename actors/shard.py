@@ -199,8 +199,13 @@ class MemoryShard:
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self, directory: str) -> dict[str, Any]:
-        """A consistent copy of this shard's LMDB environment (one read transaction)."""
+        """A consistent copy of this shard's store (one read transaction), written into fresh pages."""
         return {"index": self.index, **self.engine.snapshot(directory)}
+
+    def compact(self) -> dict[str, Any]:
+        """Rewrite this shard's store in place into fresh pages and save its index cache anew
+        (:meth:`lifemem_ray.engine.shard.EngineShard.compact`); the deployment pauses ingest around it."""
+        return {"index": self.index, **self.engine.compact()}
 
     def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
         """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""

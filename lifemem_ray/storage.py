@@ -23,13 +23,20 @@ clusters   cluster id                  cluster record (live or tombstone)
 envs       scope (utf-8)               u32 code (the environment, tenant-qualified likewise)
 log        sequence number             assignment log entry
 todo       cluster id                  pending maintenance flags
+logvid     vid + sequence number       empty: the log entries that name this trajectory's id
 =========  ==========================  ==========================================
+
+The log names a trajectory by vid and id while it is stored; ``logvid`` lets a removal blank
+exactly its own entries' ids (:meth:`MemoryStore.delete_trajectory`) without reading the log.
+A store written before ``logvid`` gets it at its first writable open (meta ``log_by_vid``),
+and entries naming an id no longer stored under that vid are blanked then.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -56,6 +63,7 @@ from .codec import (
 )
 from .errors import StoreError, StoreLockedError
 from .lmdb_check import problem_of_data_file
+from .lmdb_rewrite import COMPACT_STAGING, Rewrite, remove_staging, replace_data_file, write_fresh_copy
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -69,8 +77,11 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-_DBS = ("meta", "traj", "tid", "vec", "brief", "vclu", "members", "clusters", "envs", "log", "todo")
+_DBS = ("meta", "traj", "tid", "vec", "brief", "vclu", "members", "clusters", "envs", "log", "todo", "logvid")
+_LATER_DBS = ("logvid",)  # tables older stores lack until a writable open adds them
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
+LOG_INDEX_CHUNK = 50_000  # log entries per transaction when an older store's log is indexed
 _packb, _unpackb = codec.pack, codec.unpack
 
 ID_SEQ_BITS = 40  # ids are (namespace << 40) | sequence: sequential within a store, apart across shards
@@ -177,29 +188,51 @@ class _Environment:
                 f"{problem}: the store is damaged and cannot be opened; restore the folder from a snapshot "
                 "(`lifemem-ray snapshot`) or a backup (`lifemem-ray export` cannot read a truncated store)"
             )
+        self._sync = sync
+        if not read_only:
+            try:  # what a compaction a crash interrupted left; data.mdb is whole either way
+                remove_staging(self.path)
+            except OSError as exc:  # costs disk, not correctness; the next compaction tries again
+                _log.warning("%s: could not remove the copy an interrupted compaction left: %s", self.path, exc)
         try:
-            existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=max(map_size_mb << 20, existing),
-                max_dbs=len(_DBS) + 2,
-                subdir=True,
-                readonly=read_only,
-                lock=True,
-                sync=sync,
-                metasync=sync,
-                readahead=False,
-                max_readers=512,
-            )
+            self._open_lmdb(map_size_mb << 20)
         except lmdb.Error as exc:
             self._release_writer_lock()
             if "already open in this process" in str(exc):
                 raise StoreError(f"{self.path}: the store is already open in this process; share that Memory instead") from None
             raise StoreError(f"{self.path}: cannot open the LMDB environment: {exc}") from None
-        self.db = {name: self.env.open_db(name.encode(), create=not read_only) for name in _DBS}
         if not 0 <= namespace <= MAX_NAMESPACE:
             raise StoreError(f"namespace: must be within [0, {MAX_NAMESPACE}], got {namespace}")
         self._check_or_init_schema(dim, workflow_dim, embedder, namespace)
+
+    def _open_lmdb(self, map_size: int) -> None:
+        """Open the LMDB environment and its tables (at least ``map_size`` bytes mapped). A
+        read-only open of a store written before a table existed goes without that table
+        (:data:`_LATER_DBS`): only writes use them."""
+        existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=max(map_size, existing),
+            max_dbs=len(_DBS) + 2,
+            subdir=True,
+            readonly=self.read_only,
+            lock=True,
+            sync=self._sync,
+            metasync=self._sync,
+            readahead=False,
+            max_readers=512,
+        )
+        self.db = {}
+        try:
+            for name in _DBS:
+                try:
+                    self.db[name] = self.env.open_db(name.encode(), create=not self.read_only)
+                except lmdb.NotFoundError:
+                    if name not in _LATER_DBS:
+                        raise
+        except BaseException:
+            self.env.close()
+            raise
 
     # -- locking ---------------------------------------------------------------------------
     def _acquire_writer_lock(self) -> None:
@@ -262,6 +295,7 @@ class _Environment:
                     "llm_usage": {},
                     "counters": {},
                     "store_id": uuid.uuid4().hex,
+                    "log_by_vid": True,
                 }.items():
                     txn.put(key.encode(), _packb(value), db=self.db["meta"])
 
@@ -387,9 +421,39 @@ class _Environment:
             "file_size": (self.path / "data.mdb").stat().st_size,
         }
 
-    def copy_to(self, directory: str | os.PathLike[str]) -> None:
-        """A compacted, consistent copy of the store (one read transaction) in ``directory``."""
-        self.env.copy(str(directory), compact=True)
+    def copy_to(self, directory: str | os.PathLike[str]) -> Rewrite:
+        """A consistent copy of the store (one read transaction) written record by record into
+        fresh pages in ``directory`` (:mod:`lifemem_ray.lmdb_rewrite`): it holds none of the
+        bytes of deleted records that this store's free pages and page slack may still hold."""
+        with self.read() as txn:
+            return write_fresh_copy(self.env, txn, directory)
+
+    def compact(self) -> dict[str, int]:
+        """Rewrite the store into fresh pages and swap the copy in for its data file, so the
+        bytes of deleted records that LMDB keeps in free pages and page slack until it reuses
+        them are gone. Writers wait meanwhile; readers only during the swap (the environment is
+        closed and reopened around it). A crash leaves the old file or the new one, whole; the
+        staging folder is removed at the next writable open or compaction. Returns the data
+        file's bytes before and after. StoreLockedError when another process has the store
+        open (nothing is replaced then)."""
+        if self.read_only:
+            raise StoreError(f"{self.path}: opened read-only; open it for writing to compact it")
+        with self._write_lock:
+            remove_staging(self.path)
+            before = (self.path / "data.mdb").stat().st_size
+            with self.read() as txn:
+                copy = write_fresh_copy(self.env, txn, self.path / COMPACT_STAGING)
+            try:
+                with self._gate.resizing():
+                    map_size = self.env.info()["map_size"]
+                    self.env.close()
+                    try:
+                        replace_data_file(self.path, copy.data_file)
+                    finally:
+                        self._open_lmdb(map_size)
+            finally:
+                remove_staging(self.path)
+        return {"bytes_before": before, "bytes_after": copy.bytes, "records": copy.records}
 
     def close(self) -> None:
         if getattr(self, "env", None) is not None:
@@ -406,6 +470,13 @@ class _Environment:
 
 class MemoryStore(_Environment):
     """The tables of one memory (see the module docstring) over its LMDB environment."""
+
+    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        """Open (or create) the store at ``path``; ``options``: :class:`_Environment`'s. A
+        writable open of a store written before the log index gets it first."""
+        super().__init__(path, **options)
+        if not self.read_only and not self.get_meta("log_by_vid", default=False):
+            self._index_log_of_older_store()
 
     # -- environments ----------------------------------------------------------------------
     def env_codes(self, txn: lmdb.Transaction) -> dict[str, int]:
@@ -510,6 +581,7 @@ class MemoryStore(_Environment):
         txn.put(key, codec.encode_brief(brief), db=self.db["brief"])
 
     def delete_trajectory(self, txn: lmdb.Transaction, vid: int, trajectory_id: str) -> None:
+        """Remove trajectory ``vid`` from every table, and its id from the log's entries."""
         key = pack_u64(vid)
         txn.delete(key, db=self.db["traj"])
         txn.delete(trajectory_id.encode("utf-8"), db=self.db["tid"])
@@ -519,6 +591,7 @@ class MemoryStore(_Environment):
         if cid is not None:
             txn.delete(key, db=self.db["vclu"])
             txn.delete(pack_u64(cid) + key, db=self.db["members"])
+        self.forget_logged_id(txn, vid)
 
     def set_cluster_of(self, txn: lmdb.Transaction, vid: int, cluster_id: int, previous: int | None = None) -> None:
         key = pack_u64(vid)
@@ -625,11 +698,84 @@ class MemoryStore(_Environment):
 
     # -- log and maintenance queue ---------------------------------------------------------
     def append_log(self, txn: lmdb.Transaction, entries: list[dict[str, Any]]) -> None:
+        """Append ``entries`` to the assignment log. One that names a trajectory (a ``vid`` and
+        a non-empty ``id``) is indexed under its vid, so the trajectory's removal blanks it
+        (:meth:`forget_logged_id`)."""
         seq = self.get_meta("next_log", txn)
         for entry in entries:
-            txn.put(pack_u64(seq), _packb(entry), db=self.db["log"])
+            key = pack_u64(seq)
+            txn.put(key, _packb(entry), db=self.db["log"])
+            if entry.get("id") and entry.get("vid") is not None:
+                txn.put(pack_u64(entry["vid"]) + key, b"", db=self.db["logvid"])
             seq += 1
         self.put_meta(txn, "next_log", seq)
+
+    def forget_logged_id(self, txn: lmdb.Transaction, vid: int) -> int:
+        """Blank the id in every log entry that names trajectory ``vid`` (at its removal),
+        keeping the entries' numbers and operations, and drop their index rows; returns how
+        many entries. Reads only this trajectory's index rows and entries, never the whole log."""
+        prefix = pack_u64(vid)
+        rows = []
+        cursor = txn.cursor(db=self.db["logvid"])
+        if cursor.set_range(prefix):
+            for key in cursor.iternext(keys=True, values=False):
+                if key[:8] != prefix:
+                    break
+                rows.append(key)
+        for row in rows:
+            txn.delete(row, db=self.db["logvid"])
+            raw = txn.get(row[8:], db=self.db["log"])
+            entry = _unpackb(raw) if raw is not None else {}
+            if entry.get("id"):
+                entry["id"] = ""
+                txn.put(row[8:], _packb(entry), db=self.db["log"])
+        return len(rows)
+
+    def _index_log_of_older_store(self) -> None:
+        """Give a store written before ``logvid`` its index, once, at its first writable open:
+        an entry naming an id still stored under the entry's vid is indexed; any other id in the
+        log (of a trajectory an older version removed, which left it there) is blanked. In
+        transactions of :data:`LOG_INDEX_CHUNK` entries from meta ``log_by_vid_from``, so an
+        open a crash interrupts resumes where it stopped. The generation stays: no view reads
+        the log."""
+        start: int | None = int(self.get_meta("log_by_vid_from", default=0) or 0)
+        totals = [0, 0]
+        while start is not None:
+            at = start
+            start, indexed, blanked = self.write(lambda txn: self._index_log_chunk(txn, at), changed=lambda _: False)
+            totals = [totals[0] + indexed, totals[1] + blanked]
+        _log.info("%s: the assignment log is indexed by trajectory (%d entries indexed, %d ids of removed trajectories blanked)",
+                  self.path, *totals)
+
+    def _index_log_chunk(self, txn: lmdb.Transaction, start: int) -> tuple[int | None, int, int]:
+        """One transaction of :meth:`_index_log_of_older_store`: where the next starts (None:
+        done), entries indexed, ids blanked."""
+        cursor = txn.cursor(db=self.db["log"])
+        seen, next_start, changed = 0, None, []
+        if cursor.set_range(pack_u64(start)):
+            for key, value in cursor:
+                if seen >= LOG_INDEX_CHUNK:
+                    next_start = unpack_u64(key)
+                    break
+                seen += 1
+                entry = _unpackb(value)
+                tid, vid = entry.get("id"), entry.get("vid")
+                if not (isinstance(tid, str) and tid):
+                    continue
+                if vid is not None and self.lookup_id(txn, tid) == vid:
+                    changed.append((pack_u64(vid) + key, b"", "logvid"))
+                else:
+                    entry["id"] = ""
+                    changed.append((key, _packb(entry), "log"))
+        for key, value, table in changed:  # after the cursor is done with the log
+            txn.put(key, value, db=self.db[table])
+        indexed = sum(1 for c in changed if c[2] == "logvid")
+        if next_start is None:
+            self.put_meta(txn, "log_by_vid", True)
+            txn.delete(b"log_by_vid_from", db=self.db["meta"])
+        else:
+            self.put_meta(txn, "log_by_vid_from", next_start)
+        return next_start, indexed, len(changed) - indexed
 
     def redact_log(self, txn: lmdb.Transaction, tenant: str, start: int = 0, limit: int | None = None) -> tuple[int, int | None]:
         """Blank the ``id`` of every log entry naming one of ``tenant``'s id keys (a purged

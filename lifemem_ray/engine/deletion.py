@@ -1,7 +1,9 @@
 """Deletion: remove trajectories by id, and purge everything of a tenant.
 
 A removal is one write transaction: the trajectories' records, id keys, vectors, briefs and
-cluster links go, their clusters' counts, running sums (so R) and profiles are unfolded
+cluster links go, the ids in their assignment-log entries are blanked (found through the
+log's index by trajectory, :meth:`MemoryStore.forget_logged_id`; the removal's own entries
+name no id), their clusters' counts, running sums (so R) and profiles are unfolded
 (:func:`lifemem_ray.clusters.unfold_member`), a cluster left without members is retired
 (stored with count 0, which is not live: a reopened store does not load it), a cluster that
 shrank enough is queued for a new skill in the same transaction (as growth queues one), and
@@ -111,7 +113,8 @@ class Deletion:
             if len(pending) != len(s.pending):
                 s.store.put_meta(txn, "pending", pending)
             if rows:
-                s.store.append_log(txn, [{"vid": r.vid, "id": r.key, "cluster": r.cluster, "op": op, "t": now} for r in rows])
+                # The removal's own entries name no id: the trajectory's earlier ones were blanked with it.
+                s.store.append_log(txn, [{"vid": r.vid, "id": "", "cluster": r.cluster, "op": op, "t": now} for r in rows])
                 s.add_counters(txn, {"removed": len(rows)})
             if finish is not None:
                 finish(txn)

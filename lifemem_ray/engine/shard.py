@@ -137,13 +137,27 @@ class EngineShard:
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self, directory: str) -> dict[str, Any]:
-        """A consistent copy of this store's LMDB environment (one read transaction) in ``directory``."""
+        """A consistent copy of this store (one read transaction) in ``directory``, written record
+        by record into fresh pages (:meth:`MemoryStore.copy_to`): no byte of a trajectory deleted
+        before it is in it. The folder holds the data file only (no index cache)."""
         target = Path(directory)
         if target.exists():
             shutil.rmtree(target)
         target.mkdir(parents=True)
         self._state.store.copy_to(target)
         return {"path": str(target), "bytes": sum(p.stat().st_size for p in target.iterdir())}
+
+    def compact(self) -> dict[str, Any]:
+        """Rewrite this store in place into fresh pages (:meth:`MemoryStore.compact`), then save
+        the index cache anew (the one on disk is from the last close and may hold vectors of
+        trajectories deleted since), so neither keeps bytes of deleted trajectories. The index
+        in memory stays. Returns the data file's bytes before and after."""
+        s = self._state
+        s.check_writable()
+        out = s.store.compact()
+        with s.lock:
+            s.save_index()
+        return {"path": str(s.path), **out}
 
     def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
         """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
