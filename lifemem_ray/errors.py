@@ -25,6 +25,7 @@ __all__ = [
     "EnvUnavailable",
     "EpisodeTimeout",
     "ForbiddenError",
+    "GeneratedTextRefused",
     "IdConflictError",
     "IndexBuildError",
     "IndexSaveError",
@@ -109,6 +110,13 @@ class MaintenanceError(LifeMemError, RuntimeError):
 
 class AnswerError(LifeMemError, ValueError):
     """An LLM answer that is not valid for its request (schema, ids, text checks)."""
+
+
+class GeneratedTextRefused(AnswerError):
+    """A generated skill or description refused by the provenance rule
+    (:mod:`lifemem_ray.provenance`): a token that is not plain prose and occurs in none of the
+    trajectories it was generated from, or an instruction aimed at the operator. The offline
+    text stands in; counted as ``refused_generated``."""
 
 
 class UsageError(LifeMemError, RuntimeError):

@@ -4,9 +4,11 @@
 timeout, retries with backoff on transient errors, JSON extraction and per-op
 usage counters. :class:`LLMDecider` implements :class:`~lifemem_ray.decisions.Decider`
 on top of it and validates every answer against what was asked: an answer may
-only name the item keys and cluster ids that the prompt offered. Anything else
-becomes ``None`` (the engine then falls back to the offline policy), never an
-exception and never a stored error string.
+only name the item keys and cluster ids that the prompt offered, and a text it
+writes for the memory to store (a description, a skill) must pass the provenance
+rule of :mod:`lifemem_ray.provenance` (counted as ``refused_generated`` when it
+does not). Anything else becomes ``None`` (the engine then falls back to the
+offline policy), never an exception and never a stored error string.
 
 The engine calls synchronously, possibly from inside a running event loop (Ray
 async actors), so coroutines run on a private event-loop thread owned by the
@@ -31,11 +33,11 @@ from urllib.parse import urlparse
 
 import openai
 
-from . import metrics
+from . import lexicon, metrics
 from .config import LLMConfig
 from .decisions import Assignment, AssignRequest, ClusterView, Groups
 from .model import Trajectory
-from .errors import AnswerError, UsageError
+from .errors import AnswerError, GeneratedTextRefused, UsageError
 from .prompts import (
     DESCRIPTION_MAX_CHARS,
     GROUP_LABEL_MAX_CHARS,
@@ -49,13 +51,17 @@ from .prompts import (
     partition_prompt,
     split_prompt,
 )
+from .provenance import Provenance, from_trajectories, refusal
 
 __all__ = [
     "AnswerError",
     "LLMClient",
     "LLMDecider",
+    "clean_text",
     "extract_json",
+    "merge_usage",
     "schema_errors",
+    "usage_refusals",
     "usage_totals",
 ]
 
@@ -216,32 +222,17 @@ _REFUSAL = re.compile(  # an error report or refusal when it opens the text
     re.IGNORECASE,
 )
 _PLACEHOLDER = re.compile(r"^\W*<[^<>]*>\W*$")
-# A link, with or without its scheme: "https://x", "www.x", "evil.example.com/x.sh", "host.io",
-# an IP address. Dotted names ending in a file extension common in trajectories
-# ("report.pdf", "main.py") are not hosts and pass.
-_URL = re.compile(
-    r"([a-z][a-z0-9+.-]*://|www\.)\S+"
-    r"|\b(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+(?:com|net|org|io|sh|ru|cn|xyz|info|biz|dev|app|co|me|ly|gg|tk|top|site|online|"
-    r"link|click|zip|onion|us|uk|de|fr|tv|cc|ws|su|pw)\b(?:[/:]\S*)?"
-    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b",
-    re.IGNORECASE,
-)
-# Commands a reader could run: generated text is advice about a workflow, never a script.
-_SHELL = re.compile(
-    r"\b(curl|wget|sudo|chmod|chown|bash\s+-c|sh\s+-c|powershell|nc\s+-[a-z]*e|netcat|base64\s+-d|python3?\s+-c)\b"
-    r"|\|\s*(ba|z|k|c)?sh\b|\brm\s+-[a-z]*[rf]|\$\(|`[^`]*`|\beval\s*\(|\bexec\s*\(|/bin/|/etc/(passwd|shadow)\b|\bcrontab\b",
-    re.IGNORECASE,
-)
-# Instructions aimed at whoever operates the agent rather than at the task: leaking secrets,
-# overriding instructions.
-_OPERATOR = re.compile(
-    r"\b(send|share|reveal|email|e-mail|post|upload|forward|leak|disclose|give|paste|exfiltrat\w*)\b[^.\n]{0,60}?"
-    r"\b(passwords?|passwd|credentials?|api[ _-]?keys?|secrets?|tokens?|private keys?|ssh keys?|cookies?|session ids?)\b"
-    r"|\b(ignore|disregard|forget|override)\b[^.\n]{0,30}?\b(previous|prior|above|earlier|all|your|system)\b[^.\n]{0,20}?"
-    r"\b(instructions?|rules?|prompts?|guidelines?)\b"
-    r"|\b(system|developer) prompt\b|\bjailbreak\b",
-    re.IGNORECASE,
-)
+
+
+class _Refusal(str):
+    """A problem that is a refused generated text (:class:`GeneratedTextRefused`): counted
+    apart from other invalid answers, as ``refused_generated``."""
+
+
+def _problem(exc: AnswerError, prefix: str = "") -> str:
+    """An answer checker's problem for ``exc``, marked when it is a refusal."""
+    text = prefix + str(exc)
+    return _Refusal(text) if isinstance(exc, GeneratedTextRefused) else text
 
 
 def clean_text(
@@ -252,15 +243,16 @@ def clean_text(
     one_line: bool = True,
     min_chars: int = 8,
     forbidden: Sequence[str] = (),
-    allow_urls: bool = True,
-    generated: bool = False,
+    provenance: Provenance | None = None,
 ) -> str:
     """A model-written text, trimmed; :class:`AnswerError` when it is empty, too long,
     an error message or refusal, a placeholder, or names something forbidden.
 
-    ``generated``: text the memory will store and serve to other agents (skills,
-    descriptions): it must also hold no link, no shell command and no instruction aimed at
-    the reader's operator (:func:`generated_text_problem`)."""
+    ``provenance``: the text is generated text the memory will store and serve to other
+    agents (skills, descriptions), and these are the trajectories it was generated from:
+    every token of it that is not plain English prose must occur in them, and it may hold
+    no instruction aimed at the operator (:func:`lifemem_ray.provenance.refusal`); else
+    :class:`GeneratedTextRefused`."""
     if not isinstance(value, str):
         raise AnswerError(f"{what}: expected a string, got {type(value).__name__}")
     if one_line:
@@ -275,27 +267,13 @@ def clean_text(
     # Per line: a copied answer-format template ("- <rule>\n- <rule>\n- <rule>") is a placeholder too.
     if _ERROR_TEXT.search(text) or _REFUSAL.search(text) or any(_PLACEHOLDER.match(line) for line in text.split("\n")):
         raise AnswerError(f"{what}: looks like an error message, refusal or placeholder: {_snippet(text, 80)}")
-    if not allow_urls and _URL.search(text):
-        raise AnswerError(f"{what}: contains a URL")
-    problem = generated_text_problem(text) if generated else None
-    if problem:
-        raise AnswerError(f"{what}: {problem}: {_snippet(text, 80)}")
+    reason = refusal(text, provenance) if provenance is not None else None
+    if reason:
+        raise GeneratedTextRefused(f"{what}: {reason}")
     for word in forbidden:
         if re.search(r"(?<![A-Za-z0-9])" + re.escape(word) + r"(?![A-Za-z0-9])", text, re.IGNORECASE):
             raise AnswerError(f"{what}: mentions the environment-specific name {word!r}")
     return text
-
-
-def generated_text_problem(text: str) -> str | None:
-    """Why a generated text (a skill, a description) must not be stored and served, or None:
-    a link (with or without a scheme, or an IP address), a shell command, or an instruction
-    aimed at the operator (sending secrets, overriding instructions)."""
-    for pattern, why in ((_URL, "contains a link"), (_SHELL, "contains a shell command"),
-                         (_OPERATOR, "contains an instruction aimed at the operator")):
-        found = pattern.search(text)
-        if found:
-            return f"{why} ({found.group(0)[:40]!r})"
-    return None
 
 
 # --------------------------------------------------------------------------- answers: per operation
@@ -304,19 +282,20 @@ def generated_text_problem(text: str) -> str | None:
 def check_assign(
     data: dict[str, Any], requests: Sequence[AssignRequest], schema: dict[str, Any]
 ) -> Checked[dict[int, Assignment | None]]:
-    """Per-item validation: a bad item costs only that item, the others are kept."""
+    """Per-item validation: a bad item costs only that item, the others are kept. A new
+    cluster's description must draw on that item's own trajectory (its provenance)."""
     top = schema_errors(data, {"type": "object", "required": ["assignments"],
                                "properties": {"assignments": {"type": "array"}}})
     if top:
         return None, top
     item_schema = schema["properties"]["assignments"]["items"]
-    allowed = {r.key: {c.cluster.id for c in r.candidates} for r in requests}
+    by_key = {r.key: r for r in requests}
     result: dict[int, Assignment | None] = {r.key: None for r in requests}
     problems: list[str] = []
     seen: dict[int, int] = {}
     for i, entry in enumerate(data["assignments"]):
         key = entry.get("item") if isinstance(entry, dict) else None
-        if not (isinstance(key, int) and not isinstance(key, bool) and key in allowed):
+        if not (isinstance(key, int) and not isinstance(key, bool) and key in by_key):
             problems.append(f"$.assignments[{i}]: item {key!r} was not asked")
             continue
         seen[key] = seen.get(key, 0) + 1
@@ -328,13 +307,13 @@ def check_assign(
             problems += errors
             continue
         try:
-            result[key] = _one_assignment(entry, allowed[key])
+            result[key] = _one_assignment(entry, by_key[key])
         except AnswerError as exc:
-            problems.append(f"item {key}: {exc}")
+            problems.append(_problem(exc, f"item {key}: "))
     for key, count in seen.items():
         if count > 1:
             result[key] = None
-    missing = [k for k in allowed if k not in seen]
+    missing = [k for k in by_key if k not in seen]
     if missing:
         problems.append(f"items {missing}: not answered")
     if all(v is None for v in result.values()):
@@ -342,7 +321,8 @@ def check_assign(
     return result, problems
 
 
-def _one_assignment(entry: dict[str, Any], allowed: set[int]) -> Assignment:
+def _one_assignment(entry: dict[str, Any], request: AssignRequest) -> Assignment:
+    allowed = {c.cluster.id for c in request.candidates}
     if entry["decision"] == "join":
         cluster_id = entry.get("cluster_id")
         if cluster_id is None:
@@ -354,16 +334,18 @@ def _one_assignment(entry: dict[str, Any], allowed: set[int]) -> Assignment:
     label = clean_text(label, "new_group", GROUP_LABEL_MAX_CHARS, min_chars=1) if label is not None else None
     description = entry.get("description")
     if description is not None:
-        description = clean_text(description, "description", DESCRIPTION_MAX_CHARS, allow_urls=False, generated=True)
+        source = from_trajectories([request.trajectory], "the item's trajectory")
+        description = clean_text(description, "description", DESCRIPTION_MAX_CHARS, provenance=source)
     return Assignment(cluster_id=None, new_group=label, description=description)
 
 
-def check_groups(data: dict[str, Any], n: int, schema: dict[str, Any]) -> Checked[tuple[list[int], list[str]]]:
-    """Groups must cover keys 0..n-1 exactly once; labels are the groups' answer order."""
+def check_groups(data: dict[str, Any], members: Sequence[Trajectory], schema: dict[str, Any]) -> Checked[tuple[list[int], list[str]]]:
+    """Groups must cover keys 0..n-1 (``members``' positions) exactly once; labels are the
+    groups' answer order. A group's description must draw on that group's own members."""
     errors = schema_errors(data, schema)
     if errors:
         return None, errors
-    labels: list[int | None] = [None] * n
+    labels: list[int | None] = [None] * len(members)
     descriptions: list[str] = []
     try:
         for g, group in enumerate(data["groups"]):
@@ -371,36 +353,45 @@ def check_groups(data: dict[str, Any], n: int, schema: dict[str, Any]) -> Checke
                 if labels[key] is not None:
                     raise AnswerError(f"trajectory key {key} is in more than one group")
                 labels[key] = g
+            mine = [members[key] for key in group["items"]]
+            source = from_trajectories(mine, f"group {g}'s {_count(len(mine), 'member trajectory', 'member trajectories')}")
             descriptions.append(clean_text(group["description"], f"groups[{g}].description", DESCRIPTION_MAX_CHARS,
-                                           allow_urls=False, generated=True))
+                                           provenance=source))
     except AnswerError as exc:
-        return None, [str(exc)]
+        return None, [_problem(exc)]
     missing = [k for k, label in enumerate(labels) if label is None]
     if missing:
         return None, [f"trajectory keys {missing} are in no group"]
     return ([int(label) for label in labels], descriptions), []  # type: ignore[arg-type]
 
 
-def check_description(data: dict[str, Any], schema: dict[str, Any]) -> Checked[str]:
+def check_description(data: dict[str, Any], schema: dict[str, Any], source: Provenance) -> Checked[str]:
+    """A cluster description drawing on ``source`` (the example trajectories it was asked about)."""
     errors = schema_errors(data, schema)
     if errors:
         return None, errors
     try:
-        return clean_text(data["description"], "description", DESCRIPTION_MAX_CHARS, allow_urls=False, generated=True), []
+        return clean_text(data["description"], "description", DESCRIPTION_MAX_CHARS, provenance=source), []
     except AnswerError as exc:
-        return None, [str(exc)]
+        return None, [_problem(exc)]
 
 
-def check_skill(data: dict[str, Any], schema: dict[str, Any], forbidden: Sequence[str]) -> Checked[str]:
+def check_skill(data: dict[str, Any], schema: dict[str, Any], forbidden: Sequence[str], source: Provenance) -> Checked[str]:
+    """A skill drawing on ``source`` (the member trajectories it was distilled from), naming
+    none of ``forbidden`` (environment names, ids)."""
     errors = schema_errors(data, schema)
     if errors:
         return None, errors
     try:
         text = clean_text(data["skill"], "skill", SKILL_MAX_CHARS, one_line=False, min_chars=20,
-                          forbidden=forbidden, allow_urls=False, generated=True)
+                          forbidden=forbidden, provenance=source)
     except AnswerError as exc:
-        return None, [str(exc)]
+        return None, [_problem(exc)]
     return text, []
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 # --------------------------------------------------------------------------- transport
@@ -412,6 +403,23 @@ def usage_totals(usage: dict[str, dict[str, Any]]) -> tuple[int, int]:
     calls = sum(int(v.get("calls", 0)) for v in usage.values())
     tokens = sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values())
     return calls, tokens
+
+
+def merge_usage(*tables: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per-operation usage tables (a deployment's shards' and coordinator's) added up."""
+    out: dict[str, dict[str, float]] = {}
+    for table in tables:
+        for op, values in table.items():
+            slot = out.setdefault(op, {})
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    slot[key] = slot.get(key, 0) + value
+    return out
+
+
+def usage_refusals(usage: dict[str, dict[str, Any]]) -> int:
+    """Generated texts refused by the provenance rule, over every operation of a usage table."""
+    return sum(int(v.get("refused_generated", 0)) for v in usage.values())
 
 
 class _LoopThread:
@@ -455,6 +463,7 @@ class _OpStats:
     adjusted: int = 0  # extra attempts after dropping a parameter the server rejected
     failures: int = 0  # calls that yielded no valid answer at all
     invalid: int = 0  # answers received that were not entirely valid
+    refused_generated: int = 0  # generated texts refused by the provenance rule (their answers count as invalid too)
     items: int = 0  # assign: items asked
     items_invalid: int = 0  # assign: items left without a valid answer
     prompt_tokens: int = 0
@@ -573,6 +582,10 @@ class LLMClient:
         if problems:
             self._count(op, invalid=1)
             log.warning("LLM %s (%s): invalid answer: %s; answer: %s", op, model, "; ".join(problems[:5]), _snippet(content))
+        refused = sum(isinstance(p, _Refusal) for p in problems)
+        if refused:
+            self._count(op, refused_generated=refused)
+            metrics.count_llm_refusals(op, refused)
         if value is None:
             self._failed(op)
         return value
@@ -717,8 +730,8 @@ class LLMClient:
         self._count(op, **increments)
 
     def usage(self) -> dict[str, dict[str, float]]:
-        """Per operation: calls, retries, adjusted, failures, invalid, items, items_invalid,
-        prompt_tokens, completion_tokens, tokens_estimated, latency_s."""
+        """Per operation: calls, retries, adjusted, failures, invalid, refused_generated, items,
+        items_invalid, prompt_tokens, completion_tokens, tokens_estimated, latency_s."""
         with self._stats_lock:
             return {op: dataclasses.asdict(stats) for op, stats in self._stats.items()}
 
@@ -799,6 +812,7 @@ class LLMDecider:
         self.config = config
         self.client = client or LLMClient(config, **client_options)
         self.prompt_char_budget = prompt_char_budget
+        lexicon.size()  # load the provenance rule's lexicon now: a missing package fails here, not mid-ingest
 
     @property
     def model(self) -> str:
@@ -859,26 +873,31 @@ class LLMDecider:
         if not trajectories:
             return [], []
         prompt = partition_prompt(trajectories, self.config.max_item_chars, self.prompt_char_budget)
-        n = len(trajectories)
-        return self.client.request(prompt, self.strong_model, lambda data: check_groups(data, n, prompt.schema))
+        return self.client.request(prompt, self.strong_model, lambda data: check_groups(data, trajectories, prompt.schema))
 
     def split(self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int) -> Groups | None:
         """Child labels per member (0.. in answer order, at least 2 groups) and their descriptions."""
         prompt = split_prompt(cluster, members, max_parts, self.config.max_item_chars, self.prompt_char_budget)
-        n = len(members)
-        return self.client.request(prompt, self.strong_model, lambda data: check_groups(data, n, prompt.schema))
+        return self.client.request(prompt, self.strong_model, lambda data: check_groups(data, members, prompt.schema))
 
     # -- describe / distil -------------------------------------------------------------
 
     def describe(self, cluster: ClusterView) -> str | None:
+        """One sentence for the cluster, drawing on its example trajectories only (the
+        description shown beside them is generated text, not evidence)."""
         prompt = describe_prompt(cluster, self.config.max_item_chars, self.prompt_char_budget)
-        return self.client.request(prompt, self.model, lambda data: check_description(data, prompt.schema))
+        source = from_trajectories(
+            cluster.examples, f"the cluster's {_count(len(cluster.examples), 'example trajectory', 'example trajectories')}")
+        return self.client.request(prompt, self.model, lambda data: check_description(data, prompt.schema, source))
 
     def distil(self, cluster: ClusterView, members: Sequence[Trajectory]) -> str | None:
+        """A skill for the cluster, drawing on ``members`` (the sample it is distilled from)."""
         prompt = distil_prompt(cluster, members, self.config.max_item_chars, self.prompt_char_budget)
         forbidden = sorted({e for e in [t.env for t in members] + list(cluster.envs) if len(e) >= 4}
                            | {t.id for t in members if len(t.id) >= 6})
-        return self.client.request(prompt, self.strong_model, lambda data: check_skill(data, prompt.schema, forbidden))
+        source = from_trajectories(
+            members, f"the cluster's {_count(len(members), 'member trajectory', 'member trajectories')}")
+        return self.client.request(prompt, self.strong_model, lambda data: check_skill(data, prompt.schema, forbidden, source))
 
     # -- bookkeeping -------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ __all__ = [
     "count_http",
     "count_llm_call",
     "count_llm_fallbacks",
+    "count_llm_refusals",
     "count_llm_tokens",
     "enabled",
     "exported_name",
@@ -174,6 +175,10 @@ CATALOGUE: dict[str, MetricSpec] = {
         MetricSpec("lifemem_llm_fallbacks_total", "counter",
                    "Decisions the offline policy made because the LLM's answer failed or was refused: items for "
                    "assign, one per call for partition, split, describe and distil", (Tag("operation", MEMORY_OPERATIONS),)),
+        MetricSpec("lifemem_llm_refusals_total", "counter",
+                   "Generated texts (cluster descriptions, skills) refused by the provenance rule: a token that is not "
+                   "plain prose and occurs in none of the trajectories the text was generated from, or an instruction "
+                   "aimed at the operator (the offline text stands in)", (Tag("operation", MEMORY_OPERATIONS),)),
         MetricSpec("lifemem_shard_trajectories", "gauge", "Trajectories stored on a shard", (_DEPLOYMENT, _SHARD)),
         MetricSpec("lifemem_shard_clusters", "gauge", "Live clusters on a shard", (_DEPLOYMENT, _SHARD)),
     )
@@ -319,6 +324,11 @@ def count_llm_tokens(operation: str, prompt: int, completion: int) -> None:
 def count_llm_fallbacks(operation: str, n: int = 1) -> None:
     """``n`` decisions of ``operation`` the offline policy made in place of a failed or refused LLM answer."""
     _record("lifemem_llm_fallbacks_total", n, operation)
+
+
+def count_llm_refusals(operation: str, n: int = 1) -> None:
+    """``n`` generated texts of ``operation`` refused by the provenance rule (:mod:`lifemem_ray.provenance`)."""
+    _record("lifemem_llm_refusals_total", n, operation)
 
 
 def set_shard_sizes(deployment: str, shard: int, trajectories: int, clusters: int) -> None:

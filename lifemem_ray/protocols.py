@@ -36,7 +36,7 @@ class MemoryStats(TypedDict, total=False):
     splits: int
     mixed_env_clusters: int
     per_env: dict[str, dict[str, int]]  # env -> {"trajectories": n, "clusters": n}
-    llm: dict[str, Any]  # calls, tokens, fallbacks (and backend where one applies)
+    llm: dict[str, Any]  # calls, tokens, fallbacks, refused_generated, by_operation (and backend where one applies)
     tenant: str  # in a tenant's view only
 
 

@@ -208,6 +208,9 @@ def _store_figures(s: EngineState, counters: dict[str, Any], usage: dict[str, An
             "calls": sum(int(v.get("calls", 0)) for v in usage.values()),
             "tokens": sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values()),
             "fallbacks": int(counters.get("llm_fallbacks", 0)),
+            # Generated descriptions and skills refused by the provenance rule (lifemem_ray.provenance),
+            # apart from other invalid answers; per operation in by_operation.
+            "refused_generated": sum(int(v.get("refused_generated", 0)) for v in usage.values()),
             "decided_offline": int(counters.get("llm_skipped", 0)),
             "by_operation": usage,
         },
