@@ -15,7 +15,7 @@ route                                        scope        answer
 ``GET /v1/clusters[?env=E]``                 read         the tenant's clusters
 ``DELETE /v1/trajectories/{id}``             write        404 when the tenant has no such id
 ``DELETE /v1/tenants/{tenant}``              admin        every trajectory of the tenant removed
-``GET /v1/operations/{id}``                  read         pending / done / failed with the items
+``GET /v1/operations/{id}``                  read, write  pending / done / failed (write alone: its own adds)
 ``GET /healthz``                             none         whether coordinator and shards answer
 ``/mcp``                                     read/write   the MCP server (Streamable HTTP), same keys
 ==========================================  ===========  ==============================================
@@ -27,6 +27,7 @@ error answer is ``{"error": {"type", "message", "where", "what_to_do"}}``
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -45,10 +46,11 @@ from starlette.routing import Match, Route
 from lifemem_ray import api_models as m
 from lifemem_ray import metrics
 from lifemem_ray.auth import KeyRing, check_bind
-from lifemem_ray.config import MemoryConfig
+from lifemem_ray.config import HttpConfig, MemoryConfig
 from lifemem_ray.errors import ConfigError, LifeMemError
 from lifemem_ray.principal import Principal, acting_as, current
 
+from .admission import BodyPace, TenantShare
 from .http_errors import error_detail, validation_detail
 from .http_service import ApiError, FrontService, ServiceMemory, unavailable_errors
 from .operations import OPERATIONS_ACTOR, operations_actor
@@ -74,15 +76,36 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than {limit:,} bytes (http.max_body_bytes)")
 
 
+class BodyTooSlow(HTTPException):
+    """A request body that missed its deadline (408; :class:`~lifemem_ray.actors.admission.BodyPace`).
+    The connection is closed after the answer: the rest of the body is never read."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(408, why, headers={"Connection": "close"})
+
+
+class TenantBusy(HTTPException):
+    """A tenant already at its share of this replica's request slots (429, before the body is read)."""
+
+    def __init__(self, tenant: str, cap: int, retry_after_s: int) -> None:
+        super().__init__(429, f"tenant {tenant!r} already has {cap} requests in flight on this replica "
+                              "(http.max_ongoing_per_tenant)",
+                         headers={"Retry-After": str(retry_after_s), "Connection": "close"})
+
+
 class FrontDoor:
     """ASGI middleware around every request: the body limit (Content-Length and the bytes
-    actually streamed), authentication of every route but :data:`PUBLIC_PATHS` (before the
-    route reads the body), and the metrics (answers by route
-    template, method and status; latency of adds and retrievals)."""
+    actually streamed) and its pace (:class:`BodyTooSlow`), authentication of every route but
+    :data:`PUBLIC_PATHS` (before the route reads the body), the tenant's share of the request
+    slots (:class:`TenantBusy`), and the metrics (answers by route template, method and status;
+    latency of adds and retrievals)."""
 
-    def __init__(self, app: Any, keyring: KeyRing, max_body: int, retry_after_s: int, routes: list[Any]) -> None:
-        self.app, self.keyring, self.max_body, self.retry_after_s = app, keyring, max_body, retry_after_s
+    def __init__(self, app: Any, keyring: KeyRing, http: HttpConfig, routes: list[Any]) -> None:
+        self.app, self.keyring, self.http = app, keyring, http
+        self.max_body, self.retry_after_s = http.max_body_bytes, http.retry_after_s
         self.routes = routes  # the application's routes (the live list: the /mcp route joins it)
+        # Keyed front doors only: without keys every request is one principal, with no other to protect.
+        self.share = TenantShare(http.max_ongoing_per_tenant) if keyring.mode == "keys" else None
 
     def _needs_key(self, scope: dict) -> bool:
         if scope.get("path", "") in PUBLIC_PATHS:
@@ -93,16 +116,18 @@ class FrontDoor:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, status = time.perf_counter(), [0]
+        started, status, cut = time.perf_counter(), [0], [False]
 
         async def sending(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if cut[0]:  # whatever answered a cut body, the connection closes after it (the rest is never read)
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         try:
-            await self._serve(scope, receive, sending)
-        except Exception as exc:  # an error before any route ran (401 of /mcp, 413) in the one shape
+            await self._serve(scope, self._paced(receive, cut), sending)
+        except Exception as exc:  # an error before any route ran (401 of /mcp, 413, 408, 429) in the one shape
             if status[0]:
                 raise
             await self._answer(exc, sending)
@@ -130,8 +155,39 @@ class FrontDoor:
         header = dict(scope.get("headers") or []).get(b"authorization")
         principal = self.keyring.authenticate(header.decode("latin-1") if header else None)
         scope.setdefault("state", {})["principal"] = principal  # the routes' `principal` dependency
-        with acting_as(principal):  # the MCP tools read it from here
-            await self.app(scope, receiving, send)
+        if self.share is not None and not self.share.try_enter(principal.tenant):
+            raise TenantBusy(principal.tenant, self.share.cap, self.retry_after_s)
+        try:
+            with acting_as(principal):  # the MCP tools read it from here
+                await self.app(scope, receiving, send)
+        finally:
+            if self.share is not None:
+                self.share.leave(principal.tenant)
+
+    def _paced(self, receive: Callable[[], Awaitable[dict]], cut: list[bool]) -> Callable[[], Awaitable[dict]]:
+        """``receive`` with the body's deadlines (:class:`BodyPace`): :class:`BodyTooSlow`, and
+        ``cut[0]`` set, when the next bytes are late. Once the body is whole, calls pass through
+        (a route may wait for the client's disconnect)."""
+        http = self.http
+        pace = BodyPace(http.body_timeout_s, http.body_grace_s, http.body_min_rate_bytes_s, time.monotonic())
+        whole = [False]
+
+        async def receiving() -> dict:
+            if whole[0]:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, pace.deadline() - time.monotonic()))
+            except asyncio.TimeoutError:
+                cut[0] = True
+                raise BodyTooSlow(pace.why_late(time.monotonic())) from None
+            if message["type"] == "http.request":
+                pace.received(len(message.get("body", b"")))
+                whole[0] = not message.get("more_body", False)
+            else:
+                whole[0] = True  # http.disconnect: nothing more will come
+            return message
+
+        return receiving
 
     async def _answer(self, exc: BaseException, send: Callable[[dict], Awaitable[None]]) -> None:
         code, detail, headers = error_detail(exc, self.retry_after_s)
@@ -175,7 +231,7 @@ def build_app(service: FrontService, keyring: KeyRing) -> FastAPI:
     _error_handlers(app, http.retry_after_s)
     _write_routes(app, service, principal)
     _read_routes(app, service, principal)
-    app.add_middleware(FrontDoor, keyring=keyring, max_body=http.max_body_bytes, retry_after_s=http.retry_after_s, routes=app.router.routes)
+    app.add_middleware(FrontDoor, keyring=keyring, http=http, routes=app.router.routes)
     # The exact path (a Mount would redirect /mcp to /mcp/); FrontDoor authenticates it.
     app.router.routes.append(Route(MCP_PATH, endpoint=mcp.asgi, methods=["GET", "POST", "DELETE"]))
     if keyring.mode == "none":  # no keys, so no browser page may reach it under another host name (DNS rebinding)

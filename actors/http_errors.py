@@ -10,6 +10,8 @@ AuthError                                           401    unauthorized (+ WWW-A
 ForbiddenError                                      403    forbidden
 IdConflictError                                     409    conflict
 body over http.max_body_bytes                       413    too_large
+body late (http.body_timeout_s, body_min_rate)      408    timeout (+ Connection: close)
+tenant at http.max_ongoing_per_tenant               429    too_many_requests (+ Retry-After, Connection: close)
 overload, a shard / the coordinator unavailable     503    unavailable (+ Retry-After)
 anything else                                       500    internal
 =================================================  ======  ====================
@@ -28,7 +30,8 @@ __all__ = ["error_detail", "validation_detail"]
 
 log = logging.getLogger(__name__)
 
-_HTTP_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}
+_HTTP_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
+               415: "unsupported_media_type", 429: "too_many_requests"}
 
 
 def _detail(type_: str, message: str, where: str | None, what_to_do: str) -> dict[str, Any]:
@@ -72,6 +75,10 @@ def _what_for(status: int) -> str:
         return "check the method; GET /openapi.json lists the routes"
     if status == 413:
         return "send a smaller body (http.max_body_bytes): split the batch"
+    if status == 408:
+        return "send the whole body at once, faster (http.body_timeout_s, http.body_min_rate_bytes_s), on a new connection"
+    if status == 429:
+        return "wait for the tenant's other requests to finish (Retry-After), or send fewer at once"
     return "check the request against GET /openapi.json"
 
 

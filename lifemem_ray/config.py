@@ -278,6 +278,16 @@ class HttpConfig:
     replicas: int = 1  # Serve replicas of the ingress (any replica answers any request)
     replica_cpus: float = 0.1  # CPU reserved per replica
     max_ongoing_requests: int = 32  # per replica; Serve queues the rest
+    # Fair share: at most this many requests of one tenant in flight per replica (keyed front
+    # doors); the next answers 429 with Retry-After at once, before its body is read, so one
+    # client, however many connections it opens, leaves the other slots to other tenants.
+    max_ongoing_per_tenant: int = 16
+    # A request body must arrive whole within body_timeout_s, and after body_grace_s at an
+    # average of at least body_min_rate_bytes_s (0: no rate floor); else 408 and the connection
+    # is closed. A client trickling bytes cannot hold a request slot.
+    body_timeout_s: float = 60.0
+    body_grace_s: float = 5.0
+    body_min_rate_bytes_s: int = 1_024
     max_body_bytes: int = 16 * 1024 * 1024  # a larger request body is refused (413)
     max_batch_items: int = 1_000  # trajectories per POST /v1/trajectories
     max_queries: int = 256  # tasks per POST /v1/retrieve
@@ -296,6 +306,9 @@ class HttpConfig:
         _choice(self, "auth", ("keys", "none"))
         if not self.host.strip():
             raise ConfigError("http.host: must not be empty")
+        if self.max_ongoing_per_tenant > self.max_ongoing_requests:
+            raise ConfigError(f"http.max_ongoing_per_tenant: {self.max_ongoing_per_tenant} is above http.max_ongoing_requests "
+                              f"({self.max_ongoing_requests}): one tenant could take every request slot of a replica; lower it")
         from .auth import parse_key_entries  # the key format is auth's (imported late: auth imports this module)
 
         parse_key_entries(self.api_keys, "http.api_keys")
@@ -376,6 +389,10 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "http.replicas": (1, 64),
     "http.replica_cpus": (0.0, 64.0),
     "http.max_ongoing_requests": (1, 10_000),
+    "http.max_ongoing_per_tenant": (1, 10_000),
+    "http.body_timeout_s": (0.1, 86_400.0),
+    "http.body_grace_s": (0.0, 3_600.0),
+    "http.body_min_rate_bytes_s": (0, 1_073_741_824),
     "http.max_body_bytes": (1_024, 1_073_741_824),
     "http.max_batch_items": (1, 100_000),
     "http.max_queries": (1, 100_000),

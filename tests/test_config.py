@@ -85,10 +85,20 @@ def test_every_number_in_the_config_has_a_hard_bound():
         linked = {"cluster.search_chunk": 65_536, "cluster.retrieve_chunk": 65_536} if "chunk" in dotted else {}  # one a multiple of the other
         if dotted in ("http.add_timeout_s", "cluster.add_resends"):  # an add answered 202 must outlive its attempts
             linked = {"http.operations_ttl_s": BOUNDS["http.operations_ttl_s"][1]}
+        if dotted == "http.max_ongoing_per_tenant":  # a tenant's share is at most every slot
+            linked = {"http.max_ongoing_requests": BOUNDS["http.max_ongoing_requests"][1]}
         MemoryConfig().replace({dotted: kind(high), **linked})  # the bounds themselves are accepted
         for bad in ([high + 1] if kind is int else [high * 2 + 1, float("inf"), float("nan")]):
             with pytest.raises(ConfigError, match=dotted.replace(".", r"\.")):
                 MemoryConfig().replace({dotted: bad})
+
+
+def test_a_tenants_share_cannot_exceed_the_replicas_slots():
+    from lifemem_ray.config import MemoryConfig
+
+    with pytest.raises(ConfigError, match=r"http\.max_ongoing_per_tenant: 33 is above http\.max_ongoing_requests \(32\)"):
+        MemoryConfig().replace({"http.max_ongoing_per_tenant": 33})
+    assert MemoryConfig().replace({"http.max_ongoing_per_tenant": 32}).http.max_ongoing_per_tenant == 32
 
 
 def test_range_and_encoding_errors_name_the_file(tmp_path):

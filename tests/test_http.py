@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import SMALL_ACTORS
+from front_harness import Front, free_port, serve_front
 from lifemem_ray.auth import KeyRing, new_key
 from lifemem_ray.config import MemoryConfig
 from lifemem_ray.errors import ConfigError
@@ -27,63 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_BODY = 64 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Front:
-    """The running front door: its URL, a key per role, and the deployment's client."""
-
-    def __init__(self, url: str, keys: dict[str, str], client: Any, namespace: str) -> None:
-        self.url, self.keys, self.client, self.namespace = url, keys, client, namespace
-
-    def http(self, role: str | None = None) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.keys[role]}"} if role else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def front(ray_local, tmp_path_factory) -> Iterator[Front]:
     """Serve (two replicas) on a free loopback port, once for the module, shut down at the end."""
-    from ray import serve
-
-    from lifemem_ray.actors import deployment as dep
-    from lifemem_ray.actors.client import MemoryClient
-    from lifemem_ray.actors.http_app import start_http, stop_http
-
     namespace = f"http-{tmp_path_factory.getbasetemp().name[-12:]}"
-    config = MemoryConfig().replace({
-        "cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS,
-        "cluster.max_pending": 200, "cluster.overload_timeout_s": 1.0,
-        "http.max_body_bytes": MAX_BODY, "http.max_batch_items": 50, "http.max_queries": 8, "http.retry_after_s": 3,
-        "http.replicas": 2,  # operations are polled through either replica
-    })
-    dep.deploy(tmp_path_factory.mktemp("http") / "store", config, shards=2)
-    keys, entries = {}, []
-    for role, tenant, scopes in (("acme", "acme", "read,write"), ("acme_ro", "acme", "read"), ("globex", "globex", "read,write"),
-                                 ("admin", "ops", "read,write,admin")):
-        keys[role], entry = new_key(tenant, scopes, name=role.replace("_", "-"))
-        entries.append(entry)
-    port = _free_port()
-    info = start_http(namespace, config, KeyRing.from_entries(entries), host="127.0.0.1", port=port)
-    url = info["url"]
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the front door did not answer /healthz within 240 s"
-            time.sleep(0.5)
-        yield Front(url, keys, MemoryClient(namespace, config), namespace)
-    finally:
-        stop_http(namespace)
-        serve.shutdown()
-        dep.stop(namespace)
+    roles = [("acme", "acme", "read,write"), ("acme_ro", "acme", "read"), ("globex", "globex", "read,write"),
+             ("admin", "ops", "read,write,admin")]
+    with serve_front(tmp_path_factory.mktemp("http") / "store", namespace, roles,
+                     **{"cluster.max_pending": 200, "cluster.overload_timeout_s": 1.0, "http.max_body_bytes": MAX_BODY,
+                        "http.max_batch_items": 50, "http.max_queries": 8, "http.retry_after_s": 3,
+                        "http.replicas": 2}) as running:  # operations are polled through either replica
+        yield running
 
 
 def _records(n: int, seed: int, prefix: str, envs: list[str] | None = None) -> list[dict[str, Any]]:
@@ -330,7 +283,7 @@ def test_no_auth_mode_refuses_a_non_loopback_host(front):
     open_config = MemoryConfig().replace({"http.auth": "none"})
     ring = KeyRing.from_config(open_config.http, environ={})
     with pytest.raises(ConfigError, match="loopback only"):
-        start_http(front.namespace, open_config, ring, host="0.0.0.0", port=_free_port())
+        start_http(front.namespace, open_config, ring, host="0.0.0.0", port=free_port())
     out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--host", "0.0.0.0", "--set", "http.auth=none",
                           "--namespace", front.namespace], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 1 and "loopback only" in out.stderr and "Traceback" not in out.stderr
@@ -452,7 +405,7 @@ def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_l
             assert time.monotonic() < deadline
             time.sleep(0.5)
         assert http.get("/v1/operations/none", headers={"Authorization": f"Bearer {front.keys['acme']}"}).status_code == 401
-        other = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(_free_port()), *remote],
+        other = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(free_port()), *remote],
                                capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
         assert other.returncode == 1 and "already runs on this cluster with its HTTP proxy at" in other.stderr
         stop = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "stop", *remote, "--json"],
