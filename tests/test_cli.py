@@ -198,17 +198,18 @@ def test_a_listening_cluster_that_refuses_us_is_reported_as_an_authentication_fa
     parts: starting a second, token-protected cluster here would disturb the session's)."""
     import socket
 
-    from lifemem_ray.cli import _listening, _refused
+    from lifemem_ray.actors.ray_address import answers
+    from lifemem_ray.cli import _refused
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     port = server.getsockname()[1]
     try:
-        assert _listening(f"127.0.0.1:{port}")
+        assert answers(f"127.0.0.1:{port}")
     finally:
         server.close()
-    assert not _listening(f"127.0.0.1:{port}") and not _listening("auto")
+    assert not answers(f"127.0.0.1:{port}") and not answers("auto")
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
