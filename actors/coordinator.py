@@ -296,7 +296,7 @@ class Coordinator:
         batch never plans with, or commits to, a cluster the removal changes or retires; the
         next batch looks its candidates up afterwards. Idempotent: a resent removal (the
         coordinator or a shard restarted) removes what is left and ignores what is gone."""
-        check_tenant(tenant, "tenant")
+        check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
             raise TypeError("ids: expected a list of trajectory id strings")
         return await self._exclusive("remove", list(ids), tenant)
@@ -304,7 +304,7 @@ class Coordinator:
     async def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` on every shard (between micro-batches, as :meth:`remove`).
         Each shard records the intent durably first and finishes it after a crash."""
-        check_tenant(tenant, "tenant")
+        check_tenant(tenant, "tenant", stored=True)
         return await self._exclusive("purge_tenant", tenant)
 
     async def _exclusive(self, method: str, *args: Any) -> int:

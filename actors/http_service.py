@@ -225,7 +225,8 @@ class FrontService:
         try:
             ids = [t.id for t in trajectories]
             deadline = self.config.add_operation_deadline_s()  # AddFuture.result's attempts, each waited add_timeout_s
-            op = ray.get(self.operations().create.remote(principal.tenant, ids, deadline), timeout=self.http.health_timeout_s)
+            op = ray.get(self.operations().create.remote(principal.tenant, ids, deadline, principal.key_id),
+                         timeout=self.http.health_timeout_s)
             self._waiters.submit(self._finish, op, trajectories, principal)
         except BaseException:
             self._waiting.release()
@@ -245,8 +246,12 @@ class FrontService:
             self._waiting.release()
 
     def operation(self, op: str, principal: Principal) -> dict[str, Any] | None:
-        self.require(principal, "read")
-        return ray.get(self.operations().get.remote(op, principal.tenant), timeout=self.http.health_timeout_s)
+        """A read key sees every operation of its tenant; a write-only key the ones it created
+        (it must be able to learn what became of its own add)."""
+        if not principal.allows("read"):
+            self.require(principal, "write", "polling an operation (a write-only key polls its own adds)")
+        own_only = None if principal.allows("read") else principal.key_id
+        return ray.get(self.operations().get.remote(op, principal.tenant, own_only), timeout=self.http.health_timeout_s)
 
     # -- reading ---------------------------------------------------------------------------
     def retrieve(self, queries: Sequence[Any], k: int | None, skills: bool, context: bool, full: bool,

@@ -38,9 +38,9 @@ class Operations:
         self._ops: OrderedDict[str, dict[str, Any]] = OrderedDict()  # in creation order
         self._items = 0  # the ids of the kept operations
 
-    def create(self, tenant: str, ids: list[str], deadline_s: float) -> str:
-        """A new pending operation of ``tenant``; its id. :class:`OverloadedError` when the
-        table is full (operations or items) of pending operations."""
+    def create(self, tenant: str, ids: list[str], deadline_s: float, key_id: str = "") -> str:
+        """A new pending operation of ``tenant``, created by the key named ``key_id``; its id.
+        :class:`OverloadedError` when the table is full (operations or items) of pending operations."""
         now = time.time()
         self._expire(now)
         if len(ids) > self.max_items:
@@ -53,7 +53,7 @@ class Operations:
                                       "some to finish, or send with wait=true")
             self._drop(done)
         op = uuid.uuid4().hex
-        self._ops[op] = {"operation": op, "tenant": tenant, "status": "pending", "created": now, "finished": None,
+        self._ops[op] = {"operation": op, "tenant": tenant, "key": key_id, "status": "pending", "created": now, "finished": None,
                          "deadline": now + deadline_s, "ids": list(ids), "items": None, "error": None}
         self._items += len(ids)
         return op
@@ -72,12 +72,13 @@ class Operations:
         if slot is not None and slot["status"] == "pending":
             slot.update(status=status, finished=time.time(), **fields)
 
-    def get(self, op: str, tenant: str) -> dict[str, Any] | None:
-        """The operation as the REST answer shows it; None when unknown, expired or another tenant's."""
+    def get(self, op: str, tenant: str, key_id: str | None = None) -> dict[str, Any] | None:
+        """The operation as the REST answer shows it; None when unknown, expired, another
+        tenant's, or (with ``key_id``: a caller that may see only its own) another key's."""
         now = time.time()
         self._expire(now)
         slot = self._ops.get(op)
-        if slot is None or slot["tenant"] != tenant:
+        if slot is None or slot["tenant"] != tenant or (key_id is not None and slot["key"] != key_id):
             return None
         if slot["status"] == "pending" and now > slot["deadline"]:
             slot.update(status="failed", finished=now, error=LOST)

@@ -65,6 +65,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Request(BaseModel):
+    """A request body: no unknown fields, and no coercion (``k: true`` or ``k: "4"`` is a 422
+    naming the field, not 1 or 4; ``context: "yes"`` is not true)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 # -- errors ---------------------------------------------------------------------------------
 class ErrorDetail(_Strict):
     type: str = Field(description="validation_error, unauthorized, forbidden, not_found, conflict, too_large, unavailable, ...")
@@ -78,7 +85,7 @@ class ErrorBody(_Strict):
 
 
 # -- adding ---------------------------------------------------------------------------------
-class AddRequest(_Strict):
+class AddRequest(_Request):
     trajectories: list[TrajectoryRecord] = Field(description="a batch of trajectory records (at most http.max_batch_items)")
     wait: bool = Field(True, description="false: answer 202 with an operation id at once (poll GET /v1/operations/{id})")
 
@@ -109,12 +116,12 @@ class OperationAnswer(_Strict):
 
 
 # -- retrieving -----------------------------------------------------------------------------
-class Query(_Strict):
+class Query(_Request):
     task: str = Field(min_length=1, description="the new task")
     env: str | None = Field(None, description="its environment; null: every environment")
 
 
-class RetrieveRequest(_Strict):
+class RetrieveRequest(_Request):
     queries: list[Query] = Field(min_length=1, description="at most http.max_queries")
     k: int | None = Field(None, description="trajectories per query, 1-1024 (default retrieval.k)")
     skills: bool = Field(True, description="also return the skills of the retrieved trajectories' clusters")

@@ -31,21 +31,15 @@ from typing import Any, Mapping, Sequence
 
 from .errors import AuthError, ConfigError
 from .principal import SCOPES, Principal
+from .tenancy import check_tenant, is_name
 
 __all__ = ["ENV_KEYS", "KEY_PREFIX", "KeyEntry", "KeyRing", "check_bind", "hash_key", "is_loopback", "new_key", "parse_key_entries"]
 
 ENV_KEYS = "LIFEMEM_API_KEYS"  # JSON list of key entries, or the path of a JSON file holding one
 KEY_PREFIX = "lmk_"  # marks a lifemem key (secret scanners and people recognise it)
 NO_AUTH_KEY_ID = "no-auth"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # matched against the whole string
 MAX_KEY_CHARS = 512  # a presented key longer than this is refused before hashing
-
-
-def _check_tenant(value: Any, where: str) -> str:
-    from .tenancy import check_tenant
-
-    return check_tenant(value, where)
 
 
 def _default_tenant() -> str:
@@ -100,13 +94,13 @@ def parse_key_entries(raw: Any, where: str) -> list[KeyEntry]:
         if unknown:
             raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; an entry has name, sha256, tenant, scopes")
         name, digest = item.get("name"), item.get("sha256")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not is_name(name):
             raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '_', '.', '-', got {name!r}")
-        if not isinstance(digest, str) or not _SHA256.match(digest.lower()):
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest.lower()):
             raise ConfigError(f"{at}.sha256: expected the 64 hex digits of the key's SHA-256 (`lifemem-ray keys new` prints it), "
                               "never the key itself")
         try:
-            tenant = _check_tenant(item.get("tenant"), f"{at}.tenant")
+            tenant = check_tenant(item.get("tenant"), f"{at}.tenant")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         out.append(KeyEntry(name, digest.lower(), tenant, _scopes(item.get("scopes"), f"{at}.scopes")))
@@ -192,11 +186,11 @@ class KeyRing:
 
 def new_key(tenant: str, scopes: Sequence[str] | str, name: str | None = None) -> tuple[str, KeyEntry]:
     """A fresh random key (shown once) and the entry the server stores for it."""
-    tenant = _check_tenant(tenant, "--tenant")
+    tenant = check_tenant(tenant, "--tenant")
     checked = _scopes(scopes, "--scopes")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     name = name or f"{tenant}-{secrets.token_hex(3)}"
-    if not _NAME.match(name):
+    if not is_name(name):
         raise ConfigError(f"--name: expected 1-64 letters, digits, '_', '.', '-', got {name!r}")
     return key, KeyEntry(name, hash_key(key), tenant, checked)
 

@@ -93,16 +93,17 @@ INSTRUCTIONS = (
 class StepRecord(BaseModel):
     """One agent turn: what it thought, what it did, what the environment answered."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     thought: str = ""
     action: str = ""
     observation: str = ""
 
 
 class OutcomeRecord(BaseModel):
-    """How the task ended; either part may be unknown (null)."""
+    """How the task ended; either part may be unknown (null). Strict: ``"true"`` is not a
+    success and ``true`` is not a reward."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     success: bool | None = None
     reward: float | None = None
 
@@ -226,8 +227,9 @@ class _Tools:
         self,
         task: Annotated[str, Field(description="the task about to be attempted")],
         env: Annotated[str | None, Field(description="the environment to search; null searches every environment")] = None,
-        k: Annotated[int | None, Field(description="how many trajectories (default: the memory's retrieval.k)")] = None,
-        token_budget: Annotated[int | None, Field(description="token budget of the context block (default: retrieval.token_budget)")] = None,
+        k: Annotated[StrictInt | None, Field(description="how many trajectories, an integer (default: the memory's retrieval.k)")] = None,
+        token_budget: Annotated[StrictInt | None,
+                                Field(description="token budget of the context block, an integer (default: retrieval.token_budget)")] = None,
     ) -> RetrieveAnswer:
         """Earlier runs of tasks like this one (succeeded and failed), and the skills distilled
         from their workflows: read them before acting. Reads only; changes nothing."""

@@ -205,7 +205,7 @@ class Memory:
         counts, sums and R follow, a cluster left empty is retired, skills are queued for
         re-distillation when the cluster shrank enough, the index forgets the vectors; all in
         one transaction, durable when this returns. Unknown ids are ignored (idempotent)."""
-        removed = self._deletion.remove(ids, tenant=check_tenant(tenant, "tenant"))
+        removed = self._deletion.remove(ids, tenant=check_tenant(tenant, "tenant", stored=True))
         if removed:
             self._maintenance.schedule()  # skills of clusters that shrank enough
         return removed
@@ -214,7 +214,7 @@ class Memory:
         """Delete every trajectory of ``tenant`` (and so its clusters and skills), in bounded
         transactions; returns how many were removed. The intent is recorded durably first: a
         purge a crash interrupts is completed at the next writable open."""
-        removed = self._deletion.purge_tenant(check_tenant(tenant, "tenant"))
+        removed = self._deletion.purge_tenant(check_tenant(tenant, "tenant", stored=True))
         self._maintenance.schedule()
         return removed
 

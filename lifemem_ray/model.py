@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -23,6 +24,7 @@ __all__ = [
     "Step",
     "Trajectory",
     "content_hash",
+    "env_name_problem",
     "render_text",
 ]
 
@@ -34,7 +36,30 @@ MAX_ID_LENGTH = 512
 MAX_TEXT_CHARS = 1_000_000  # any one text: task, observation, thought, action, metadata string
 MAX_STEPS = 10_000
 MAX_METADATA_ITEMS = 10_000  # keys and list items of the metadata, all levels together
+MAX_ENV_CHARS = 128
 _LABELLED = re.compile(r"(?:Thought|Action|Observation)\s*\d*\s*:", re.I)
+
+
+def env_name_problem(value: Any) -> str | None:
+    """Why ``value`` is not an environment name, or None. A name is the whole string: 1-128
+    characters, no surrounding spaces, no control or format characters (a newline, a tab, a
+    zero-width space; a NUL is the tenancy rules' to refuse), so that two names that print
+    alike are one name.
+
+    >>> env_name_problem("webshop"), env_name_problem("webshop\\n") is not None
+    (None, True)
+    """
+    if not isinstance(value, str):
+        return f"expected a string, got {type(value).__name__}"
+    if not value.strip():
+        return "must not be empty"
+    if value != value.strip() or len(value) > MAX_ENV_CHARS:
+        return f"{value[:80]!r} must be at most {MAX_ENV_CHARS} characters without surrounding spaces"
+    # NUL is left to the tenancy rules, which refuse it as a key separator (TenantError).
+    bad = next((c for c in value if c != "\x00" and unicodedata.category(c) in ("Cc", "Cf", "Cs")), None)
+    if bad is not None:
+        return f"{value[:80]!r} contains the control character U+{ord(bad):04X}; an environment name is printable text"
+    return None
 
 
 def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
@@ -209,9 +234,10 @@ class Trajectory:
         return hash((self.id, self.fingerprint))
 
     def __post_init__(self) -> None:
-        _check_str(self.env, "env", allow_empty=False)
-        if self.env != self.env.strip() or len(self.env) > 128:
-            raise InvalidTrajectoryError(f"env: {self.env!r} must be at most 128 characters without surrounding spaces")
+        _check_str(self.env, "env", allow_empty=False)  # NUL, lone surrogates, length
+        problem = env_name_problem(self.env)
+        if problem:
+            raise InvalidTrajectoryError(f"env: {problem}")
         _check_str(self.task, "task")
         _check_str(self.initial_observation, "initial_observation")
         if not self.task.strip() and not self.initial_observation.strip():
@@ -232,8 +258,8 @@ class Trajectory:
         _check_json_value(dict(self.metadata), "metadata")
         object.__setattr__(self, "metadata", dict(self.metadata))
         if self.tenant != DEFAULT_TENANT:
-            try:
-                check_tenant(self.tenant, "tenant")
+            try:  # a stored record keeps decoding under a name an older version let through; adds refuse it
+                check_tenant(self.tenant, "tenant", stored=True)
             except TenantError as exc:
                 raise InvalidTrajectoryError(str(exc)) from None
         _check_str(self.id, "id")

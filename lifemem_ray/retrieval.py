@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from .codec import StoredFields, fields_to_trajectory, record_fields
 from .config import BOUNDS
-from .model import MAX_TEXT_CHARS, Trajectory, render_text
+from .model import MAX_TEXT_CHARS, Trajectory, env_name_problem, render_text
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
 RecordHit = tuple[float, "int | None", bytes]
@@ -57,8 +57,9 @@ def check_retrieve_args(tasks: Any, envs: Any, k: Any, token_budget: Any, defaul
             raise ValueError(f"tasks[{i}]: expected a non-empty string")
         if len(task) > MAX_TASK_CHARS:
             raise ValueError(f"tasks[{i}]: {len(task):,} characters, at most {MAX_TASK_CHARS:,}; shorten the task text")
-        if env is not None and (not isinstance(env, str) or not env.strip()):
-            raise ValueError(f"envs[{i}]: expected a non-empty environment name or None (all environments)")
+        problem = None if env is None else env_name_problem(env)
+        if problem:
+            raise ValueError(f"envs[{i}]: {problem} (an environment name, or None for all environments)")
     k = defaults.k if k is None else k
     low, high = BOUNDS["retrieval.k"]
     if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:

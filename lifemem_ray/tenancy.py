@@ -31,21 +31,37 @@ from typing import Any, Iterable, Mapping
 from .errors import TenantError
 
 __all__ = [
-    "DEFAULT_TENANT", "SEP", "caller_id", "check_tenant", "display_envs", "id_key", "is_pool", "pool", "record_tenant",
+    "DEFAULT_TENANT", "SEP", "caller_id", "check_tenant", "display_envs", "id_key", "is_name", "is_pool", "pool", "record_tenant",
     "scope", "scope_tenant", "search_targets", "split_scope", "tenant_prefix",
 ]
 
 DEFAULT_TENANT = "default"
 SEP = "\x00"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# A tenant or key name, matched against the WHOLE string (re.fullmatch): with re.match and
+# "$", "acme\n" passed, since "$" also matches before a final newline.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
-def check_tenant(value: Any, where: str = "tenant") -> str:
+def is_name(value: Any) -> bool:
+    """Whether ``value`` is a tenant or key name: 1-64 characters, letters, digits, ``_ . -``,
+    starting with a letter or digit, and nothing else (no final newline either).
+
+    >>> is_name("acme"), is_name("acme\\n"), is_name("-x")
+    (True, False, False)
+    """
+    return isinstance(value, str) and _NAME.fullmatch(value) is not None
+
+
+def check_tenant(value: Any, where: str = "tenant", *, stored: bool = False) -> str:
     """``value`` when it is a valid tenant name (1-64 characters: letters, digits, ``_ . -``,
-    starting with a letter or digit), else :class:`TenantError` (a ValueError) naming ``where``."""
+    starting with a letter or digit), else :class:`TenantError` (a ValueError) naming ``where``.
+
+    ``stored``: for removals only, also a name that versions before this one stored by mistake
+    (a valid name and one final newline, which their ``$``-anchored check let through), so that
+    an operator can still delete what is stored under it; nothing new is ever stored under one."""
     if not isinstance(value, str):
         raise TenantError(f"{where}: expected a tenant name (a string), got {type(value).__name__}")
-    if not _NAME.match(value):
+    if not is_name(value) and not (stored and value.endswith("\n") and is_name(value[:-1])):
         raise TenantError(f"{where}: {value[:80]!r} is not a tenant name (1-64 characters: letters, digits, '_', '.', '-', "
                           "starting with a letter or digit)")
     return value

@@ -14,14 +14,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..clusters import ClusterRecord, add_member, cosine_to_sum, example_task, needs_description, needs_skill, new_cluster_record
-from ..errors import StoreError, UnknownClusterError
+from ..errors import InvalidTrajectoryError, StoreError, UnknownClusterError
 from ..evolution import BatchItem, CandidateArrays, CandidateSet, ItemBatch, Placement, scope_sums
 from ..ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from ..model import Trajectory
 from ..steps import featurize
 from ..storage import MemoryStore
 from ..workflow import workflow_summary
-from ..tenancy import display_envs, id_key, pool, scope_tenant
+from ..tenancy import display_envs, id_key, is_name, pool, scope_tenant
 from .search import search_index
 from .state import WORKFLOW_DIM, EngineState
 
@@ -308,9 +308,15 @@ def known_ids(store: MemoryStore, ids: Sequence[str], fingerprints: Sequence[str
 
 
 def check_trajectories(trajectories: Sequence[Any]) -> None:
+    """What every add checks before anything else (the engine's and the client's): Trajectory
+    objects, of tenants with valid names. A Trajectory may carry a tenant name an older version
+    stored by mistake (so stored records still decode); nothing new is stored under one."""
     for i, traj in enumerate(trajectories):
         if not isinstance(traj, Trajectory):
             raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
+        if not is_name(traj.tenant):
+            raise InvalidTrajectoryError(f"trajectories[{i}].tenant: {traj.tenant[:80]!r} is not a tenant name (1-64 "
+                                         "characters: letters, digits, '_', '.', '-', starting with a letter or digit)")
 
 
 def prepare_items(trajectories: Sequence[Trajectory], vectors: Any, dim: int, features: str = "roles") -> list[BatchItem]:
