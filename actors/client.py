@@ -28,7 +28,7 @@ from lifemem_ray.model import Trajectory
 from lifemem_ray.protocols import MemoryStats
 from lifemem_ray.errors import EmbeddingError
 from lifemem_ray.ingest_rules import AddResult
-from lifemem_ray.llm import usage_totals
+from lifemem_ray.llm import merge_usage, usage_refusals, usage_totals
 from lifemem_ray.retrieval import Retrieval, assemble, check_retrieve_args, paused_gc
 from lifemem_ray.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 
@@ -328,10 +328,12 @@ class MemoryClient:
         llm_shards = [st["llm"] for st in shard_stats]
         coord_usage = coordinator["llm"]
         coord_calls, coord_tokens = usage_totals(coord_usage)
+        by_operation = merge_usage(coord_usage, *(l.get("by_operation", {}) for l in llm_shards))
         out.update(
             splits=sum(st["splits"] for st in shard_stats),
             llm={"calls": sum(l["calls"] for l in llm_shards) + coord_calls, "tokens": sum(l["tokens"] for l in llm_shards) + coord_tokens,
-                 "fallbacks": sum(l["fallbacks"] for l in llm_shards), "coordinator": coord_usage},
+                 "fallbacks": sum(l["fallbacks"] for l in llm_shards), "refused_generated": usage_refusals(by_operation),
+                 "by_operation": by_operation, "coordinator": coord_usage},
             shards=[{"trajectories": st["trajectories"], "clusters": st["clusters"], "maintenance_queued": st["maintenance_queued"]}
                     for st in shard_stats],
             per_tenant=dict(sorted(per_tenant.items())),
@@ -360,7 +362,7 @@ class MemoryClient:
         through the coordinator, which runs it between its micro-batches (never beside a batch
         that may name the same clusters) on every shard; durable when this returns, and
         idempotent: sending it again is safe (unknown ids are ignored)."""
-        check_tenant(tenant, "tenant")
+        check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str):
             raise TypeError("ids: expected a list of trajectory ids, got one string")
         return _coordinator_answer(self.coordinator.remove.remote([str(i) for i in ids], tenant))
@@ -368,7 +370,7 @@ class MemoryClient:
     def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` on every shard (see :meth:`remove`); each shard
         records the intent first and finishes an interrupted purge when it restarts."""
-        check_tenant(tenant, "tenant")
+        check_tenant(tenant, "tenant", stored=True)
         return _coordinator_answer(self.coordinator.purge_tenant.remote(tenant))
 
     def verify(self, deep: bool = False) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from .tenancy import check_tenant
 
 __all__ = ["main"]
 
+log = logging.getLogger("lifemem_ray.cli")
+
 
 def _set_overrides(args: argparse.Namespace) -> dict[str, str]:
     overrides: dict[str, Any] = {}
@@ -80,35 +82,60 @@ HEAD_MARKER = "lifemem-ray-head.json"  # in the Ray session folder of a head `se
 HEAD_START_S = 180
 
 
+def _free_port() -> int:
+    """A TCP port of this machine nothing listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+class NoRayCluster(CommandError):
+    """No Ray cluster answers where the command would join (nothing to stop, for ``stop``)."""
+
+
 def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: bool = False) -> Any:
-    """Connect this process to Ray (the running cluster, or with ``start_local`` a new local head)."""
+    """Connect this process to Ray (the running cluster, or with ``start_local`` a new local head).
+
+    The address Ray would join is probed first (:mod:`lifemem_ray.actors.ray_address`), so a
+    dead one is reported in seconds, naming who named it, instead of Ray retrying it for
+    minutes; with ``start_local``, a dead address left in Ray's address file (a crashed head's)
+    is passed over and a head of our own started."""
     import ray
 
+    from .actors.ray_address import answers, named_address
+
     namespace = args.namespace or config.cluster.namespace
-    address = args.address or "auto"
+    target = named_address(args.address)
+    if target.address is not None and not answers(target.address):
+        if not (start_local and target.from_file):
+            raise NoRayCluster(_dead(target.address, target.source))
+        log.warning("%s names %s, where no Ray cluster answers (a head that is gone); starting a local head",
+                    target.source, target.address)
+        _start_local_head(namespace)
+        return namespace
     try:
-        ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+        # "auto" unless given: Ray turns its token authentication on by itself only for an address it found.
+        ray.init(address=args.address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR)
     except ConnectionError:
-        if address != "auto" and _listening(address):
-            raise CommandError(_refused(address)) from None
-        if not (start_local and address == "auto"):
-            raise CommandError(f"no Ray cluster found at {address!r}; start one (`ray start --head`) or run `lifemem-ray serve`") from None
+        if target.address is not None and answers(target.address):
+            raise CommandError(_refused(target.address)) from None
+        if not (start_local and target.address is None):
+            raise NoRayCluster(f"no Ray cluster found at {target.address or 'auto'!r}; start one (`ray start --head`) or "
+                               "run `lifemem-ray serve`") from None
         _start_local_head(namespace)
     return namespace
 
 
-def _listening(address: str) -> bool:
-    """Whether something accepts TCP connections at ``host:port`` (a Ray GCS that refused us)."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return False
-    try:
-        with socket.create_connection((host.removeprefix("ray://") or "127.0.0.1", int(port)), timeout=3):
-            return True
-    except OSError:
-        return False
+def _dead(address: str, source: str) -> str:
+    """Why a command cannot join ``address`` (named by ``source``), and what to do."""
+    if source in ("--address", "RAY_ADDRESS"):
+        return (f"no Ray cluster answers at {address!r} (given by {source}): check the address, or start the cluster "
+                "(`ray start --head`)")
+    return (f"no Ray cluster answers at {address!r}, which Ray's address file {source} names (left by a head that "
+            "is gone): start one (`lifemem-ray serve --store DIR` starts its own), or give --address")
 
 
 def _refused(address: str) -> str:
@@ -140,16 +167,26 @@ def _start_local_head(namespace: str) -> None:
 
     import ray
 
+    from .actors.ray_address import answers, named_address
+
     # Logical CPUs: the deployment's actors reserve fractions, and bulk loads need room beside them.
     cpus = str(max(4, 2 * (os.cpu_count() or 2)))
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--num-cpus={cpus}",
+    # Token authentication stays on: `ray start` turns it on when a token exists, so make one
+    # first where none does (Ray's own command; it keeps an existing token, and prints it: not shown).
+    subprocess.run([str(Path(sys.executable).with_name("ray")), "get-auth-token", "--generate"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, check=False, timeout=60)
+    port = _free_port()  # our own port, not the default 6379 another cluster of this machine may hold
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}",
            "--include-dashboard=false", "--disable-usage-stats"]
     head = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + HEAD_START_S
     while True:
         if head.poll() is not None:
             raise CommandError(f"could not start a local Ray head: `{' '.join(cmd)}` exited with code {head.returncode}")
+        named = named_address(None).address  # `ray start` writes it once its GCS runs
         try:
+            if not (named and named.endswith(f":{port}") and answers(named)):
+                raise ConnectionError(f"the new head's GCS on port {port} does not answer yet")
             ray.init(address="auto", namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
             break
         except ConnectionError:
@@ -207,9 +244,9 @@ def _forget_current_cluster(address: str, path: Path | None = None) -> None:
     stopped, as Ray's own stop command does: a stale one makes the next plain ``ray.init()``
     try to join the dead cluster. A file naming another cluster is left alone."""
     if path is None:
-        from ray._common.utils import get_ray_address_file
+        from .actors.ray_address import address_file
 
-        path = Path(get_ray_address_file(None))
+        path = address_file()
     try:
         if path.read_text().strip() == address:
             path.unlink()
@@ -276,7 +313,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from .actors.deployment import stop
 
     config = _config(args)
-    namespace = _connect(args, config)
+    try:
+        namespace = _connect(args, config)
+    except NoRayCluster as exc:  # no cluster answers: no deployment, front door or head of it runs to stop
+        said = f"nothing to stop: {exc}"
+        _emit(args, {"stopped": False, "namespace": args.namespace or config.cluster.namespace, "http": False,
+                     "ray": "no Ray cluster answers", "detail": str(exc)}, lambda: said)
+        return 0
     from .actors.http_app import stop_http
 
     http = stop_http(namespace)  # the front door goes with the deployment it stands in front of
@@ -296,6 +339,27 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     namespace = _connect(args, config)
     manifest = snapshot(args.out, namespace)
     _emit(args, manifest, lambda: f"snapshot of {manifest['shards']} shards ({manifest['bytes']:,} bytes) in {args.out}")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    """Rewrite a store no process uses (``--store``) or every shard of a running deployment in
+    place into fresh pages: the bytes of deleted trajectories LMDB keeps in free pages and page
+    slack go (:mod:`lifemem_ray.compaction`, :func:`lifemem_ray.actors.deployment.compact`)."""
+    config = _config(args)
+    if _remote(args) and args.store:
+        raise CommandError("give --store DIR (a store no process has open) or --address/--namespace (a running deployment), not both")
+    if _remote(args):
+        from .actors.deployment import compact
+
+        out = compact(_connect(args, config))
+    elif args.store:
+        from .compaction import compact_store
+
+        out = compact_store(args.store, config)
+    else:
+        raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
+    _emit(args, out, lambda: f"compacted: {out['bytes_before']:,} bytes before, {out['bytes_after']:,} bytes after")
     return 0
 
 
@@ -497,7 +561,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             lines.append(f"  {env:<20} {s['trajectories']:>8} trajectories {s['clusters']:>6} clusters")
         llm = stats.get("llm")  # the store's as a whole: not in a tenant's view
         if llm is not None:
-            lines.append(f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, {llm['fallbacks']} fallbacks")
+            lines.append(f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, "
+                         f"{llm['fallbacks']} fallbacks, {llm.get('refused_generated', 0)} generated texts refused")
         return "\n".join(lines)
 
     _emit(args, stats, text)
@@ -518,8 +583,9 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     """Delete trajectories of ``--tenant`` by id, or with ``--purge-tenant`` everything of it;
-    durable when it returns, and safe to run again (ids no longer stored are ignored)."""
-    tenant = check_tenant(args.tenant, "--tenant")
+    durable when it returns, and safe to run again (ids no longer stored are ignored). A tenant
+    name stored by an older version with a final newline may be given, to delete what it holds."""
+    tenant = check_tenant(args.tenant, "--tenant", stored=True)
     if bool(args.ids) == bool(args.purge_tenant):
         raise CommandError("give the trajectory ids to delete, or --purge-tenant (with --tenant) to delete everything of a tenant")
     memory = _open_or_connect(args, _config(args), write=True)
@@ -774,6 +840,11 @@ def _deployment_commands(sub: Any, common: argparse.ArgumentParser, remote: argp
     p = sub.add_parser("snapshot", parents=[remote, common], help="consistent snapshot of every shard and the routing table")
     p.add_argument("out", metavar="DIR")
     p.set_defaults(func=cmd_snapshot)
+
+    p = sub.add_parser("compact", parents=[remote, common], help="rewrite a store (or every shard of a deployment) in place, "
+                       "dropping the bytes of deleted trajectories")
+    p.add_argument("--store", metavar="DIR", help="a store folder no process has open (or --address/--namespace for a deployment)")
+    p.set_defaults(func=cmd_compact)
 
     p = sub.add_parser("restore", parents=[remote, common, llm], help="a new deployment from a snapshot (any shard count)")
     p.add_argument("snapshot", metavar="SNAPSHOT_DIR")
