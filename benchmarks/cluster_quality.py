@@ -1,6 +1,6 @@
 """Workflow clusters and skills on labelled trajectories from real environments, beside equal-k baselines.
 
-Data (``lifemem_ray.datasets``): the installed environments played by their gold agents
+Data (``lifemem_ray.lab.datasets``): the installed environments played by their gold agents
 (noisy: ``--noise`` of the steps are a random valid action, which gives failures), each
 trajectory labelled from its environment's own task metadata. Two folds, generated from
 disjoint parts of every environment:
@@ -70,16 +70,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.cluster_metrics import (bootstrap_weights, equal_k_baseline, partition_scores, pure_partition_nmi,
-                                         refine_partition, sequence_distance, weighted_scores)
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
-from lifemem_ray.embedding import MiniLMEmbedder
-from lifemem_ray.memory import Memory
-from lifemem_ray.model import Trajectory
-from lifemem_ray.policy import mean_silhouette, skill_step_texts
-from lifemem_ray.steps import featurize
-from lifemem_ray.workflow import action_tokens, canonical_token, step_tokens
+from lifemem_ray.lab.cluster_metrics import bootstrap_weights, equal_k_baseline, partition_scores, pure_partition_nmi, refine_partition, sequence_distance, weighted_scores
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
+from lifemem_ray.engine.embedding import MiniLMEmbedder
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.engine.clustering.policy import mean_silhouette, skill_step_texts
+from lifemem_ray.engine.clustering.steps import featurize
+from lifemem_ray.engine.clustering.workflow import action_tokens, canonical_token, step_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_SIZE = 500
@@ -448,7 +447,7 @@ def view_by_silhouette(trajs: list[Trajectory], reps: dict[str, np.ndarray], par
 def refined_in_picked_view(trajs: list[Trajectory], reps: dict[str, np.ndarray], lifemem: list[list[Any]],
                            silhouettes: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
     """Per environment at its topic level: LifeMem's partitions (every order) refined by
-    spherical k-means started from them (:func:`lifemem_ray.cluster_metrics.refine_partition`)
+    spherical k-means started from them (:func:`lifemem_ray.lab.cluster_metrics.refine_partition`)
     in the view with the best silhouette there, scored by the verdict's rule (the worse of the
     similarity order and the random orders' mean). What a batch consolidation step would buy;
     the engine has none."""
@@ -484,7 +483,7 @@ def distinct_workflows(trajs: list[Trajectory], wvecs: np.ndarray, k_of_env: dic
 
 def pure_nmi_references(trajs: list[Trajectory], k_of_env: dict[str, int]) -> dict[str, dict[str, float]]:
     """Per environment, at its topic level: the NMI of two perfectly pure partitions with the
-    memory's k (:func:`lifemem_ray.cluster_metrics.pure_partition_nmi`), where k reaches the
+    memory's k (:func:`lifemem_ray.lab.cluster_metrics.pure_partition_nmi`), where k reaches the
     number of labels."""
     out = {}
     for env, k in k_of_env.items():

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from lifemem_ray.actors import deployment as dep
-from lifemem_ray.actors.client import MemoryClient
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.synthetic import generate, text_vectors
 from shard_probes import label_purity, shard_cpu_seconds, shard_resources, timed_retrieve_many  # benchmarks/ (the script's folder)
 
 LENGTH_SCALE = 1.2  # mean ~2.9 kB per trajectory as JSON, like the released data (2.9 kB)

@@ -25,9 +25,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -114,7 +114,7 @@ def bench_ingest_and_retrieve(n: int, batch: int, queries: int, config: MemoryCo
 
 
 def bench_embedding(count: int) -> dict:
-    from lifemem_ray.embedding import MiniLMEmbedder, default_model_path
+    from lifemem_ray.engine.embedding import MiniLMEmbedder, default_model_path
 
     words = "search the catalogue for a waterproof pair of running shoes under fifty dollars then compare".split()
     rng = np.random.default_rng(0)

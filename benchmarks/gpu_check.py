@@ -32,7 +32,7 @@ LENGTH_SCALE = 0.05  # as cluster_scale.py: only the task text feeds the vectors
 
 
 def _chunk(job: tuple[int, int]) -> tuple[np.ndarray, list[str]]:
-    from lifemem_ray.synthetic import generate, text_vectors
+    from lifemem_ray.lab.synthetic import generate, text_vectors
 
     seed, count = job
     trajs = list(generate(count, seed=seed, length_scale=LENGTH_SCALE, id_prefix=f"g{seed}"))
@@ -80,8 +80,8 @@ def recall_at_4(index, vecs: np.ndarray, envs: np.ndarray, queries: np.ndarray, 
 def embedding_check(model_path: str) -> dict:
     import torch
 
-    from lifemem_ray.config import EmbeddingConfig
-    from lifemem_ray.embedding import MiniLMEmbedder
+    from lifemem_ray.engine.memory_config import EmbeddingConfig
+    from lifemem_ray.engine.embedding import MiniLMEmbedder
 
     words = "search the catalogue for a waterproof pair of running shoes under fifty dollars then compare".split()
     rng = np.random.default_rng(0)
@@ -124,8 +124,8 @@ def main() -> None:
 
     import faiss
 
-    from lifemem_ray.config import IndexConfig
-    from lifemem_ray.index import VectorIndex
+    from lifemem_ray.engine.memory_config import IndexConfig
+    from lifemem_ray.engine.index.vector_index import VectorIndex
 
     gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
     if gpus == 0:

@@ -35,13 +35,13 @@ from typing import Any
 import httpx
 import ray
 
-from lifemem_ray.actors import deployment as dep
-from lifemem_ray.actors.client import MemoryClient
-from lifemem_ray.actors.http_app import start_http, stop_http
-from lifemem_ray.auth import KeyRing, new_key
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.model import Trajectory
-from lifemem_ray.synthetic import generate
+from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.frontdoor.app import start_http, stop_http
+from lifemem_ray.service.auth import KeyRing, new_key
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.lab.synthetic import generate
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25, "http.replica_cpus": 0.25}
 TENANT = "bench"

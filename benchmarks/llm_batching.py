@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from openai_stub import OpenAIStub  # noqa: E402
 from shard_probes import label_purity  # noqa: E402  (benchmarks/, the script's folder)
 
-from lifemem_ray.actors import deployment as dep  # noqa: E402
-from lifemem_ray.actors.client import MemoryClient  # noqa: E402
-from lifemem_ray.config import MemoryConfig  # noqa: E402
-from lifemem_ray.synthetic import generate, text_vectors  # noqa: E402
+from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
 

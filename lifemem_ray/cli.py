@@ -18,10 +18,10 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .config import ConfigError, MemoryConfig
-from .model import InvalidTrajectoryError
-from .errors import CommandError
-from .tenancy import check_tenant
+from lifemem_ray.engine.memory_config import ConfigError, MemoryConfig
+from lifemem_ray.core.model import InvalidTrajectoryError
+from lifemem_ray.core.errors import CommandError
+from lifemem_ray.core.tenancy import check_tenant
 
 __all__ = ["main"]
 
@@ -98,13 +98,13 @@ class NoRayCluster(CommandError):
 def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: bool = False) -> Any:
     """Connect this process to Ray (the running cluster, or with ``start_local`` a new local head).
 
-    The address Ray would join is probed first (:mod:`lifemem_ray.actors.ray_address`), so a
+    The address Ray would join is probed first (:mod:`lifemem_ray.actors.cluster.ray_address`), so a
     dead one is reported in seconds, naming who named it, instead of Ray retrying it for
     minutes; with ``start_local``, a dead address left in Ray's address file (a crashed head's)
     is passed over and a head of our own started."""
     import ray
 
-    from .actors.ray_address import answers, named_address
+    from lifemem_ray.actors.cluster.ray_address import answers, named_address
 
     namespace = args.namespace or config.cluster.namespace
     target = named_address(args.address)
@@ -167,7 +167,7 @@ def _start_local_head(namespace: str) -> None:
 
     import ray
 
-    from .actors.ray_address import answers, named_address
+    from lifemem_ray.actors.cluster.ray_address import answers, named_address
 
     # Logical CPUs: the deployment's actors reserve fractions, and bulk loads need room beside them.
     cpus = str(max(4, 2 * (os.cpu_count() or 2)))
@@ -244,7 +244,7 @@ def _forget_current_cluster(address: str, path: Path | None = None) -> None:
     stopped, as Ray's own stop command does: a stale one makes the next plain ``ray.init()``
     try to join the dead cluster. A file naming another cluster is left alone."""
     if path is None:
-        from .actors.ray_address import address_file
+        from lifemem_ray.actors.cluster.ray_address import address_file
 
         path = address_file()
     try:
@@ -255,14 +255,14 @@ def _forget_current_cluster(address: str, path: Path | None = None) -> None:
 
 
 def _client(args: argparse.Namespace, config: MemoryConfig) -> Any:
-    from .actors.client import MemoryClient
+    from lifemem_ray.actors.cluster.client import MemoryClient
 
     namespace = _connect(args, config)
     return MemoryClient(namespace, config.replace({"cluster.namespace": namespace}))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .actors.deployment import deploy, find_coordinator
+    from lifemem_ray.actors.cluster.deployment import deploy, find_coordinator
 
     config = _config(args)
     keyring = _http_keys(args, config) if args.http else None  # refused before anything starts
@@ -278,7 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         info = ray.get(find_coordinator(namespace).deployment.remote())
     said = f"serving {len(info['shards'])} shards from {info['store']} in Ray namespace {namespace!r}"
     if keyring is not None:
-        from .actors.http_app import start_http
+        from lifemem_ray.actors.frontdoor.app import start_http
 
         info["http"] = start_http(namespace, config, keyring, host=args.host, port=args.port)
         said += f"; HTTP at {info['http']['url']} (auth: {keyring.mode}, OpenAPI at /openapi.json, MCP at /mcp)"
@@ -288,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _http_keys(args: argparse.Namespace, config: MemoryConfig) -> Any:
     """The front door's keys (config and LIFEMEM_API_KEYS), and its bind address checked."""
-    from .auth import KeyRing, check_bind
+    from lifemem_ray.service.auth import KeyRing, check_bind
 
     keyring = KeyRing.from_config(config.http)
     check_bind(args.host or config.http.host, keyring.mode)
@@ -297,7 +297,7 @@ def _http_keys(args: argparse.Namespace, config: MemoryConfig) -> Any:
 
 def cmd_keys_new(args: argparse.Namespace) -> int:
     """A fresh random API key, shown once, and the entry (its hash) the server's config keeps."""
-    from .auth import ENV_KEYS, new_key
+    from lifemem_ray.service.auth import ENV_KEYS, new_key
 
     key, entry = new_key(args.tenant, args.scopes, args.name)
     data = {"key": key, "entry": entry.to_dict()}
@@ -310,7 +310,7 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .actors.deployment import stop
+    from lifemem_ray.actors.cluster.deployment import stop
 
     config = _config(args)
     try:
@@ -320,7 +320,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         _emit(args, {"stopped": False, "namespace": args.namespace or config.cluster.namespace, "http": False,
                      "ray": "no Ray cluster answers", "detail": str(exc)}, lambda: said)
         return 0
-    from .actors.http_app import stop_http
+    from lifemem_ray.actors.frontdoor.app import stop_http
 
     http = stop_http(namespace)  # the front door goes with the deployment it stands in front of
     stopped = stop(namespace)
@@ -333,7 +333,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from .actors.deployment import snapshot
+    from lifemem_ray.actors.cluster.deployment import snapshot
 
     config = _config(args)
     namespace = _connect(args, config)
@@ -345,16 +345,16 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     """Rewrite a store no process uses (``--store``) or every shard of a running deployment in
     place into fresh pages: the bytes of deleted trajectories LMDB keeps in free pages and page
-    slack go (:mod:`lifemem_ray.compaction`, :func:`lifemem_ray.actors.deployment.compact`)."""
+    slack go (:mod:`lifemem_ray.engine.store.compaction`, :func:`lifemem_ray.actors.cluster.deployment.compact`)."""
     config = _config(args)
     if _remote(args) and args.store:
         raise CommandError("give --store DIR (a store no process has open) or --address/--namespace (a running deployment), not both")
     if _remote(args):
-        from .actors.deployment import compact
+        from lifemem_ray.actors.cluster.deployment import compact
 
         out = compact(_connect(args, config))
     elif args.store:
-        from .compaction import compact_store
+        from lifemem_ray.engine.store.compaction import compact_store
 
         out = compact_store(args.store, config)
     else:
@@ -364,7 +364,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from .actors.deployment import restore
+    from lifemem_ray.actors.cluster.deployment import restore
 
     config = _config(args)
     namespace = _connect(args, config, start_local=True)
@@ -378,8 +378,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     """Each file is read and validated whole before anything of it is stored: all or nothing
     per file, unless ``--skip-invalid`` (bad records, conflicting ids included, are left out
     and listed by file:line). The summary always says how many records were stored."""
-    from .importers import ImportReport
-    from .memory import Memory
+    from lifemem_ray.core.importers import ImportReport
+    from lifemem_ray.engine.memory import Memory
 
     config = _config(args)
     if args.tenant is not None:
@@ -410,7 +410,7 @@ def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
     go to the coordinator in batches (embedded by its embedder actors), at most
     ``REMOTE_IN_FLIGHT`` batches in flight. No Ray task is needed on the way, so a cluster
     whose CPUs the deployment's actors hold still makes progress."""
-    from .importers import ImportReport
+    from lifemem_ray.core.importers import ImportReport
 
     client = _client(args, config)
     report = ImportReport()
@@ -438,10 +438,10 @@ def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
 
 def _ingest_files(args: argparse.Namespace, report: Any, stored_conflicts: Callable[[list[str], list[str]], list[bool]],
                   store: Callable[[list], None], stored_so_far: Callable[[], int], batch_size: int) -> None:
-    """Every file of ``args.paths``: checked whole (:func:`~lifemem_ray.importers.check_file`),
+    """Every file of ``args.paths``: checked whole (:func:`~lifemem_ray.core.importers.check_file`),
     then its passing records handed to ``store`` in batches; a file with a bad record stops
     the run with FILE:LINE and what earlier files stored."""
-    from .importers import RecordError, check_file
+    from lifemem_ray.core.importers import RecordError, check_file
 
     bar = _progress(0, "ingest", args)
     try:
@@ -493,7 +493,7 @@ def _open_or_connect(args: argparse.Namespace, config: MemoryConfig, *, write: b
     """The deployment's client (``--address``/``--namespace``), else the store at ``--store``:
     read-only, or (``write``) writable but only where a store already is, so a mistyped path
     is an error rather than a new empty store."""
-    from .memory import Memory
+    from lifemem_ray.engine.memory import Memory
 
     if _remote(args):
         return _client(args, config)
@@ -513,7 +513,7 @@ def _require_store(store: str | Path, remedy: str = "") -> None:
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
     config = _config(args)
-    from .retrieval import check_retrieve_args
+    from lifemem_ray.engine.retrieval import check_retrieve_args
 
     check_retrieve_args([args.task], [args.env], args.k, None, config.retrieval)  # before opening anything
     check_tenant(args.tenant, "--tenant")
@@ -611,7 +611,7 @@ def _format_clusters(clusters: Sequence[Any], skills: bool = True) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .memory import Memory
+    from lifemem_ray.engine.memory import Memory
 
     with Memory.open(args.store, _config(args), read_only=True) as memory:
         result = memory.export(args.out)
@@ -640,9 +640,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The lifelong experiment: rollout workers on Ray against a memory per mode."""
     import ray
 
-    from .actors.experiment import run_experiment
-    from .actors.rollout import print_progress
-    from .lifelong import ExperimentConfig
+    from lifemem_ray.actors.rollout.experiment import run_experiment
+    from lifemem_ray.actors.rollout.workers import print_progress
+    from lifemem_ray.lab.lifelong import ExperimentConfig
 
     config = _config(args)
     overrides = {k.split(".", 1)[1]: v for k, v in _set_overrides(args).items() if k.startswith("experiment.")}
@@ -686,9 +686,9 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     """The MCP server over stdin / stdout as one principal (the tenant, read and write), on the
     engine alone; stdout is the protocol, logs go to stderr. Closes the store on EOF or SIGTERM.
     Serves an existing store only, unless ``--create``."""
-    from .mcp_server import run_stdio
-    from .memory import Memory
-    from .principal import Principal
+    from lifemem_ray.service.mcp_server import run_stdio
+    from lifemem_ray.engine.memory import Memory
+    from lifemem_ray.service.principal import Principal
 
     config = _config(args)
     principal = Principal(check_tenant(args.tenant, "--tenant"), frozenset({"read", "write"}), "stdio")
@@ -703,7 +703,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from lifemem_ray.lab.demo import run_demo
 
     config = _config(args)
     store = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="lifemem-demo-"))

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.synthetic import generate, label_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.synthetic import generate, label_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def trainset_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def embedder():
-    from lifemem_ray.embedding import MiniLMEmbedder
+    from lifemem_ray.engine.embedding import MiniLMEmbedder
 
     return MiniLMEmbedder()
 
@@ -90,7 +90,7 @@ def ray_metrics_url(ray_local) -> str:
 @pytest.fixture
 def deployment(ray_local, tmp_path):
     """A factory for sharded deployments, each in its own namespace; all stopped afterwards."""
-    from lifemem_ray.actors import deployment as dep
+    from lifemem_ray.actors.cluster import deployment as dep
 
     started: list[str] = []
 
@@ -99,7 +99,7 @@ def deployment(ray_local, tmp_path):
         config = MemoryConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
         info = dep.deploy(store or tmp_path / f"store-{namespace}", config, shards=shards)
         started.append(namespace)
-        from lifemem_ray.actors.client import MemoryClient
+        from lifemem_ray.actors.cluster.client import MemoryClient
 
         return MemoryClient(namespace, config), info
 

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 import httpx
 
 from conftest import SMALL_ACTORS
-from lifemem_ray.auth import KeyRing, new_key
-from lifemem_ray.config import MemoryConfig
+from lifemem_ray.service.auth import KeyRing, new_key
+from lifemem_ray.engine.memory_config import MemoryConfig
 
 
 def free_port() -> int:
@@ -41,9 +41,9 @@ def serve_front(store: Path, namespace: str, roles: list[tuple[str, str, str]], 
     ``(role, tenant, scopes)``; wait for /healthz; stop everything at the end."""
     from ray import serve
 
-    from lifemem_ray.actors import deployment as dep
-    from lifemem_ray.actors.client import MemoryClient
-    from lifemem_ray.actors.http_app import start_http, stop_http
+    from lifemem_ray.actors.cluster import deployment as dep
+    from lifemem_ray.actors.cluster.client import MemoryClient
+    from lifemem_ray.actors.frontdoor.app import start_http, stop_http
 
     config = MemoryConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
     dep.deploy(store, config, shards=2)

@@ -14,11 +14,11 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from lifemem_ray.actors import deployment as dep
-from lifemem_ray.actors.client import MemoryClient
-from lifemem_ray.actors.errors import ShardUnavailableError
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25,
           "cluster.call_timeout_s": 30, "cluster.start_timeout_s": 120, "cluster.batch_wait_ms": 5}

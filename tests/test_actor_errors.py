@@ -1,4 +1,4 @@
-"""How remote errors reach the caller (actors/errors.py, the snapshot's resume), on
+"""How remote errors reach the caller (actors/cluster/remote_errors.py, the snapshot's resume), on
 wrappers and calls built the way Ray builds them, without a cluster."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 ray_exceptions = pytest.importorskip("ray.exceptions")
 
-from lifemem_ray.actors.errors import raise_remote, remote_cause  # noqa: E402
-from lifemem_ray.errors import IdConflictError, ShardUnavailableError  # noqa: E402
+from lifemem_ray.actors.cluster.remote_errors import raise_remote, remote_cause
+from lifemem_ray.core.errors import IdConflictError, ShardUnavailableError
 
 
 def wrapped(cause: BaseException | None) -> BaseException:
@@ -38,7 +38,7 @@ def test_raise_remote_raises_the_cause_in_place_of_the_wrapper():
 def test_a_failed_snapshot_raises_its_own_error_when_the_resume_fails_too(tmp_path, monkeypatch, caplog):
     """A pause that timed out, then a coordinator that cannot resume: the caller sees the
     timeout (what went wrong first), the failed resume is logged."""
-    from lifemem_ray.actors import deployment as dep
+    from lifemem_ray.actors.cluster import deployment as dep
 
     class Call:
         def __init__(self, name: str) -> None:

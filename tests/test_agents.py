@@ -11,20 +11,17 @@ from typing import Any
 
 import pytest
 
-from lifemem_ray import agents
-from lifemem_ray.agents import (
-    AGENTS, ExemplarAgent, GoldAgent, NoisyGoldAgent, ReActAgent, SkillGuidedAgent, make_agent, parse_procedure,
-    step_match,
-)
-from lifemem_ray.agents import _read_action
-from lifemem_ray.config import LLMConfig
-from lifemem_ray.envs import Environment, EnvUnavailable, StepResult, Task, make_env
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.prompts import ACT_SYSTEM_PROMPT, act_prompt, memory_sections
-from lifemem_ray.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, estimate_tokens, render_context
-from lifemem_ray.rollout import run_episode
-from lifemem_ray.skills import distil_procedure
-from lifemem_ray.steps import goal_words
+from lifemem_ray.lab import agents
+from lifemem_ray.lab.agents import AGENTS, ExemplarAgent, GoldAgent, NoisyGoldAgent, ReActAgent, SkillGuidedAgent, make_agent, parse_procedure, step_match
+from lifemem_ray.lab.agents import _read_action
+from lifemem_ray.engine.memory_config import LLMConfig
+from lifemem_ray.lab.envs import Environment, EnvUnavailable, StepResult, Task, make_env
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.llm.prompts import ACT_SYSTEM_PROMPT, act_prompt, memory_sections
+from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, estimate_tokens, render_context
+from lifemem_ray.lab.episode import run_episode
+from lifemem_ray.engine.clustering.skills import distil_procedure
+from lifemem_ray.engine.clustering.steps import goal_words
 
 ITEMS = ("red key", "blue cup", "old map", "green apple", "silver coin")
 PLACES = ("box", "basket", "drawer")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.auth import ENV_KEYS, KeyRing, check_bind, hash_key, is_loopback, new_key, parse_key_entries
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import AuthError, ConfigError
-from lifemem_ray.principal import SCOPES
+from lifemem_ray.service.auth import ENV_KEYS, KeyRing, check_bind, hash_key, is_loopback, new_key, parse_key_entries
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import AuthError, ConfigError
+from lifemem_ray.service.principal import SCOPES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ class _NoMemory:
     """A front service without a deployment: what build_app needs to build its routes."""
 
     def __init__(self) -> None:
-        from lifemem_ray.config import MemoryConfig
+        from lifemem_ray.engine.memory_config import MemoryConfig
 
         self.config = MemoryConfig()
         self.http = self.config.http
@@ -159,7 +159,7 @@ class _NoMemory:
 def _front_app(mode: str, entries=()):
     from fastapi.testclient import TestClient
 
-    from lifemem_ray.actors.http_app import build_app
+    from lifemem_ray.actors.frontdoor.app import build_app
 
     service = _NoMemory()
     return service, TestClient(build_app(service, KeyRing.from_entries(list(entries), mode)))

@@ -8,16 +8,16 @@ import asyncio
 import numpy as np
 import pytest
 
-from lifemem_ray.actors.batching import BatchIngest, LocalShards, absorb_previous, route
-from lifemem_ray.actors.coordinator import Coordinator
-from lifemem_ray.actors.routing import RoutingTable
-from lifemem_ray.actors.shard import MemoryShard
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import EmbeddingError, IdConflictError, UnknownClusterError
-from lifemem_ray.evolution import ItemBatch, Placement
-from lifemem_ray.memory import Memory, pack_trajectories
-from lifemem_ray.model import Step, Trajectory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.actors.cluster.batching import BatchIngest, LocalShards, absorb_previous, route
+from lifemem_ray.actors.cluster.coordinator import Coordinator
+from lifemem_ray.actors.cluster.routing import RoutingTable
+from lifemem_ray.actors.cluster.shard_actor import MemoryShard
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import EmbeddingError, IdConflictError, UnknownClusterError
+from lifemem_ray.engine.clustering.evolution import ItemBatch, Placement
+from lifemem_ray.engine.memory import Memory, pack_trajectories
+from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 DIM = 384
 # No splits during a test (they run in the shards' background threads): partitions compare exactly.
@@ -232,8 +232,8 @@ def test_the_coordinator_pipelines_without_ray(cluster, data, tmp_path):
 
 
 def test_absorb_previous_adds_exact_neighbours_within_the_environment():
-    from lifemem_ray.actors.batching import Committed
-    from lifemem_ray.evolution import CandidateSet, ItemBatch
+    from lifemem_ray.actors.cluster.batching import Committed
+    from lifemem_ray.engine.clustering.evolution import CandidateSet, ItemBatch
 
     rng = np.random.default_rng(0)
     prev = rng.normal(size=(6, 8)).astype(np.float32)
@@ -253,8 +253,8 @@ def test_absorb_previous_adds_exact_neighbours_within_the_environment():
 def test_the_client_offers_the_engines_user_operations():
     import inspect
 
-    from lifemem_ray.actors.client import MemoryClient
-    from lifemem_ray.protocols import MemoryAPI
+    from lifemem_ray.actors.cluster.client import MemoryClient
+    from lifemem_ray.engine.protocols import MemoryAPI
 
     assert isinstance(MemoryClient.__new__(MemoryClient), MemoryAPI)
     for name in ("add", "add_many", "retrieve", "retrieve_many", "clusters", "cluster_count", "verify", "maintain", "close"):
@@ -287,8 +287,8 @@ def test_a_resent_commit_reports_its_items_added_and_counts_them(cluster, data):
 
 
 def test_absorbing_the_previous_batch_adds_its_items_to_the_environment_sums():
-    from lifemem_ray.actors.batching import Committed
-    from lifemem_ray.evolution import CandidateSet, ScopeSums
+    from lifemem_ray.actors.cluster.batching import Committed
+    from lifemem_ray.engine.clustering.evolution import CandidateSet, ScopeSums
 
     part = ItemBatch.of([], "roles")
     part.envs = []

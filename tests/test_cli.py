@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.importers import write_jsonl
-from lifemem_ray.synthetic import generate
+from lifemem_ray.core.importers import write_jsonl
+from lifemem_ray.lab.synthetic import generate
 
 SCRIPT = shutil.which("lifemem-ray") or str(Path(sys.executable).parent / "lifemem-ray")
 
@@ -102,7 +102,7 @@ def test_errors_are_one_line(tmp_path):
 
 def test_second_writer_gets_a_clear_error(store, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys,time; from lifemem_ray.memory import Memory; m=Memory.open(sys.argv[1]); print('open', flush=True); time.sleep(60)", str(tmp_path / "s")],
+        [sys.executable, "-c", "import sys,time; from lifemem_ray.engine.memory import Memory; m=Memory.open(sys.argv[1]); print('open', flush=True); time.sleep(60)", str(tmp_path / "s")],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -124,7 +124,7 @@ def test_demo_runs(tmp_path):
 
 
 def test_terminal_control_sequences_in_stored_text_are_shown_escaped(tmp_path):
-    from lifemem_ray.model import Outcome, Step, Trajectory
+    from lifemem_ray.core.model import Outcome, Step, Trajectory
 
     hostile = [Trajectory(env="shop", task=f"buy shoes \x1b[2J\x1b]0;pwned\x07 number {i} \u202eevil",
                           steps=(Step(action="search[shoes \x1b[31m]", observation="\x9b2J results"),), outcome=Outcome(success=True))
@@ -198,7 +198,7 @@ def test_a_listening_cluster_that_refuses_us_is_reported_as_an_authentication_fa
     parts: starting a second, token-protected cluster here would disturb the session's)."""
     import socket
 
-    from lifemem_ray.actors.ray_address import answers
+    from lifemem_ray.actors.cluster.ray_address import answers
     from lifemem_ray.cli import _refused
 
     server = socket.socket()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lifemem_ray.synthetic import generate
+from lifemem_ray.lab.synthetic import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 

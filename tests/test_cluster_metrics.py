@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lifemem_ray.cluster_metrics import (bootstrap_weights, equal_k_baseline, partition_scores, purity, refine_partition,
-                                         sequence_distance, weighted_scores)
+from lifemem_ray.lab.cluster_metrics import bootstrap_weights, equal_k_baseline, partition_scores, purity, refine_partition, sequence_distance, weighted_scores
 
 
 def test_purity_counts_each_clusters_majority():
@@ -52,7 +51,7 @@ def test_sequence_distance(a, b, expected):
 
 
 def test_pure_partition_nmi_rewards_uneven_parts_and_checks_k():
-    from lifemem_ray.cluster_metrics import pure_partition_nmi
+    from lifemem_ray.lab.cluster_metrics import pure_partition_nmi
 
     labels = ["a"] * 20 + ["b"] * 20 + ["c"] * 4
     exact = pure_partition_nmi(labels, 3)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from conftest import unit
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.model import Outcome, Step, Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lifemem_ray.config import ConfigError, MemoryConfig
+from lifemem_ray.engine.memory_config import ConfigError, MemoryConfig
 
 
 def test_defaults_are_the_papers():
@@ -72,7 +72,7 @@ def test_replace_copies_and_hides_the_key():
 def test_every_number_in_the_config_has_a_hard_bound():
     import dataclasses
 
-    from lifemem_ray.config import BOUNDS, MemoryConfig
+    from lifemem_ray.engine.memory_config import BOUNDS, MemoryConfig
 
     config = MemoryConfig()
     numbers = [f"{s.name}.{f.name}" for s in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, s.name))
@@ -94,7 +94,7 @@ def test_every_number_in_the_config_has_a_hard_bound():
 
 
 def test_a_tenants_share_cannot_exceed_the_replicas_slots():
-    from lifemem_ray.config import MemoryConfig
+    from lifemem_ray.engine.memory_config import MemoryConfig
 
     with pytest.raises(ConfigError, match=r"http\.max_ongoing_per_tenant: 33 is above http\.max_ongoing_requests \(32\)"):
         MemoryConfig().replace({"http.max_ongoing_per_tenant": 33})

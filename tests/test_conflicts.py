@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import IdConflictError
-from lifemem_ray.importers import write_jsonl
-from lifemem_ray.memory import Memory, prepare_items
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import IdConflictError
+from lifemem_ray.core.importers import write_jsonl
+from lifemem_ray.engine.memory import Memory, prepare_items
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 DIM = 32
@@ -99,7 +99,7 @@ def test_cli_ingest_refuses_the_file(tmp_path):
 
 
 def test_bulk_load_refuses_the_batch(deployment, tmp_path):
-    from lifemem_ray.actors.bulk import bulk_load
+    from lifemem_ray.actors.cluster.bulk import bulk_load
 
     client, _ = deployment(shards=2)
     first = _gen(6, 1, ["shop"])

@@ -10,13 +10,13 @@ import time
 
 import numpy as np
 
-from lifemem_ray.memory import Memory
+from lifemem_ray.engine.memory import Memory
 
 INGEST = r"""
 import sys
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate, label_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate, label_vectors
 
 path, start, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 trajs = list(generate(3000, seed=1, length_scale=0.3))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lifemem_ray.datasets import Source, generate, label_of, load_set, save_set, scienceworld_topic
+from lifemem_ray.lab.datasets import Source, generate, label_of, load_set, save_set, scienceworld_topic
 
 
 def test_sql_fold_is_labelled_and_disjoint_from_the_other_fold():
@@ -21,7 +21,7 @@ def test_sql_fold_is_labelled_and_disjoint_from_the_other_fold():
 
 
 def test_a_hung_or_crashed_episode_is_counted_and_the_rest_is_played(tmp_path):
-    from lifemem_ray.envs import make_env
+    from lifemem_ray.lab.envs import make_env
 
     ids = [t.id for t in make_env("sql", n_train=5, n_test=1).tasks("train")]
     options = {"inner": "sql", "inner_options": {"n_train": 5, "n_test": 1}, "marker_dir": str(tmp_path / "markers"),

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
-from lifemem_ray.tenancy import DEFAULT_TENANT
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT
 
 CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
 
@@ -145,7 +145,7 @@ def test_purge_passes_that_find_nothing_leave_the_generation_alone(tmp_path, syn
 
 
 def test_store_write_bumps_the_generation_unless_told_nothing_changed(tmp_path):
-    from lifemem_ray.storage import MemoryStore
+    from lifemem_ray.engine.store.storage import MemoryStore
 
     store = MemoryStore(tmp_path / "s", dim=4, workflow_dim=4)
     try:
@@ -187,7 +187,7 @@ def test_a_purge_blanks_the_log_and_tombstones_in_bounded_passes(tmp_path, synth
     """The log and the clusters are gone over a few entries per transaction before the last
     one, which reads the log only from where those passes ended; the outcome is the same."""
     from lifemem_ray.engine import deletion
-    from lifemem_ray.storage import MemoryStore
+    from lifemem_ray.engine.store.storage import MemoryStore
 
     monkeypatch.setattr(deletion, "PURGE_LOG_CHUNK", 7)
     calls: list[tuple[int, int | None]] = []
@@ -266,7 +266,7 @@ def _entries(path) -> list[bytes]:
     """Every key and value of every table of a store, read with LMDB itself."""
     import lmdb
 
-    from lifemem_ray.storage import _DBS
+    from lifemem_ray.engine.store.storage import _DBS
 
     env = lmdb.open(str(path), max_dbs=len(_DBS) + 2, readonly=True, lock=False)
     try:
@@ -283,9 +283,9 @@ def _entries(path) -> list[bytes]:
 # -- SIGKILL ---------------------------------------------------------------------------------
 REMOVER = r"""
 import sys
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate
 
 path = sys.argv[1]
 config = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
@@ -335,9 +335,9 @@ def test_sigkill_during_removals_keeps_every_acknowledged_one(tmp_path, syntheti
 
 PURGER = r"""
 import os, signal, sys
-from lifemem_ray.config import MemoryConfig
+from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine import deletion
-from lifemem_ray.memory import Memory
+from lifemem_ray.engine.memory import Memory
 
 path, kill_after = sys.argv[1], int(sys.argv[2])
 deletion.PURGE_CHUNK = 40  # several bounded transactions

@@ -22,11 +22,12 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from lifemem_ray import lmdb_rewrite, storage
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import StoreLockedError
-from lifemem_ray.memory import Memory
-from lifemem_ray.storage import MemoryStore
+from lifemem_ray.engine.store import lmdb_rewrite
+from lifemem_ray.engine.store import storage
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import StoreLockedError
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.store.storage import MemoryStore
 
 CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
 MARKER = "QZX-DELETED-OBSERVATION-7F3A"
@@ -230,9 +231,9 @@ def test_a_compaction_that_fails_before_the_swap_leaves_the_store_as_it_was(tmp_
 
 CRASHER = r"""
 import os, signal, sys
-from lifemem_ray import lmdb_rewrite
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
+from lifemem_ray.engine.store import lmdb_rewrite
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
 
 path, where = sys.argv[1], sys.argv[2]
 die = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
@@ -269,8 +270,8 @@ def test_a_compaction_killed_midway_leaves_a_whole_store(tmp_path, synthetic, wh
 # -- the command line ---------------------------------------------------------------------------
 HOLDER = r"""
 import sys, time
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
 
 with Memory.open(sys.argv[1], MemoryConfig().replace({"evolution.init_size": 20}), read_only=sys.argv[2] == "read") as memory:
     print("ready", flush=True)
@@ -325,7 +326,7 @@ def test_compacting_refuses_while_another_process_has_the_store_open_read_only(t
 
 # -- through a Ray deployment ------------------------------------------------------------------
 def test_through_the_coordinator_snapshots_and_compaction_hold_no_deleted_bytes(deployment, ray_local, synthetic, tmp_path):
-    from lifemem_ray.actors import deployment as dep
+    from lifemem_ray.actors.cluster import deployment as dep
 
     victims, keepers, vecs = _planted(synthetic)
     store = tmp_path / "store"

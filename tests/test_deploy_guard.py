@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_ACTORS
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import DeploymentExistsError
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import DeploymentExistsError
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 
 def test_a_second_deployment_of_a_served_store_is_refused(deployment, tmp_path):
     import ray
 
-    from lifemem_ray.actors import deployment as dep
+    from lifemem_ray.actors.cluster import deployment as dep
 
     store = tmp_path / "served"
     client, info = deployment(shards=1, store=store)

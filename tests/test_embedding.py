@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lifemem_ray.config import EmbeddingConfig
-from lifemem_ray.embedding import EmbeddingError, MiniLMEmbedder, default_model_path
+from lifemem_ray.engine.memory_config import EmbeddingConfig
+from lifemem_ray.engine.embedding import EmbeddingError, MiniLMEmbedder, default_model_path
 
 TEXTS = [
     "put a clean mug in the coffee machine",

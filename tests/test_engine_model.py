@@ -1,5 +1,5 @@
-"""The domain model (lifemem_ray.clusters), the stored format (lifemem_ray.codec), the typed
-interfaces (lifemem_ray.protocols) and the one id rule on every ingest path."""
+"""The domain model (lifemem_ray.engine.clustering.clusters), the stored format (lifemem_ray.engine.store.codec), the typed
+interfaces (lifemem_ray.engine.protocols) and the one id rule on every ingest path."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import unit
-from lifemem_ray import codec
-from lifemem_ray.clusters import ClusterRecord, check_against_members, fold_member, merged, new_cluster_record, unfold_member
-from lifemem_ray.memory import IdConflictError, Memory, pack_trajectories
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.protocols import MemoryAPI, ShardProtocol
+from lifemem_ray.engine.store import codec
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, check_against_members, fold_member, merged, new_cluster_record, unfold_member
+from lifemem_ray.engine.memory import IdConflictError, Memory, pack_trajectories
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.protocols import MemoryAPI, ShardProtocol
 
 
 def _traj(i: int, task: str | None = None, env: str = "shop") -> Trajectory:
@@ -114,7 +114,7 @@ def test_cluster_records_round_trip_byte_for_byte():
 
 
 def _old_cluster_bytes(r: ClusterRecord, with_nsu: bool) -> bytes:
-    """A cluster record as the writers before lifemem_ray.codec packed it."""
+    """A cluster record as the writers before lifemem_ray.engine.store.codec packed it."""
     d = {"id": r.id, "n": r.count, "ts": r.tsum.astype(np.float64).tobytes(), "ws": r.wsum.astype(np.float64).tobytes(), "envs": r.envs,
          "flows": r.flows, "ok": r.successes, "ko": r.failures, "d": r.description, "db": r.description_by, "dn": r.description_n,
          "s": r.skill, "sb": r.skill_by, "sn": r.skill_n, "v": r.version, "born": r.born, "parent": r.parent, "c": r.created,
@@ -174,7 +174,7 @@ def test_a_shard_commit_reports_what_is_stored_and_stores_nothing_twice(tmp_path
         batch = pack_trajectories(trajs[55:65], vecs[55:65], m.dim, m.features)
         found = m.shard.candidates(batch.vecs, batch.wvecs, batch.envs)
         target = int(found.neighbour_ids[0, 0])
-        from lifemem_ray.evolution import Placement
+        from lifemem_ray.engine.clustering.evolution import Placement
 
         results, states = m.shard.commit(batch, [Placement(cluster=target, op="join", by="offline")] * len(batch))
         assert [r.status for r in results] == ["duplicate"] * 5 + ["added"] * 5 and target in states
@@ -186,8 +186,8 @@ def test_a_shard_commit_reports_what_is_stored_and_stores_nothing_twice(tmp_path
 def test_the_engine_and_the_actor_satisfy_the_shard_protocol(tmp_path):
     import inspect
 
-    from lifemem_ray.actors.shard import MemoryShard
-    from lifemem_ray.engine.shard import EngineShard
+    from lifemem_ray.actors.cluster.shard_actor import MemoryShard
+    from lifemem_ray.engine.local_shard import EngineShard
 
     with Memory.open(tmp_path / "m", dim=8) as m:
         assert isinstance(m, MemoryAPI) and isinstance(m.shard, ShardProtocol)

@@ -3,7 +3,7 @@ loopback: slow request bodies sent with one valid key (read-write, then read-onl
 stall another tenant, and their sockets must be closed; names with a final newline and loosely
 typed numbers are refused naming the field; a write-only key polls the operations it created.
 
-Unit tests of the admission policy (:mod:`lifemem_ray.actors.admission`) need no Ray."""
+Unit tests of the admission policy (:mod:`lifemem_ray.actors.frontdoor.admission`) need no Ray."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from front_harness import Front, serve_front
-from lifemem_ray.actors.admission import BodyPace, TenantShare
-from lifemem_ray.synthetic import generate
+from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
+from lifemem_ray.lab.synthetic import generate
 
 SLOW_CONNECTIONS = 40  # as in the issue: 40 connections, one valid key
 SLOW_BODY_BYTES = 100_000  # each announcing a 100 kB body ...

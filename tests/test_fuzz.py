@@ -13,11 +13,11 @@ import random
 
 import pytest
 
-from lifemem_ray.config import BOUNDS, ConfigError, MemoryConfig
-from lifemem_ray.errors import LifeMemError
-from lifemem_ray.importers import RecordError, check_file
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory_config import BOUNDS, ConfigError, MemoryConfig
+from lifemem_ray.core.errors import LifeMemError
+from lifemem_ray.core.importers import RecordError, check_file
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 SEED = 20261202
 CASES = 300  # generated records, bounded so the file runs in seconds

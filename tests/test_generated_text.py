@@ -1,6 +1,6 @@
 """Generated text (LLM skills and cluster descriptions) is refused by construction: every token
 that is not plain English prose must occur in the trajectories the text was generated from
-(lifemem_ray.provenance), and instructions aimed at the operator are refused always.
+(lifemem_ray.llm.provenance), and instructions aimed at the operator are refused always.
 
 The payloads that leaked through the old blocklist (issue 23), more of our own, a seeded fuzz
 of disguised variants, realistic good skills (with the false-refusal rate measured), and the
@@ -18,15 +18,15 @@ from collections import defaultdict
 
 import pytest
 
-from lifemem_ray import lexicon
-from lifemem_ray.config import LLMConfig, MemoryConfig
-from lifemem_ray.decisions import ClusterView
-from lifemem_ray.llm import LLMDecider
-from lifemem_ray.memory import Memory
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.policy import OfflinePolicy
-from lifemem_ray.provenance import from_trajectories, normalise, refusal, token_kind, tokens
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.llm import lexicon
+from lifemem_ray.engine.memory_config import LLMConfig, MemoryConfig
+from lifemem_ray.core.decisions import ClusterView
+from lifemem_ray.llm.transport import LLMDecider
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.clustering.policy import OfflinePolicy
+from lifemem_ray.llm.provenance import from_trajectories, normalise, refusal, token_kind, tokens
+from lifemem_ray.lab.synthetic import generate, text_vectors
 from openai_stub import OpenAIStub, Reply, sensible_reply
 
 # -- material ------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_realistic_good_skills_pass():
 def test_the_modules_examples_hold():
     import doctest
 
-    from lifemem_ray import provenance
+    from lifemem_ray.llm import provenance
 
     assert doctest.testmod(provenance).failed == 0 and doctest.testmod(lexicon).failed == 0
 
@@ -239,7 +239,7 @@ def test_the_lexicon_is_the_shipped_english_word_list():
 
 @pytest.fixture(scope="module")
 def trainset_by_env(trainset_dir):
-    from lifemem_ray.importers import read_jsonl
+    from lifemem_ray.core.importers import read_jsonl
 
     trajs, _ = read_jsonl(sorted(trainset_dir.glob("*.jsonl")))
     by_env: dict[str, list[Trajectory]] = defaultdict(list)

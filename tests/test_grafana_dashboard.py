@@ -1,4 +1,4 @@
-"""cluster_configs/grafana-lifemem.json queries the metrics lifemem_ray.metrics declares, under the
+"""cluster_configs/grafana-lifemem.json queries the metrics lifemem_ray.core.metrics declares, under the
 names Ray exports them with (tests/test_metrics.py scrapes those names from a real deployment)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray import metrics
+from lifemem_ray.core import metrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "cluster_configs" / "grafana-lifemem.json"
 HISTOGRAM_SERIES = ("_bucket", "_count", "_sum")
@@ -37,7 +37,7 @@ def spec_of(exported: str) -> tuple[metrics.MetricSpec, str]:
         base = name.removesuffix(suffix)
         if base != name and base in metrics.CATALOGUE and metrics.CATALOGUE[base].kind == "histogram":
             return metrics.CATALOGUE[base], suffix
-    raise AssertionError(f"{exported}: not a metric of lifemem_ray.metrics.CATALOGUE (nor a histogram's series)")
+    raise AssertionError(f"{exported}: not a metric of lifemem_ray.core.metrics.CATALOGUE (nor a histogram's series)")
 
 
 def expressions(dashboard: dict) -> list[tuple[str, str]]:

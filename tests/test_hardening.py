@@ -18,12 +18,12 @@ import lmdb
 import numpy as np
 import pytest
 
-from lifemem_ray import codec
-from lifemem_ray.errors import IndexSaveError, StoreError
-from lifemem_ray.importers import write_jsonl
-from lifemem_ray.memory import Memory
-from lifemem_ray.retrieval import MAX_QUERIES, MAX_TASK_CHARS
-from lifemem_ray.synthetic import generate, label_vectors
+from lifemem_ray.engine.store import codec
+from lifemem_ray.core.errors import IndexSaveError, StoreError
+from lifemem_ray.core.importers import write_jsonl
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.retrieval import MAX_QUERIES, MAX_TASK_CHARS
+from lifemem_ray.lab.synthetic import generate, label_vectors
 
 SCRIPT = shutil.which("lifemem-ray") or str(Path(sys.executable).parent / "lifemem-ray")
 N = 60
@@ -226,8 +226,8 @@ def test_check_deep_finds_a_record_edited_behind_the_engine(tmp_path):
 # -- 4. a long-lived read-only reader follows the writer -----------------------------------------
 WRITER = """
 import sys
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate, label_vectors
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate, label_vectors
 trajs = list(generate({n}, seed=1, length_scale=0.1))
 vecs = label_vectors([t.metadata["workflow"] for t in trajs], list(range({n})), seed=1)
 with Memory.open(sys.argv[1]) as w:
@@ -307,7 +307,7 @@ class _EnvProxy:
 
 def test_index_cache_save_failure_is_a_warning(tmp_path, monkeypatch, caplog):
     trajs, vecs = _data(20)
-    from lifemem_ray.index import VectorIndex
+    from lifemem_ray.engine.index.vector_index import VectorIndex
 
     def full(self, directory, stamp, identity=""):
         raise IndexSaveError(f"{directory}: could not save the index cache: No space left on device; the store is intact")

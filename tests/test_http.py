@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from front_harness import Front, free_port, serve_front
-from lifemem_ray.auth import KeyRing, new_key
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import ConfigError
-from lifemem_ray.synthetic import generate
+from lifemem_ray.service.auth import KeyRing, new_key
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import ConfigError
+from lifemem_ray.lab.synthetic import generate
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -278,7 +278,7 @@ def test_overload_answers_503_with_retry_after(front):
 
 
 def test_no_auth_mode_refuses_a_non_loopback_host(front):
-    from lifemem_ray.actors.http_app import start_http
+    from lifemem_ray.actors.frontdoor.app import start_http
 
     open_config = MemoryConfig().replace({"http.auth": "none"})
     ring = KeyRing.from_config(open_config.http, environ={})
@@ -416,8 +416,8 @@ def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_l
 def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
     """Operations kept for polling: at most operations_max (the oldest finished go first; full of
     pending ones, a new one is refused), each forgotten after the TTL, a stalled one reads failed."""
-    from lifemem_ray.actors import operations as ops_module
-    from lifemem_ray.errors import OverloadedError
+    from lifemem_ray.actors.frontdoor import operations as ops_module
+    from lifemem_ray.core.errors import OverloadedError
 
     now = [1000.0]
     monkeypatch.setattr(ops_module.time, "time", lambda: now[0])
@@ -443,8 +443,8 @@ def test_the_operations_table_bounds_the_answers_it_keeps():
     """At most http.operations_max_items trajectory answers over all operations: the oldest
     finished ones make room; a table full of pending ones refuses (503), as does one operation
     larger than the bound."""
-    from lifemem_ray.actors import operations as ops_module
-    from lifemem_ray.errors import OverloadedError
+    from lifemem_ray.actors.frontdoor import operations as ops_module
+    from lifemem_ray.core.errors import OverloadedError
 
     table = ops_module.Operations(max_kept=100, ttl_s=600, max_items=10)
     a = table.create("acme", [f"a{i}" for i in range(6)], deadline_s=60)
@@ -464,8 +464,8 @@ def test_health_without_a_deployment_names_no_namespace_or_internals(monkeypatch
     """/healthz needs no key: a failed check says what kind of failure, the log says the rest."""
     import ray
 
-    from lifemem_ray.actors import http_service
-    from lifemem_ray.actors.errors import DeploymentNotFoundError
+    from lifemem_ray.actors.frontdoor import front_service as http_service
+    from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError
 
     def find(namespace: str):
         if failure == "gone":
@@ -490,9 +490,9 @@ def test_a_removal_that_outlasts_its_timeout_answers_503_and_goes_on(monkeypatch
     gets a 503 telling it to send again; the removal itself is not called back."""
     import threading
 
-    from lifemem_ray.actors import http_service
-    from lifemem_ray.errors import OverloadedError
-    from lifemem_ray.principal import Principal
+    from lifemem_ray.actors.frontdoor import front_service as http_service
+    from lifemem_ray.core.errors import OverloadedError
+    from lifemem_ray.service.principal import Principal
 
     release, finished = threading.Event(), threading.Event()
 
@@ -524,8 +524,8 @@ def test_cluster_listing_asks_the_shards_for_at_most_the_limit(monkeypatch):
     is counted apart only when the listing is cut."""
     from types import SimpleNamespace
 
-    from lifemem_ray.actors import http_service
-    from lifemem_ray.principal import Principal
+    from lifemem_ray.actors.frontdoor import front_service as http_service
+    from lifemem_ray.service.principal import Principal
 
     asked: list[tuple[str, Any]] = []
 

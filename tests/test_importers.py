@@ -13,17 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.importers import (
-    ImportReport,
-    InvalidTrajectoryError,
-    RecordError,
-    iter_jsonl,
-    parse_record,
-    read_jsonl,
-    split_agent_turn,
-    write_jsonl,
-)
-from lifemem_ray.model import Outcome, Step, Trajectory
+from lifemem_ray.core.importers import ImportReport, InvalidTrajectoryError, RecordError, iter_jsonl, parse_record, read_jsonl, split_agent_turn, write_jsonl
+from lifemem_ray.core.model import Outcome, Step, Trajectory
 
 
 def shared_data_dir() -> Path:

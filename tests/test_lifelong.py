@@ -6,21 +6,9 @@ import json
 
 import pytest
 
-from lifemem_ray.config import ConfigError
-from lifemem_ray.envs.base import Task
-from lifemem_ray.lifelong import (
-    ExperimentConfig,
-    ScoreTable,
-    SeedResult,
-    build_stream,
-    learnt_rows,
-    metrics,
-    overlap,
-    render_markdown,
-    summarise,
-    transfer_events,
-    write_plots,
-)
+from lifemem_ray.engine.memory_config import ConfigError
+from lifemem_ray.lab.envs.base import Task
+from lifemem_ray.lab.lifelong import ExperimentConfig, ScoreTable, SeedResult, build_stream, learnt_rows, metrics, overlap, render_markdown, summarise, transfer_events, write_plots
 
 
 def _tasks(env: str, n: int) -> list[Task]:
@@ -136,7 +124,7 @@ def test_default_experiment_has_every_mode_transfer_and_the_skill_reader():
 def test_random_stream_bwt_baseline_is_where_training_ends():
     # x is learnt in chunks 1 and 2: its gain between them is learning, not backward transfer.
     x, y = _tasks("x", 2), _tasks("y", 2)
-    from lifemem_ray.lifelong import Phase
+    from lifemem_ray.lab.lifelong import Phase
 
     phases = [Phase(0, "chunk 1", (x[0], y[0]), ("x", "y")), Phase(1, "chunk 2", (x[1],), ("x", "y")),
               Phase(2, "chunk 3", (y[1],), ("x", "y"))]

@@ -8,10 +8,10 @@ import re
 import pytest
 
 from conftest import unit
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
-from lifemem_ray.model import Step, Trajectory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 from openai_stub import OpenAIStub, Reply, sensible_reply
 
 ERRORISH = re.compile(r"error|traceback|rate limit", re.I)

@@ -23,12 +23,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llm_server import llama_server_fixture  # noqa: E402
-from lifemem_ray.config import LLMConfig, MemoryConfig  # noqa: E402
-from lifemem_ray.decisions import Assignment, AssignRequest, Candidate, ClusterView  # noqa: E402
-from lifemem_ray.llm import LLMDecider  # noqa: E402
-from lifemem_ray.memory import Memory  # noqa: E402
-from lifemem_ray.prompts import DESCRIPTION_MAX_CHARS, SKILL_MAX_CHARS, assign_prompt  # noqa: E402
-from lifemem_ray.synthetic import generate, text_vectors  # noqa: E402
+from lifemem_ray.engine.memory_config import LLMConfig, MemoryConfig
+from lifemem_ray.core.decisions import Assignment, AssignRequest, Candidate, ClusterView
+from lifemem_ray.llm.transport import LLMDecider
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.llm.prompts import DESCRIPTION_MAX_CHARS, SKILL_MAX_CHARS, assign_prompt
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 pytestmark = [pytest.mark.llm_real, pytest.mark.timeout(900)]
 
@@ -44,7 +44,7 @@ LLM_SETTINGS = {
     "max_answer_tokens": 256,
 }
 
-# Independent of lifemem_ray.llm's own filters: what an error report or refusal looks like.
+# Independent of lifemem_ray.llm.transport's own filters: what an error report or refusal looks like.
 ERRORISH = re.compile(
     r"(api error|traceback|error code|http \d{3}|internal server error|bad gateway|service unavailable|"
     r"timed out|connection (error|refused)|rate limit|\{\s*[\"']error[\"']|<html)",

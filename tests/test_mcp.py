@@ -31,10 +31,10 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from starlette.middleware import Middleware
 
-from lifemem_ray.mcp_server import build_mcp_server, streamable_http_app
-from lifemem_ray.memory import Memory
-from lifemem_ray.principal import Principal, acting_as, current
-from lifemem_ray.synthetic import generate
+from lifemem_ray.service.mcp_server import build_mcp_server, streamable_http_app
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.service.principal import Principal, acting_as, current
+from lifemem_ray.lab.synthetic import generate
 
 TOOLS = {"add_trajectory", "retrieve_experience", "memory_stats"}
 

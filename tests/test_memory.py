@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import purity, unit
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import IdConflictError, Memory, prepare_items
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.storage import StoreError
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import IdConflictError, Memory, prepare_items
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.store.storage import StoreError
 
 
 def traj(i: int, env: str = "shop", actions: tuple[str, ...] = ("search[x]", "click[B1]", "click[Buy Now]"), task: str | None = None) -> Trajectory:
@@ -245,7 +245,7 @@ def test_remove_updates_clusters(tmp_path, synthetic):
 
 
 def test_export_round_trips(tmp_path, synthetic):
-    from lifemem_ray.importers import read_jsonl
+    from lifemem_ray.core.importers import read_jsonl
 
     trajs, vecs = synthetic
     with Memory.open(tmp_path / "m") as m:
@@ -266,8 +266,8 @@ def test_read_only_and_second_writer(tmp_path):
     path = tmp_path / "m"
     probe = (
         "import sys\n"
-        "from lifemem_ray.memory import Memory\n"
-        "from lifemem_ray.storage import StoreLockedError\n"
+        "from lifemem_ray.engine.memory import Memory\n"
+        "from lifemem_ray.engine.store.storage import StoreLockedError\n"
         "with Memory.open(sys.argv[1], read_only=True) as ro:\n"
         "    print('readers see', len(ro))\n"
         "try:\n"
@@ -321,7 +321,7 @@ def test_closed_memory_refuses_work(tmp_path):
 
 
 def test_trusted_decode_of_stored_records_equals_the_validated_one():
-    from lifemem_ray.storage import record_to_trajectory, trajectory_to_record
+    from lifemem_ray.engine.store.storage import record_to_trajectory, trajectory_to_record
 
     traj = Trajectory(env="web", task="find a red mug", steps=(Step(action="search[red mug]", thought="look", observation="3 hits"),),
                       outcome=Outcome(success=True, reward=1.0), id="t1", initial_observation="home page", metadata={"k": [1, "x"]})
@@ -333,7 +333,7 @@ def test_trusted_decode_of_stored_records_equals_the_validated_one():
 
 
 def test_candidate_arrays_merge_keeps_the_best_across_stores_in_store_order():
-    from lifemem_ray.evolution import CandidateArrays
+    from lifemem_ray.engine.clustering.evolution import CandidateArrays
 
     pad = -np.inf
     a = CandidateArrays(np.array([[5, -1, 7]]), np.array([[0.9, pad, 0.5]], np.float32), np.array([[5]]), np.array([[0.8]], np.float32), {})
@@ -385,7 +385,7 @@ def test_hits_then_records_is_what_search_records_returns(tmp_path, synthetic):
 def test_paused_gc_restores_the_collector_state():
     import gc
 
-    from lifemem_ray.retrieval import paused_gc
+    from lifemem_ray.engine.retrieval import paused_gc
 
     assert gc.isenabled()
     with paused_gc():
@@ -408,8 +408,8 @@ def test_paused_gc_restores_the_collector_state():
 
 
 def test_retrieved_exemplars_decode_their_trajectory_on_demand(tmp_path, synthetic):
-    from lifemem_ray.retrieval import RetrievedTrajectory, assemble
-    from lifemem_ray.storage import trajectory_to_record
+    from lifemem_ray.engine.retrieval import RetrievedTrajectory, assemble
+    from lifemem_ray.engine.store.storage import trajectory_to_record
 
     trajs, vecs = synthetic
     raw = [trajectory_to_record(t, ["w"], 0.0) for t in trajs[:3]]

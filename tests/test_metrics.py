@@ -15,10 +15,10 @@ from collections.abc import Callable
 import pytest
 
 from conftest import ROOT, SMALL_ACTORS
-from lifemem_ray import metrics
-from lifemem_ray.errors import LifeMemError, MetricTagError
-from lifemem_ray.prompts import MEMORY_OPERATIONS
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.core import metrics
+from lifemem_ray.core.errors import LifeMemError, MetricTagError
+from lifemem_ray.llm.prompts import MEMORY_OPERATIONS
+from lifemem_ray.lab.synthetic import generate, text_vectors
 from openai_stub import OpenAIStub, Reply, sensible_reply
 
 SCRAPE_DEADLINE_S = 120  # Ray's workers report every metrics_report_interval_ms (10 s by default)
@@ -80,9 +80,9 @@ def test_without_ray_recording_is_checked_and_dropped(tmp_path):
     """The engine records into nothing when Ray is not initialised, even where it is imported."""
     code = """
 import sys
-from lifemem_ray import metrics
-from lifemem_ray.memory import Memory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.core import metrics
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 trajs = list(generate(30, seed=3, length_scale=0.1))
 vecs = text_vectors([t.task for t in trajs])
@@ -141,7 +141,7 @@ def assign_refused(request: dict) -> Reply | None:
 
 
 def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(ray_local, deployment, ray_metrics_url, tmp_path):
-    from lifemem_ray.memory import Memory
+    from lifemem_ray.engine.memory import Memory
 
     driver = ray_local.get_runtime_context().get_worker_id()
     before = poll(ray_metrics_url, lambda s: True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lifemem_ray.model import InvalidTrajectoryError, Outcome, Step, Trajectory
+from lifemem_ray.core.model import InvalidTrajectoryError, Outcome, Step, Trajectory
 
 
 def test_round_trip_and_stable_id():
@@ -53,7 +53,7 @@ def test_env_fallback_and_render():
 
 
 def test_render_text_from_plain_fields_matches_render():
-    from lifemem_ray.model import render_text
+    from lifemem_ray.core.model import render_text
 
     t = Trajectory(
         env="e", task="  ", initial_observation="You are in a room.",
@@ -70,7 +70,7 @@ def test_render_text_from_plain_fields_matches_render():
 
 
 def test_metadata_text_follows_the_text_rules_and_the_size_bounds():
-    from lifemem_ray.model import MAX_METADATA_ITEMS, MAX_STEPS, MAX_TEXT_CHARS
+    from lifemem_ray.core.model import MAX_METADATA_ITEMS, MAX_STEPS, MAX_TEXT_CHARS
 
     def make(**kw):
         fields = {"env": "e", "task": "t", "steps": (Step(action="a"),)}

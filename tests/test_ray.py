@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_ACTORS
-from lifemem_ray.memory import IdConflictError, Memory
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.synthetic import generate, text_vectors
+from lifemem_ray.engine.memory import IdConflictError, Memory
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.lab.synthetic import generate, text_vectors
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -69,7 +69,7 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
 
 
 def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_path):
-    from lifemem_ray.actors.deployment import restore
+    from lifemem_ray.actors.cluster.deployment import restore
 
     trajs, vecs = data
     with Memory.open(tmp_path / "single") as memory:
@@ -78,9 +78,9 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
         expected = memory.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
         clusters = {c.id for c in memory.clusters()}
     client, _ = deployment(shards=1)  # only to learn a namespace pattern; restore makes its own
-    from lifemem_ray.actors import deployment as dep
-    from lifemem_ray.actors.client import MemoryClient
-    from lifemem_ray.config import MemoryConfig
+    from lifemem_ray.actors.cluster import deployment as dep
+    from lifemem_ray.actors.cluster.client import MemoryClient
+    from lifemem_ray.engine.memory_config import MemoryConfig
 
     ns = client.namespace + "-restored"
     config = MemoryConfig().replace({"cluster.namespace": ns, **SMALL_ACTORS})
@@ -104,9 +104,9 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
 
 
 def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_path):
-    from lifemem_ray.actors import deployment as dep
-    from lifemem_ray.actors.client import MemoryClient
-    from lifemem_ray.config import MemoryConfig
+    from lifemem_ray.actors.cluster import deployment as dep
+    from lifemem_ray.actors.cluster.client import MemoryClient
+    from lifemem_ray.engine.memory_config import MemoryConfig
 
     trajs, vecs = data
     client, _ = deployment(shards=2)
@@ -147,7 +147,7 @@ def test_retries_are_idempotent_and_conflicts_reject_the_request(deployment, dat
     single = client.add(trajs[301], vecs[301]).result(timeout=300)
     assert single.status == "added" and client.stats()["trajectories"] == 301
     # A client whose workflow featurizer differs from the deployment's is refused, whole.
-    from lifemem_ray.actors.client import MemoryClient
+    from lifemem_ray.actors.cluster.client import MemoryClient
 
     other = MemoryClient(client.namespace, client.config.replace({"evolution.workflow_features": "tokens"}))
     with pytest.raises(ValueError, match="workflow features"):
@@ -198,7 +198,7 @@ def test_pipelined_batches_see_what_the_batch_before_stored(deployment, data):
 def test_overload_makes_callers_wait_then_fail(deployment, data):
     import ray
 
-    from lifemem_ray.actors.errors import OverloadedError
+    from lifemem_ray.actors.cluster.remote_errors import OverloadedError
 
     trajs, vecs = data
     client, _ = deployment(shards=1, **{"cluster.max_pending": 40, "cluster.overload_timeout_s": 0.5})
@@ -219,7 +219,7 @@ def test_a_snapshot_whose_pause_times_out_does_not_leave_ingest_paused(deploymen
     is resumed all the same, so later adds are served (before: the coordinator stayed paused)."""
     import ray
 
-    from lifemem_ray.actors import deployment as dep
+    from lifemem_ray.actors.cluster import deployment as dep
     from openai_stub import OpenAIStub, sensible_reply
 
     trajs, vecs = data
@@ -291,7 +291,7 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
     # Every id was new: a retry whose first attempt committed still reports "added".
     assert set(statuses) <= {"added", "pending"}, sorted(set(statuses))
     # The restarted actors reloaded from LMDB: everything acknowledged is there exactly once.
-    from lifemem_ray.actors.client import MemoryClient
+    from lifemem_ray.actors.cluster.client import MemoryClient
 
     fresh = MemoryClient(client.namespace, client.config)
     stats = fresh.stats()
@@ -303,8 +303,8 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
 def test_bulk_load_through_ray_data(deployment, tmp_path):
     import json
 
-    from lifemem_ray.actors.bulk import bulk_load
-    from lifemem_ray.importers import write_jsonl
+    from lifemem_ray.actors.cluster.bulk import bulk_load
+    from lifemem_ray.core.importers import write_jsonl
 
     client, _ = deployment(shards=2)
     path = tmp_path / "in.jsonl"

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-from lifemem_ray.actors.ray_address import RayAddress, address_file, answers, named_address
+from lifemem_ray.actors.cluster.ray_address import RayAddress, address_file, answers, named_address
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_S = 60  # a command facing a dead address answers well within this (it used to hang for minutes)

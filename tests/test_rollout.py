@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from lifemem_ray.agents import ExemplarAgent, GoldAgent, NoisyGoldAgent, RandomAgent, ReActAgent, action_similarity, make_agent
-from lifemem_ray.config import LLMConfig
-from lifemem_ray.envs import Environment, StepResult, Task, make_env
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
-from lifemem_ray.rollout import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
+from lifemem_ray.lab.agents import ExemplarAgent, GoldAgent, NoisyGoldAgent, RandomAgent, ReActAgent, action_similarity, make_agent
+from lifemem_ray.engine.memory_config import LLMConfig
+from lifemem_ray.lab.envs import Environment, StepResult, Task, make_env
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
+from lifemem_ray.lab.episode import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
 
 from openai_stub import OpenAIStub, Reply
 

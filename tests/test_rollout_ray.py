@@ -15,14 +15,14 @@ from conftest import SMALL_ACTORS
 
 ray = pytest.importorskip("ray")
 
-from lifemem_ray.actors import deployment as dep  # noqa: E402
-from lifemem_ray.actors.client import MemoryClient  # noqa: E402
-from lifemem_ray.actors.experiment import run_experiment  # noqa: E402
-from lifemem_ray.actors.rollout import EpisodeSpec, RolloutPool  # noqa: E402
-from lifemem_ray.config import MemoryConfig  # noqa: E402
-from lifemem_ray.envs import make_env  # noqa: E402
-from lifemem_ray.lifelong import ExperimentConfig  # noqa: E402
-from lifemem_ray.rollout import EpisodeLimits  # noqa: E402
+from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.rollout.experiment import run_experiment
+from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.envs import make_env
+from lifemem_ray.lab.lifelong import ExperimentConfig
+from lifemem_ray.lab.episode import EpisodeLimits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -283,8 +283,8 @@ def test_experiment_with_the_llm_agent_through_an_openai_endpoint(ray_local, tmp
 
 
 def test_test_tasks_skip_overlap_and_ask_gold_only_as_far_as_needed():
-    from lifemem_ray.actors.experiment import _pick_test
-    from lifemem_ray.envs.base import Task
+    from lifemem_ray.actors.rollout.experiment import _pick_test
+    from lifemem_ray.lab.envs.base import Task
 
     class Env:
         asked: list[str] = []

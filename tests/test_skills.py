@@ -7,11 +7,11 @@ import random
 import numpy as np
 
 from conftest import unit
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.memory import Memory
-from lifemem_ray.model import Outcome, Step, Trajectory
-from lifemem_ray.policy import OfflinePolicy, skill_step_texts
-from lifemem_ray.skills import distil_procedure, mine_procedure
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.clustering.policy import OfflinePolicy, skill_step_texts
+from lifemem_ray.engine.clustering.skills import distil_procedure, mine_procedure
 
 SUBSTANCES = ["water", "milk", "orange juice", "apple juice", "oil", "soda", "tea", "vinegar", "honey", "syrup", "broth", "cream"]
 OBJECTS = ["apple", "mug", "soapbar", "spatula", "knife", "book", "pen", "cloth", "bowl", "plate", "egg", "key"]
@@ -151,9 +151,9 @@ def test_env_contrast_stops_a_cluster_as_diffuse_as_its_environment_from_taking_
 
 
 def test_env_contrast_threshold_and_scope_sums():
-    from lifemem_ray.clusters import new_cluster_record
-    from lifemem_ray.config import PolicyConfig
-    from lifemem_ray.evolution import CandidateArrays, scope_sums
+    from lifemem_ray.engine.clustering.clusters import new_cluster_record
+    from lifemem_ray.engine.memory_config import PolicyConfig
+    from lifemem_ray.engine.clustering.evolution import CandidateArrays, scope_sums
 
     policy = OfflinePolicy(PolicyConfig(join_threshold=0.6, density_ratio=0.7, env_contrast=0.2))
     # A cluster of 10 with R = 0.7 in an environment of 100 with R = 0.7 (text and workflow alike).
@@ -204,7 +204,7 @@ def test_a_silhouette_split_cuts_along_the_groups_and_refuses_noise():
 
 
 def test_mean_silhouette_matches_its_definition_on_a_sample():
-    from lifemem_ray.policy import mean_silhouette
+    from lifemem_ray.engine.clustering.policy import mean_silhouette
 
     rng = np.random.default_rng(1)
     x = unit(rng.standard_normal((30, 8))).astype(np.float64)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import doctest
 import logging
 
-from lifemem_ray.actors import http_service
-from lifemem_ray.actors.http_service import StateLog
+from lifemem_ray.actors.frontdoor import front_service as http_service
+from lifemem_ray.actors.frontdoor.front_service import StateLog
 
 
 def test_a_bad_state_warns_on_change_and_per_interval_not_per_call(caplog):

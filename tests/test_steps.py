@@ -7,12 +7,12 @@ import doctest
 import numpy as np
 import pytest
 
-import lifemem_ray.cluster_metrics
-import lifemem_ray.skills
-import lifemem_ray.steps
-from lifemem_ray.model import Step, Trajectory
-from lifemem_ray.steps import abstract_step, featurize, features_id, goal_words
-from lifemem_ray.workflow import canonical_token, step_tokens
+import lifemem_ray.lab.cluster_metrics
+import lifemem_ray.engine.clustering.skills
+import lifemem_ray.engine.clustering.steps
+from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.engine.clustering.steps import abstract_step, featurize, features_id, goal_words
+from lifemem_ray.engine.clustering.workflow import canonical_token, step_tokens
 
 GOAL = goal_words("Your task is to measure the temperature of water. First, focus on the water.")
 
@@ -76,6 +76,6 @@ def test_hostile_actions_are_parsed_without_error():
         assert len(step.roles) <= 8 and len(step.frame) < 400
 
 
-@pytest.mark.parametrize("module", [lifemem_ray.steps, lifemem_ray.skills, lifemem_ray.cluster_metrics])
+@pytest.mark.parametrize("module", [lifemem_ray.engine.clustering.steps, lifemem_ray.engine.clustering.skills, lifemem_ray.lab.cluster_metrics])
 def test_docstring_examples_run(module):
     assert doctest.testmod(module).failed == 0

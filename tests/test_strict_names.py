@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray import tenancy
-from lifemem_ray.auth import new_key, parse_key_entries
-from lifemem_ray.errors import ConfigError, InvalidTrajectoryError, TenantError
-from lifemem_ray.importers import write_jsonl
-from lifemem_ray.memory import Memory
-from lifemem_ray.model import Step, Trajectory
-from lifemem_ray.synthetic import generate, label_vectors
+from lifemem_ray.core import tenancy
+from lifemem_ray.service.auth import new_key, parse_key_entries
+from lifemem_ray.core.errors import ConfigError, InvalidTrajectoryError, TenantError
+from lifemem_ray.core.importers import write_jsonl
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.lab.synthetic import generate, label_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from lifemem_ray import codec
-from lifemem_ray.config import MemoryConfig
-from lifemem_ray.errors import InvalidTrajectoryError, TenantError
-from lifemem_ray.memory import Memory
-from lifemem_ray.model import Trajectory
-from lifemem_ray.tenancy import DEFAULT_TENANT, check_tenant, id_key, scope
+from lifemem_ray.engine.store import codec
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.errors import InvalidTrajectoryError, TenantError
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, id_key, scope
 
 CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
 
@@ -190,7 +190,7 @@ def test_global_neighbour_scope_stays_within_the_tenant(tmp_path, synthetic):
 
 
 def test_export_and_reimport_keep_tenants(tmp_path, two_tenants):
-    from lifemem_ray.importers import read_jsonl
+    from lifemem_ray.core.importers import read_jsonl
 
     mem, trajs, vecs = two_tenants
     mem.export(tmp_path / "out.jsonl")
@@ -316,8 +316,8 @@ def _cli_round(where: list[str], data) -> None:
 
 
 def test_cli_tenants_and_delete_local(tmp_path):
-    from lifemem_ray.importers import write_jsonl
-    from lifemem_ray.synthetic import generate
+    from lifemem_ray.core.importers import write_jsonl
+    from lifemem_ray.lab.synthetic import generate
 
     data = tmp_path / "train.jsonl"
     write_jsonl(generate(30, seed=3, envs=["shop", "sql"], length_scale=0.1), data)
@@ -328,8 +328,8 @@ def test_cli_tenants_and_delete_local(tmp_path):
 
 @pytest.mark.usefixtures("ray_local")
 def test_cli_tenants_and_delete_remote(deployment, ray_local, tmp_path):
-    from lifemem_ray.importers import write_jsonl
-    from lifemem_ray.synthetic import generate
+    from lifemem_ray.core.importers import write_jsonl
+    from lifemem_ray.lab.synthetic import generate
 
     client, _ = deployment(shards=2, **{"evolution.init_size": 20})
     data = tmp_path / "train.jsonl"
@@ -339,7 +339,7 @@ def test_cli_tenants_and_delete_remote(deployment, ray_local, tmp_path):
 
 
 def test_in_batch_neighbours_are_of_the_same_tenant():
-    from lifemem_ray.evolution import _earlier_neighbours
+    from lifemem_ray.engine.clustering.evolution import _earlier_neighbours
 
     rng = np.random.default_rng(0)
     base = rng.normal(size=(1, 16)).astype(np.float32)
@@ -355,8 +355,8 @@ def test_in_batch_neighbours_are_of_the_same_tenant():
 
 def test_centroid_candidates_are_of_the_query_tenant():
     """Another tenant's clusters never take a centroid candidate's place (at ingest and merge)."""
-    from lifemem_ray.centroids import ClusterCentroids
-    from lifemem_ray.clusters import ClusterRecord
+    from lifemem_ray.engine.clustering.centroids import ClusterCentroids
+    from lifemem_ray.engine.clustering.clusters import ClusterRecord
 
     rng = np.random.default_rng(1)
     base = rng.normal(size=8)

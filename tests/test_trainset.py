@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from lifemem_ray.importers import read_jsonl
-from lifemem_ray.memory import Memory
+from lifemem_ray.core.importers import read_jsonl
+from lifemem_ray.engine.memory import Memory
 
 
 @pytest.fixture(scope="module")

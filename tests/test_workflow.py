@@ -12,17 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lifemem_ray.model import Step, Trajectory
-from lifemem_ray.workflow import (
-    CATEGORIES,
-    action_tokens,
-    canonical_token,
-    step_tokens,
-    workflow_features,
-    workflow_summary,
-    workflow_vector,
-    workflow_vectors,
-)
+from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.engine.clustering.workflow import CATEGORIES, action_tokens, canonical_token, step_tokens, workflow_features, workflow_summary, workflow_vector, workflow_vectors
 
 
 def shared_data_dir() -> Path:
@@ -140,7 +131,7 @@ def test_vectors_unit_norm_and_empty() -> None:
 
 def test_vectors_are_stable_across_processes() -> None:
     code = (
-        "from lifemem_ray.workflow import workflow_vector;"
+        "from lifemem_ray.engine.clustering.workflow import workflow_vector;"
         "import sys; sys.stdout.write(workflow_vector(['loaddb','filterdb','getvalue','finish']).tobytes().hex())"
     )
     outs = set()
@@ -184,7 +175,7 @@ REAL = shared_data_dir()
 def real() -> tuple[list[Trajectory], np.ndarray]:
     if not REAL.is_dir():
         pytest.skip(f"shared data not found at {REAL}")
-    from lifemem_ray.importers import read_jsonl
+    from lifemem_ray.core.importers import read_jsonl
 
     trajs, _ = read_jsonl(sorted(REAL.glob("*.jsonl")))
     return trajs, workflow_vectors(trajs)

@@ -1,1 +1,1 @@
-"""The parts of :class:`lifemem_ray.memory.Memory`, one job each (see that module's table)."""
+"""The parts of :class:`lifemem_ray.engine.memory.Memory`, one job each (see that module's table)."""

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from ..clusters import check_against_members
-from ..errors import InvalidTrajectoryError
-from ..model import Outcome, Step, Trajectory
-from ..storage import unpack_u64
-from ..tenancy import DEFAULT_TENANT, display_envs, id_key, scope_tenant, split_scope
-from .state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.clustering.clusters import check_against_members
+from lifemem_ray.core.errors import InvalidTrajectoryError
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.store.storage import unpack_u64
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, display_envs, id_key, scope_tenant, split_scope
+from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Audit"]
 
@@ -208,7 +208,7 @@ def _store_figures(s: EngineState, counters: dict[str, Any], usage: dict[str, An
             "calls": sum(int(v.get("calls", 0)) for v in usage.values()),
             "tokens": sum(int(v.get("prompt_tokens", 0)) + int(v.get("completion_tokens", 0)) for v in usage.values()),
             "fallbacks": int(counters.get("llm_fallbacks", 0)),
-            # Generated descriptions and skills refused by the provenance rule (lifemem_ray.provenance),
+            # Generated descriptions and skills refused by the provenance rule (lifemem_ray.llm.provenance),
             # apart from other invalid answers; per operation in by_operation.
             "refused_generated": sum(int(v.get("refused_generated", 0)) for v in usage.values()),
             "decided_offline": int(counters.get("llm_skipped", 0)),

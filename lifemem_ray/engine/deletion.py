@@ -4,7 +4,7 @@ A removal is one write transaction: the trajectories' records, id keys, vectors,
 cluster links go, the ids in their assignment-log entries are blanked (found through the
 log's index by trajectory, :meth:`MemoryStore.forget_logged_id`; the removal's own entries
 name no id), their clusters' counts, running sums (so R) and profiles are unfolded
-(:func:`lifemem_ray.clusters.unfold_member`), a cluster left without members is retired
+(:func:`lifemem_ray.engine.clustering.clusters.unfold_member`), a cluster left without members is retired
 (stored with count 0, which is not live: a reopened store does not load it), a cluster that
 shrank enough is queued for a new skill in the same transaction (as growth queues one), and
 the pending list drops them. Only after the commit do the live view and the vector index
@@ -32,14 +32,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
-from ..tenancy import DEFAULT_TENANT, display_envs, id_key
-from ..workflow import workflow_summary
-from .state import EngineState
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, display_envs, id_key
+from lifemem_ray.engine.clustering.workflow import workflow_summary
+from lifemem_ray.engine.state import EngineState
 
 __all__ = ["Deletion", "PURGE_CHUNK"]
 
-log = logging.getLogger("lifemem_ray.memory")
+log = logging.getLogger("lifemem_ray.engine.memory")
 
 PURGE_CHUNK = 1000  # trajectories per purge transaction: bounded, so a purge never holds the writer for long
 PURGE_LOG_CHUNK = 50_000  # log entries, or clusters, read per transaction of a purge's last passes
@@ -282,6 +282,6 @@ def _forget_tombstones(s: EngineState, txn: Any, tenant: str, after: int = -1, l
 
 
 def _damaged(s: EngineState, key: str, vid: int) -> Exception:
-    from ..errors import StoreError
+    from lifemem_ray.core.errors import StoreError
 
     return StoreError(f"{s.path}: trajectory {key!r} (vid {vid}) has no stored brief or vectors; run `lifemem-ray check`")

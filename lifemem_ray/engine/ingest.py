@@ -1,7 +1,7 @@
 """Ingest: check ids, prepare items, find candidates, plan, commit.
 
 Every path in (``Memory.add_many``, prepared items, a shard's commit) follows the rules of
-:mod:`lifemem_ray.ingest_rules`: a repeated id with other content, stored or inside the
+:mod:`lifemem_ray.engine.ingest_rules`: a repeated id with other content, stored or inside the
 request, refuses the whole request. Before the initial partition exists (``evolution.
 init_size`` trajectories), items are stored and indexed but left unclustered (``pending``).
 """
@@ -13,17 +13,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..clusters import ClusterRecord, add_member, cosine_to_sum, example_task, needs_description, needs_skill, new_cluster_record
-from ..errors import InvalidTrajectoryError, StoreError, UnknownClusterError
-from ..evolution import BatchItem, CandidateArrays, CandidateSet, ItemBatch, Placement, scope_sums
-from ..ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
-from ..model import Trajectory
-from ..steps import featurize
-from ..storage import MemoryStore
-from ..workflow import workflow_summary
-from ..tenancy import display_envs, id_key, is_name, pool, scope_tenant
-from .search import search_index
-from .state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, add_member, cosine_to_sum, example_task, needs_description, needs_skill, new_cluster_record
+from lifemem_ray.core.errors import InvalidTrajectoryError, StoreError, UnknownClusterError
+from lifemem_ray.engine.clustering.evolution import BatchItem, CandidateArrays, CandidateSet, ItemBatch, Placement, scope_sums
+from lifemem_ray.engine.ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.engine.clustering.steps import featurize
+from lifemem_ray.engine.store.storage import MemoryStore
+from lifemem_ray.engine.clustering.workflow import workflow_summary
+from lifemem_ray.core.tenancy import display_envs, id_key, is_name, pool, scope_tenant
+from lifemem_ray.engine.search import search_index
+from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Ingest", "check_trajectories", "known_ids", "pack_trajectories", "prepare_items", "stored_lookup"]
 
@@ -35,7 +35,7 @@ class Ingest:
     # -- the user's adds ---------------------------------------------------------------------
     def add_batch(self, trajectories: list[Trajectory], vectors: np.ndarray | None) -> list[AddResult]:
         """One transaction's worth of :meth:`Memory.add_many` (results name id keys, see
-        :func:`lifemem_ray.tenancy.id_key`)."""
+        :func:`lifemem_ray.core.tenancy.id_key`)."""
         with self.s.lock:
             classes = self.check_ids([id_key(t.tenant, t.id) for t in trajectories], [t.fingerprint for t in trajectories])
             placed = None

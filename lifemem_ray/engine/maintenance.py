@@ -15,17 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from ..clusters import ClusterRecord, example_task
-from ..decisions import ClusterView
-from ..errors import MaintenanceError
-from ..model import Trajectory
-from .restructure import Restructure
-from ..tenancy import display_envs
-from .state import EngineState
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, example_task
+from lifemem_ray.core.decisions import ClusterView
+from lifemem_ray.core.errors import MaintenanceError
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.engine.restructure import Restructure
+from lifemem_ray.core.tenancy import display_envs
+from lifemem_ray.engine.state import EngineState
 
 __all__ = ["Maintenance"]
 
-log = logging.getLogger("lifemem_ray.memory")
+log = logging.getLogger("lifemem_ray.engine.memory")
 
 Update = tuple[int, dict[str, Any], tuple[str, ...]]  # cluster id, fields to set, the todo flags it settles
 

@@ -14,16 +14,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..clusters import ClusterRecord, fold_member, merged, needs_description, new_cluster_record, scrub_text
-from ..codec import Brief
-from ..decisions import ClusterView
-from ..workflow import workflow_summary
-from ..tenancy import display_envs
-from .state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, fold_member, merged, needs_description, new_cluster_record, scrub_text
+from lifemem_ray.engine.store.codec import Brief
+from lifemem_ray.core.decisions import ClusterView
+from lifemem_ray.engine.clustering.workflow import workflow_summary
+from lifemem_ray.core.tenancy import display_envs
+from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Restructure"]
 
-log = logging.getLogger("lifemem_ray.memory")
+log = logging.getLogger("lifemem_ray.engine.memory")
 
 
 class Restructure:

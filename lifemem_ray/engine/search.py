@@ -7,12 +7,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..index import VectorIndex
-from ..ingest_rules import unit_rows
-from ..tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
-from ..config import BOUNDS
-from ..retrieval import MAX_QUERIES, MAX_QUERY_HITS, RecordHit, Retrieval, assemble, check_retrieve_args, paused_gc
-from .state import EngineState
+from lifemem_ray.engine.index.vector_index import VectorIndex
+from lifemem_ray.engine.ingest_rules import unit_rows
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
+from lifemem_ray.engine.memory_config import BOUNDS
+from lifemem_ray.engine.retrieval import MAX_QUERIES, MAX_QUERY_HITS, RecordHit, Retrieval, assemble, check_retrieve_args, paused_gc
+from lifemem_ray.engine.state import EngineState
 
 __all__ = ["Search", "search_index"]
 
@@ -104,8 +104,8 @@ class Search:
 
 def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str], k: int, *,
                    nprobe_fraction: float = 1.0, max_codes: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k per query within its target: a scope (:func:`lifemem_ray.tenancy.scope`) or a
-    tenant's pool (:func:`lifemem_ray.tenancy.pool`: every scope of that tenant). There is no
+    """Top-k per query within its target: a scope (:func:`lifemem_ray.core.tenancy.scope`) or a
+    tenant's pool (:func:`lifemem_ray.core.tenancy.pool`: every scope of that tenant). There is no
     "every tenant" target: a search is always some tenant's. ``nprobe_fraction`` and
     ``max_codes`` apply to scoped searches (see :meth:`VectorIndex.search_envs`)."""
     targets = list(targets)

@@ -12,22 +12,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..centroids import ClusterCentroids
-from ..clusters import ClusterRecord, fold_member, needs_split
-from ..config import MemoryConfig
-from ..decisions import Decider
-from ..embedding import DIM as MINILM_DIM, Embedder
-from ..errors import StoreError
-from ..index import VectorIndex
-from ..ingest_rules import make_decider
-from ..migrate import LEGACY_FEATURES, migrate_features, stored_features
-from ..policy import OfflinePolicy
-from ..steps import FEATURES_VERSION, features_id
-from ..storage import MemoryStore
+from lifemem_ray.engine.clustering.centroids import ClusterCentroids
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, fold_member, needs_split
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.decisions import Decider
+from lifemem_ray.engine.embedding import DIM as MINILM_DIM, Embedder
+from lifemem_ray.core.errors import StoreError
+from lifemem_ray.engine.index.vector_index import VectorIndex
+from lifemem_ray.engine.ingest_rules import make_decider
+from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, migrate_features, stored_features
+from lifemem_ray.engine.clustering.policy import OfflinePolicy
+from lifemem_ray.engine.clustering.steps import FEATURES_VERSION, features_id
+from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = ["EngineState", "MINILM_NAME", "WORKFLOW_DIM"]
 
-log = logging.getLogger("lifemem_ray.memory")
+log = logging.getLogger("lifemem_ray.engine.memory")
 
 WORKFLOW_DIM = 256
 MINILM_NAME = "all-MiniLM-L6-v2"
@@ -75,7 +75,7 @@ class EngineState:
     def _open_features(self) -> str:
         """The workflow featurizer of this store: the config's (``evolution.workflow_features``).
         A store written by an older featurizer is migrated when opened for writing (see
-        :mod:`lifemem_ray.migrate`); one written with another featurizer is refused."""
+        :mod:`lifemem_ray.engine.store.migrate`); one written with another featurizer is refused."""
         kind = self.config.evolution.workflow_features
         target = features_id(kind)
         stored = stored_features(self.store)
@@ -162,7 +162,7 @@ class EngineState:
     def embedder(self) -> Embedder:
         with self.lock:
             if self._embedder is None:
-                from ..embedding import MiniLMEmbedder
+                from lifemem_ray.engine.embedding import MiniLMEmbedder
 
                 embedder = MiniLMEmbedder(self.config.embedding)
                 if embedder.dim != self.dim:

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..clusters import ClusterInfo, ClusterRecord
-from ..errors import StoreError
-from ..storage import ID_SEQ_BITS, MemoryStore, RawItem
-from ..tenancy import scope_tenant
-from .state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
+from lifemem_ray.core.errors import StoreError
+from lifemem_ray.engine.store.storage import ID_SEQ_BITS, MemoryStore, RawItem
+from lifemem_ray.core.tenancy import scope_tenant
+from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Transfer"]
 
@@ -121,7 +121,7 @@ class Transfer:
     # -- export ------------------------------------------------------------------------------
     def export(self, path: str | Path) -> dict[str, Any]:
         """Trajectories as native JSONL (re-importable) to ``path``; clusters to ``<path stem>.clusters.jsonl``."""
-        from ..importers import write_jsonl
+        from lifemem_ray.core.importers import write_jsonl
 
         store = self.s.store
         path = Path(path)

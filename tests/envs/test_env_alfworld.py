@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.envs import EnvUnavailable, Task, TaskError, make_env
-from lifemem_ray.envs.alfworld import TASK_TYPES, AlfWorldEnv
+from lifemem_ray.lab.envs import EnvUnavailable, Task, TaskError, make_env
+from lifemem_ray.lab.envs.alfworld import TASK_TYPES, AlfWorldEnv
 
 # Not importorskip: importing alfworld sets ALFWORLD_DATA (and creates ~/.cache/alfworld).
 for _package in ("alfworld", "textworld", "fast_downward"):
@@ -147,7 +147,7 @@ def test_close_frees_the_engine(env, tmp_path):
     e.close()
     # An engine that ran a game and was closed must let the interpreter exit cleanly.
     code = (
-        "import sys; from lifemem_ray.envs.alfworld import AlfWorldEnv; from lifemem_ray.envs import Task; "
+        "import sys; from lifemem_ray.lab.envs.alfworld import AlfWorldEnv; from lifemem_ray.lab.envs import Task; "
         f"e = AlfWorldEnv(data_dir={str(DATA)!r}); "
         f"e.reset(Task(env='alfworld', id='t', instruction='x', payload={{'game_file': {task.payload['game_file']!r}}})); e.close()"
     )

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("bfcl_eval", reason="bfcl-eval not installed: pip install --no-deps bfcl-eval mpmath==1.3.0")
 
-from lifemem_ray.envs import TaskError, make_env
-from lifemem_ray.envs.bfcl import BfclEnv
+from lifemem_ray.lab.envs import TaskError, make_env
+from lifemem_ray.lab.envs.bfcl import BfclEnv
 
 ALL = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 
@@ -107,8 +107,8 @@ def test_turn_step_limit_force_terminates() -> None:
 def test_module_imports_without_bfcl() -> None:
     code = (
         "import sys; sys.modules['bfcl_eval'] = None\n"
-        "from lifemem_ray.envs.bfcl import BfclEnv\n"
-        "from lifemem_ray.envs import EnvUnavailable\n"
+        "from lifemem_ray.lab.envs.bfcl import BfclEnv\n"
+        "from lifemem_ray.lab.envs import EnvUnavailable\n"
         "try:\n    BfclEnv()\nexcept EnvUnavailable as e:\n    print('unavailable:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)

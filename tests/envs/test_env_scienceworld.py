@@ -12,8 +12,8 @@ pytest.importorskip("scienceworld", reason="scienceworld is not installed (pip i
 if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
     pytest.skip("no Java runtime for ScienceWorld (apt-get install -y openjdk-17-jre-headless)", allow_module_level=True)
 
-from lifemem_ray.envs import EnvUnavailable, Task, TaskError, make_env
-from lifemem_ray.envs.scienceworld import ScienceWorldEnv
+from lifemem_ray.lab.envs import EnvUnavailable, Task, TaskError, make_env
+from lifemem_ray.lab.envs.scienceworld import ScienceWorldEnv
 
 KINDS = ["find-non-living-thing", "lifespan-longest-lived", "power-component"]
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from lifemem_ray.envs import Task, TaskError, make_env
-from lifemem_ray.envs.sql import TASK_TYPES, SqlEnv, _authorizer, parse_action
+from lifemem_ray.lab.envs import Task, TaskError, make_env
+from lifemem_ray.lab.envs.sql import TASK_TYPES, SqlEnv, _authorizer, parse_action
 
 @pytest.fixture
 def env():

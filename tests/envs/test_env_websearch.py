@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.envs import EnvUnavailable, Task, TaskError, make_env
-from lifemem_ray.envs.websearch import WebSearchEnv, answer_f1, normalize_answer
+from lifemem_ray.lab.envs import EnvUnavailable, Task, TaskError, make_env
+from lifemem_ray.lab.envs.websearch import WebSearchEnv, answer_f1, normalize_answer
 
 SHARED = Path(os.environ.get("LIFEMEM_SHARED_DIR", Path(__file__).resolve().parents[3] / "shared"))
 HOTPOT = SHARED / "data" / "hotpotqa" / "distractor-dev-100.jsonl"

@@ -1,0 +1,1 @@
+"""The sharded memory on Ray: shard and coordinator actors, batching, routing, the client, deployment."""

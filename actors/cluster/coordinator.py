@@ -1,0 +1,430 @@
+"""Coordinator: routes new trajectories to shards and decides for whole micro-batches.
+
+Clients call :meth:`Coordinator.add_many` concurrently; requests queue (bounded:
+callers wait, then get :class:`OverloadedError`) and are gathered into
+micro-batches of ``cluster.batch_size`` within ``cluster.batch_wait_ms``. Each
+micro-batch goes through the stages of :class:`~.batching.BatchIngest` (Ray-free; see
+there): ids checked on every shard, task texts embedded (embedder actors), candidates
+from every shard in one fan-out, one plan for the whole batch exactly as the
+single-process engine makes it, each write sent to the shard owning the chosen cluster
+(a new cluster to the least-loaded shard); a request is acknowledged only after every
+shard it touched has committed.
+
+This actor keeps the I/O (:class:`RayShards`, the embedder actors), the queue, the
+backpressure and the pipelining: the shards look up the next micro-batch while the
+coordinator plans the current one. That batch is then planned with what the current one
+stored, as if looked up afterwards (``cluster.pipeline = false`` turns this off).
+
+A request whose ids conflict with stored content is rejected whole before anything
+of it is stored. A request that fails half-way (a shard died) may be retried: ids
+make adds idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from lifemem_ray.core import metrics
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.core.decisions import Decider
+from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
+from lifemem_ray.engine.ingest_rules import AddResult, make_decider
+from lifemem_ray.engine.memory import pack_trajectories
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
+
+from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, Stage
+from lifemem_ray.actors.cluster.remote_errors import OverloadedError, ShardUnavailableError, actor_failures
+from lifemem_ray.actors.cluster.routing import RoutingTable
+
+if TYPE_CHECKING:
+    from lifemem_ray.engine.store.storage import ClusterRecord
+
+__all__ = ["Coordinator", "RayShards"]
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY_RESUMES = 1_024  # resumes remembered whose pause has not started yet
+
+
+class RayShards:
+    """The :class:`~.batching.ShardSet` of a deployment: named shard actors, each call under
+    ``cluster.call_timeout_s``; a dead shard, node or a timeout becomes a
+    :class:`ShardUnavailableError` naming the shard."""
+
+    def __init__(self, names: list[str], namespace: str, call_timeout_s: float) -> None:
+        self.names = names
+        self.namespace = namespace
+        self.call_timeout_s = call_timeout_s
+        self._handles: list[Any] | None = None
+
+    @property
+    def handles(self) -> list[Any]:
+        if self._handles is None:  # looked up on first use, not when the coordinator starts
+            import ray
+
+            self._handles = [ray.get_actor(name, namespace=self.namespace) for name in self.names]
+        return self._handles
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    async def call(self, shard: int, method: str, *args: Any) -> Any:
+        try:
+            ref = getattr(self.handles[shard], method).remote(*args)
+            return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
+        except (*actor_failures(), asyncio.TimeoutError) as exc:
+            raise ShardUnavailableError(
+                f"shard {shard} ({self.names[shard]}) is unavailable during {method}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]:
+        return await self.call(shard, "known", ids, fingerprints)
+
+    async def candidates(self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]) -> CandidateArrays:
+        return await self.call(shard, "candidates", vectors, workflow_vectors, envs)
+
+    async def commit(
+        self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None
+    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
+        return await self.call(shard, "commit", batch, placements, counters)
+
+    async def add_items(self, shard: int, batch: ItemBatch) -> list[AddResult]:
+        return await self.call(shard, "add_items", batch)
+
+    async def info(self, shard: int) -> dict[str, Any]:
+        return await self.call(shard, "info")
+
+
+class RayEmbedders:
+    """Task texts embedded by the deployment's embedder actors, in chunks, round robin."""
+
+    def __init__(self, names: list[str], namespace: str, chunk: int = 256) -> None:
+        self.names = names
+        self.namespace = namespace
+        self.chunk = chunk  # task texts per embedder call (cluster.embed_chunk)
+        self._handles: list[Any] | None = None
+        self._next = 0
+
+    async def __call__(self, texts: list[str]) -> np.ndarray:
+        if self._handles is None:
+            import ray
+
+            self._handles = [ray.get_actor(name, namespace=self.namespace) for name in self.names]
+        refs = []
+        for a in range(0, len(texts), self.chunk):
+            actor = self._handles[self._next % len(self._handles)]
+            self._next += 1
+            refs.append(actor.embed.remote(texts[a : a + self.chunk]))
+        return np.vstack(await asyncio.gather(*refs))
+
+
+@dataclass
+class _Request:
+    batch: ItemBatch
+    embedded: bool  # False: the task vectors are still to be computed here
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+
+@dataclass
+class _InFlight:
+    requests: list[_Request]
+    stage: Stage
+
+
+class Coordinator:
+    @classmethod
+    def ray_options(cls, config: MemoryConfig) -> dict[str, Any]:
+        """Ray actor options of the coordinator (besides name, namespace and lifetime)."""
+        return {
+            "num_cpus": config.cluster.coordinator_cpus,
+            # An async actor: every waiting add_many is a pending call.
+            "max_concurrency": 1000,
+            "max_restarts": -1,
+            "max_task_retries": -1,
+        }
+
+    def __init__(
+        self,
+        store_dir: str,
+        config: MemoryConfig,
+        shard_names: list[str],
+        embedder_names: list[str],
+        dim: int,
+        *,
+        shards: Any = None,
+        embed: Any = None,
+        decider: Decider | None = None,
+    ) -> None:
+        """``shards`` (a :class:`~.batching.ShardSet`) and ``embed`` default to the named
+        actors, looked up on first use; tests pass in-process ones."""
+        self.config = config
+        self.dim = dim
+        self.namespace = config.cluster.namespace
+        self.routing = RoutingTable(Path(store_dir) / "coordinator")
+        self.shard_names = shard_names
+        self.embedder_names = embedder_names
+        self.shards = shards if shards is not None else RayShards(shard_names, self.namespace, config.cluster.call_timeout_s)
+        if embed is None and embedder_names:
+            embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
+        self.decider = decider if decider is not None else make_decider(config)
+        self.ingest = BatchIngest(config, self.shards, self.routing, dim, embed=embed, decider=self.decider)
+        self._queue: list[_Request] = []
+        self._queued = 0
+        self._wake: asyncio.Event | None = None
+        self._space: asyncio.Condition | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._next: asyncio.Task | None = None  # the next micro-batch's lookups, started early
+        self._paused = False
+        self._holds = 0  # pauses not yet resumed (a snapshot's, a removal's): batches wait while any is held
+        self._held_tokens: set[str] = set()  # tokens of the pauses holding now
+        self._resumed_early: dict[str, None] = {}  # tokens resumed before their pause started (oldest first, bounded)
+        self._idle: asyncio.Event | None = None
+        self.counters = {"requests": 0, "pipelined": 0, "overloaded": 0}
+
+    # -- the client API ------------------------------------------------------------------------
+    async def add_many(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[AddResult]:
+        """Acknowledged (returned) once every trajectory of the request is committed on its shard."""
+        batch = await asyncio.to_thread(pack_trajectories, list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
+        return await self.add_batch(batch, vectors is not None)
+
+    async def add_batch(self, batch: ItemBatch, embedded: bool) -> list[AddResult]:
+        """:meth:`add_many` for trajectories packed by the client (the fast path: encoding and
+        workflow vectors are computed in the client's process, not here)."""
+        self._ensure_loop()
+        if not isinstance(batch, ItemBatch):
+            raise TypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
+        if batch.features != self.config.evolution.workflow_features:
+            raise ValueError(f"batch: packed with workflow features {batch.features!r}, the deployment uses "
+                             f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)")
+        if len(batch) and batch.vecs.shape != (len(batch), self.dim):
+            raise ValueError(f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}")
+        if not len(batch):
+            return []
+        n = len(batch)
+        limit = self.config.cluster.max_pending
+        assert self._space is not None and self._wake is not None
+        async with self._space:
+            try:
+                await asyncio.wait_for(
+                    self._space.wait_for(lambda: self._queued == 0 or self._queued + n <= limit),
+                    timeout=self.config.cluster.overload_timeout_s,
+                )
+            except asyncio.TimeoutError:
+                self.counters["overloaded"] += 1
+                raise OverloadedError(
+                    f"the coordinator's queue held {self._queued} trajectories (cluster.max_pending = {limit}) for "
+                    f"{self.config.cluster.overload_timeout_s:.0f} s; retry later or add shards"
+                ) from None
+            future = asyncio.get_running_loop().create_future()
+            self._queue.append(_Request(batch, embedded, future))
+            self._queued += n
+            metrics.set_queue_depth(self.namespace, self._queued)
+        self.counters["requests"] += 1
+        self._wake.set()
+        return await future
+
+    async def stats(self) -> dict[str, Any]:
+        ingest = self.ingest
+        return {
+            "queued": self._queued,
+            "initialised": ingest.initialised,
+            "routes": len(self.routing),
+            "shard_loads": list(ingest.loads),
+            "counters": {**self.counters, **ingest.counters},
+            "stage_seconds": {k: round(v, 3) for k, v in ingest.stage_seconds.items()},
+            "llm": self.decider.usage() if self.decider is not None else {},
+        }
+
+    async def deployment(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "shards": self.shard_names,
+            "embedders": self.embedder_names,
+            "dim": self.dim,
+            "store": self.routing.get_meta("store"),
+            "nodes": self.routing.get_meta("nodes"),
+        }
+
+    async def route(self, cluster_ids: list[int]) -> list[int | None]:
+        return [self.routing.shard_of(c) for c in cluster_ids]
+
+    async def pause(self, token: str | None = None) -> None:
+        """Stop taking new micro-batches and wait for the one in flight (for a consistent snapshot,
+        or a removal). Pauses nest: batches go on once every pause is resumed. ``token`` pairs
+        it with its :meth:`resume`, which may then arrive first (Ray does not order an async
+        actor's calls): a pause whose token was already resumed holds nothing."""
+        self._ensure_loop()
+        if token is not None and token in self._resumed_early:
+            self._resumed_early.pop(token)
+            return
+        if token is not None:
+            self._held_tokens.add(token)
+        self._holds += 1
+        self._paused = True
+        assert self._idle is not None
+        await self._idle.wait()
+
+    async def resume(self, token: str | None = None) -> None:
+        if token is not None and token not in self._held_tokens:
+            self._resumed_early[token] = None  # its pause has not started: it will hold nothing
+            while len(self._resumed_early) > MAX_EARLY_RESUMES:
+                self._resumed_early.pop(next(iter(self._resumed_early)))
+            return
+        self._held_tokens.discard(token)
+        self._holds = max(0, self._holds - 1)
+        self._paused = self._holds > 0
+        if self._wake is not None and not self._paused:
+            self._wake.set()
+
+    # -- deleting ------------------------------------------------------------------------------
+    async def remove(self, ids: list[str], tenant: str = DEFAULT_TENANT) -> int:
+        """Delete ``tenant``'s trajectories of these ids on every shard; how many were stored.
+
+        Runs between micro-batches (no batch in flight, none started until it is done), so a
+        batch never plans with, or commits to, a cluster the removal changes or retires; the
+        next batch looks its candidates up afterwards. Idempotent: a resent removal (the
+        coordinator or a shard restarted) removes what is left and ignores what is gone."""
+        check_tenant(tenant, "tenant", stored=True)
+        if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
+            raise TypeError("ids: expected a list of trajectory id strings")
+        return await self._exclusive("remove", list(ids), tenant)
+
+    async def purge_tenant(self, tenant: str) -> int:
+        """Delete everything of ``tenant`` on every shard (between micro-batches, as :meth:`remove`).
+        Each shard records the intent durably first and finishes it after a crash."""
+        check_tenant(tenant, "tenant", stored=True)
+        return await self._exclusive("purge_tenant", tenant)
+
+    async def _exclusive(self, method: str, *args: Any) -> int:
+        """``method`` on every shard between micro-batches; the shard loads follow what each
+        shard removed, also when another shard failed (whose error is then raised: a resent
+        call removes what that shard still holds)."""
+        await self.pause()
+        try:
+            answers = await asyncio.gather(*[self.shards.call(s, method, *args) for s in range(len(self.shards))], return_exceptions=True)
+        finally:
+            await self.resume()
+        counts = [0 if isinstance(a, BaseException) else int(a) for a in answers]
+        loads = self.ingest.loads
+        for shard, n in enumerate(counts):
+            loads[shard] = max(0, loads[shard] - n)
+        self.routing.put_meta("shard_loads", loads)
+        self.counters["removed"] = self.counters.get("removed", 0) + sum(counts)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return sum(counts)
+
+    async def snapshot_routing(self, target: str) -> int:
+        self.routing.put_meta("shard_loads", self.ingest.loads)
+        self.routing.snapshot(target)
+        return len(self.routing)
+
+    async def resync(self) -> int:
+        """Rebuild the routing table from what the shards hold (after a restore or a split)."""
+        shards = range(len(self.shards))
+        lists = await asyncio.gather(*[self.shards.call(s, "cluster_ids") for s in shards])
+        routes = {cid: i for i, ids in enumerate(lists) for cid in ids}
+        self.routing.replace_all(routes)
+        infos = await asyncio.gather(*[self.shards.info(s) for s in shards])
+        self.ingest.loads = [info["trajectories"] for info in infos]
+        self.ingest.initialised = any(info["initialised"] for info in infos)
+        self.routing.put_meta("initialised", self.ingest.initialised)
+        self.routing.put_meta("shard_loads", self.ingest.loads)
+        return len(routes)
+
+    async def ping(self) -> str:
+        return "ok"
+
+    # -- the batching loop -----------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._space = asyncio.Condition()
+            self._idle = asyncio.Event()
+            self._idle.set()
+            self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop())
+
+    async def _batch_loop(self) -> None:
+        """One micro-batch after another, pipelined: while a batch is planned (coordinator CPU),
+        the shards already look up the next one (ids, neighbours); that batch is then planned
+        with what the one before it stored (see :func:`~.batching.absorb_previous`)."""
+        assert self._wake is not None and self._space is not None and self._idle is not None
+        wait = self.config.cluster.batch_wait_ms / 1000.0
+        previous: Committed | None = None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._next is not None or (self._queue and not self._paused):
+                self._idle.clear()
+                if self._next is not None:
+                    flight, pipelined = await self._next, True
+                    self._next = None
+                    if previous is None:
+                        # The batch before failed after these lookups were made: it may have
+                        # stored part of itself, so look again rather than plan without it.
+                        flight, pipelined = await self._front(flight.requests), False
+                    else:
+                        self.counters["pipelined"] += 1
+                else:
+                    # Let a micro-batch fill for a moment, unless it is already full.
+                    first = self._queue[0].enqueued
+                    while self._queued < self.config.cluster.batch_size and time.monotonic() - first < wait:
+                        await asyncio.sleep(min(wait, 0.002))
+                    flight, pipelined = await self._front(self._take()), False
+                try:
+                    outcomes, previous = await self.ingest.back(flight.stage, previous if pipelined else None, self._overlap)
+                    for request, outcome in zip(flight.requests, outcomes):
+                        if not request.future.done():
+                            if isinstance(outcome, Exception):
+                                request.future.set_exception(outcome)
+                            else:
+                                request.future.set_result(outcome)
+                except Exception as exc:  # the batch fails; the loop goes on
+                    log.exception("micro-batch failed")
+                    previous = None
+                    for request in flight.requests:
+                        if not request.future.done():
+                            request.future.set_exception(exc)
+                finally:
+                    async with self._space:
+                        self._queued -= flight.stage.count
+                        self._space.notify_all()
+                    metrics.observe_batch(self.namespace, flight.stage.count)
+                    metrics.set_queue_depth(self.namespace, self._queued)
+                    if self._next is None:
+                        self._idle.set()
+
+    async def _front(self, requests: list[_Request]) -> _InFlight:
+        stage = await self.ingest.front([r.batch for r in requests], [r.embedded for r in requests])
+        return _InFlight(requests, stage)
+
+    def _take(self) -> list[_Request]:
+        """The next micro-batch: whole requests, up to ``cluster.batch_size`` trajectories."""
+        size = self.config.cluster.batch_size
+        batch: list[_Request] = []
+        count = 0
+        while self._queue and (not batch or count + len(self._queue[0]) <= size):
+            request = self._queue.pop(0)
+            batch.append(request)
+            count += len(request)
+        return batch
+
+    def _overlap(self) -> asyncio.Task | None:
+        """Called as a batch's planning starts: begin the next micro-batch's shard lookups now,
+        if one is waiting (see _batch_loop); the batch commits only once they are done."""
+        if self._next is None and self._queue and not self._paused and self.ingest.initialised and self.config.cluster.pipeline:
+            self._next = asyncio.get_running_loop().create_task(self._front(self._take()))
+        return self._next

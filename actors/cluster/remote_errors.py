@@ -1,0 +1,40 @@
+"""Errors the sharded memory reports to its clients."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from lifemem_ray.core.errors import DeploymentNotFoundError, OverloadedError, ShardUnavailableError
+
+__all__ = ["DeploymentNotFoundError", "OverloadedError", "ShardUnavailableError", "actor_failures", "raise_remote", "remote_cause"]
+
+
+def actor_failures() -> tuple[type[BaseException], ...]:
+    """The Ray exceptions that mean an actor (or its node) is gone, in this Ray version."""
+    import ray.exceptions as rx
+
+    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError", "NodeDiedError")
+    return tuple(getattr(rx, n) for n in names if hasattr(rx, n))
+
+
+def remote_cause(exc: BaseException) -> BaseException:
+    """A remote task's own error without Ray's wrapping: the cause of a ``RayTaskError`` when
+    it is an Exception (a ``ShardUnavailableError``, an ``IdConflictError``...), else ``exc``
+    itself. The one place that knows where Ray keeps it."""
+    import ray.exceptions as rx
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
+    return cause if isinstance(cause, Exception) else exc
+
+
+def raise_remote(exc: BaseException) -> NoReturn:
+    """Raise a remote task's own error (:func:`remote_cause`) in place of Ray's wrapper; a
+    wrapper without a usable cause is raised as an instance of its cause's type."""
+    import ray.exceptions as rx
+
+    cause = remote_cause(exc)
+    if cause is not exc:
+        raise cause from None
+    if isinstance(exc, rx.RayTaskError):
+        raise exc.as_instanceof_cause() from None
+    raise exc

@@ -1,0 +1,1 @@
+"""Rollout workers and the lifelong experiment runner on Ray."""

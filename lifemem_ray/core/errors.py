@@ -1,0 +1,187 @@
+"""Every error lifemem-ray raises on purpose: one root, :class:`LifeMemError`, and a class per
+kind of problem. Each also derives from the built-in exception a caller would naturally
+catch (a bad value is a ``ValueError``, a missing cluster a ``KeyError``, a broken store a
+``RuntimeError``), so code written against those keeps working.
+
+Messages say where (a file, a setting, a record), what is wrong, and what to do.
+
+>>> from lifemem_ray.core.errors import ConfigError, LifeMemError
+>>> issubclass(ConfigError, LifeMemError) and issubclass(ConfigError, ValueError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AnswerError",
+    "AuthError",
+    "CommandError",
+    "ConfigError",
+    "DeploymentExistsError",
+    "DeploymentNotFoundError",
+    "EmbeddingError",
+    "EnvHung",
+    "EnvStateError",
+    "EnvUnavailable",
+    "EpisodeTimeout",
+    "ForbiddenError",
+    "GeneratedTextRefused",
+    "IdConflictError",
+    "IndexBuildError",
+    "IndexSaveError",
+    "InvalidTrajectoryError",
+    "LifeMemError",
+    "MaintenanceError",
+    "MetricTagError",
+    "OverloadedError",
+    "ResourcesUnavailableError",
+    "ShardUnavailableError",
+    "StoreError",
+    "StoreLockedError",
+    "TaskError",
+    "TenantError",
+    "UsageError",
+    "UnknownClusterError",
+    "VectorIndexError",
+]
+
+
+class LifeMemError(Exception):
+    """The root of every error lifemem-ray raises on purpose."""
+
+
+# -- input and configuration ----------------------------------------------------------------
+
+
+class ConfigError(LifeMemError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class InvalidTrajectoryError(LifeMemError, ValueError):
+    """A trajectory (or a record that should become one) is malformed."""
+
+
+class IdConflictError(LifeMemError, ValueError):
+    """A trajectory id is already stored, or repeated in one request, with different content:
+    nothing of the request was stored."""
+
+
+class UnknownClusterError(LifeMemError, KeyError):
+    """A placement names a cluster this store does not hold (it lives on another shard)."""
+
+
+class CommandError(LifeMemError):
+    """A command-line command cannot go on; the message says why and what to do."""
+
+
+# -- storage, index and embedding ------------------------------------------------------------
+
+
+class StoreError(LifeMemError, RuntimeError):
+    """The store on disk is missing, unreadable or of another shape."""
+
+
+class StoreLockedError(StoreError):
+    """Another process has the store open for writing."""
+
+
+class VectorIndexError(LifeMemError, ValueError):
+    """A vector index was asked something it cannot do (wrong dimension, unknown ids)."""
+
+
+class IndexSaveError(LifeMemError, OSError):
+    """The index cache could not be written (a full disk); the store itself is intact."""
+
+
+class IndexBuildError(LifeMemError, RuntimeError):
+    """FAISS did not accept an index it should have (a bug or a FAISS change)."""
+
+
+class EmbeddingError(LifeMemError, RuntimeError):
+    """The embedding model cannot be loaded or run."""
+
+
+class MaintenanceError(LifeMemError, RuntimeError):
+    """Background maintenance (splits, skills) failed; the store holds what was committed."""
+
+
+# -- the LLM -----------------------------------------------------------------------------------
+
+
+class AnswerError(LifeMemError, ValueError):
+    """An LLM answer that is not valid for its request (schema, ids, text checks)."""
+
+
+class GeneratedTextRefused(AnswerError):
+    """A generated skill or description refused by the provenance rule
+    (:mod:`lifemem_ray.llm.provenance`): a token that is not plain prose and occurs in none of the
+    trajectories it was generated from, or an instruction aimed at the operator. The offline
+    text stands in; counted as ``refused_generated``."""
+
+
+class UsageError(LifeMemError, RuntimeError):
+    """An API called out of order: a client used after close, from another event loop, or
+    before what it needs was started."""
+
+
+class MetricTagError(LifeMemError, ValueError):
+    """A metric recorded with a tag value (or value) its declaration in ``lifemem_ray.core.metrics`` does not allow."""
+
+
+# -- environments and rollouts ----------------------------------------------------------------
+
+
+class EnvUnavailable(LifeMemError, RuntimeError):
+    """The environment's package or data is not installed here; the message says what to install."""
+
+
+class TaskError(LifeMemError, ValueError):
+    """A task does not belong to the environment or is malformed."""
+
+
+class EnvStateError(LifeMemError, RuntimeError):
+    """An environment was driven out of order (``step`` before ``reset``, after the end) or broke."""
+
+
+class EpisodeTimeout(LifeMemError, RuntimeError):
+    """An episode ran past its time limit."""
+
+
+class EnvHung(LifeMemError, RuntimeError):
+    """An environment call did not return within the per-step limit."""
+
+
+# -- the sharded memory --------------------------------------------------------------------------
+
+
+class OverloadedError(LifeMemError, RuntimeError):
+    """The coordinator's queue stayed full for longer than ``cluster.overload_timeout_s``."""
+
+
+class ShardUnavailableError(LifeMemError, RuntimeError):
+    """A shard (or the node it is pinned to) is gone; what it acknowledged is in its store
+    and in the last snapshot, and what it did not acknowledge may be retried."""
+
+
+class DeploymentNotFoundError(LifeMemError, RuntimeError):
+    """No lifemem-ray deployment runs in this Ray namespace."""
+
+
+class DeploymentExistsError(LifeMemError, RuntimeError):
+    """A lifemem-ray deployment already runs in this Ray namespace (or serves this store)."""
+
+
+class ResourcesUnavailableError(LifeMemError, RuntimeError):
+    """The Ray cluster lacks the resources (CPUs, nodes) to start what was asked for."""
+
+
+class TenantError(LifeMemError, ValueError):
+    """A tenant name that is not allowed (names: a letter or digit, then letters, digits, ``_ . -``; at most 64)."""
+
+
+class AuthError(LifeMemError, PermissionError):
+    """A request without a valid API key (HTTP 401): send ``Authorization: Bearer <key>``."""
+
+
+class ForbiddenError(LifeMemError, PermissionError):
+    """A valid API key whose scopes do not allow the operation (HTTP 403)."""

@@ -1,0 +1,1 @@
+"""Workflow clusters: records, featurizers, batch planning, the offline policy, splits and skills."""

@@ -1,0 +1,1 @@
+"""The vector index: FAISS search per scope, its cache files and IVF training."""

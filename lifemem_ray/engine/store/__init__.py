@@ -1,0 +1,1 @@
+"""The store: LMDB tables, record layouts, checks, rewrites and migrations."""

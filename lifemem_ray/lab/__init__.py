@@ -1,0 +1,1 @@
+"""Experiments: environments, agents, episodes, the lifelong protocol, datasets and synthetic data."""

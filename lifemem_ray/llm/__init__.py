@@ -1,0 +1,1 @@
+"""The LLM layer: an OpenAI-compatible client, the memory's prompts, answer checks and the decider."""
