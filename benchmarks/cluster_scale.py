@@ -29,7 +29,7 @@ import ray
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.synthetic import generate, text_vectors
 from shard_probes import label_purity, shard_cpu_seconds, shard_resources, timed_retrieve_many  # benchmarks/ (the script's folder)
 
@@ -261,7 +261,7 @@ def main() -> None:
     store = args.store or Path(tempfile.mkdtemp(prefix="lifemem-scale-"))  # removed at the end (a 1M store is ~8 GB)
     overrides = {"cluster.namespace": "scale", "cluster.batch_size": args.request, "cluster.embedders": 1}
     overrides.update(dict(item.split("=", 1) for item in args.set))
-    config = MemoryConfig.load(overrides=overrides)
+    config = DeploymentConfig.load(overrides=overrides)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING", namespace="scale")
     report: dict = {"n": args.n, "shards": args.shards, "request": args.request, "store": str(store)}
     try:

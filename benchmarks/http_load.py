@@ -39,7 +39,7 @@ from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.frontdoor.app import start_http, stop_http
 from lifemem_ray.service.auth import KeyRing, new_key
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.lab.synthetic import generate
 
@@ -194,7 +194,7 @@ def _wait_healthy(url: str, timeout_s: float = 300) -> float:
 def run(args: argparse.Namespace) -> dict:
     ray.init(num_cpus=max(4, args.clients), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     namespace = "bench-http"
-    config = MemoryConfig().replace({**ACTORS, "cluster.namespace": namespace, "cluster.batch_wait_ms": 5,
+    config = DeploymentConfig().replace({**ACTORS, "cluster.namespace": namespace, "cluster.batch_wait_ms": 5,
                                      "http.read_timeout_s": args.read_timeout, "http.retry_after_s": 1})
     store = Path(tempfile.mkdtemp(prefix="lifemem-http-load-"))
     dep.deploy(store, config, shards=2)

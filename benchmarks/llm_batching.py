@@ -36,7 +36,7 @@ from shard_probes import label_purity  # noqa: E402  (benchmarks/, the script's 
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
@@ -46,7 +46,7 @@ def run(name: str, stub_url: str, n: int, overrides: dict, request: int) -> dict
     trajs = list(generate(n, seed=31, length_scale=0.2))
     vecs = text_vectors([t.task for t in trajs])
     ns = f"llm-{name}"
-    config = MemoryConfig().replace(
+    config = DeploymentConfig().replace(
         {
             "cluster.namespace": ns,
             "llm.backend": "openai",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.embedding import MiniLMEmbedder
 from lifemem_ray.core.importers import iter_jsonl
 from lifemem_ray.engine.memory import Memory
@@ -74,7 +74,7 @@ def cached_embed(embedder: MiniLMEmbedder, texts: list[str], cache: Path | None)
     return vecs
 
 
-def real_data(shared: Path, config: MemoryConfig, embedder: MiniLMEmbedder, cache: Path | None = None) -> dict:
+def real_data(shared: Path, config: DeploymentConfig, embedder: MiniLMEmbedder, cache: Path | None = None) -> dict:
     folder = shared / "data" / "lifemem-trainset"
     if not folder.is_dir():
         raise SystemExit(f"{folder}: shared trajectory data not found (use --shared)")
@@ -151,7 +151,7 @@ def real_data(shared: Path, config: MemoryConfig, embedder: MiniLMEmbedder, cach
     }
 
 
-def synthetic_data(n: int, config: MemoryConfig) -> dict:
+def synthetic_data(n: int, config: DeploymentConfig) -> dict:
     trajs = list(generate(n, seed=11, length_scale=0.2))
     vecs = text_vectors([t.task for t in trajs])
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the goal-text-only comparison")
     parser.add_argument("--vector-cache", type=Path, help="reuse task embeddings across runs (an .npy path prefix)")
     args = parser.parse_args()
-    config = MemoryConfig.load(overrides=dict(item.split("=", 1) for item in args.set))
+    config = DeploymentConfig.load(overrides=dict(item.split("=", 1) for item in args.set))
     embedder = MiniLMEmbedder(config.embedding)
     report = {"config_overrides": args.set, "real": real_data(args.shared, config, embedder, args.vector_cache)}
     if args.synthetic:

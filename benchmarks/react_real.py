@@ -60,7 +60,8 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 
 from lifemem_ray.lab.agents import Agent, AgentStep, make_agent
-from lifemem_ray.engine.memory_config import LLMConfig, MemoryConfig
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
 from lifemem_ray.lab.envs import Environment, Task, make_env
 from lifemem_ray.engine.memory import Memory

@@ -26,9 +26,9 @@ import ray
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.rollout.experiment import run_experiment
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.envs import make_env
-from lifemem_ray.lab.lifelong import ExperimentConfig
+from lifemem_ray.lab.experiment_config import ExperimentConfig
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
 
@@ -45,7 +45,7 @@ def throughput(env_name: str, episodes: int, worker_counts: list[int], seed_task
     seed, load = tasks[:seed_tasks], tasks[seed_tasks: seed_tasks + episodes]
     options = {env_name: {"n_train": episodes + seed_tasks, "n_test": 1}}
     ns = "bench-rollouts"
-    config = MemoryConfig().replace({**ACTORS, "cluster.namespace": ns})
+    config = DeploymentConfig().replace({**ACTORS, "cluster.namespace": ns})
     store = Path(tempfile.mkdtemp(prefix="lifemem-rollouts-"))
     dep.deploy(store, config, shards=2)
     rows = []
@@ -89,7 +89,7 @@ def success(envs: list[str], train: int, test: int, workers: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix="lifemem-success-"))
     exp = ExperimentConfig(name="bench-success", envs=envs, train_tasks=train, test_tasks=test, workers=workers,
                            worker_cpus=0.25, self_learn=False, output=str(out))
-    report = run_experiment(exp, MemoryConfig().replace(ACTORS), progress=None)
+    report = run_experiment(exp, DeploymentConfig().replace(ACTORS), progress=None)
     return {"per_env": report["success_by_env"], "op": {m: r["metrics"]["op"] for m, r in report["modes"].items()},
             "memory": {k: report["memory"].get(k) for k in ("trajectories", "clusters", "mixed_env_clusters")}}
 

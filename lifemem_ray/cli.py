@@ -18,7 +18,9 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lifemem_ray.engine.memory_config import ConfigError, MemoryConfig
+from lifemem_ray.engine.memory_config import ConfigError
+
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.model import InvalidTrajectoryError
 from lifemem_ray.core.errors import CommandError
 from lifemem_ray.core.tenancy import check_tenant
@@ -38,14 +40,14 @@ def _set_overrides(args: argparse.Namespace) -> dict[str, str]:
     return overrides
 
 
-def _config(args: argparse.Namespace) -> MemoryConfig:
+def _config(args: argparse.Namespace) -> DeploymentConfig:
     overrides = {k: v for k, v in _set_overrides(args).items() if not k.startswith("experiment.")}
     if getattr(args, "llm_base_url", None):
         overrides["llm.base_url"] = args.llm_base_url
         overrides.setdefault("llm.backend", "openai")
     if getattr(args, "llm_model", None):
         overrides["llm.model"] = args.llm_model
-    return MemoryConfig.load(args.config, overrides=overrides)
+    return DeploymentConfig.load(args.config, overrides=overrides)
 
 
 # Characters a terminal may act on (escape sequences, C1 controls, bidirectional overrides):
@@ -95,7 +97,7 @@ class NoRayCluster(CommandError):
     """No Ray cluster answers where the command would join (nothing to stop, for ``stop``)."""
 
 
-def _connect(args: argparse.Namespace, config: MemoryConfig, *, start_local: bool = False) -> Any:
+def _connect(args: argparse.Namespace, config: DeploymentConfig, *, start_local: bool = False) -> Any:
     """Connect this process to Ray (the running cluster, or with ``start_local`` a new local head).
 
     The address Ray would join is probed first (:mod:`lifemem_ray.actors.cluster.ray_address`), so a
@@ -254,7 +256,7 @@ def _forget_current_cluster(address: str, path: Path | None = None) -> None:
         pass
 
 
-def _client(args: argparse.Namespace, config: MemoryConfig) -> Any:
+def _client(args: argparse.Namespace, config: DeploymentConfig) -> Any:
     from lifemem_ray.actors.cluster.client import MemoryClient
 
     namespace = _connect(args, config)
@@ -286,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _http_keys(args: argparse.Namespace, config: MemoryConfig) -> Any:
+def _http_keys(args: argparse.Namespace, config: DeploymentConfig) -> Any:
     """The front door's keys (config and LIFEMEM_API_KEYS), and its bind address checked."""
     from lifemem_ray.service.auth import KeyRing, check_bind
 
@@ -404,7 +406,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ingest_remote(args: argparse.Namespace, config: MemoryConfig) -> int:
+def _ingest_remote(args: argparse.Namespace, config: DeploymentConfig) -> int:
     """Remote ingest answers bad input as local ingest does: each file is read and validated
     whole here first (ids checked against the deployment's shards), then its passing records
     go to the coordinator in batches (embedded by its embedder actors), at most
@@ -489,7 +491,7 @@ def _emit_ingest(args: argparse.Namespace, report: Any, counts: dict[str, int], 
 REMOTE_IN_FLIGHT = 4  # add requests of one remote ingest awaiting their acknowledgement
 
 
-def _open_or_connect(args: argparse.Namespace, config: MemoryConfig, *, write: bool = False) -> Any:
+def _open_or_connect(args: argparse.Namespace, config: DeploymentConfig, *, write: bool = False) -> Any:
     """The deployment's client (``--address``/``--namespace``), else the store at ``--store``:
     read-only, or (``write``) writable but only where a store already is, so a mistyped path
     is an error rather than a new empty store."""
@@ -642,7 +644,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from lifemem_ray.actors.rollout.experiment import run_experiment
     from lifemem_ray.actors.rollout.workers import print_progress
-    from lifemem_ray.lab.lifelong import ExperimentConfig
+    from lifemem_ray.lab.experiment_config import ExperimentConfig
 
     config = _config(args)
     overrides = {k.split(".", 1)[1]: v for k, v in _set_overrides(args).items() if k.startswith("experiment.")}

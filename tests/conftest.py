@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.synthetic import generate, label_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +35,8 @@ def embedder():
 
 
 @pytest.fixture
-def config() -> MemoryConfig:
-    return MemoryConfig()
+def config() -> DeploymentConfig:
+    return DeploymentConfig()
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +96,7 @@ def deployment(ray_local, tmp_path):
 
     def start(shards: int = 2, store=None, **overrides):
         namespace = f"t{len(started)}-{os.getpid()}-{tmp_path.name[-12:]}"
-        config = MemoryConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
+        config = DeploymentConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
         info = dep.deploy(store or tmp_path / f"store-{namespace}", config, shards=shards)
         started.append(namespace)
         from lifemem_ray.actors.cluster.client import MemoryClient

@@ -15,7 +15,7 @@ import httpx
 
 from conftest import SMALL_ACTORS
 from lifemem_ray.service.auth import KeyRing, new_key
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ def free_port() -> int:
 class Front:
     """The running front door: its URL and port, a key per role, and the deployment's client."""
 
-    def __init__(self, url: str, port: int, keys: dict[str, str], client: Any, namespace: str, config: MemoryConfig) -> None:
+    def __init__(self, url: str, port: int, keys: dict[str, str], client: Any, namespace: str, config: DeploymentConfig) -> None:
         self.url, self.port, self.keys, self.client, self.namespace, self.config = url, port, keys, client, namespace, config
 
     def http(self, role: str | None = None, timeout: float = 300) -> httpx.Client:
@@ -45,7 +45,7 @@ def serve_front(store: Path, namespace: str, roles: list[tuple[str, str, str]], 
     from lifemem_ray.actors.cluster.client import MemoryClient
     from lifemem_ray.actors.frontdoor.app import start_http, stop_http
 
-    config = MemoryConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
+    config = DeploymentConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
     dep.deploy(store, config, shards=2)
     keys, entries = {}, []
     for role, tenant, scopes in roles:

@@ -17,7 +17,7 @@ from ray.cluster_utils import Cluster
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25,
@@ -34,7 +34,7 @@ def main() -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="mn", log_to_driver=False, logging_level="WARNING")
     try:
-        config = MemoryConfig().replace({"cluster.namespace": "mn", **ACTORS})
+        config = DeploymentConfig().replace({"cluster.namespace": "mn", **ACTORS})
         info = dep.deploy(root / "store", config, shards=2)
         worker_ids = {w.node_id for w in workers}
         report["shard_nodes"] = info["nodes"]
@@ -71,7 +71,7 @@ def main() -> None:
             report["stop_error"] = repr(exc)
 
         # Back from the last snapshot, on the nodes that are left.
-        config2 = MemoryConfig().replace({"cluster.namespace": "mn2", **ACTORS})
+        config2 = DeploymentConfig().replace({"cluster.namespace": "mn2", **ACTORS})
         restored = dep.restore(root / "snap", root / "restored", config2, shards=2)
         report["restored"] = {k: restored[k] for k in ("trajectories", "clusters", "nodes")}
         client2 = MemoryClient("mn2", config2)
@@ -83,7 +83,7 @@ def main() -> None:
 
         # The original store again: shard 1's node is gone, but its files are on this
         # machine, so the live nodes see them and the shard moves to one of them.
-        config3 = MemoryConfig().replace({"cluster.namespace": "mn3", **ACTORS})
+        config3 = DeploymentConfig().replace({"cluster.namespace": "mn3", **ACTORS})
         reopened = dep.deploy(root / "store", config3)
         report["reopened_nodes"] = reopened["nodes"]
         report["reopened_on_workers"] = set(reopened["nodes"]) <= worker_ids - {victim.node_id}

@@ -14,7 +14,7 @@ import pytest
 from lifemem_ray.lab import agents
 from lifemem_ray.lab.agents import AGENTS, ExemplarAgent, GoldAgent, NoisyGoldAgent, ReActAgent, SkillGuidedAgent, make_agent, parse_procedure, step_match
 from lifemem_ray.lab.agents import _read_action
-from lifemem_ray.engine.memory_config import LLMConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.lab.envs import Environment, EnvUnavailable, StepResult, Task, make_env
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.llm.prompts import ACT_SYSTEM_PROMPT, act_prompt, memory_sections

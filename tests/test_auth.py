@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lifemem_ray.service.auth import ENV_KEYS, KeyRing, check_bind, hash_key, is_loopback, new_key, parse_key_entries
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import AuthError, ConfigError
 from lifemem_ray.service.principal import SCOPES
 
@@ -71,33 +71,33 @@ def test_keys_come_from_the_config_file_and_the_environment(tmp_path):
     config = tmp_path / "server.toml"
     config.write_text(f'[http]\nport = 8123\n\n[[http.api_keys]]\nname = "a"\nsha256 = "{entry_a.sha256}"\ntenant = "acme"\n'
                       'scopes = ["read", "write"]\n')
-    loaded = MemoryConfig.load(config, environ={})
+    loaded = DeploymentConfig.load(config, environ={})
     assert loaded.http.port == 8123
     ring = KeyRing.from_config(loaded.http, environ={ENV_KEYS: json.dumps([entry_b.to_dict()])})
     assert ring.authenticate(f"Bearer {key_a}").tenant == "acme" and ring.authenticate(f"Bearer {key_b}").tenant == "globex"
     # A file path in the variable, and the generic LIFEMEM_HTTP_API_KEYS (JSON) too.
     keyfile = tmp_path / "keys.json"
     keyfile.write_text(json.dumps([entry_b.to_dict()]))
-    ring = KeyRing.from_config(MemoryConfig().http, environ={ENV_KEYS: str(keyfile)})
+    ring = KeyRing.from_config(DeploymentConfig().http, environ={ENV_KEYS: str(keyfile)})
     assert ring.authenticate(f"Bearer {key_b}").tenant == "globex"
-    generic = MemoryConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([entry_a.to_dict()])})
+    generic = DeploymentConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([entry_a.to_dict()])})
     assert KeyRing.from_config(generic.http, environ={}).authenticate(f"Bearer {key_a}").key_id == "a"
     with pytest.raises(ConfigError, match="LIFEMEM_HTTP_API_KEYS: .*not JSON"):
-        MemoryConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": "[oops"})
+        DeploymentConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": "[oops"})
     with pytest.raises(ConfigError, match=f"{ENV_KEYS}: neither a JSON list nor a readable file"):
-        KeyRing.from_config(MemoryConfig().http, environ={ENV_KEYS: str(tmp_path / "missing.json")})
+        KeyRing.from_config(DeploymentConfig().http, environ={ENV_KEYS: str(tmp_path / "missing.json")})
     with pytest.raises(ConfigError, match=r"http.api_keys\[0\]\.sha256"):
-        MemoryConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([{**entry_a.to_dict(), "sha256": "short"}])})
+        DeploymentConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([{**entry_a.to_dict(), "sha256": "short"}])})
 
 
 def test_keys_mode_without_any_key_is_refused_and_no_auth_acts_as_the_default_tenant():
     with pytest.raises(ConfigError, match="no API key is configured: make one with `lifemem-ray keys new"):
-        KeyRing.from_config(MemoryConfig().http, environ={})
-    open_ring = KeyRing.from_config(MemoryConfig().replace({"http.auth": "none"}).http, environ={})
+        KeyRing.from_config(DeploymentConfig().http, environ={})
+    open_ring = KeyRing.from_config(DeploymentConfig().replace({"http.auth": "none"}).http, environ={})
     who = open_ring.authenticate(None)
     assert who.tenant == "default" and who.scopes == frozenset(SCOPES)
     with pytest.raises(ConfigError, match="http.auth: must be one of keys, none"):
-        MemoryConfig().replace({"http.auth": "open"})
+        DeploymentConfig().replace({"http.auth": "open"})
 
 
 def test_no_auth_binds_to_loopback_only():
@@ -115,7 +115,7 @@ def test_http_settings_have_bounds():
     for key, bad in (("port", 0), ("port", 70_000), ("replicas", 0), ("max_body_bytes", 10), ("max_batch_items", 0),
                      ("max_queries", 10**9), ("operations_ttl_s", float("inf")), ("retry_after_s", 0)):
         with pytest.raises(ConfigError, match=f"http.{key}"):
-            MemoryConfig().replace({f"http.{key}": bad})
+            DeploymentConfig().replace({f"http.{key}": bad})
 
 
 def test_keys_new_command_prints_a_key_and_an_entry_that_the_server_accepts(tmp_path):
@@ -129,7 +129,7 @@ def test_keys_new_command_prints_a_key_and_an_entry_that_the_server_accepts(tmp_
                           capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
     toml = text[text.index("[[http.api_keys]]"):]
     (tmp_path / "c.toml").write_text(toml)
-    assert len(MemoryConfig.load(tmp_path / "c.toml", environ={}).http.api_keys) == 1
+    assert len(DeploymentConfig.load(tmp_path / "c.toml", environ={}).http.api_keys) == 1
     bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,root"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 1 and "--scopes: unknown scope(s) ['root']" in bad.stderr
@@ -139,9 +139,9 @@ class _NoMemory:
     """A front service without a deployment: what build_app needs to build its routes."""
 
     def __init__(self) -> None:
-        from lifemem_ray.engine.memory_config import MemoryConfig
+        from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 
-        self.config = MemoryConfig()
+        self.config = DeploymentConfig()
         self.http = self.config.http
         self.body_parsed = False
 

@@ -12,7 +12,7 @@ from lifemem_ray.actors.cluster.batching import BatchIngest, LocalShards, absorb
 from lifemem_ray.actors.cluster.coordinator import Coordinator
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.actors.cluster.shard_actor import MemoryShard
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import EmbeddingError, IdConflictError, UnknownClusterError
 from lifemem_ray.engine.clustering.evolution import ItemBatch, Placement
 from lifemem_ray.engine.memory import Memory, pack_trajectories
@@ -30,8 +30,8 @@ def data():
     return trajs, text_vectors([t.task for t in trajs])
 
 
-def make_config(**changes) -> MemoryConfig:
-    return MemoryConfig().replace({**CONFIG, **changes}).validate()
+def make_config(**changes) -> DeploymentConfig:
+    return DeploymentConfig().replace({**CONFIG, **changes}).validate()
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def cluster(tmp_path):
     """Two in-process shards and a routing table; closed after the test."""
     opened = []
 
-    def make(config: MemoryConfig, shards: int = 2):
+    def make(config: DeploymentConfig, shards: int = 2):
         made = [MemoryShard(i, str(tmp_path / f"shard-{i:02d}"), config, DIM) for i in range(shards)]
         routing = RoutingTable(tmp_path / "coordinator")
         opened.append((made, routing))
@@ -52,7 +52,7 @@ def cluster(tmp_path):
         routing.close()
 
 
-def packed(config: MemoryConfig, trajs, vecs):
+def packed(config: DeploymentConfig, trajs, vecs):
     return pack_trajectories(list(trajs), None if vecs is None else np.asarray(vecs), DIM, config.evolution.workflow_features)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import IdConflictError
 from lifemem_ray.core.importers import write_jsonl
 from lifemem_ray.engine.memory import Memory, prepare_items
@@ -36,7 +36,7 @@ def _other_content(traj):
 
 
 def _engine(tmp_path) -> Memory:
-    return Memory.open(tmp_path / "store", MemoryConfig(), dim=DIM)
+    return Memory.open(tmp_path / "store", DeploymentConfig(), dim=DIM)
 
 
 @pytest.mark.parametrize("path", ["add", "add_many", "prepared_items"])

@@ -24,12 +24,12 @@ import pytest
 
 from lifemem_ray.engine.store import lmdb_rewrite
 from lifemem_ray.engine.store import storage
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import StoreLockedError
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.store.storage import MemoryStore
 
-CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
+CONFIG = DeploymentConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
 MARKER = "QZX-DELETED-OBSERVATION-7F3A"
 DELETED_ID = re.compile(rb"gone-\d{4}-QZX")
 SCRIPT = shutil.which("lifemem-ray") or str(Path(sys.executable).parent / "lifemem-ray")
@@ -232,7 +232,7 @@ def test_a_compaction_that_fails_before_the_swap_leaves_the_store_as_it_was(tmp_
 CRASHER = r"""
 import os, signal, sys
 from lifemem_ray.engine.store import lmdb_rewrite
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.memory import Memory
 
 path, where = sys.argv[1], sys.argv[2]
@@ -241,7 +241,7 @@ if where == "before-replace":
     os.replace = die
 else:  # after the replace, before the folder is fsynced and the environment reopened
     lmdb_rewrite.fsync_dir = lambda d: die() if str(d) == path else None
-with Memory.open(path, MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})) as memory:
+with Memory.open(path, DeploymentConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})) as memory:
     memory.shard.compact()
 """
 
@@ -270,10 +270,10 @@ def test_a_compaction_killed_midway_leaves_a_whole_store(tmp_path, synthetic, wh
 # -- the command line ---------------------------------------------------------------------------
 HOLDER = r"""
 import sys, time
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.memory import Memory
 
-with Memory.open(sys.argv[1], MemoryConfig().replace({"evolution.init_size": 20}), read_only=sys.argv[2] == "read") as memory:
+with Memory.open(sys.argv[1], DeploymentConfig().replace({"evolution.init_size": 20}), read_only=sys.argv[2] == "read") as memory:
     print("ready", flush=True)
     time.sleep(300)
 """

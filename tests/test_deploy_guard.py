@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_ACTORS
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import DeploymentExistsError
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
@@ -21,7 +21,7 @@ def test_a_second_deployment_of_a_served_store_is_refused(deployment, tmp_path):
     client, info = deployment(shards=1, store=store)
     trajs = list(generate(6, seed=1, envs=["shop"], length_scale=0.1))
     client.add_many(trajs, text_vectors([t.task for t in trajs])).result()
-    other = MemoryConfig().replace({"cluster.namespace": "second-serve", **SMALL_ACTORS})
+    other = DeploymentConfig().replace({"cluster.namespace": "second-serve", **SMALL_ACTORS})
     with pytest.raises(DeploymentExistsError, match="already served"):
         dep.deploy(store, other)
     for name in (dep.COORDINATOR, dep._embedder_name(0), dep._shard_name(0)):

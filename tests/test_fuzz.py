@@ -13,7 +13,10 @@ import random
 
 import pytest
 
-from lifemem_ray.engine.memory_config import BOUNDS, ConfigError, MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.core.errors import ConfigError
+
+BOUNDS = DeploymentConfig.bounds()
 from lifemem_ray.core.errors import LifeMemError
 from lifemem_ray.core.importers import RecordError, check_file
 from lifemem_ray.engine.memory import Memory
@@ -105,20 +108,20 @@ def test_generated_out_of_range_config_values_are_refused_naming_the_setting():
         key = rng.choice(keys)
         low, high = BOUNDS[key]
         section, name = key.split(".")
-        kind = type(getattr(getattr(MemoryConfig(), section), name))
+        kind = type(getattr(getattr(DeploymentConfig(), section), name))
         bad = rng.choice([high * 10 + 1, low - 1, -1e30, 1e30] + ([float("nan"), float("inf"), -float("inf")] if kind is float else []))
         bad = int(bad) if kind is int and abs(bad) < 1e18 else bad
         if low <= bad <= high:
             continue
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            MemoryConfig().replace({key: bad})
+            DeploymentConfig().replace({key: bad})
 
 
 def test_hostile_batches_leave_the_store_as_it_was(tmp_path):
     rng = random.Random(SEED)
     trajs = list(generate(30, seed=2, envs=["shop", "sql"], length_scale=0.1))
     vecs = text_vectors([t.task for t in trajs], 32)
-    with Memory.open(tmp_path / "m", MemoryConfig(), dim=32) as memory:
+    with Memory.open(tmp_path / "m", DeploymentConfig(), dim=32) as memory:
         memory.add_many(trajs[:10], vecs[:10])
         for _ in range(30):
             batch = list(range(10, 30))

@@ -19,7 +19,8 @@ from collections import defaultdict
 import pytest
 
 from lifemem_ray.llm import lexicon
-from lifemem_ray.engine.memory_config import LLMConfig, MemoryConfig
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import ClusterView
 from lifemem_ray.llm.transport import LLMDecider
 from lifemem_ray.engine.memory import Memory

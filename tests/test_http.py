@@ -16,7 +16,7 @@ import pytest
 
 from front_harness import Front, free_port, serve_front
 from lifemem_ray.service.auth import KeyRing, new_key
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.lab.synthetic import generate
 
@@ -280,7 +280,7 @@ def test_overload_answers_503_with_retry_after(front):
 def test_no_auth_mode_refuses_a_non_loopback_host(front):
     from lifemem_ray.actors.frontdoor.app import start_http
 
-    open_config = MemoryConfig().replace({"http.auth": "none"})
+    open_config = DeploymentConfig().replace({"http.auth": "none"})
     ring = KeyRing.from_config(open_config.http, environ={})
     with pytest.raises(ConfigError, match="loopback only"):
         start_http(front.namespace, open_config, ring, host="0.0.0.0", port=free_port())
@@ -456,7 +456,7 @@ def test_the_operations_table_bounds_the_answers_it_keeps():
     with pytest.raises(OverloadedError, match="at most 10"):
         table.create("acme", [f"c{i}" for i in range(11)], deadline_s=60)
     with pytest.raises(ConfigError, match="http.operations_max_items"):
-        MemoryConfig().replace({"http.operations_max_items": 5_000, "http.max_batch_items": 10_000})
+        DeploymentConfig().replace({"http.operations_max_items": 5_000, "http.max_batch_items": 10_000})
 
 
 @pytest.mark.parametrize("failure", ["gone", "silent"])
@@ -473,7 +473,7 @@ def test_health_without_a_deployment_names_no_namespace_or_internals(monkeypatch
         raise ray.exceptions.GetTimeoutError("Get timed out: ObjectRef(00ffab12) not ready")
 
     monkeypatch.setattr(http_service, "find_coordinator", find)
-    service = http_service.FrontService("tenant-secret-ns", MemoryConfig())
+    service = http_service.FrontService("tenant-secret-ns", DeploymentConfig())
     try:
         with caplog.at_level("WARNING", logger=http_service.__name__):
             answer = service.health()
@@ -505,7 +505,7 @@ def test_a_removal_that_outlasts_its_timeout_answers_503_and_goes_on(monkeypatch
         def purge_tenant(self, tenant):
             return 3
 
-    service = http_service.FrontService("ns", MemoryConfig().replace({"http.delete_timeout_s": 0.2}))
+    service = http_service.FrontService("ns", DeploymentConfig().replace({"http.delete_timeout_s": 0.2}))
     monkeypatch.setattr(service, "client", lambda: SlowClient())
     admin = Principal(tenant="acme", scopes=frozenset({"read", "write", "admin"}))
     try:
@@ -539,7 +539,7 @@ def test_cluster_listing_asks_the_shards_for_at_most_the_limit(monkeypatch):
             asked.append(("count", env))
             return 5
 
-    service = http_service.FrontService("ns", MemoryConfig().replace({"http.max_clusters_listed": 3}))
+    service = http_service.FrontService("ns", DeploymentConfig().replace({"http.max_clusters_listed": 3}))
     monkeypatch.setattr(service, "client", lambda: Client())
     reader = Principal(tenant="acme", scopes=frozenset({"read"}))
     try:

@@ -8,7 +8,8 @@ import pytest
 
 from lifemem_ray.engine.memory_config import ConfigError
 from lifemem_ray.lab.envs.base import Task
-from lifemem_ray.lab.lifelong import ExperimentConfig, ScoreTable, SeedResult, build_stream, learnt_rows, metrics, overlap, render_markdown, summarise, transfer_events, write_plots
+from lifemem_ray.lab.experiment_config import ExperimentConfig
+from lifemem_ray.lab.lifelong import ScoreTable, SeedResult, build_stream, learnt_rows, metrics, overlap, render_markdown, summarise, transfer_events, write_plots
 
 
 def _tasks(env: str, n: int) -> list[Task]:
@@ -115,7 +116,7 @@ def test_experiment_config_sources_and_validation(tmp_path):
 
 
 def test_default_experiment_has_every_mode_transfer_and_the_skill_reader():
-    exp = ExperimentConfig().validate()
+    exp = ExperimentConfig().checked()
     assert set(exp.modes) == {"none", "trajectory", "global-skills", "lifemem", "lifemem-no-skills", "skills-only"}
     assert exp.eval_envs and exp.seeds >= 3 and exp.agent == "skill-guided" and not exp.learner_uses_memory
     assert ExperimentConfig(learn_agent="same", agent="exemplar").learner_uses_memory

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from openai_stub import OpenAIStub, Reply, sensible_reply
-from lifemem_ray.engine.memory_config import LLMConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, Candidate, ClusterView
 from lifemem_ray.llm.transport import AnswerError, LLMClient, LLMDecider, extract_json, schema_errors
 from lifemem_ray.core.model import Outcome, Step, Trajectory

@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llm_server import llama_server_fixture  # noqa: E402
-from lifemem_ray.engine.memory_config import LLMConfig, MemoryConfig
+from lifemem_ray.llm.llm_config import LLMConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, Candidate, ClusterView
 from lifemem_ray.llm.transport import LLMDecider
 from lifemem_ray.engine.memory import Memory
@@ -191,7 +192,7 @@ def test_memory_ingest_end_to_end(server, tmp_path):
     overrides = {f"llm.{k}": v for k, v in LLM_SETTINGS.items()}
     overrides.update({"llm.base_url": server.base_url, "llm.items_per_call": 3, "llm.max_item_chars": 600,
                       "evolution.skill_sample_size": 4})
-    config = MemoryConfig().replace(overrides)
+    config = DeploymentConfig().replace(overrides)
     memory = Memory.open(tmp_path / "mem", config)
     try:
         results = memory.add_many(trajs, text_vectors([t.task for t in trajs]))
@@ -228,7 +229,7 @@ def test_memory_ingest_end_to_end(server, tmp_path):
         memory.close()
     assert_alive(server)
     # The usage counters are stored: reopened without an LLM, they are still there.
-    reopened = Memory.open(tmp_path / "mem", MemoryConfig(), read_only=True)
+    reopened = Memory.open(tmp_path / "mem", DeploymentConfig(), read_only=True)
     try:
         assert reopened.stats()["llm"]["by_operation"]["partition"]["calls"] == 1
         assert reopened.verify()["ok"]

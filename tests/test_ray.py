@@ -80,10 +80,10 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
     client, _ = deployment(shards=1)  # only to learn a namespace pattern; restore makes its own
     from lifemem_ray.actors.cluster import deployment as dep
     from lifemem_ray.actors.cluster.client import MemoryClient
-    from lifemem_ray.engine.memory_config import MemoryConfig
+    from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 
     ns = client.namespace + "-restored"
-    config = MemoryConfig().replace({"cluster.namespace": ns, **SMALL_ACTORS})
+    config = DeploymentConfig().replace({"cluster.namespace": ns, **SMALL_ACTORS})
     info = restore(tmp_path / "single", tmp_path / "restored", config, shards=3)
     try:
         assert info["trajectories"] == 1500 and info["clusters"] == len(clusters)
@@ -106,7 +106,7 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
 def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_path):
     from lifemem_ray.actors.cluster import deployment as dep
     from lifemem_ray.actors.cluster.client import MemoryClient
-    from lifemem_ray.engine.memory_config import MemoryConfig
+    from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 
     trajs, vecs = data
     client, _ = deployment(shards=2)
@@ -119,7 +119,7 @@ def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_pat
     # Writes after the snapshot are not in it.
     client.add_many(trajs[600:700], vecs[600:700]).result(timeout=300)
     ns = client.namespace + "-three"
-    config = MemoryConfig().replace({"cluster.namespace": ns, **SMALL_ACTORS})
+    config = DeploymentConfig().replace({"cluster.namespace": ns, **SMALL_ACTORS})
     info = dep.restore(tmp_path / "snap", tmp_path / "three", config, shards=3)
     try:
         three = MemoryClient(ns, config)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lifemem_ray.lab.agents import ExemplarAgent, GoldAgent, NoisyGoldAgent, RandomAgent, ReActAgent, action_similarity, make_agent
-from lifemem_ray.engine.memory_config import LLMConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.lab.envs import Environment, StepResult, Task, make_env
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context

@@ -19,9 +19,9 @@ from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.rollout.experiment import run_experiment
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.envs import make_env
-from lifemem_ray.lab.lifelong import ExperimentConfig
+from lifemem_ray.lab.experiment_config import ExperimentConfig
 from lifemem_ray.lab.episode import EpisodeLimits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def memory(ray_local, tmp_path_factory):
     ns = "rollout-test"
-    config = MemoryConfig().replace({**SMALL_ACTORS, "cluster.namespace": ns})
+    config = DeploymentConfig().replace({**SMALL_ACTORS, "cluster.namespace": ns})
     store = tmp_path_factory.mktemp("rollout-memory")
     dep.deploy(store, config, shards=2)
     client = MemoryClient.connect(namespace=ns, config=config)
@@ -114,7 +114,7 @@ def test_lifelong_experiment_end_to_end(ray_local, tmp_path):
     exp = ExperimentConfig(name="e2e", envs=envs, eval_envs=[], train_tasks=4, test_tasks=3, workers=2, worker_cpus=0.1,
                            modes=["none", "trajectory", "global-skills", "lifemem", "lifemem-no-skills", "skills-only"],
                            agent="exemplar", seeds=2, bootstrap=50, output=str(tmp_path / "run"), self_learn=True, env_options={})
-    mconf = MemoryConfig().replace(SMALL_ACTORS)
+    mconf = DeploymentConfig().replace(SMALL_ACTORS)
     report = run_experiment(exp, mconf, progress=None)
     out = tmp_path / "run"
     assert (out / "report.json").is_file() and (out / "report.md").is_file()
@@ -150,7 +150,7 @@ def test_zero_shot_environment_is_routed_to_its_alias_or_the_best_match(ray_loca
     exp = ExperimentConfig(name="zs", envs=["sql"], eval_envs=["sql-copy"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1,
                            modes=["none", "lifemem", "skills-only"], agent="exemplar", seeds=1, bootstrap=20, self_learn=False,
                            env_options={"sql-copy": {"adapter": "sql"}}, output=str(tmp_path / "run"))
-    report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
+    report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
     for mode in exp.modes:
         assert sorted(report["modes"][mode]["zero_shot"]) == ["sql-copy"]
         assert "sql-copy" in report["modes"][mode]["zero_shot_gain"]
@@ -162,7 +162,7 @@ def test_memory_reading_learner_learns_per_mode(ray_local, tmp_path):
     exp = ExperimentConfig(name="same", envs=["sql"], eval_envs=[], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1,
                            modes=["none", "lifemem", "skills-only"], agent="exemplar", learn_agent="same", seeds=1, bootstrap=0,
                            self_learn=False, env_options={}, output=str(tmp_path / "run"))
-    report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
+    report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
     assert report["learner"]["collection"].startswith("per mode")
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     learning = {e["id"].split("/")[1] for e in episodes if e["id"].split("/")[1].startswith("learn")}
@@ -173,7 +173,7 @@ def test_memory_reading_learner_learns_per_mode(ray_local, tmp_path):
 def test_buffer_stream_commits_in_batches(ray_local, tmp_path):
     exp = ExperimentConfig(name="buf", envs=["sql"], eval_envs=[], train_tasks=7, test_tasks=2, workers=1, worker_cpus=0.1, stream="buffer",
                            modes=["lifemem"], agent="exemplar", seeds=1, self_learn=False, env_options={}, output=str(tmp_path / "run"))
-    report = run_experiment(exp, MemoryConfig().replace(SMALL_ACTORS), progress=None)
+    report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
     assert report["memory"]["trajectories"] == 7
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     assert all(e["stored"] is None for e in episodes)  # the driver committed them, in caches of 5 then 2
@@ -266,7 +266,7 @@ def test_experiment_with_the_llm_agent_through_an_openai_endpoint(ray_local, tmp
         return Reply.json({"thought": "look first", "action": "Operation: SELECT 1;"})
 
     with OpenAIStub(responder=act, sensible=True) as stub:
-        mconf = MemoryConfig().replace({**SMALL_ACTORS, "llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
+        mconf = DeploymentConfig().replace({**SMALL_ACTORS, "llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
                                         "llm.timeout_s": 20})
         exp = ExperimentConfig(name="llm", envs=["sql"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1, agent="react",
                                learn_agent="gold", modes=["none", "lifemem"], self_learn=False, output=str(tmp_path / "run"),

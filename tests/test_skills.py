@@ -7,7 +7,7 @@ import random
 import numpy as np
 
 from conftest import unit
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.clustering.policy import OfflinePolicy, skill_step_texts
@@ -51,7 +51,7 @@ def goal_vectors(trajs: list[Trajectory], seed: int = 0) -> np.ndarray:
 def test_three_clearly_different_workflows_end_in_three_clusters(tmp_path):
     trajs = [f(i) for i in range(12) for f in (measure, place, shop)]
     random.Random(1).shuffle(trajs)
-    with Memory.open(tmp_path / "m", MemoryConfig()) as memory:
+    with Memory.open(tmp_path / "m", DeploymentConfig()) as memory:
         memory.add_many(trajs, goal_vectors(trajs))
         clusters = memory.clusters()
         groups = [{tid.split("-")[0] for tid in memory.members(c.id)} for c in clusters]
@@ -60,7 +60,7 @@ def test_three_clearly_different_workflows_end_in_three_clusters(tmp_path):
 
 
 def test_a_split_fires_when_n_exceeds_L_and_R_is_below_tau(tmp_path):
-    config = MemoryConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20})
+    config = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20})
     trajs = [f(i) for i in range(12) for f in (measure, place)]  # 24 > L, two workflows forced into one cluster
     with Memory.open(tmp_path / "m", config) as memory:
         memory.add_many(trajs[:20], goal_vectors(trajs[:20]))
@@ -76,7 +76,7 @@ def test_a_split_fires_when_n_exceeds_L_and_R_is_below_tau(tmp_path):
 
 def test_no_split_while_R_reaches_tau_and_one_vector_is_nothing_to_split_on(tmp_path):
     same = [Trajectory(env="lab", task="say hi", steps=(Step(action="look around"),), id=f"same-{i}") for i in range(30)]
-    config = MemoryConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20})
+    config = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20})
     with Memory.open(tmp_path / "a", config) as memory:
         memory.add_many(same, unit(np.ones((30, 384))))
         stats = memory.stats()
@@ -111,7 +111,7 @@ def test_fragments_of_one_workflow_merge_when_merging_is_on(tmp_path):
     base = rng.standard_normal(384)
     trajs = [measure(i) for i in range(11)]
     vecs = unit(base + 0.1 * rng.standard_normal((11, 384)))
-    apart = MemoryConfig().replace({"policy.join_threshold": 1.0, "policy.density_ratio": 0.0})  # nothing ever joins: 10 fragments
+    apart = DeploymentConfig().replace({"policy.join_threshold": 1.0, "policy.density_ratio": 0.0})  # nothing ever joins: 10 fragments
     with Memory.open(tmp_path / "m", apart) as memory:
         memory.add_many(trajs[:10], vecs[:10])
         assert len(memory.clusters()) == 10 and memory.stats()["merges"] == 0
@@ -127,7 +127,7 @@ def test_fragments_of_one_workflow_merge_when_merging_is_on(tmp_path):
 
 def test_clusters_of_different_workflows_do_not_merge(tmp_path):
     trajs = [f(i) for i in range(8) for f in (measure, place)]
-    with Memory.open(tmp_path / "m", MemoryConfig().replace({"evolution.merge_ratio": 0.9})) as memory:
+    with Memory.open(tmp_path / "m", DeploymentConfig().replace({"evolution.merge_ratio": 0.9})) as memory:
         memory.add_many(trajs, goal_vectors(trajs))
         groups = [{tid.split("-")[0] for tid in memory.members(c.id)} for c in memory.clusters()]
     assert all(len(g) == 1 for g in groups) and len(groups) >= 2
@@ -140,7 +140,7 @@ def test_env_contrast_stops_a_cluster_as_diffuse_as_its_environment_from_taking_
     few: two members are too few to know how alike the environment's trajectories are)."""
     trajs = [measure(i) for i in range(12, 16)] + [f(i) for i in range(12) for f in (measure, place)]
     vecs = goal_vectors(trajs)
-    lax = MemoryConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
+    lax = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
     with Memory.open(tmp_path / "lax", lax) as memory:
         memory.add_many(trajs, vecs)
         assert len(memory.clusters()) == 1
@@ -229,7 +229,7 @@ def test_a_split_refused_for_want_of_structure_is_counted_and_keeps_the_members(
     verbs = [f"verb{chr(97 + i)}{chr(97 + j)}" for i in range(8) for j in range(8)]
     trajs = [Trajectory(env="lab", task="do something", id=f"noise-{i}", outcome=Outcome(success=True),
                      steps=tuple(Step(action=f"{rng.choice(verbs)} thing") for _ in range(3))) for i in range(60)]
-    config = MemoryConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20,
+    config = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20,
                                      "evolution.split_cut": "silhouette"})
     with Memory.open(tmp_path / "m", config) as memory:
         memory.add_many(trajs, goal_vectors(trajs))

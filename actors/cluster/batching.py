@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.core.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
 from lifemem_ray.engine.clustering.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement, ScopeSums, top_k_rows
@@ -157,7 +157,7 @@ class BatchIngest:
 
     def __init__(
         self,
-        config: MemoryConfig,
+        config: DeploymentConfig,
         shards: ShardSet,
         routing: RoutingTable,
         dim: int,

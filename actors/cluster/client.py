@@ -22,7 +22,7 @@ import ray
 
 from lifemem_ray.core import metrics
 from lifemem_ray.engine.clustering.clusters import check_listing_limit
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.memory import pack_trajectories
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.protocols import MemoryStats
@@ -118,7 +118,7 @@ class MemoryClient:
     """:class:`lifemem_ray.engine.protocols.MemoryAPI` over a Ray deployment (adds return an
     :class:`AddFuture`)."""
 
-    def __init__(self, namespace: str, config: MemoryConfig) -> None:
+    def __init__(self, namespace: str, config: DeploymentConfig) -> None:
         self.namespace = namespace
         self.config = config
         self.coordinator = deployment.find_coordinator(namespace)
@@ -132,11 +132,11 @@ class MemoryClient:
         self._doubt_lock = threading.Lock()
 
     @classmethod
-    def connect(cls, namespace: str = "lifemem", address: str | None = None, config: MemoryConfig | None = None) -> "MemoryClient":
+    def connect(cls, namespace: str = "lifemem", address: str | None = None, config: DeploymentConfig | None = None) -> "MemoryClient":
         """Attach to the deployment in ``namespace`` (starting a Ray connection if needed)."""
         if not ray.is_initialized():
             ray.init(address=address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False)
-        return cls(namespace, config or MemoryConfig())
+        return cls(namespace, config or DeploymentConfig())
 
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AddFuture:

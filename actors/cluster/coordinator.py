@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from lifemem_ray.core import metrics
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.engine.ingest_rules import AddResult, make_decider
@@ -145,7 +145,7 @@ class _InFlight:
 
 class Coordinator:
     @classmethod
-    def ray_options(cls, config: MemoryConfig) -> dict[str, Any]:
+    def ray_options(cls, config: DeploymentConfig) -> dict[str, Any]:
         """Ray actor options of the coordinator (besides name, namespace and lifetime)."""
         return {
             "num_cpus": config.cluster.coordinator_cpus,
@@ -158,7 +158,7 @@ class Coordinator:
     def __init__(
         self,
         store_dir: str,
-        config: MemoryConfig,
+        config: DeploymentConfig,
         shard_names: list[str],
         embedder_names: list[str],
         dim: int,

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.embedding import DIM as MINILM_DIM
 from lifemem_ray.engine.store.storage import MemoryStore
 
@@ -115,12 +115,12 @@ def _nodes_seeing(nodes: list[str], paths: list[Path], timeout_s: float = 60.0) 
     return [[node for node, seen in answers.items() if seen[i]] for i in range(len(paths))]
 
 
-def deploy(store_dir: str | Path, config: MemoryConfig | None = None, *, shards: int | None = None, dim: int | None = None) -> dict[str, Any]:
+def deploy(store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None) -> dict[str, Any]:
     """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
 
     Call after ``ray.init``. An existing store keeps its shard count and node placement.
     """
-    config = (config or MemoryConfig()).validate()
+    config = (config or DeploymentConfig()).validate()
     ns = config.cluster.namespace
     try:
         ray.get_actor(COORDINATOR, namespace=ns)
@@ -295,14 +295,14 @@ def compact(namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str
     }
 
 
-def restore(snapshot_dir: str | Path, store_dir: str | Path, config: MemoryConfig | None = None, *, shards: int | None = None) -> dict[str, Any]:
+def restore(snapshot_dir: str | Path, store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None) -> dict[str, Any]:
     """A new deployment in ``store_dir`` holding the snapshot's memory, on ``shards`` shards.
 
     Whole clusters move: each keeps its id, trajectories, vectors and skill, and goes to
     the shard with the fewest trajectories so far (largest clusters first). A single-
     process store folder is accepted as a snapshot of one shard.
     """
-    config = (config or MemoryConfig()).validate()
+    config = (config or DeploymentConfig()).validate()
     source = Path(snapshot_dir).resolve()
     manifest_path = source / SNAPSHOT_MANIFEST
     if manifest_path.exists():

@@ -6,7 +6,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import EmbeddingConfig, MemoryConfig
+from lifemem_ray.engine.memory_config import EmbeddingConfig
+
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.embedding import MiniLMEmbedder
 
 __all__ = ["EmbedderActor"]
@@ -14,7 +16,7 @@ __all__ = ["EmbedderActor"]
 
 class EmbedderActor:
     @classmethod
-    def ray_options(cls, config: MemoryConfig, *, gpu: bool) -> dict[str, Any]:
+    def ray_options(cls, config: DeploymentConfig, *, gpu: bool) -> dict[str, Any]:
         """Ray actor options of an embedder (besides name, namespace and lifetime); ``gpu``:
         it takes one GPU (one embedder per GPU of the cluster)."""
         return {"num_cpus": config.cluster.embedder_cpus, "num_gpus": 1 if gpu else 0, "max_restarts": -1, "max_task_retries": -1}

@@ -30,7 +30,7 @@ import numpy as np
 
 from lifemem_ray.core import metrics
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.engine.index.vector_index import set_faiss_threads
 from lifemem_ray.engine.ingest_rules import AddResult
@@ -63,7 +63,7 @@ def shard_namespace(index: int) -> int:
     return index + 1
 
 
-def shard_config(config: MemoryConfig) -> MemoryConfig:
+def shard_config(config: DeploymentConfig) -> DeploymentConfig:
     """``config`` with :data:`SHARD_OVERRIDES` applied (logged where it changes a setting)."""
     changed = [key for key, value in SHARD_OVERRIDES.items() if getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) != value]
     if changed:
@@ -76,13 +76,13 @@ class MemoryShard:
     ``info`` and ``ping`` for the deployment."""
 
     @classmethod
-    def ray_options(cls, config: MemoryConfig) -> dict[str, Any]:
+    def ray_options(cls, config: DeploymentConfig) -> dict[str, Any]:
         """The actor's Ray options: its CPU share; a few calls at once (a retrieval need not wait
         behind a commit); restarted, and its calls retried, after a crash (every call is safe
         to retry: commits skip what is stored)."""
         return {"num_cpus": config.cluster.shard_cpus, "max_concurrency": 4, "max_restarts": -1, "max_task_retries": -1}
 
-    def __init__(self, index: int, path: str, config: MemoryConfig, dim: int | None = None) -> None:
+    def __init__(self, index: int, path: str, config: DeploymentConfig, dim: int | None = None) -> None:
         self.index = index
         self.path = Path(path)
         config = shard_config(config)

@@ -46,7 +46,8 @@ from starlette.routing import Match, Route
 from lifemem_ray.service import api_models as m
 from lifemem_ray.core import metrics
 from lifemem_ray.service.auth import KeyRing, check_bind
-from lifemem_ray.engine.memory_config import HttpConfig, MemoryConfig
+from lifemem_ray.service.http_config import HttpConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import ConfigError, LifeMemError
 from lifemem_ray.service.principal import Principal, acting_as, current
 
@@ -332,7 +333,7 @@ def _read_routes(app: FastAPI, service: FrontService, principal: Callable[..., A
 class FrontDoorDeployment:
     """One Serve replica of the front door: a FrontService and its FastAPI app."""
 
-    def __init__(self, namespace: str, config: MemoryConfig, keyring: KeyRing, host: str) -> None:
+    def __init__(self, namespace: str, config: DeploymentConfig, keyring: KeyRing, host: str) -> None:
         check_bind(host, keyring.mode)  # again here: a replica never serves without keys beyond loopback
         self.keyring = keyring
         self.service = FrontService(namespace, config)
@@ -344,7 +345,7 @@ class FrontDoorDeployment:
         self.service.close()
 
 
-def start_http(namespace: str, config: MemoryConfig, keyring: KeyRing, *, host: str | None = None, port: int | None = None) -> dict[str, Any]:
+def start_http(namespace: str, config: DeploymentConfig, keyring: KeyRing, *, host: str | None = None, port: int | None = None) -> dict[str, Any]:
     """Start Serve's HTTP proxy on ``host:port`` (from ``[http]`` when not given) and the front
     door application in front of the deployment in ``namespace``. Call after ``ray.init``.
     Refuses ``auth = "none"`` on a non-loopback host before anything starts."""

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import ray
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import ForbiddenError, InvalidTrajectoryError, LifeMemError, OverloadedError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.service.principal import Principal
@@ -102,7 +102,7 @@ HEALTH_REPEAT_S = 60.0  # while the deployment stays unhealthy, /healthz warns a
 class FrontService:
     """The front door's operations on the deployment in ``namespace``."""
 
-    def __init__(self, namespace: str, config: MemoryConfig) -> None:
+    def __init__(self, namespace: str, config: DeploymentConfig) -> None:
         self.namespace = namespace
         self.config = config
         self.http = config.http
@@ -381,7 +381,7 @@ class ServiceMemory:
         self.service = service
 
     @property
-    def config(self) -> MemoryConfig:
+    def config(self) -> DeploymentConfig:
         return self.service.config
 
     def add_many(self, trajectories: Sequence[Trajectory]) -> list[Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from lifemem_ray.engine.memory_config import HttpConfig
+from lifemem_ray.service.http_config import HttpConfig
 from lifemem_ray.core.errors import OverloadedError
 
 __all__ = ["OPERATIONS_ACTOR", "Operations", "operations_actor"]

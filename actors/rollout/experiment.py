@@ -43,11 +43,12 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import ClusterView
 from lifemem_ray.lab.envs import Task, make_env
 from lifemem_ray.core.errors import UsageError
-from lifemem_ray.lab.lifelong import RETRIEVING_MODES, ExperimentConfig, Phase, SeedResult, build_stream, learnt_rows, overlap, render_markdown, summarise, write_plots
+from lifemem_ray.lab.experiment_config import RETRIEVING_MODES, ExperimentConfig
+from lifemem_ray.lab.lifelong import Phase, SeedResult, build_stream, learnt_rows, overlap, render_markdown, summarise, write_plots
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.policy import OfflinePolicy
 
@@ -139,7 +140,7 @@ def _outcomes(outs: Sequence[TaskOutcome], envs: Sequence[str]) -> dict[str, lis
     return per_env
 
 
-def global_skill(trajectories: Sequence[Trajectory], config: MemoryConfig) -> str:
+def global_skill(trajectories: Sequence[Trajectory], config: DeploymentConfig) -> str:
     """One skill profile over the whole unclustered pool (the AutoSkill-like baseline), by
     the memory's own distiller: the LLM when ``llm.backend = "openai"`` (the offline
     procedure when it gives no valid answer), else the offline policy."""
@@ -167,7 +168,7 @@ def global_skill(trajectories: Sequence[Trajectory], config: MemoryConfig) -> st
 class _Memory:
     """One memory deployment and its client; removed with its files on close."""
 
-    def __init__(self, exp: ExperimentConfig, mconf: MemoryConfig, tag: str, store: Path) -> None:
+    def __init__(self, exp: ExperimentConfig, mconf: DeploymentConfig, tag: str, store: Path) -> None:
         self.namespace = _slug(f"lifelong-{exp.name}-{tag}")
         self.store = store
         self.config = mconf.replace({"cluster.namespace": self.namespace})
@@ -218,7 +219,7 @@ class _Memory:
 class _SeedRun:
     """One seed of the protocol: memories, learning, evaluations (module docstring)."""
 
-    def __init__(self, exp: ExperimentConfig, mconf: MemoryConfig, pool: RolloutPool, seed: int, tasks: SeedTasks,
+    def __init__(self, exp: ExperimentConfig, mconf: DeploymentConfig, pool: RolloutPool, seed: int, tasks: SeedTasks,
                  out: Path, record: Callable[[TaskOutcome], None]) -> None:
         self.exp, self.mconf, self.pool, self.seed, self.tasks, self.out, self.record = exp, mconf, pool, seed, tasks, out, record
         self.run_id = _slug(f"{exp.name}-s{seed}")
@@ -360,15 +361,15 @@ def _memory_settings(exp: ExperimentConfig) -> dict[str, Any]:
 
 def run_experiment(
     exp: ExperimentConfig,
-    mconf: MemoryConfig | None = None,
+    mconf: DeploymentConfig | None = None,
     *,
     progress: Callable[[dict[str, Any]], None] | None = print_progress,
 ) -> dict[str, Any]:
     """Run the protocol for every seed and mode; write ``report.json``, ``report.md``,
     ``episodes.jsonl`` and plots to ``exp.output_dir``; return the report. Needs ``ray.init`` first."""
-    exp.validate()
+    exp.checked()
     settings = _memory_settings(exp)
-    mconf = (mconf or MemoryConfig()).replace(settings).validate()
+    mconf = (mconf or DeploymentConfig()).replace(settings).validate()
     if not ray.is_initialized():
         raise UsageError("run_experiment: call ray.init() first (or use `lifemem-ray run`)")
     out = exp.output_dir

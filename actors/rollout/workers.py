@@ -26,9 +26,9 @@ from typing import Any, Callable, Sequence
 import ray
 
 from lifemem_ray.lab.agents import Agent, make_agent
-from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.envs import Environment, Task, make_env
-from lifemem_ray.lab.lifelong import MEMORY_MODES, RETRIEVING_MODES
+from lifemem_ray.lab.experiment_config import MEMORY_MODES, RETRIEVING_MODES
 from lifemem_ray.engine.memory import IdConflictError
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, render_context
 from lifemem_ray.lab.episode import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
@@ -94,14 +94,14 @@ class RolloutWorker:
         self,
         worker_id: int,
         env_options: dict[str, dict[str, Any]] | None = None,
-        config: MemoryConfig | None = None,
+        config: DeploymentConfig | None = None,
         limits: EpisodeLimits = EpisodeLimits(),
         seed: int = 0,
         env_retries: int = 2,
     ) -> None:
         self.worker_id = worker_id
         self.env_options = env_options or {}
-        self.config = config or MemoryConfig()
+        self.config = config or DeploymentConfig()
         self.limits = limits
         self.seed = seed
         self.env_retries = env_retries
@@ -289,7 +289,7 @@ class RolloutPool:
         workers: int,
         *,
         env_options: dict[str, dict[str, Any]] | None = None,
-        config: MemoryConfig | None = None,
+        config: DeploymentConfig | None = None,
         limits: EpisodeLimits = EpisodeLimits(),
         seed: int = 0,
         worker_cpus: float = 0.5,
@@ -302,7 +302,7 @@ class RolloutPool:
         if max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1, got {max_attempts}")
         self.size = workers
-        self._args = (env_options or {}, config or MemoryConfig(), limits, seed)
+        self._args = (env_options or {}, config or DeploymentConfig(), limits, seed)
         self.worker_cpus = worker_cpus
         self.max_attempts = max_attempts
         self.limits = limits

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from lifemem_ray.engine.store.codec import StoredFields, fields_to_trajectory, record_fields
-from lifemem_ray.engine.memory_config import BOUNDS
+from lifemem_ray.engine.memory_config import RetrievalConfig
 from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory, env_name_problem, render_text
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
@@ -33,7 +33,7 @@ MIN_EXEMPLAR_TOKENS = 48
 CHARS_PER_TOKEN = 4
 
 # What one retrieve call may ask for (every entry point checks with check_retrieve_args):
-# k within BOUNDS["retrieval.k"]; a task text as long as a stored one may be; at most
+# k within RetrievalConfig.BOUNDS["k"]; a task text as long as a stored one may be; at most
 # MAX_QUERIES queries, and at most MAX_QUERY_HITS results (queries x k) in all, which keeps
 # the score and id arrays and the fetched records of one call within a few hundred MB.
 MAX_TASK_CHARS = MAX_TEXT_CHARS
@@ -61,14 +61,14 @@ def check_retrieve_args(tasks: Any, envs: Any, k: Any, token_budget: Any, defaul
         if problem:
             raise ValueError(f"envs[{i}]: {problem} (an environment name, or None for all environments)")
     k = defaults.k if k is None else k
-    low, high = BOUNDS["retrieval.k"]
+    low, high = RetrievalConfig.BOUNDS["k"]
     if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
         raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
     if len(tasks) * k > MAX_QUERY_HITS:
         raise ValueError(f"k: {len(tasks):,} queries x k = {k} ask for {len(tasks) * k:,} results in one call, at most "
                          f"{MAX_QUERY_HITS:,}; send fewer queries per call")
     budget = defaults.token_budget if token_budget is None else token_budget
-    low, high = BOUNDS["retrieval.token_budget"]
+    low, high = RetrievalConfig.BOUNDS["token_budget"]
     if isinstance(budget, bool) or not isinstance(budget, int) or not low <= budget <= high:
         raise ValueError(f"token_budget: expected an integer within [{int(low)}, {int(high)}], got {budget!r}")
     return tasks, envs, k, budget

@@ -10,7 +10,7 @@ import numpy as np
 from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import unit_rows
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
-from lifemem_ray.engine.memory_config import BOUNDS
+from lifemem_ray.engine.memory_config import RetrievalConfig
 from lifemem_ray.engine.retrieval import MAX_QUERIES, MAX_QUERY_HITS, RecordHit, Retrieval, assemble, check_retrieve_args, paused_gc
 from lifemem_ray.engine.state import EngineState
 
@@ -65,7 +65,7 @@ class Search:
         self.s.check_open()
         envs = list(envs)
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
-        low, high = BOUNDS["retrieval.k"]
+        low, high = RetrievalConfig.BOUNDS["k"]
         if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
             raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
         if len(envs) > MAX_QUERIES or len(envs) * k > MAX_QUERY_HITS:

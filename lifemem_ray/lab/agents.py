@@ -674,7 +674,7 @@ AGENTS = {
 
 
 def make_agent(name: str, *, seed: int = 0, llm_config: Any = None, **options: Any) -> Agent:
-    """An agent by name; ``react`` needs ``llm_config`` (an :class:`~lifemem_ray.engine.memory_config.LLMConfig`)."""
+    """An agent by name; ``react`` needs ``llm_config`` (an :class:`~lifemem_ray.llm.llm_config.LLMConfig`)."""
     if name not in AGENTS:
         raise ValueError(f"unknown agent {name!r}; known: {', '.join(sorted(AGENTS))}")
     if name == "react":

@@ -35,7 +35,7 @@ import openai
 
 from lifemem_ray.llm import lexicon
 from lifemem_ray.core import metrics
-from lifemem_ray.engine.memory_config import LLMConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, ClusterView, Groups
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.errors import AnswerError, GeneratedTextRefused, UsageError

@@ -152,7 +152,7 @@ class KeyRing:
     @classmethod
     def from_config(cls, http: Any, environ: Mapping[str, str] | None = None) -> "KeyRing":
         """The keys of ``[http] api_keys`` plus those of ``LIFEMEM_API_KEYS`` (``http``: an
-        :class:`~lifemem_ray.engine.memory_config.HttpConfig`). With ``auth = "keys"`` and no key at all,
+        :class:`~lifemem_ray.service.http_config.HttpConfig`). With ``auth = "keys"`` and no key at all,
         :class:`ConfigError` says how to make one: a server nobody can use is a mistake."""
         entries = parse_key_entries(http.api_keys, "http.api_keys") + entries_from_environ(environ)
         if http.auth == "keys" and not entries:

@@ -22,7 +22,8 @@ import numpy as np
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, display_envs, record_tenant
 
 if TYPE_CHECKING:
-    from lifemem_ray.engine.memory_config import EvolutionConfig, LLMConfig
+    from lifemem_ray.engine.memory_config import EvolutionConfig
+    from lifemem_ray.llm.llm_config import LLMConfig
 
 __all__ = [
     "MAX_FLOWS", "OTHER_FLOW", "ClusterInfo", "ClusterRecord", "add_member", "check_against_members", "check_listing_limit", "cosine_to_sum",

@@ -19,7 +19,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import EvolutionConfig, LLMConfig
+from lifemem_ray.engine.memory_config import EvolutionConfig
+
+from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import AssignRequest, Candidate, ClusterView, Decider
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.policy import OfflinePolicy
