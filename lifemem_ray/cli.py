@@ -169,6 +169,7 @@ def _start_local_head(namespace: str) -> None:
 
     import ray
 
+    from lifemem_ray.actors.cluster import ray_internals
     from lifemem_ray.actors.cluster.ray_address import answers, named_address
 
     # Logical CPUs: the deployment's actors reserve fractions, and bulk loads need room beside them.
@@ -196,7 +197,7 @@ def _start_local_head(namespace: str) -> None:
                 os.killpg(head.pid, signal.SIGKILL)
                 raise CommandError(f"a local Ray head did not come up within {HEAD_START_S} s") from None
             time.sleep(1.0)
-    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    session = ray_internals.session_dir()
     (session / HEAD_MARKER).write_text(json.dumps({"pid": head.pid, "cmd": cmd}))
 
 
@@ -207,8 +208,9 @@ def _stop_local_head() -> str:
 
     import ray
 
-    node = ray._private.worker._global_node
-    session, address = Path(node.get_session_dir_path()), node.address
+    from lifemem_ray.actors.cluster import ray_internals
+
+    session, address = ray_internals.session_dir(), ray.get_runtime_context().gcs_address
     marker = session / HEAD_MARKER
     ray.shutdown()
     if not marker.exists():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lifemem_ray.actors.frontdoor import http_metrics
 from lifemem_ray.core import metrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "cluster_configs" / "grafana-lifemem.json"
@@ -31,13 +32,13 @@ def spec_of(exported: str) -> tuple[metrics.MetricSpec, str]:
     """The catalogue entry behind a scraped name, and which of its series it is."""
     assert exported.startswith(metrics.EXPORT_PREFIX), exported
     name = exported[len(metrics.EXPORT_PREFIX) :]
-    if name in metrics.CATALOGUE:
-        return metrics.CATALOGUE[name], ""
+    if name in http_metrics.CATALOGUE:
+        return http_metrics.CATALOGUE[name], ""
     for suffix in HISTOGRAM_SERIES:
         base = name.removesuffix(suffix)
-        if base != name and base in metrics.CATALOGUE and metrics.CATALOGUE[base].kind == "histogram":
-            return metrics.CATALOGUE[base], suffix
-    raise AssertionError(f"{exported}: not a metric of lifemem_ray.core.metrics.CATALOGUE (nor a histogram's series)")
+        if base != name and base in http_metrics.CATALOGUE and http_metrics.CATALOGUE[base].kind == "histogram":
+            return http_metrics.CATALOGUE[base], suffix
+    raise AssertionError(f"{exported}: not a metric of lifemem_ray.core.http_metrics.CATALOGUE (nor a histogram's series)")
 
 
 def expressions(dashboard: dict) -> list[tuple[str, str]]:
@@ -79,7 +80,7 @@ def test_every_query_names_catalogued_metrics_and_their_tags(dashboard):
                 assert value in tag.values, f"{where}: {label}={value!r} is never recorded"
         if "histogram_quantile" in expr:
             assert all(s == "_bucket" for _, s in specs) and re.search(r"by \([^)]*\ble\b", expr), (where, expr)
-    assert used == set(metrics.CATALOGUE), f"metrics without a panel: {sorted(set(metrics.CATALOGUE) - used)}"
+    assert used == set(http_metrics.CATALOGUE), f"metrics without a panel: {sorted(set(http_metrics.CATALOGUE) - used)}"
 
 
 def test_latency_panels_show_p50_and_p99_by_layer(dashboard):

@@ -1,5 +1,6 @@
-"""The memory's metrics: the catalogue, tag checks, the no-op without Ray, and a real Ray
-deployment whose figures are scraped from Ray's Prometheus endpoint."""
+"""The memory's metrics: the catalogue, tag checks, the engine's injected sink (nothing of Ray
+below the Ray layer), and a real Ray deployment whose figures are scraped from Ray's
+Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from collections.abc import Callable
 import pytest
 
 from conftest import ROOT, SMALL_ACTORS
-from lifemem_ray.core import metrics
+from lifemem_ray.actors.cluster import ray_metrics
+from lifemem_ray.actors.frontdoor.http_metrics import CATALOGUE, count_http
 from lifemem_ray.core.errors import LifeMemError, MetricTagError
+from lifemem_ray.core.metrics import LATENCY_BOUNDARIES, Recorder
+from lifemem_ray.llm.llm_metrics import LLMMetrics
 from lifemem_ray.llm.prompts import MEMORY_OPERATIONS
 from lifemem_ray.lab.synthetic import generate, text_vectors
 from openai_stub import OpenAIStub, Reply, sensible_reply
@@ -30,8 +34,8 @@ Sample = tuple[str, dict[str, str], float]
 
 
 def test_the_catalogue_declares_bounded_well_formed_metrics():
-    assert set(metrics.CATALOGUE) >= {"lifemem_latency_seconds", "lifemem_http_responses_total"}
-    for name, spec in metrics.CATALOGUE.items():
+    assert set(CATALOGUE) >= {"lifemem_latency_seconds", "lifemem_http_responses_total"}
+    for name, spec in CATALOGUE.items():
         assert name == spec.name and name.startswith("lifemem_") and spec.description
         assert spec.kind in ("counter", "gauge", "histogram")
         assert name.endswith("_total") == (spec.kind == "counter"), name  # Ray adds _total to counters without it
@@ -40,24 +44,24 @@ def test_the_catalogue_declares_bounded_well_formed_metrics():
         for tag in spec.tags:
             assert tag.values or tag.check is not None, (name, tag.key)  # every tag value is checked
             assert tag.key not in ("tenant", "env", "id", "path"), "unbounded tags are not allowed"
-    latency = metrics.CATALOGUE["lifemem_latency_seconds"]
+    latency = CATALOGUE["lifemem_latency_seconds"]
     assert latency.tag_keys == ("operation", "layer") and latency.exported()[0] == "ray_lifemem_latency_seconds_bucket"
 
 
 @pytest.mark.parametrize(
     "call, named",
     [
-        (lambda: metrics.observe_latency("retrieve", "gpu", 0.1), "lifemem_latency_seconds: tag layer='gpu'"),
-        (lambda: metrics.observe_latency("delete", "engine", 0.1), "lifemem_latency_seconds: tag operation='delete'"),
-        (lambda: metrics.observe_latency("add", "engine", -1.0), "lifemem_latency_seconds: value -1.0"),
-        (lambda: metrics.observe_latency("add", "engine", math.nan), "lifemem_latency_seconds: value nan"),
-        (lambda: metrics.count_http("/v1/trajectories/abc123", "DELETE", 204), "route='/v1/trajectories/abc123'"),
-        (lambda: metrics.count_http("/v1/retrieve", "POST", 42), "lifemem_http_responses_total: tag status='42'"),
-        (lambda: metrics.count_http("/v1/retrieve", "POST", "200"), "lifemem_http_responses_total: status '200'"),
-        (lambda: metrics.count_llm_call("summarise"), "lifemem_llm_calls_total: tag operation='summarise'"),
-        (lambda: metrics.count_llm_fallbacks("act"), "lifemem_llm_fallbacks_total: tag operation='act'"),
-        (lambda: metrics.set_shard_sizes("lifemem", 5000, 1, 1), "lifemem_shard_trajectories: tag shard='5000'"),
-        (lambda: metrics.set_queue_depth("", 3), "lifemem_coordinator_queue_depth: tag deployment=''"),
+        (lambda: Recorder().observe_latency("retrieve", "gpu", 0.1), "lifemem_latency_seconds: tag layer='gpu'"),
+        (lambda: Recorder().observe_latency("delete", "engine", 0.1), "lifemem_latency_seconds: tag operation='delete'"),
+        (lambda: Recorder().observe_latency("add", "engine", -1.0), "lifemem_latency_seconds: value -1.0"),
+        (lambda: Recorder().observe_latency("add", "engine", math.nan), "lifemem_latency_seconds: value nan"),
+        (lambda: count_http("/v1/trajectories/abc123", "DELETE", 204), "route='/v1/trajectories/abc123'"),
+        (lambda: count_http("/v1/retrieve", "POST", 42), "lifemem_http_responses_total: tag status='42'"),
+        (lambda: count_http("/v1/retrieve", "POST", "200"), "lifemem_http_responses_total: status '200'"),
+        (lambda: LLMMetrics().count_call("summarise"), "lifemem_llm_calls_total: tag operation='summarise'"),
+        (lambda: LLMMetrics().count_fallbacks("act"), "lifemem_llm_fallbacks_total: tag operation='act'"),
+        (lambda: ray_metrics.set_shard_sizes("lifemem", 5000, 1, 1), "lifemem_shard_trajectories: tag shard='5000'"),
+        (lambda: ray_metrics.set_queue_depth("", 3), "lifemem_coordinator_queue_depth: tag deployment=''"),
     ],
 )
 def test_a_tag_outside_the_catalogue_is_an_error_naming_the_metric(call: Callable[[], None], named: str):
@@ -70,34 +74,45 @@ def test_a_tag_outside_the_catalogue_is_an_error_naming_the_metric(call: Callabl
 def test_route_templates_and_methods_are_normalised_not_refused():
     # Any parameter name counts as {id}; a trailing slash is ignored; a method a client made up
     # is counted as OTHER (clients choose it: never an error).
-    metrics.count_http("/v1/trajectories/{trajectory_id}", "delete", 204)
-    metrics.count_http("/mcp/", "POST", 200)
-    metrics.count_http("other", "BREW", 404)
-    metrics.count_llm_tokens("act", 0, 0)  # nothing to add: no error
+    count_http("/v1/trajectories/{trajectory_id}", "delete", 204)
+    count_http("/mcp/", "POST", 200)
+    count_http("other", "BREW", 404)
+    LLMMetrics().count_tokens("act", 0, 0)  # nothing to add: no error
 
 
-def test_without_ray_recording_is_checked_and_dropped(tmp_path):
-    """The engine records into nothing when Ray is not initialised, even where it is imported."""
+def test_the_engine_records_into_the_sink_it_was_given(tmp_path):
+    """The engine imports nothing of Ray and records its latency into the injected sink; the
+    Ray sink records into nothing where Ray is imported but not initialised."""
     code = """
 import sys
-from lifemem_ray.core import metrics
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
+class Collect:
+    def __init__(self):
+        self.records = []
+    def record(self, spec, value, labels):
+        self.records.append((spec.name, labels["operation"], labels["layer"]))
+
 trajs = list(generate(30, seed=3, length_scale=0.1))
 vecs = text_vectors([t.task for t in trajs])
-assert "ray" not in sys.modules, "the engine imports Ray"
-with Memory.open(sys.argv[1]) as m:
+sink = Collect()
+with Memory.open(sys.argv[1], metrics=sink) as m:
     m.add_many(trajs, vecs)
     m.retrieve_many([t.task for t in trajs[:3]], [t.env for t in trajs[:3]], 2, vectors=vecs[:3])
-import ray  # imported, not initialised: still nothing
-metrics.count_http("/v1/retrieve", "POST", 200)
-metrics.observe_latency("retrieve", "http", 0.01)
-metrics.set_shard_sizes("lifemem", 0, 30, 2)
-assert not metrics.enabled() and metrics._created == {}, metrics._created
+assert "ray" not in sys.modules, "the engine imports Ray"
+assert ("lifemem_latency_seconds", "add", "engine") in sink.records, sink.records
+assert ("lifemem_latency_seconds", "retrieve", "engine") in sink.records, sink.records
+import ray  # imported, not initialised: the Ray sink records nothing
+from lifemem_ray.actors.cluster import ray_metrics
+from lifemem_ray.actors.frontdoor.http_metrics import count_http
+count_http("/v1/retrieve", "POST", 200)
+ray_metrics.RECORDER.observe_latency("retrieve", "http", 0.01)
+ray_metrics.set_shard_sizes("lifemem", 0, 30, 2)
+assert not ray_metrics.enabled() and ray_metrics.SINK._created == {}, ray_metrics.SINK._created
 try:
-    metrics.observe_latency("retrieve", "gpu", 0.01)
-except metrics.MetricTagError:
+    ray_metrics.RECORDER.observe_latency("retrieve", "gpu", 0.01)
+except ValueError:
     print("checked")
 """
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -168,8 +183,8 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(ray_local
         memory.add_many(trajs[:60], vecs[:60])
         memory.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
     # The HTTP front door's middleware records these two per request (its own tests drive it).
-    metrics.observe_latency("retrieve", "http", 0.02)
-    metrics.count_http("/v1/retrieve", "POST", 200)
+    ray_metrics.RECORDER.observe_latency("retrieve", "http", 0.02)
+    count_http("/v1/retrieve", "POST", 200)
 
     def grew(samples: list[Sample], name: str, **labels: str) -> float:
         return total(samples, name, **labels) - total(before, name, **labels)
@@ -207,14 +222,14 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(ray_local
     assert not missing(after), f"the scrape never showed: {missing(after)}"
     # Every declared metric is exported under Ray's name for it, with its declared tags.
     names = {n for n, _, _ in after}
-    for spec in metrics.CATALOGUE.values():
+    for spec in CATALOGUE.values():
         for exported in spec.exported():
             assert exported in names, exported
             for labels in series(after, exported):
                 assert set(spec.tag_keys) <= set(labels), (exported, labels)
     # Histograms: buckets at the declared boundaries, +Inf equal to the count.
     latency = series(after, "ray_lifemem_latency_seconds_bucket", operation="add", layer="client")
-    assert {float(l["le"]) for l in latency} == set(metrics.LATENCY_BOUNDARIES) | {math.inf}
+    assert {float(l["le"]) for l in latency} == set(LATENCY_BOUNDARIES) | {math.inf}
     assert (total(after, "ray_lifemem_latency_seconds_bucket", operation="add", layer="client", le="+Inf")
             == total(after, "ray_lifemem_latency_seconds_count", operation="add", layer="client"))
     # Micro-batches of 40 to 80 trajectories (Ray's _sum is estimated from bucket midpoints, so the

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import ray
 
-from lifemem_ray.core import metrics
+from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.engine.clustering.clusters import check_listing_limit
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.memory import pack_trajectories
@@ -98,7 +98,7 @@ class AddFuture:
         if self.client is not None and self.sent:
             out = self.client._settle(out, self.sent, self.keys)
         if self.started is not None:  # the client's add latency: from add_many until acknowledged
-            metrics.observe_latency("add", "client", time.monotonic() - self.started)
+            RECORDER.observe_latency("add", "client", time.monotonic() - self.started)
             self.started = None
         return out[0] if self.single else out
 
@@ -230,7 +230,7 @@ class MemoryClient:
                 out = self._retrieve_one_round(tasks, envs, targets, k, vecs, skills, budget)
             else:
                 out = self._retrieve_two_rounds(tasks, envs, targets, k, vecs, skills, budget)
-        metrics.observe_latency("retrieve", "client", time.monotonic() - started)
+        RECORDER.observe_latency("retrieve", "client", time.monotonic() - started)
         return out
 
     def _retrieve_one_round(self, tasks: list[str], envs: list[str | None], targets: list[str], k: int, vecs: np.ndarray, skills: bool,

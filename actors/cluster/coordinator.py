@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.core import metrics
+from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
@@ -178,7 +178,7 @@ class Coordinator:
         self.shards = shards if shards is not None else RayShards(shard_names, self.namespace, config.cluster.call_timeout_s)
         if embed is None and embedder_names:
             embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
-        self.decider = decider if decider is not None else make_decider(config)
+        self.decider = decider if decider is not None else make_decider(config, ray_metrics.SINK)
         self.ingest = BatchIngest(config, self.shards, self.routing, dim, embed=embed, decider=self.decider)
         self._queue: list[_Request] = []
         self._queued = 0
@@ -230,7 +230,7 @@ class Coordinator:
             future = asyncio.get_running_loop().create_future()
             self._queue.append(_Request(batch, embedded, future))
             self._queued += n
-            metrics.set_queue_depth(self.namespace, self._queued)
+            ray_metrics.set_queue_depth(self.namespace, self._queued)
         self.counters["requests"] += 1
         self._wake.set()
         return await future
@@ -402,8 +402,8 @@ class Coordinator:
                     async with self._space:
                         self._queued -= flight.stage.count
                         self._space.notify_all()
-                    metrics.observe_batch(self.namespace, flight.stage.count)
-                    metrics.set_queue_depth(self.namespace, self._queued)
+                    ray_metrics.observe_batch(self.namespace, flight.stage.count)
+                    ray_metrics.set_queue_depth(self.namespace, self._queued)
                     if self._next is None:
                         self._idle.set()
 

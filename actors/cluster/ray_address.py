@@ -8,9 +8,8 @@ the same order and :func:`answers` probes the address with one TCP connection, s
 say at once which address is dead and which file or variable named it, or start a head of
 its own instead.
 
-The file's place is Ray's, read through Ray's own helper (``ray._common.utils``: no public
-API says where it is); :func:`address_file` is the one place that does, and the tests fail
-loudly if Ray moves it.
+The file's place is Ray's, read through Ray's own helper (no public API says where it is:
+:mod:`lifemem_ray.actors.cluster.ray_internals`).
 
 >>> named_address("10.0.0.5:6379")
 RayAddress(address='10.0.0.5:6379', source='--address')
@@ -44,9 +43,9 @@ class RayAddress:
 
 def address_file() -> Path:
     """Where Ray keeps the address of the cluster the last ``ray start`` started."""
-    from ray._common.utils import get_ray_address_file
+    from lifemem_ray.actors.cluster.ray_internals import address_file as rays
 
-    return Path(get_ray_address_file(None))
+    return rays()
 
 
 def named_address(explicit: str | None, environ: dict[str, str] | None = None, file: Path | None = None) -> RayAddress:

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.core import metrics
+from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
@@ -89,7 +89,7 @@ class MemoryShard:
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
         # other actors of the node (small batches per environment make that costly).
         set_faiss_threads(max(1, math.ceil(config.cluster.shard_cpus)))
-        self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index))
+        self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index), metrics=ray_metrics.SINK)
         self.engine = self.memory.shard
         self.started = time.time()
         self.deployment = config.cluster.namespace  # the metrics' deployment tag
@@ -192,7 +192,7 @@ class MemoryShard:
         """The shard gauges (trajectories, clusters), after every change made through this actor;
         splits and merges in the background show at the next one."""
         trajectories, clusters = self.memory.sizes()
-        metrics.set_shard_sizes(self.deployment, self.index, trajectories, clusters)
+        ray_metrics.set_shard_sizes(self.deployment, self.index, trajectories, clusters)
 
     def export_records(self, path: str) -> dict[str, Any]:
         return self.engine.export_records(path)

@@ -44,7 +44,9 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match, Route
 
 from lifemem_ray.service import api_models as m
-from lifemem_ray.core import metrics
+from lifemem_ray.actors.cluster import ray_internals
+from lifemem_ray.actors.cluster.ray_metrics import RECORDER
+from lifemem_ray.actors.frontdoor.http_metrics import count_http
 from lifemem_ray.service.auth import KeyRing, check_bind
 from lifemem_ray.service.http_config import HttpConfig
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
@@ -200,9 +202,9 @@ class FrontDoor:
         if route is None:  # answered here (401, 413) before routing: the template of the route it was for
             route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "other")
         try:
-            metrics.count_http(route, scope.get("method", ""), status)
+            count_http(route, scope.get("method", ""), status)
             if route in _TIMED and scope.get("method") == "POST" and status == 200:  # answered (a 202 is not acknowledged yet)
-                metrics.observe_latency(_TIMED[route], "http", seconds)
+                RECORDER.observe_latency(_TIMED[route], "http", seconds)
         except Exception:  # metrics never fail a request
             log.warning("metrics failed", exc_info=True)
 
@@ -372,11 +374,8 @@ def start_http(namespace: str, config: DeploymentConfig, keyring: KeyRing, *, ho
 def _serve_address() -> tuple[str, int] | None:
     """Where the running Serve's HTTP proxy listens (None where this Ray does not say)."""
     try:
-        from ray.serve.context import _get_global_client
-
-        options = _get_global_client().http_config
-        return options.host, int(options.port)
-    except Exception:  # an internal of Serve that moved: skip the check rather than fail the start
+        return ray_internals.serve_http_address()
+    except Exception:  # an internal of Serve that moved (tests/test_ray_internals.py says): skip the check rather than fail the start
         log.warning("could not read Serve's HTTP address", exc_info=True)
         return None
 

@@ -169,10 +169,10 @@ class FrontService:
         if client is None:
             return []
         try:
-            from ray._private.state import actors as actor_table  # the GCS actor table (no dashboard needed)
+            from lifemem_ray.actors.cluster.ray_internals import actor_alive
 
             named = [("coordinator", client.coordinator), *((f"shard {i}", s) for i, s in enumerate(client.shards))]
-            return [name for name, handle in named if actor_table(handle._actor_id.hex()).get("State") != "ALIVE"]
+            return [name for name, handle in named if not actor_alive(handle)]
         except Exception:  # the table moved in another Ray: rely on read_timeout_s alone
             return []
 

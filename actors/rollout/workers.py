@@ -28,6 +28,7 @@ import ray
 from lifemem_ray.lab.agents import Agent, make_agent
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.envs import Environment, Task, make_env
+from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.lab.experiment_config import MEMORY_MODES, RETRIEVING_MODES
 from lifemem_ray.engine.memory import IdConflictError
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, render_context
@@ -135,7 +136,8 @@ class RolloutWorker:
         seed = self.seed if seed is None else seed
         agent = self._agents.get((name, seed))
         if agent is None:
-            agent = self._agents[(name, seed)] = make_agent(name, seed=seed, llm_config=self.config.llm)
+            agent = self._agents[(name, seed)] = make_agent(name, seed=seed, llm_config=self.config.llm,
+                                                                  **({"metrics": ray_metrics.SINK} if name == "react" else {}))
         return agent
 
     def _client(self, namespace: str) -> Any:

@@ -11,7 +11,7 @@ from lifemem_ray.engine.clustering.clusters import check_against_members
 from lifemem_ray.core.errors import InvalidTrajectoryError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.store.storage import unpack_u64
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, display_envs, id_key, scope_tenant, split_scope
+from lifemem_ray.core.tenancy import check_tenant, DEFAULT_TENANT, display_envs, id_key, scope_tenant, split_scope
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
 
 __all__ = ["Audit"]
@@ -26,6 +26,7 @@ class Audit:
         environments and index entries (nothing about the store as a whole: its path, splits,
         merges, LLM usage and queue are shared by every tenant, so an admin's view); without,
         everything with ``per_tenant`` counts."""
+        tenant = None if tenant is None else check_tenant(tenant, "tenant")
         s = self.s
         s.refresh()
         with s.lock:

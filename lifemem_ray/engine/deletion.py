@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from lifemem_ray.engine.clustering.clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, display_envs, id_key
+from lifemem_ray.core.tenancy import check_tenant, DEFAULT_TENANT, display_envs, id_key
 from lifemem_ray.engine.clustering.workflow import workflow_summary
 from lifemem_ray.engine.state import EngineState
 
@@ -67,14 +67,19 @@ class Deletion:
     # -- by id -------------------------------------------------------------------------------
     def remove(self, ids: Iterable[str], *, tenant: str = DEFAULT_TENANT) -> int:
         """Delete ``tenant``'s trajectories by id (see the module docstring); unknown ids are
-        ignored, so sending a removal again is safe. Returns how many were stored."""
+        ignored, so sending a removal again is safe. Returns how many were stored. A cluster
+        that shrank enough gets its skill redone by maintenance (scheduled here)."""
         s = self.s
         s.check_writable()
+        tenant = check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str):
             raise TypeError("ids: expected a list of trajectory ids, got one string")
         keys = list(dict.fromkeys(id_key(tenant, str(i)) for i in ids))
         with s.lock:
-            return self.remove_keys(keys, "remove")
+            removed = self.remove_keys(keys, "remove")
+        if removed:
+            s.schedule()
+        return removed
 
     def remove_keys(self, keys: list[str], op: str, finish: Any = None) -> int:
         """Remove the trajectories of these id keys in one transaction (the caller holds the
@@ -187,11 +192,14 @@ class Deletion:
         committed first, so a purge a crash interrupts is finished by :meth:`resume`."""
         s = self.s
         s.check_writable()
+        tenant = check_tenant(tenant, "tenant", stored=True)
         with s.lock:
             purging = list(s.store.get_meta("purging", default=[]) or [])
             if tenant not in purging:
                 s.store.write(lambda txn: s.store.put_meta(txn, "purging", purging + [tenant]))
-        return self._purge(tenant)
+        removed = self._purge(tenant)
+        s.schedule()
+        return removed
 
     def _purge(self, tenant: str) -> int:
         s = self.s

@@ -148,14 +148,15 @@ def make_planner(clusters: dict, policy: Any, config: Any, dim: int, wdim: int, 
     return BatchPlanner(clusters, policy, config.evolution, dim=dim, wdim=wdim, decider=decider, llm_config=config.llm)
 
 
-def make_decider(config: Any) -> Any:
+def make_decider(config: Any, metrics: Any = None) -> Any:
     """The LLM decider the configuration asks for (``llm.backend = "openai"``), else None: the
-    offline policy decides. Every ingest path (engine, coordinator) builds it here."""
+    offline policy decides. Every ingest path (engine, coordinator) builds it here; ``metrics``:
+    the :class:`~lifemem_ray.core.metrics.MetricsSink` its calls are recorded in."""
     if config.llm.backend != "openai":
         return None
     from lifemem_ray.llm.transport import LLMDecider
 
-    return LLMDecider(config.llm)
+    return LLMDecider(config.llm, metrics=metrics)
 
 
 def plan_counters(plan: Any) -> dict[str, int]:

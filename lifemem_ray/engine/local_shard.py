@@ -7,34 +7,30 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from lifemem_ray.core import metrics
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.engine.ingest_rules import AddResult
 from lifemem_ray.engine.retrieval import RecordHit
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
-from lifemem_ray.engine.ingest import Ingest, known_ids
-from lifemem_ray.engine.search import Search
-from lifemem_ray.engine.state import EngineState
-
-if TYPE_CHECKING:
-    from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.ingest import known_ids
+from lifemem_ray.engine.parts import EngineParts
 
 __all__ = ["EngineShard"]
 
 
 class EngineShard:
-    """:class:`~lifemem_ray.engine.protocols.ShardProtocol` over one open :class:`Memory`."""
+    """:class:`~lifemem_ray.engine.protocols.ShardProtocol` over one store's engine parts (the
+    same parts a :class:`~lifemem_ray.engine.memory.Memory` of that store calls)."""
 
-    def __init__(self, memory: "Memory", state: EngineState, ingest: Ingest, search: Search) -> None:
-        self.memory = memory
-        self._state = state
-        self._ingest = ingest
-        self._search = search
+    def __init__(self, parts: EngineParts) -> None:
+        self._parts = parts
+        self._state = parts.state
+        self._ingest = parts.ingest
+        self._search = parts.search
 
     # -- ingest stages -----------------------------------------------------------------------
     def check_features(self, features: str) -> None:
@@ -67,7 +63,7 @@ class EngineShard:
             placed = self._ingest.commit([items[i] for i in classes.fresh], [placements[i] for i in classes.fresh], counters=counters)
         self._state.schedule()  # maintenance (splits, skills) for what just changed
         done = classes.complete(placed)
-        metrics.observe_latency("add", "engine", time.perf_counter() - started)
+        self._state.metrics.observe_latency("add", "engine", time.perf_counter() - started)
         return done, self.cluster_states(r.cluster_id for r in done if r.cluster_id is not None)
 
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
@@ -76,7 +72,7 @@ class EngineShard:
         started = time.perf_counter()
         self.check_features(batch.features)
         out = self._ingest.add_items(batch.items())
-        metrics.observe_latency("add", "engine", time.perf_counter() - started)
+        self._state.metrics.observe_latency("add", "engine", time.perf_counter() - started)
         return out
 
     def cluster_states(self, cluster_ids: Any) -> dict[int, ClusterRecord]:
@@ -90,50 +86,50 @@ class EngineShard:
     def search_records(self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
         started = time.perf_counter()
         out = self._search.search_records(vectors, envs, k, skills=skills)
-        metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
+        self._state.metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
         return out
 
     def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         started = time.perf_counter()
         out = self._search.search_hits(vectors, envs, k)
-        metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
+        self._state.metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
         return out
 
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
         return self._search.hit_records(ids, skills=skills)
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
-        return self.memory.stats(tenant)
+        return self._parts.audit.stats(tenant)
 
     def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
-        return self.memory.clusters(env, tenant=tenant, limit=limit)
+        return self._parts.reads.clusters(env, tenant, limit)
 
     def cluster_count(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> int:
-        return self.memory.cluster_count(env, tenant=tenant)
+        return self._parts.reads.cluster_count(env, tenant)
 
     # -- deleting ----------------------------------------------------------------------------
     def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:
         """Delete ``tenant``'s trajectories of these ids held here (idempotent: unknown ids are ignored)."""
-        return self.memory.remove(ids, tenant=tenant)
+        return self._parts.deletion.remove(ids, tenant=tenant)
 
     def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` held here (resumed after a crash; idempotent)."""
-        return self.memory.purge_tenant(tenant)
+        return self._parts.deletion.purge_tenant(tenant)
 
     def cluster_ids(self) -> list[int]:
-        return [c.id for c in self.memory.clusters(tenant=None)]  # every tenant's
+        return [c.id for c in self._parts.reads.clusters(tenant=None)]  # every tenant's
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
-        return self.memory.verify(deep=deep)
+        return self._parts.audit.verify(deep=deep)
 
     def maintain(self) -> int:
         """Run queued splits and skills now and let background index retrains finish."""
-        done = self.memory.maintain()
+        done = self._parts.maintenance.maintain()
         self._state.index.wait_retrains()
         return done
 
     def export_records(self, path: str) -> dict[str, Any]:
-        return self.memory.export(path)
+        return self._parts.transfer.export(path)
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self, directory: str) -> dict[str, Any]:
@@ -161,7 +157,7 @@ class EngineShard:
 
     def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
         """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
-        return self.memory.absorb(source, cluster_ids, include_pending=pending)
+        return self._parts.transfer.absorb(source, cluster_ids, include_pending=pending)
 
     def close(self) -> None:
-        self.memory.close()
+        self._parts.close()

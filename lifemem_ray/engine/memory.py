@@ -7,7 +7,8 @@ an add is acknowledged (returned) only after that transaction is on disk.
 
 :class:`Memory` is the façade (the user operations of
 :class:`lifemem_ray.engine.protocols.MemoryAPI`); the work is done by parts that share one
-:class:`~lifemem_ray.engine.state.EngineState`:
+:class:`~lifemem_ray.engine.state.EngineState`, built and closed together
+(:class:`~lifemem_ray.engine.parts.EngineParts`):
 
 ==================================  ===============================================
 part                                job
@@ -19,7 +20,8 @@ part                                job
 :mod:`lifemem_ray.engine.transfer`  absorb (from a snapshot), export
 :mod:`lifemem_ray.engine.deletion`  remove by id, purge a tenant (resumed after a crash)
 :mod:`lifemem_ray.engine.audit`     stats and verify
-:mod:`lifemem_ray.engine.local_shard`     the shard protocol (``memory.shard``)
+:mod:`lifemem_ray.engine.reads`     a trajectory, its cluster, clusters and their members
+:mod:`lifemem_ray.engine.local_shard`  the shard protocol (``memory.shard``), over the same parts
 ==================================  ===============================================
 
 The domain model (a cluster, fold / unfold of a member, the invariant ``verify`` checks)
@@ -33,26 +35,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from lifemem_ray.core import metrics
-from lifemem_ray.engine.clustering.clusters import ClusterInfo, check_listing_limit
+from lifemem_ray.core.metrics import MetricsSink
+from lifemem_ray.engine.clustering.clusters import ClusterInfo
 from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.engine.embedding import Embedder
-from lifemem_ray.engine.audit import Audit
-from lifemem_ray.engine.deletion import Deletion
-from lifemem_ray.engine.ingest import Ingest, check_trajectories, known_ids, pack_trajectories, prepare_items
-from lifemem_ray.engine.maintenance import Maintenance
-from lifemem_ray.engine.search import Search
+from lifemem_ray.engine.ingest import check_trajectories, known_ids, pack_trajectories, prepare_items
 from lifemem_ray.engine.local_shard import EngineShard
-from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
-from lifemem_ray.engine.transfer import Transfer
+from lifemem_ray.engine.parts import EngineParts
+from lifemem_ray.engine.state import WORKFLOW_DIM
 from lifemem_ray.engine.clustering.evolution import BatchItem
-from lifemem_ray.core.errors import IdConflictError, IndexSaveError, MaintenanceError, StoreError, UnknownClusterError
+from lifemem_ray.core.errors import IdConflictError, MaintenanceError, StoreError, UnknownClusterError
 from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import AddResult, caller_results, unit_rows
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.retrieval import Retrieval
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, id_key, split_scope
+from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = [
@@ -76,21 +74,14 @@ class Memory:
         dim: int | None = None,
         read_only: bool = False,
         namespace: int = 0,
+        metrics: MetricsSink | None = None,
     ) -> None:
-        self._state = EngineState(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only, namespace=namespace)
-        self._ingest = Ingest(self._state)
-        self._search = Search(self._state)
-        self._transfer = Transfer(self._state)
-        self._deletion = Deletion(self._state)
-        self._audit = Audit(self._state)
-        self._maintenance = Maintenance(self._state)
-        self.shard = EngineShard(self, self._state, self._ingest, self._search)  # the shard protocol: what a coordinator or sharded client calls
-        try:
-            self._deletion.resume()  # a purge a crash interrupted is finished before anything else
-        except BaseException:
-            self._state.store.close()
-            raise
-        self._maintenance.start()
+        self._parts = EngineParts.open(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only,
+                                       namespace=namespace, metrics=metrics)
+        self._state = self._parts.state
+        self._ingest, self._search, self._reads = self._parts.ingest, self._parts.search, self._parts.reads
+        self._maintenance = self._parts.maintenance
+        self.shard = EngineShard(self._parts)  # the shard protocol over the same parts: what a coordinator or sharded client calls
 
     @classmethod
     def open(
@@ -103,14 +94,18 @@ class Memory:
         dim: int | None = None,
         read_only: bool = False,
         namespace: int = 0,
+        metrics: MetricsSink | None = None,
     ) -> "Memory":
         """Open (or create) the memory in ``path``.
 
         ``dim`` sets the vector size of a new store fed with precomputed vectors;
         by default it is the embedding model's (384). ``namespace`` (set when a store is
         created) keeps its trajectory and cluster ids apart from other shards' stores.
+        ``metrics``: where the engine records its latency and its LLM calls (none: nowhere; a
+        Ray shard gives the sink of :mod:`lifemem_ray.actors.cluster.ray_metrics`).
         """
-        return cls(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only, namespace=namespace)
+        return cls(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only, namespace=namespace,
+                   metrics=metrics)
 
     # -- what it is ------------------------------------------------------------------------
     @property
@@ -190,7 +185,7 @@ class Memory:
             if progress is not None:
                 progress(len(chunk))
         self._maintenance.schedule()
-        metrics.observe_latency("add", "engine", time.monotonic() - started)
+        self._state.metrics.observe_latency("add", "engine", time.monotonic() - started)
         return caller_results(results)
 
     def add_items(self, items: list[BatchItem]) -> list[AddResult]:
@@ -205,18 +200,13 @@ class Memory:
         counts, sums and R follow, a cluster left empty is retired, skills are queued for
         re-distillation when the cluster shrank enough, the index forgets the vectors; all in
         one transaction, durable when this returns. Unknown ids are ignored (idempotent)."""
-        removed = self._deletion.remove(ids, tenant=check_tenant(tenant, "tenant", stored=True))
-        if removed:
-            self._maintenance.schedule()  # skills of clusters that shrank enough
-        return removed
+        return self._parts.deletion.remove(ids, tenant=tenant)
 
     def purge_tenant(self, tenant: str) -> int:
         """Delete every trajectory of ``tenant`` (and so its clusters and skills), in bounded
         transactions; returns how many were removed. The intent is recorded durably first: a
         purge a crash interrupts is completed at the next writable open."""
-        removed = self._deletion.purge_tenant(check_tenant(tenant, "tenant", stored=True))
-        self._maintenance.schedule()
-        return removed
+        return self._parts.deletion.purge_tenant(tenant)
 
     def absorb(self, source: str | Path, cluster_ids: Sequence[int] | None = None, *, include_pending: bool = False, chunk: int = 2000) -> dict[str, int]:
         """Copy whole clusters from another store folder (a snapshot), keeping every id.
@@ -225,11 +215,11 @@ class Memory:
         cluster moves with all of its trajectories, vectors and its skill. Copies are
         idempotent (a trajectory already here is skipped), so a restore can be rerun.
         """
-        return self._transfer.absorb(source, cluster_ids, include_pending=include_pending, chunk=chunk)
+        return self._parts.transfer.absorb(source, cluster_ids, include_pending=include_pending, chunk=chunk)
 
     def export(self, path: str | Path) -> dict[str, Any]:
         """Trajectories as native JSONL (re-importable) to ``path``; clusters to ``<path stem>.clusters.jsonl``."""
-        return self._transfer.export(path)
+        return self._parts.transfer.export(path)
 
     # -- maintenance -----------------------------------------------------------------------
     def maintain(self, max_ops: int | None = None) -> int:
@@ -272,103 +262,54 @@ class Memory:
         (``None`` envs: every environment of the tenant)."""
         started = time.monotonic()
         out = self._search.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant)
-        metrics.observe_latency("retrieve", "engine", time.monotonic() - started)
+        self._state.metrics.observe_latency("retrieve", "engine", time.monotonic() - started)
         return out
 
     # -- reading ---------------------------------------------------------------------------
     def get(self, trajectory_id: str, tenant: str = DEFAULT_TENANT) -> Trajectory | None:
         """``tenant``'s trajectory of this id, or None (another tenant's is not seen)."""
-        store = self.store
-        with store.read() as txn:
-            vid = store.lookup_id(txn, id_key(check_tenant(tenant, "tenant"), trajectory_id))
-            got = None if vid is None else store.trajectory(txn, vid)
-        return None if got is None else got[0]
+        return self._reads.get(trajectory_id, tenant)
 
     def cluster_of(self, trajectory_id: str, tenant: str = DEFAULT_TENANT) -> int | None:
-        store = self.store
-        with store.read() as txn:
-            vid = store.lookup_id(txn, id_key(check_tenant(tenant, "tenant"), trajectory_id))
-            return None if vid is None else store.cluster_of(txn, vid)
+        return self._reads.cluster_of(trajectory_id, tenant)
 
     def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
         """``tenant``'s live clusters, largest first; with ``env``, those holding trajectories of
         it (``tenant=None``: every tenant's, for administration); with ``limit``, only that many
         (the largest)."""
-        check_listing_limit(limit)
-        records = sorted(self._matching_clusters(env, tenant), key=lambda r: (-r.count, r.id))
-        return [ClusterInfo.of(r) for r in records[:limit]]
+        return self._reads.clusters(env, tenant, limit)
 
     def cluster_count(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> int:
         """How many clusters :meth:`clusters` would list without a limit."""
-        return len(self._matching_clusters(env, tenant))
-
-    def _matching_clusters(self, env: str | None, tenant: str | None) -> list[Any]:
-        self._state.refresh()
-        with self._state.lock:
-            records = list(self._state.clusters.values())
-        if tenant is not None:
-            check_tenant(tenant, "tenant")
-            records = [r for r in records if r.tenant == tenant]
-        if env is not None:
-            records = [r for r in records if any(split_scope(key)[1] == env for key in r.envs)]
-        return records
+        return self._reads.cluster_count(env, tenant)
 
     def members(self, cluster_id: int, tenant: str = DEFAULT_TENANT) -> list[str]:
         """The ids of a cluster of ``tenant`` ([] for a cluster of another tenant)."""
-        check_tenant(tenant, "tenant")
-        store = self.store
-        with store.read() as txn:
-            record = store.get_cluster(txn, cluster_id)
-            if record is None or record.tenant != tenant:
-                return []
-            out = []
-            for vid in store.members(txn, cluster_id):
-                got = store.trajectory(txn, vid)
-                if got is not None:
-                    out.append(got[0].id)
-            return out
+        return self._reads.members(cluster_id, tenant)
 
     def sizes(self) -> tuple[int, int]:
         """(trajectories, live clusters): two counters, cheap enough to read after every commit."""
-        with self._state.lock:
-            clusters = len(self._state.clusters)
-        return len(self), clusters
+        return self._reads.sizes()
 
     def __len__(self) -> int:
-        with self.store.read() as txn:
-            return self.store.count_trajectories(txn)
+        return self._reads.count()
 
     # -- audit -----------------------------------------------------------------------------
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Counts per environment, cluster sizes, splits and merges, maintenance queued, LLM usage.
         ``tenant``: that tenant's data only; None: everything (for administration), with counts per tenant."""
-        return self._audit.stats(None if tenant is None else check_tenant(tenant, "tenant"))
+        return self._parts.audit.stats(tenant)
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Check every invariant against a recomputation from the stored trajectories. ``deep``
         also recomputes every stored record's fingerprint from its content and compares it with
         the stored one and the id index (reads and decodes every record)."""
-        return self._audit.verify(deep=deep)
+        return self._parts.audit.verify(deep=deep)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop background work, save the index as a fresh cache, close the store."""
-        s = self._state
-        if s.closed:
-            return
-        self._maintenance.stop()
-        with s.lock:
-            try:
-                if not s.read_only:
-                    s.save_index()
-            except IndexSaveError as exc:  # a cache: losing it costs a rebuild at the next open, never data
-                log.warning("%s", exc)
-            except Exception:
-                log.warning("could not save the index cache", exc_info=True)
-            if s.decider is not None and hasattr(s.decider, "close"):
-                s.decider.close()
-            s.store.close()
-            s.closed = True
+        """Stop background work, save the index as a fresh cache, close the store; idempotent."""
+        self._parts.close()
 
     def __enter__(self) -> "Memory":
         return self

@@ -18,6 +18,7 @@ from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.engine.embedding import DIM as MINILM_DIM, Embedder
 from lifemem_ray.core.errors import StoreError
+from lifemem_ray.core.metrics import MetricsSink, Recorder
 from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import make_decider
 from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, migrate_features, stored_features
@@ -39,8 +40,9 @@ class EngineState:
     view changes only after the transaction that made the change has committed."""
 
     def __init__(self, path: str | Path, config: MemoryConfig | None, *, embedder: Embedder | None, decider: Decider | None,
-                 dim: int | None, read_only: bool, namespace: int) -> None:
+                 dim: int | None, read_only: bool, namespace: int, metrics: MetricsSink | None = None) -> None:
         self.config = (config or MemoryConfig()).validate()
+        self.metrics = Recorder(metrics)  # the engine's latency and its LLM decider's calls go to the injected sink
         self.path = Path(path)
         self._embedder = embedder
         self.store = self._open_store(embedder, dim, read_only, namespace)
@@ -52,7 +54,7 @@ class EngineState:
         self.shrunk: dict[int, int] = {}  # cluster id -> removals from it in this session (maintenance drops stale samples)
         self.schedule: Callable[[], None] = lambda: None  # set by the maintenance part: run or wake it after a change
         try:
-            self.decider = decider if decider is not None else make_decider(self.config)
+            self.decider = decider if decider is not None else make_decider(self.config, metrics)
             self.features = self._open_features()
             self.load()
         except BaseException:

@@ -589,13 +589,13 @@ class ReActAgent(Agent):
     name = "react"
 
     def __init__(self, llm_config: Any, *, seed: int = 0, client: Any = None, history_chars: int = 12000,
-                 token_budget: int | None = None) -> None:
+                 token_budget: int | None = None, metrics: Any = None) -> None:
         from lifemem_ray.llm.transport import LLMClient
 
         if token_budget is not None and token_budget < 0:
             raise ValueError(f"ReActAgent: token_budget must be >= 0, got {token_budget!r}")
         self.config = llm_config
-        self._client = client or LLMClient(llm_config)
+        self._client = client or LLMClient(llm_config, metrics=metrics)  # metrics: where its calls are recorded
         self._owns_client = client is None
         self.history_chars = history_chars
         self.token_budget = token_budget

@@ -34,7 +34,8 @@ from urllib.parse import urlparse
 import openai
 
 from lifemem_ray.llm import lexicon
-from lifemem_ray.core import metrics
+from lifemem_ray.core.metrics import MetricsSink
+from lifemem_ray.llm.llm_metrics import LLMMetrics
 from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, ClusterView, Groups
 from lifemem_ray.core.model import Trajectory
@@ -487,8 +488,10 @@ class LLMClient:
         backoff_max_s: float | None = None,
         retry_after_max_s: float | None = None,
         client: openai.AsyncOpenAI | None = None,
+        metrics: MetricsSink | None = None,
     ) -> None:
-        """``send_schema``: put the JSON schema into ``response_format={"type": "json_object"}``
+        """``metrics``: where calls, tokens, fallbacks and refusals are recorded (none: nowhere).
+        ``send_schema``: put the JSON schema into ``response_format={"type": "json_object"}``
         (llama.cpp constrains decoding with it; vLLM ignores it; OpenAI rejects it with
         ``Unknown parameter: 'response_format.schema'``). None: all servers but OpenAI's.
         The backoff settings default to the config's (``llm.backoff_base_s`` ...)."""
@@ -513,6 +516,7 @@ class LLMClient:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.retry_after_max_s = retry_after_max_s
+        self.metrics = LLMMetrics(metrics)
         self._stats = {op: _OpStats() for op in OPERATIONS}
         self._stats_lock = threading.Lock()
         self._dropped: dict[str, set[str]] = {}  # model -> request adjustments learnt from errors
@@ -556,7 +560,7 @@ class LLMClient:
             raise ValueError(f"LLMClient.arequest: unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
         started = time.monotonic()
         self._count(op, calls=1)
-        metrics.count_llm_call(op)
+        self.metrics.count_call(op)
         try:
             content = await self._complete(prompt, model)
         finally:
@@ -574,7 +578,7 @@ class LLMClient:
         refused = sum(isinstance(p, _Refusal) for p in problems)
         if refused:
             self._count(op, refused_generated=refused)
-            metrics.count_llm_refusals(op, refused)
+            self.metrics.count_refusals(op, refused)
         if value is None:
             self._failed(op)
         return value
@@ -635,7 +639,7 @@ class LLMClient:
             prompt_tokens = sum(len(m["content"]) for m in prompt.messages) // 4
             completion_tokens = len(content) // 4
             self._count(op, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, tokens_estimated=1)
-        metrics.count_llm_tokens(op, prompt_tokens, completion_tokens)
+        self.metrics.count_tokens(op, prompt_tokens, completion_tokens)
         if choices and getattr(choices[0], "finish_reason", None) == "length":
             log.warning("LLM %s: answer cut at llm.max_answer_tokens=%d (reasoning models spend part of it on "
                         "hidden reasoning; raise it if answers come back empty or truncated)",
@@ -710,7 +714,7 @@ class LLMClient:
         """A call without a usable answer: counted, and a fallback where the offline policy decides instead."""
         self._count(op, failures=1)
         if op in CALL_FALLBACKS:
-            metrics.count_llm_fallbacks(op)
+            self.metrics.count_fallbacks(op)
 
     def record(self, op: str, **increments: float) -> None:
         """Add to an operation's counters (the decider counts items this way)."""
@@ -852,7 +856,7 @@ class LLMDecider:
             result[request.key] = assignment
         invalid = sum(v is None for v in result.values())
         self.client.record("assign", items=len(chunk), items_invalid=invalid)
-        metrics.count_llm_fallbacks("assign", invalid)  # the offline policy places these items
+        self.client.metrics.count_fallbacks("assign", invalid)  # the offline policy places these items
         return result
 
     # -- partition / split -------------------------------------------------------------
