@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 
 from lifemem_ray.engine.memory_config import MemoryConfig
-from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient, LLMDecider
+from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
+from lifemem_ray.llm.decider import LLMDecider
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.llm.prompts import OPERATIONS
 from lifemem_ray.lab.synthetic import generate, text_vectors

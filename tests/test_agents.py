@@ -17,7 +17,7 @@ from lifemem_ray.lab.agents import _read_action
 from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.lab.envs import Environment, EnvUnavailable, StepResult, Task, make_env
 from lifemem_ray.core.model import Outcome, Step, Trajectory
-from lifemem_ray.llm.prompts import ACT_SYSTEM_PROMPT, act_prompt, memory_sections
+from lifemem_ray.lab.agent_prompts import ACT_SYSTEM_PROMPT, act_prompt, memory_sections
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, estimate_tokens, render_context
 from lifemem_ray.lab.episode import run_episode
 from lifemem_ray.engine.clustering.skills import distil_procedure

@@ -199,7 +199,7 @@ def test_a_listening_cluster_that_refuses_us_is_reported_as_an_authentication_fa
     import socket
 
     from lifemem_ray.actors.cluster.ray_address import answers
-    from lifemem_ray.cli import _refused
+    from lifemem_ray.cli.ray_session import refused as _refused
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -222,7 +222,7 @@ def test_a_listening_cluster_that_refuses_us_is_reported_as_an_authentication_fa
 
 
 def test_stopping_our_head_forgets_rays_current_cluster_file_only_when_it_names_that_head(tmp_path):
-    from lifemem_ray.cli import _forget_current_cluster
+    from lifemem_ray.cli.ray_session import forget_current_cluster as _forget_current_cluster
 
     current = tmp_path / "ray_current_cluster"
     current.write_text("10.0.0.7:6379")

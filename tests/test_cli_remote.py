@@ -38,7 +38,7 @@ def test_remote_ingest_answers_bad_input_as_local_ingest(deployment, ray_local, 
     ok = _cli("ingest", "-", *remote, "--skip-invalid", "--json", stdin=late.read_text())
     assert ok.returncode == 0, ok.stderr[-2000:]
     report = json.loads(ok.stdout)
-    assert report["added"] == 40 and report["invalid"] == 1 and f"<stdin>:31:" in report["errors"][0]
+    assert report["added"] == 40 and report["invalid"] == 1 and "<stdin>:31:" in report["errors"][0]
     assert client.stats()["trajectories"] == 40
     # An id stored with other content: refused by file and line, or left out, as locally.
     local = str(tmp_path / "local3")

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from typing import Any
 
-import numpy as np
 import pytest
 
 from lifemem_ray.engine.memory_config import MemoryConfig

@@ -22,7 +22,7 @@ from lifemem_ray.llm import lexicon
 from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import ClusterView
-from lifemem_ray.llm.transport import LLMDecider
+from lifemem_ray.llm.decider import LLMDecider
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.clustering.policy import OfflinePolicy

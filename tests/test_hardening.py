@@ -5,7 +5,6 @@ reader, a full disk. Each is refused with a message naming what is wrong and whe
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil

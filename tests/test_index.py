@@ -249,7 +249,8 @@ def test_switches_to_ivf_past_exact_max_and_retrains(grown: tuple[VectorIndex, l
     assert big["kind"] == "ivf" and big["ntotal"] == 18_000
     # Trained at 4000 when it switched, retrained at the first batch past 3 * 4000 plus the
     # env's spread (up to half the growth: 16,000), not again before 3x that.
-    from lifemem_ray.engine.index.vector_index import _Env, _retrain_at
+    from lifemem_ray.engine.index.env_index import EnvIndex as _Env
+    from lifemem_ray.engine.index.ivf import retrain_at as _retrain_at
 
     point = _retrain_at("big", _Env(index=None, kind="ivf", trained_size=4000), 3.0)
     assert 12_000 <= point <= 16_000 and big["trained_size"] == 2000 * (int(point) // 2000 + 1)
@@ -503,7 +504,8 @@ def test_background_retrain_keeps_serving_and_loses_nothing(clustered: dict[str,
 
 
 def test_environments_growing_together_retrain_at_different_sizes() -> None:
-    from lifemem_ray.engine.index.vector_index import _Env, _retrain_at
+    from lifemem_ray.engine.index.env_index import EnvIndex as _Env
+    from lifemem_ray.engine.index.ivf import retrain_at as _retrain_at
 
     e = _Env(index=None, kind="ivf", trained_size=10_000)
     points = {env: _retrain_at(env, e, 2.0) for env in ("alfworld", "webshop", "sql", "tau2-retail", "bfcl", "scienceworld")}
@@ -587,7 +589,6 @@ def test_background_retrain_runs_niced_and_is_adopted_by_the_next_search(cluster
     import sys
     import threading
 
-    import lifemem_ray.engine.index.vector_index as index_module
 
     ids, vectors = clustered["ids"][:10_600], clustered["vectors"][:10_600]
     index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=2.0, background_retrain=True, retrain_nice=7))
@@ -623,7 +624,7 @@ def test_faiss_thread_count_holds_in_threads_started_later(monkeypatch) -> None:
     must use set_faiss_threads' count, not every core."""
     import threading
 
-    import lifemem_ray.engine.index.vector_index as index_module
+    import lifemem_ray.engine.index.env_index as index_module
 
     monkeypatch.setattr(index_module, "_faiss_threads", None)
     before = faiss.omp_get_max_threads()
@@ -653,7 +654,7 @@ def test_faiss_thread_count_holds_in_threads_started_later(monkeypatch) -> None:
 def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
     """The recall calibration reports (exact neighbours from faiss.knn) equals a count made
     independently with numpy on the same sample queries, at the nprobe and cap it chose."""
-    from lifemem_ray.engine.index.vector_index import _CAL_QUERIES, _calibrate
+    from lifemem_ray.engine.index.ivf import CAL_QUERIES as _CAL_QUERIES, calibrate as _calibrate
 
     rng = np.random.default_rng(47)
     vectors = sphere_mixture(rng, random_vectors(rng, 40), 6000, 0.25)
@@ -694,7 +695,7 @@ def test_a_cache_written_for_another_store_is_not_loaded(tmp_path):
 def test_a_full_disk_leaves_no_partial_files_and_says_so(tmp_path, monkeypatch):
     import errno
 
-    import lifemem_ray.engine.index.vector_index as index_module
+    import lifemem_ray.engine.index.env_index as index_module
     from lifemem_ray.core.errors import IndexSaveError
 
     index, _ = _small_index()

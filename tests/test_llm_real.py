@@ -26,7 +26,7 @@ from llm_server import llama_server_fixture  # noqa: E402
 from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, Candidate, ClusterView
-from lifemem_ray.llm.transport import LLMDecider
+from lifemem_ray.llm.decider import LLMDecider
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.llm.prompts import DESCRIPTION_MAX_CHARS, SKILL_MAX_CHARS, assign_prompt
 from lifemem_ray.lab.synthetic import generate, text_vectors
@@ -88,8 +88,7 @@ def decider(server):
 def assert_alive(server) -> None:
     # A schema the server cannot compile into a grammar (e.g. a large maxLength) crashes
     # llama-cpp-python's server; the client then only sees connection errors.
-    assert server.process is not None and server.process.poll() is None, (
-        f"the LLM server died (exit code {server.process.poll() if server.process else None}):\n{server.log_tail(1500)}")
+    assert server.process is not None and server.process.poll() is None, server.death_report()
 
 
 def traj(env: str, i: int):

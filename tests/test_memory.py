@@ -321,7 +321,7 @@ def test_closed_memory_refuses_work(tmp_path):
 
 
 def test_trusted_decode_of_stored_records_equals_the_validated_one():
-    from lifemem_ray.engine.store.storage import record_to_trajectory, trajectory_to_record
+    from lifemem_ray.engine.store.codec import decode_trajectory as record_to_trajectory, encode_trajectory as trajectory_to_record
 
     traj = Trajectory(env="web", task="find a red mug", steps=(Step(action="search[red mug]", thought="look", observation="3 hits"),),
                       outcome=Outcome(success=True, reward=1.0), id="t1", initial_observation="home page", metadata={"k": [1, "x"]})
@@ -409,7 +409,7 @@ def test_paused_gc_restores_the_collector_state():
 
 def test_retrieved_exemplars_decode_their_trajectory_on_demand(tmp_path, synthetic):
     from lifemem_ray.engine.retrieval import RetrievedTrajectory, assemble
-    from lifemem_ray.engine.store.storage import trajectory_to_record
+    from lifemem_ray.engine.store.codec import encode_trajectory as trajectory_to_record
 
     trajs, vecs = synthetic
     raw = [trajectory_to_record(t, ["w"], 0.0) for t in trajs[:3]]

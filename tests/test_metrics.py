@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import ROOT, SMALL_ACTORS
+from conftest import ROOT
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.frontdoor.http_metrics import CATALOGUE, count_http
 from lifemem_ray.core.errors import LifeMemError, MetricTagError

@@ -7,12 +7,11 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from conftest import SMALL_ACTORS
 from lifemem_ray.engine.memory import IdConflictError, Memory
-from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.core.model import Step, Trajectory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -301,7 +300,6 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
 
 
 def test_bulk_load_through_ray_data(deployment, tmp_path):
-    import json
 
     from lifemem_ray.actors.cluster.bulk import bulk_load
     from lifemem_ray.core.importers import write_jsonl

@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from subprocess import CompletedProcess
 
 from lifemem_ray.engine.store import codec
 from lifemem_ray.engine.memory_config import MemoryConfig
@@ -272,7 +273,7 @@ def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):
 
 
 # -- the command line ---------------------------------------------------------------------------
-def _cli(*args: str) -> "subprocess.CompletedProcess[str]":
+def _cli(*args: str) -> "CompletedProcess[str]":
     import os
     import subprocess
     import sys

@@ -55,7 +55,8 @@ from lifemem_ray.service.principal import Principal, acting_as, current
 
 from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
 from lifemem_ray.actors.frontdoor.error_answers import error_detail, validation_detail
-from lifemem_ray.actors.frontdoor.front_service import ApiError, FrontService, ServiceMemory, unavailable_errors
+from lifemem_ray.actors.frontdoor.error_answers import ApiError, unavailable_errors
+from lifemem_ray.actors.frontdoor.front_service import FrontService, ServiceMemory
 from lifemem_ray.actors.frontdoor.operations import OPERATIONS_ACTOR, operations_actor
 
 __all__ = ["APP_NAME", "DEPLOYMENT_NAME", "FrontDoor", "build_app", "start_http", "stop_http"]

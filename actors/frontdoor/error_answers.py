@@ -20,15 +20,40 @@ anything else                                       500    internal
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
-from lifemem_ray.core.errors import AuthError, ForbiddenError, IdConflictError
+import ray
 
-from lifemem_ray.actors.frontdoor.front_service import ApiError, split_where, unavailable_errors
+from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
+from lifemem_ray.core.errors import AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError
 
-__all__ = ["error_detail", "validation_detail"]
+
+__all__ = ["ApiError", "error_detail", "split_where", "unavailable_errors", "validation_detail"]
 
 log = logging.getLogger(__name__)
+
+_PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
+
+
+class ApiError(LifeMemError, ValueError):
+    """A refusal with its HTTP answer: status, error type, where, what to do."""
+
+    def __init__(self, status: int, type_: str, message: str, where: str | None = None, what_to_do: str = "") -> None:
+        super().__init__(message)
+        self.status, self.type, self.where, self.what_to_do = status, type_, where, what_to_do
+
+
+def split_where(message: str) -> tuple[str | None, str]:
+    """``"steps[0].action: expected a string"`` -> ``("steps[0].action", "expected a string")``."""
+    m = _PATH.match(message)
+    return (m.group(1), m.group(2)) if m else (None, message)
+
+
+def unavailable_errors() -> tuple[type[BaseException], ...]:
+    """What means "the memory cannot answer now, try again": 503 with Retry-After."""
+    return (ShardUnavailableError, OverloadedError, DeploymentNotFoundError, ray.exceptions.GetTimeoutError, *actor_failures())
+
 
 _HTTP_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
                415: "unsupported_media_type", 429: "too_many_requests"}

@@ -26,33 +26,12 @@ from lifemem_ray.service.principal import Principal
 
 from lifemem_ray.actors.cluster.deployment import find_coordinator
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures, remote_cause
+from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, split_where, unavailable_errors
 from lifemem_ray.actors.frontdoor.operations import operations_actor
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ApiError", "FrontService", "ServiceMemory", "split_where", "unavailable_errors"]
-
-_PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
-
-
-class ApiError(LifeMemError, ValueError):
-    """A refusal with its HTTP answer: status, error type, where, what to do."""
-
-    def __init__(self, status: int, type_: str, message: str, where: str | None = None, what_to_do: str = "") -> None:
-        super().__init__(message)
-        self.status, self.type, self.where, self.what_to_do = status, type_, where, what_to_do
-
-
-def split_where(message: str) -> tuple[str | None, str]:
-    """``"steps[0].action: expected a string"`` -> ``("steps[0].action", "expected a string")``."""
-    m = _PATH.match(message)
-    return (m.group(1), m.group(2)) if m else (None, message)
-
-
-def unavailable_errors() -> tuple[type[BaseException], ...]:
-    """What means "the memory cannot answer now, try again": 503 with Retry-After."""
-    return (ShardUnavailableError, OverloadedError, DeploymentNotFoundError, ray.exceptions.GetTimeoutError, *actor_failures())
-
 
 class StateLog:
     """Logs a watched state the way an operator wants to read it: a warning when it turns bad
@@ -234,8 +213,6 @@ class FrontService:
         return {"operation": op, "status": "pending", "ids": ids}
 
     def _finish(self, op: str, trajectories: list[Trajectory], principal: Principal) -> None:
-        from lifemem_ray.actors.frontdoor.error_answers import error_detail
-
         try:
             items = self.add(trajectories, principal)
             self.operations().finish.remote(op, items)

@@ -152,7 +152,7 @@ def global_skill(trajectories: Sequence[Trajectory], config: DeploymentConfig) -
     if len(sample) > n:
         sample = random.Random(len(sample)).sample(sample, n)
     if config.llm.backend == "openai":
-        from lifemem_ray.llm.transport import LLMDecider
+        from lifemem_ray.llm.decider import LLMDecider
 
         envs: dict[str, int] = defaultdict(int)
         for t in trajectories:

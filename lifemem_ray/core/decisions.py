@@ -1,4 +1,4 @@
-"""What a decision maker (an LLM, :class:`lifemem_ray.llm.transport.LLMDecider`) is asked and may answer.
+"""What a decision maker (an LLM, :class:`lifemem_ray.llm.decider.LLMDecider`) is asked and may answer.
 
 The engine computes candidates and offline scores (:class:`lifemem_ray.engine.clustering.policy.OfflinePolicy`);
 a :class:`Decider` only chooses among ids it was given. Any answer outside them is invalid

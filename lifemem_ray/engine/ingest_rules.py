@@ -154,7 +154,7 @@ def make_decider(config: Any, metrics: Any = None) -> Any:
     the :class:`~lifemem_ray.core.metrics.MetricsSink` its calls are recorded in."""
     if config.llm.backend != "openai":
         return None
-    from lifemem_ray.llm.transport import LLMDecider
+    from lifemem_ray.llm.decider import LLMDecider
 
     return LLMDecider(config.llm, metrics=metrics)
 

@@ -5,7 +5,7 @@ prints). It stays within a token budget: skills first (short, transferable), the
 exemplars in order of relevance, each headed by its environment and outcome and cut
 step-wise to what is left; an exemplar that would get less than a useful minimum is
 dropped rather than shown as a stub. The ReAct agent renders the same skills and
-exemplars into its own fenced sections (:func:`lifemem_ray.llm.prompts.act_prompt`) under the
+exemplars into its own fenced sections (:func:`lifemem_ray.lab.agent_prompts.act_prompt`) under the
 budget recorded in ``Retrieval.budget``.
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from lifemem_ray.engine.store.codec import StoredFields, fields_to_trajectory, record_fields
+from lifemem_ray.core.records import StoredFields, fields_to_trajectory, record_fields
 from lifemem_ray.engine.memory_config import RetrievalConfig
 from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory, env_name_problem, render_text
 

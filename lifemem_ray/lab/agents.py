@@ -574,7 +574,7 @@ class NoisyGoldAgent(GoldAgent):
 
 class ReActAgent(Agent):
     """Thought + action per turn from an OpenAI-compatible model, with the memory in the
-    prompt (:func:`lifemem_ray.llm.prompts.act_prompt`): the retrieved skills as guidance, the
+    prompt (:func:`lifemem_ray.lab.agent_prompts.act_prompt`): the retrieved skills as guidance, the
     retrieved trajectories as untrusted example data headed by their environment and
     outcome, together within the token budget (``token_budget``, else the budget the
     retrieval was rendered under, else the default ``retrieval.token_budget``). This very
@@ -609,7 +609,7 @@ class ReActAgent(Agent):
         self.calls = 0
 
     def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
-        from lifemem_ray.llm.prompts import DEFAULT_MEMORY_TOKENS
+        from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS
 
         self._instruction = info.get("instruction") or task.instruction
         self._skills = [s.text for s in memory.skills] if memory is not None else []
@@ -625,8 +625,8 @@ class ReActAgent(Agent):
         self.invalid = self.calls = 0
 
     def act(self, observation: str, info: dict[str, Any]) -> AgentStep:
-        from lifemem_ray.llm.transport import schema_errors
-        from lifemem_ray.llm.prompts import ACT_MAX_CHARS, act_prompt
+        from lifemem_ray.llm.answers import schema_errors
+        from lifemem_ray.lab.agent_prompts import ACT_MAX_CHARS, act_prompt
 
         if self._pending is not None:
             self._history.append((self._pending, observation))

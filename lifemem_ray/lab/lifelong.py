@@ -32,15 +32,12 @@ the reports. :mod:`lifemem_ray.actors.rollout.experiment` runs the protocol on r
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.lab.experiment_config import (BOOTSTRAP_DEFAULT, MEMORY_AGENTS, MEMORY_MODES, RETRIEVING_MODES, STREAMS,
                                                ExperimentConfig)
 from lifemem_ray.lab.envs.base import Task

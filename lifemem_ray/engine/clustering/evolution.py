@@ -63,14 +63,14 @@ class BatchItem:
     def traj(self) -> Trajectory:
         """The trajectory itself (decoded on demand: only LLM prompts need it)."""
         if self._traj is None:
-            from lifemem_ray.engine.store.codec import decode_trajectory
+            from lifemem_ray.core.records import decode_trajectory
 
             self._traj = decode_trajectory(self.record)[0]
         return self._traj
 
     @classmethod
     def of(cls, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, tokens: list[str], flow: str, *, vid: int = 0, stored: bool = False) -> "BatchItem":
-        from lifemem_ray.engine.store.codec import encode_trajectory
+        from lifemem_ray.core.records import encode_trajectory
 
         return cls(
             id=id_key(traj.tenant, traj.id),

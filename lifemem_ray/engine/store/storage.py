@@ -52,8 +52,9 @@ import numpy as np
 
 from lifemem_ray.engine.store import codec
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
-from lifemem_ray.engine.store.codec import Brief, decode_trajectory as record_to_trajectory, encode_trajectory as trajectory_to_record, fields_to_trajectory, pack_u64, record_fields, unpack_u64
+from lifemem_ray.engine.store.codec import Brief, decode_trajectory as record_to_trajectory, pack_u64, unpack_u64
 from lifemem_ray.core.errors import StoreError, StoreLockedError
+from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.store.lmdb_check import problem_of_data_file
 from lifemem_ray.engine.store.lmdb_rewrite import COMPACT_STAGING, Rewrite, remove_staging, replace_data_file, write_fresh_copy
 

@@ -1,0 +1,125 @@
+"""The commands of a sharded deployment: ``serve`` (with ``--http``, the front door), ``stop``,
+``snapshot``, ``compact``, ``restore``, and ``keys new`` for the front door's API keys."""
+
+from __future__ import annotations
+
+
+import argparse
+from typing import Any
+
+
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.core.errors import CommandError
+from lifemem_ray.cli.ray_session import NoRayCluster, connect, stop_local_head
+from lifemem_ray.cli.options import config_from_args, emit, remote
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lifemem_ray.actors.cluster.deployment import deploy, find_coordinator
+
+    config = config_from_args(args)
+    keyring = http_keys(args, config) if args.http else None  # refused before anything starts
+    if not args.store and not args.http:
+        raise CommandError("--store DIR is required (or --http alone, in front of a running deployment)")
+    namespace = connect(args, config, start_local=bool(args.store))  # --http alone stands in front of a running one
+    config = config.replace({"cluster.namespace": namespace})
+    if args.store:
+        info = deploy(args.store, config, shards=args.shards)
+    else:
+        import ray
+
+        info = ray.get(find_coordinator(namespace).deployment.remote())
+    said = f"serving {len(info['shards'])} shards from {info['store']} in Ray namespace {namespace!r}"
+    if keyring is not None:
+        from lifemem_ray.actors.frontdoor.app import start_http
+
+        info["http"] = start_http(namespace, config, keyring, host=args.host, port=args.port)
+        said += f"; HTTP at {info['http']['url']} (auth: {keyring.mode}, OpenAPI at /openapi.json, MCP at /mcp)"
+    emit(args, info, lambda: said + f"; stop with `lifemem-ray stop --namespace {namespace}`")
+    return 0
+
+
+def http_keys(args: argparse.Namespace, config: DeploymentConfig) -> Any:
+    """The front door's keys (config and LIFEMEM_API_KEYS), and its bind address checked."""
+    from lifemem_ray.service.auth import KeyRing, check_bind
+
+    keyring = KeyRing.from_config(config.http)
+    check_bind(args.host or config.http.host, keyring.mode)
+    return keyring
+
+
+def cmd_keys_new(args: argparse.Namespace) -> int:
+    """A fresh random API key, shown once, and the entry (its hash) the server's config keeps."""
+    from lifemem_ray.service.auth import ENV_KEYS, new_key
+
+    key, entry = new_key(args.tenant, args.scopes, args.name)
+    data = {"key": key, "entry": entry.to_dict()}
+    scopes = ", ".join(f'"{s}"' for s in sorted(entry.scopes))
+    toml = (f'[[http.api_keys]]\nname = "{entry.name}"\nsha256 = "{entry.sha256}"\ntenant = "{entry.tenant}"\n'
+            f"scopes = [{scopes}]")
+    emit(args, data, lambda: f"key (shown once; give it to the client, store it nowhere else):\n  {key}\n\n"
+          f"add to the server's config file (or as JSON to {ENV_KEYS}):\n{toml}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from lifemem_ray.actors.cluster.deployment import stop
+
+    config = config_from_args(args)
+    try:
+        namespace = connect(args, config)
+    except NoRayCluster as exc:  # no cluster answers: no deployment, front door or head of it runs to stop
+        said = f"nothing to stop: {exc}"
+        emit(args, {"stopped": False, "namespace": args.namespace or config.cluster.namespace, "http": False,
+                     "ray": "no Ray cluster answers", "detail": str(exc)}, lambda: said)
+        return 0
+    from lifemem_ray.actors.frontdoor.app import stop_http
+
+    http = stop_http(namespace)  # the front door goes with the deployment it stands in front of
+    stopped = stop(namespace)
+    head = stop_local_head() if args.ray else ""
+    said = f"stopped the deployment in {namespace!r}" if stopped else f"no deployment in {namespace!r}"
+    said += " and its HTTP front door" if http else ""
+    emit(args, {"stopped": stopped, "namespace": namespace, "http": http, **({"ray": head} if head else {})},
+          lambda: said + (f"; {head}" if head else ""))
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from lifemem_ray.actors.cluster.deployment import snapshot
+
+    config = config_from_args(args)
+    namespace = connect(args, config)
+    manifest = snapshot(args.out, namespace)
+    emit(args, manifest, lambda: f"snapshot of {manifest['shards']} shards ({manifest['bytes']:,} bytes) in {args.out}")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    """Rewrite a store no process uses (``--store``) or every shard of a running deployment in
+    place into fresh pages: the bytes of deleted trajectories LMDB keeps in free pages and page
+    slack go (:mod:`lifemem_ray.engine.compaction`, :func:`lifemem_ray.actors.cluster.deployment.compact`)."""
+    config = config_from_args(args)
+    if remote(args) and args.store:
+        raise CommandError("give --store DIR (a store no process has open) or --address/--namespace (a running deployment), not both")
+    if remote(args):
+        from lifemem_ray.actors.cluster.deployment import compact
+
+        out = compact(connect(args, config))
+    elif args.store:
+        from lifemem_ray.engine.compaction import compact_store
+
+        out = compact_store(args.store, config)
+    else:
+        raise CommandError("--store DIR is required (or --address/--namespace for a deployment)")
+    emit(args, out, lambda: f"compacted: {out['bytes_before']:,} bytes before, {out['bytes_after']:,} bytes after")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from lifemem_ray.actors.cluster.deployment import restore
+
+    config = config_from_args(args)
+    namespace = connect(args, config, start_local=True)
+    info = restore(args.snapshot, args.store, config.replace({"cluster.namespace": namespace}), shards=args.shards)
+    emit(args, info, lambda: f"restored {info['trajectories']} trajectories in {info['clusters']} clusters onto {len(info['shards'])} shards")
+    return 0
