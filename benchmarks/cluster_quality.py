@@ -65,20 +65,29 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from lifemem_ray.lab.cluster_metrics import bootstrap_weights, equal_k_baseline, partition_scores, pure_partition_nmi, refine_partition, sequence_distance, weighted_scores
-from lifemem_ray.engine.memory_config import MemoryConfig
-from lifemem_ray.lab.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
-from lifemem_ray.engine.embedding import MiniLMEmbedder
-from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.policy import mean_silhouette, skill_step_texts
 from lifemem_ray.engine.clustering.steps import featurize
 from lifemem_ray.engine.clustering.workflow import action_tokens, canonical_token, step_tokens
+from lifemem_ray.engine.embedding import MiniLMEmbedder
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.lab.cluster_metrics import (
+    bootstrap_weights,
+    equal_k_baseline,
+    partition_scores,
+    pure_partition_nmi,
+    refine_partition,
+    sequence_distance,
+    weighted_scores,
+)
+from lifemem_ray.lab.datasets import LABEL_LEVELS, default_sources, generate, label_of, load_set, save_set
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_SIZE = 500
@@ -115,9 +124,14 @@ def load_or_generate(data: Path, fold: str, args: argparse.Namespace) -> list[Tr
         trajs, meta = load_set(path)
         if all(meta.get(k) == v for k, v in wanted.items()):
             return trajs
-        print(f"{path}: generated with {({k: meta.get(k) for k in wanted})}, not {wanted}: generating again", file=sys.stderr)
+        print(
+            f"{path}: generated with { ({k: meta.get(k) for k in wanted}) }, not {wanted}: generating again",
+            file=sys.stderr,
+        )
     print(f"generating the {fold} fold (workers={args.workers}) ...", file=sys.stderr)
-    result = generate(default_sources(args.data_scale), fold, workers=args.workers, noise=args.noise, progress=_ticker(fold))
+    result = generate(
+        default_sources(args.data_scale), fold, workers=args.workers, noise=args.noise, progress=_ticker(fold)
+    )
     print(json.dumps(result.summary()), file=sys.stderr)
     save_set(path, result.trajectories, {**wanted, "generation": result.summary()})
     return result.trajectories
@@ -190,8 +204,15 @@ def orders(trajs: list[Trajectory]) -> dict[str, list[int]]:
 # --------------------------------------------------------------------------- one ingest
 
 
-def ingest(trajs: list[Trajectory], vecs: np.ndarray, order: list[int], config: MemoryConfig, tmp: Path,
-           held: list[Trajectory] | None = None, held_vecs: np.ndarray | None = None) -> dict[str, Any]:
+def ingest(
+    trajs: list[Trajectory],
+    vecs: np.ndarray,
+    order: list[int],
+    config: MemoryConfig,
+    tmp: Path,
+    held: list[Trajectory] | None = None,
+    held_vecs: np.ndarray | None = None,
+) -> dict[str, Any]:
     """Store the trajectories in ``order``; the partition (trajectory id -> cluster id), counters,
     and for held-out trajectories the clusters their retrievals name."""
     path = tmp / f"m-{time.monotonic_ns()}"
@@ -207,8 +228,14 @@ def ingest(trajs: list[Trajectory], vecs: np.ndarray, order: list[int], config: 
         if held:
             hits = memory.retrieve_many([t.query_text for t in held], [t.env for t in held], 1, vectors=held_vecs)
             retrieved = [h.trajectories[0].cluster_id if h.trajectories else None for h in hits]
-    return {"cluster_of": cluster_of, "skills": skills, "stats": stats, "seconds": seconds, "retrieved": retrieved,
-            "envs_of_cluster": {c.id: dict(c.envs) for c in clusters}}
+    return {
+        "cluster_of": cluster_of,
+        "skills": skills,
+        "stats": stats,
+        "seconds": seconds,
+        "retrieved": retrieved,
+        "envs_of_cluster": {c.id: dict(c.envs) for c in clusters},
+    }
 
 
 # --------------------------------------------------------------------------- scoring
@@ -224,10 +251,14 @@ def score_partition(trajs: list[Trajectory], assigned: Sequence[Any]) -> dict[st
         envs_of[str(assigned[i])].add(t.env)
     for env, idx in sorted(by_env.items()):
         pred = np.array([str(assigned[i]) for i in idx])
-        entry: dict[str, Any] = {"n": len(idx), "k": int(len(set(pred))), "mixed_clusters": sum(len(envs_of[c]) > 1 for c in set(pred))}
+        entry: dict[str, Any] = {
+            "n": len(idx),
+            "k": len(set(pred)),
+            "mixed_clusters": sum(len(envs_of[c]) > 1 for c in set(pred)),
+        }
         for level in LABEL_LEVELS.get(env, ()):
             truth = np.array([label_of(trajs[i], level) or "?" for i in idx])
-            entry[level] = {**_rounded(partition_scores(pred, truth)), "labels": int(len(set(truth)))}
+            entry[level] = {**_rounded(partition_scores(pred, truth)), "labels": len(set(truth))}
         per_env[env] = entry
     topic = np.array([f"{t.env}:{label_of(t, LABEL_LEVELS[t.env][-1])}" for t in trajs])
     overall = _rounded(partition_scores(np.array([str(a) for a in assigned]), topic))
@@ -238,7 +269,9 @@ def _rounded(scores: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in scores.items()}
 
 
-def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: dict[str, int]) -> tuple[dict[str, Any], dict[str, list[list[str]]]]:
+def baselines(
+    trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: dict[str, int]
+) -> tuple[dict[str, Any], dict[str, list[list[str]]]]:
     """Spherical k-means per environment with the memory's k, for each representation and seed:
     the scores (mean, min, max over seeds) and the partitions themselves (per seed)."""
     by_env = positions_by_env(trajs)
@@ -258,8 +291,13 @@ def baselines(trajs: list[Trajectory], reps: dict[str, np.ndarray], k_of_env: di
     return out, partitions
 
 
-def gap_intervals(trajs: list[Trajectory], lifemem: list[list[Any]], named: dict[str, list[list[str]]],
-                  draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, dict[str, Any]]:
+def gap_intervals(
+    trajs: list[Trajectory],
+    lifemem: list[list[Any]],
+    named: dict[str, list[list[str]]],
+    draws: int = BOOTSTRAP_DRAWS,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
     """Per environment at its topic level: the verdict's gap (LifeMem's worse order, the
     similarity order or the mean of the random ones, minus the best named baseline's mean over
     seeds) on purity and NMI, with a 95% interval from a paired bootstrap over the
@@ -296,8 +334,11 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     first = runs[0]
     per_env: dict[str, Any] = {}
     for env, entry in first["per_env"].items():
-        e: dict[str, Any] = {"n": entry["n"], "k": _spread([r["per_env"][env]["k"] for r in runs]),
-                             "mixed_clusters": _spread([r["per_env"][env]["mixed_clusters"] for r in runs])}
+        e: dict[str, Any] = {
+            "n": entry["n"],
+            "k": _spread([r["per_env"][env]["k"] for r in runs]),
+            "mixed_clusters": _spread([r["per_env"][env]["mixed_clusters"] for r in runs]),
+        }
         for level in LABEL_LEVELS.get(env, ()):
             e[level] = {m: _spread([r["per_env"][env][level][m] for r in runs]) for m in ("purity", "nmi", "ari")}
             e[level]["labels"] = entry[level]["labels"]
@@ -339,20 +380,32 @@ def skill_quality(held: list[Trajectory], run: dict[str, Any], seed: int = 0) ->
         rivals = [c for c in clusters_of_env[traj.env] if c != cid]
         if rivals:
             other[traj.env].append(sequence_distance(skill_steps(run["skills"].get(rng.choice(rivals), "")), truth))
-    per_env = {env: {"n": len(own[env]), "own_cluster": round(float(np.mean(own[env])), 4),
-                     "random_other_cluster": round(float(np.mean(other[env])), 4) if other[env] else None}
-               for env in sorted(own)}
+    per_env = {
+        env: {
+            "n": len(own[env]),
+            "own_cluster": round(float(np.mean(own[env])), 4),
+            "random_other_cluster": round(float(np.mean(other[env])), 4) if other[env] else None,
+        }
+        for env in sorted(own)
+    }
     flat_own = [d for v in own.values() for d in v]
     flat_other = [d for v in other.values() for d in v]
-    return {"per_env": per_env, "overall": {"n": len(flat_own), "own_cluster": round(float(np.mean(flat_own)), 4) if flat_own else None,
-                                            "random_other_cluster": round(float(np.mean(flat_other)), 4) if flat_other else None}}
+    return {
+        "per_env": per_env,
+        "overall": {
+            "n": len(flat_own),
+            "own_cluster": round(float(np.mean(flat_own)), 4) if flat_own else None,
+            "random_other_cluster": round(float(np.mean(flat_other)), 4) if flat_other else None,
+        },
+    }
 
 
 # --------------------------------------------------------------------------- one fold
 
 
-def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarray, config: MemoryConfig, tmp: Path,
-                  with_skills: bool) -> dict[str, Any]:
+def evaluate_fold(
+    trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarray, config: MemoryConfig, tmp: Path, with_skills: bool
+) -> dict[str, Any]:
     held_idx = _holdout(trajs) if with_skills else []
     held_set = set(held_idx)
     keep = [i for i in range(len(trajs)) if i not in held_set]
@@ -361,8 +414,13 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     wvecs = np.stack([featurize(t, config.evolution.workflow_features)[1] for t in train])
     w = config.policy.workflow_weight
     combined = np.hstack([np.sqrt(w) * wvecs, np.sqrt(1 - w) * tvecs])
-    reps = {"goal_embedding": tvecs, "action_text_embedding": avecs, "workflow_vector": wvecs, "own_features_batch": combined,
-            **view_combinations(tvecs, avecs, wvecs)}
+    reps = {
+        "goal_embedding": tvecs,
+        "action_text_embedding": avecs,
+        "workflow_vector": wvecs,
+        "own_features_batch": combined,
+        **view_combinations(tvecs, avecs, wvecs),
+    }
     results: dict[str, Any] = {"n": len(train), "held_out": len(held)}
     lifemem_runs, lifemem_parts, skill_runs, counts = [], [], [], []
     for name, order in orders(train).items():
@@ -370,9 +428,17 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
         lifemem_parts.append([run["cluster_of"].get(t.id) for t in train])
         scored = score_partition(train, lifemem_parts[-1])
         lifemem_runs.append(scored)
-        counts.append({"order": name, "clusters": run["stats"]["clusters"], "splits": run["stats"]["splits"],
-                       "splits_refused": run["stats"].get("splits_refused", 0), "merges": run["stats"].get("merges", 0),
-                       "mixed_env_clusters": run["stats"]["mixed_env_clusters"], "seconds": round(run["seconds"], 2)})
+        counts.append(
+            {
+                "order": name,
+                "clusters": run["stats"]["clusters"],
+                "splits": run["stats"]["splits"],
+                "splits_refused": run["stats"].get("splits_refused", 0),
+                "merges": run["stats"].get("merges", 0),
+                "mixed_env_clusters": run["stats"]["mixed_env_clusters"],
+                "seconds": round(run["seconds"], 2),
+            }
+        )
         if held:
             skill_runs.append(skill_quality(held, run))
         if name == "similarity":
@@ -383,7 +449,9 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     results["baselines_at_similarity_k"], partitions = baselines(train, reps, k_of_env)
     results["gap_intervals"] = gap_intervals(train, lifemem_parts, {name: partitions[name] for name in NAMED_BASELINES})
     results["view_by_silhouette"] = view_by_silhouette(train, reps, partitions)
-    results["refined_in_picked_view"] = refined_in_picked_view(train, reps, lifemem_parts, results["view_by_silhouette"])
+    results["refined_in_picked_view"] = refined_in_picked_view(
+        train, reps, lifemem_parts, results["view_by_silhouette"]
+    )
     results["pure_nmi_at_k"] = pure_nmi_references(train, k_of_env)
     results["distinct_workflows"] = distinct_workflows(train, wvecs, k_of_env)
     if skill_runs:
@@ -393,8 +461,15 @@ def evaluate_fold(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarra
     return results
 
 
-def weight_sweep(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarray, config: MemoryConfig, tmp: Path,
-                 with_skills: bool, evaluated: dict[str, Any] | None = None) -> dict[str, Any]:
+def weight_sweep(
+    trajs: list[Trajectory],
+    vecs: np.ndarray,
+    act_vecs: np.ndarray,
+    config: MemoryConfig,
+    tmp: Path,
+    with_skills: bool,
+    evaluated: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The fold evaluated again at each workflow weight of WEIGHT_GRID: per weight and
     environment, k, the gaps to the best named baseline at that k and whether it is beaten;
     and per environment the weight with the largest mean gap (:func:`label_chosen_weights`).
@@ -404,11 +479,18 @@ def weight_sweep(trajs: list[Trajectory], vecs: np.ndarray, act_vecs: np.ndarray
         if evaluated is not None and weight == config.policy.workflow_weight:
             res = evaluated
         else:
-            res = evaluate_fold(trajs, vecs, act_vecs, config.replace({"policy.workflow_weight": weight}), tmp, with_skills)
+            res = evaluate_fold(
+                trajs, vecs, act_vecs, config.replace({"policy.workflow_weight": weight}), tmp, with_skills
+            )
         per_weight[str(weight)] = {
-            env: {"k": res["similarity"]["per_env"][env]["k"], "beats": v["beats"], "bootstrap": v["bootstrap"],
-                  "gap": {m: round(v["lifemem_worse_order"][m] - v["best_baseline"][m], 4) for m in ("purity", "nmi")}}
-            for env, v in res["verdicts"].items()}
+            env: {
+                "k": res["similarity"]["per_env"][env]["k"],
+                "beats": v["beats"],
+                "bootstrap": v["bootstrap"],
+                "gap": {m: round(v["lifemem_worse_order"][m] - v["best_baseline"][m], 4) for m in ("purity", "nmi")},
+            }
+            for env, v in res["verdicts"].items()
+        }
     return {"per_weight": per_weight, "label_chosen": label_chosen_weights(per_weight)}
 
 
@@ -423,12 +505,17 @@ def label_chosen_weights(per_weight: dict[str, dict[str, Any]]) -> dict[str, dic
     envs = sorted({env for entries in per_weight.values() for env in entries})
     out: dict[str, dict[str, Any]] = {}
     for env in envs:
-        weight = max((w for w in per_weight if env in per_weight[w]), key=lambda w: float(np.mean(list(per_weight[w][env]["gap"].values()))))
+        weight = max(
+            (w for w in per_weight if env in per_weight[w]),
+            key=lambda w: float(np.mean(list(per_weight[w][env]["gap"].values()))),
+        )
         out[env] = {"weight": float(weight), **per_weight[weight][env]}
     return out
 
 
-def view_by_silhouette(trajs: list[Trajectory], reps: dict[str, np.ndarray], partitions: dict[str, list[list[str]]]) -> dict[str, dict[str, float]]:
+def view_by_silhouette(
+    trajs: list[Trajectory], reps: dict[str, np.ndarray], partitions: dict[str, list[list[str]]]
+) -> dict[str, dict[str, float]]:
     """Per environment, each named view's mean silhouette (cosine, in that view) of its own
     equal-k k-means partitions, over the seeds: the view an unsupervised criterion would pick
     for the environment, set beside the view the labels say is best (whether a per-environment
@@ -440,12 +527,18 @@ def view_by_silhouette(trajs: list[Trajectory], reps: dict[str, np.ndarray], par
         for name in NAMED_BASELINES:
             x = reps[name][idx].astype(np.float64)
             x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-            out[env][name] = round(float(np.mean([mean_silhouette(x, np.array([part[i] for i in idx])) for part in partitions[name]])), 4)
+            out[env][name] = round(
+                float(np.mean([mean_silhouette(x, np.array([part[i] for i in idx])) for part in partitions[name]])), 4
+            )
     return out
 
 
-def refined_in_picked_view(trajs: list[Trajectory], reps: dict[str, np.ndarray], lifemem: list[list[Any]],
-                           silhouettes: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+def refined_in_picked_view(
+    trajs: list[Trajectory],
+    reps: dict[str, np.ndarray],
+    lifemem: list[list[Any]],
+    silhouettes: dict[str, dict[str, float]],
+) -> dict[str, dict[str, Any]]:
     """Per environment at its topic level: LifeMem's partitions (every order) refined by
     spherical k-means started from them (:func:`lifemem_ray.lab.cluster_metrics.refine_partition`)
     in the view with the best silhouette there, scored by the verdict's rule (the worse of the
@@ -459,11 +552,17 @@ def refined_in_picked_view(trajs: list[Trajectory], reps: dict[str, np.ndarray],
         refined = [refine_partition(reps[view][idx], np.array([str(part[i]) for i in idx])) for part in lifemem]
         scored = [partition_scores(labels, truth) for labels in refined]
         worse = {m: float(worse_order(scored[0][m], [r[m] for r in scored[1:]])) for m in ("purity", "nmi")}
-        out[env] = {"view": view, **_rounded(worse), "k_similarity": int(refined[0].max()) + 1}  # parts can empty: k may fall
+        out[env] = {
+            "view": view,
+            **_rounded(worse),
+            "k_similarity": int(refined[0].max()) + 1,
+        }  # parts can empty: k may fall
     return out
 
 
-def distinct_workflows(trajs: list[Trajectory], wvecs: np.ndarray, k_of_env: dict[str, int]) -> dict[str, dict[str, Any]]:
+def distinct_workflows(
+    trajs: list[Trajectory], wvecs: np.ndarray, k_of_env: dict[str, int]
+) -> dict[str, dict[str, Any]]:
     """Per environment: how many distinct workflow vectors its trajectories have, beside
     LifeMem's k, and the cosines between distinct ones (min / mean / max over pairs). Where
     the count is near k, k-means over the workflow vectors is close to one part per distinct
@@ -473,10 +572,14 @@ def distinct_workflows(trajs: list[Trajectory], wvecs: np.ndarray, k_of_env: dic
     for env, idx in sorted(positions_by_env(trajs).items()):
         unique = np.unique(wvecs[idx].astype(np.float64), axis=0)
         unique /= np.maximum(np.linalg.norm(unique, axis=1, keepdims=True), 1e-12)
-        entry: dict[str, Any] = {"distinct": int(len(unique)), "k": k_of_env[env]}
+        entry: dict[str, Any] = {"distinct": len(unique), "k": k_of_env[env]}
         if 2 <= len(unique) <= 2000:  # the pairs of at most 2,000 rows (4 million cosines)
             cos = (unique @ unique.T)[np.triu_indices(len(unique), 1)]
-            entry["cosine_between"] = {"min": round(float(cos.min()), 3), "mean": round(float(cos.mean()), 3), "max": round(float(cos.max()), 3)}
+            entry["cosine_between"] = {
+                "min": round(float(cos.min()), 3),
+                "mean": round(float(cos.mean()), 3),
+                "max": round(float(cos.max()), 3),
+            }
         out[env] = entry
     return out
 
@@ -497,11 +600,16 @@ def view_combinations(goal: np.ndarray, action: np.ndarray, workflow: np.ndarray
     """Batch representations beyond LifeMem's own: whether *any* fixed combination of the three
     views lets k-means beat the best single view at the same k (equal weight per view, each
     unit-normalised)."""
+
     def joined(*views: np.ndarray) -> np.ndarray:
         x = np.hstack([v / np.linalg.norm(v, axis=1, keepdims=True) for v in views])
         return x / np.linalg.norm(x, axis=1, keepdims=True)
 
-    return {"workflow+action": joined(workflow, action), "goal+action": joined(goal, action), "all_three_views": joined(workflow, goal, action)}
+    return {
+        "workflow+action": joined(workflow, action),
+        "goal+action": joined(goal, action),
+        "all_three_views": joined(workflow, goal, action),
+    }
 
 
 def _holdout(trajs: list[Trajectory]) -> list[int]:
@@ -519,7 +627,12 @@ def _holdout(trajs: list[Trajectory]) -> list[int]:
 
 BASELINES = ("goal_embedding", "action_text_embedding", "workflow_vector", "own_features_batch")
 NAMED_BASELINES = BASELINES[:3]  # the three the issue holds LifeMem against; the fourth is reported beside them
-VIEW_COMBINATIONS = ("own_features_batch", "workflow+action", "goal+action", "all_three_views")  # batch k-means, not LifeMem
+VIEW_COMBINATIONS = (
+    "own_features_batch",
+    "workflow+action",
+    "goal+action",
+    "all_three_views",
+)  # batch k-means, not LifeMem
 
 
 def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -535,24 +648,39 @@ def verdicts(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
         tie = all(abs(ours[m] - best[m]) < 5e-4 for m in best)
         ceiling = [m for m in best if best[m] >= CEILING]  # no partition scores above 1: at best a tie there
         # Whether batch k-means over some fixed combination of the views gets there at all.
-        combos = [b for b in VIEW_COMBINATIONS if b in base
-                  and all(base[b]["per_env"][env][level][m]["mean"] > best[m] for m in best)]
-        out[env] = {"workflows": e[level]["labels"], "best_baseline": best, "lifemem_worse_order": ours,
-                    "beats": all(ours[m] > best[m] for m in best), "ties": tie, "batch_combinations_beating": combos,
-                    "baseline_at_ceiling": ceiling,
-                    "beats_or_ties_at_ceiling": all(ours[m] > best[m] or (m in ceiling and ours[m] >= CEILING) for m in best),
-                    "pure_nmi_at_k": res.get("pure_nmi_at_k", {}).get(env),
-                    "bootstrap": res.get("gap_intervals", {}).get(env, {}).get("verdict"),
-                    "refined_beats": all(res["refined_in_picked_view"][env][m] > best[m] for m in best) if env in res.get("refined_in_picked_view", {}) else None,
-                    "best_view_by_labels": max(NAMED_BASELINES, key=lambda b: base[b]["per_env"][env][level]["nmi"]["mean"]),
-                    "view_by_silhouette": max(res["view_by_silhouette"][env].items(), key=lambda kv: kv[1])[0] if env in res.get("view_by_silhouette", {}) else None}
+        combos = [
+            b
+            for b in VIEW_COMBINATIONS
+            if b in base and all(base[b]["per_env"][env][level][m]["mean"] > best[m] for m in best)
+        ]
+        out[env] = {
+            "workflows": e[level]["labels"],
+            "best_baseline": best,
+            "lifemem_worse_order": ours,
+            "beats": all(ours[m] > best[m] for m in best),
+            "ties": tie,
+            "batch_combinations_beating": combos,
+            "baseline_at_ceiling": ceiling,
+            "beats_or_ties_at_ceiling": all(ours[m] > best[m] or (m in ceiling and ours[m] >= CEILING) for m in best),
+            "pure_nmi_at_k": res.get("pure_nmi_at_k", {}).get(env),
+            "bootstrap": res.get("gap_intervals", {}).get(env, {}).get("verdict"),
+            "refined_beats": all(res["refined_in_picked_view"][env][m] > best[m] for m in best)
+            if env in res.get("refined_in_picked_view", {})
+            else None,
+            "best_view_by_labels": max(NAMED_BASELINES, key=lambda b: base[b]["per_env"][env][level]["nmi"]["mean"]),
+            "view_by_silhouette": max(res["view_by_silhouette"][env].items(), key=lambda kv: kv[1])[0]
+            if env in res.get("view_by_silhouette", {})
+            else None,
+        }
     return out
 
 
 def mean_gap(verdicts_of: dict[str, dict[str, Any]]) -> float:
     """One number to compare variants by: the mean over environments and the two metrics of
     LifeMem's worse order minus the best named baseline (negative: below it)."""
-    gaps = [v["lifemem_worse_order"][m] - v["best_baseline"][m] for v in verdicts_of.values() for m in ("purity", "nmi")]
+    gaps = [
+        v["lifemem_worse_order"][m] - v["best_baseline"][m] for v in verdicts_of.values() for m in ("purity", "nmi")
+    ]
     return round(float(np.mean(gaps)), 4) if gaps else float("nan")
 
 
@@ -560,96 +688,175 @@ def table(report: dict[str, Any]) -> str:
     lines = []
     for fold, scales in report["folds"].items():
         for scale, res in scales.items():
-            lines.append(f"\n{fold} fold, {scale} ({res['n']} stored): topic-level purity / NMI at the memory's k "
-                         "(k-means: mean of 5 seeds; LifeMem random: mean of 3 orders)")
-            lines.append(f"{'env':<14}{'k':>5} {'LifeMem sim':>12} {'LifeMem rand':>13} {'goal km':>11} {'action km':>11} "
-                         f"{'workflow km':>12} {'own-feat km':>12}  beats best named; gap purity / NMI [95% bootstrap]")
+            lines.append(
+                f"\n{fold} fold, {scale} ({res['n']} stored): topic-level purity / NMI at the memory's k "
+                "(k-means: mean of 5 seeds; LifeMem random: mean of 3 orders)"
+            )
+            lines.append(
+                f"{'env':<14}{'k':>5} {'LifeMem sim':>12} {'LifeMem rand':>13} {'goal km':>11} {'action km':>11} "
+                f"{'workflow km':>12} {'own-feat km':>12}  beats best named; gap purity / NMI [95% bootstrap]"
+            )
             sim, rnd, base = res["similarity"]["per_env"], res["random"]["per_env"], res["baselines_at_similarity_k"]
             for env, e in sim.items():
                 level = LABEL_LEVELS[env][-1]
-                cells = [f"{e[level]['purity']:.2f}/{e[level]['nmi']:.2f}", f"{rnd[env][level]['purity']['mean']:.2f}/{rnd[env][level]['nmi']['mean']:.2f}"]
+                cells = [
+                    f"{e[level]['purity']:.2f}/{e[level]['nmi']:.2f}",
+                    f"{rnd[env][level]['purity']['mean']:.2f}/{rnd[env][level]['nmi']['mean']:.2f}",
+                ]
                 for rep in BASELINES:
                     b = base[rep]["per_env"][env][level]
                     cells.append(f"{b['purity']['mean']:.2f}/{b['nmi']['mean']:.2f}")
                 widths = (12, 13, 11, 11, 12, 12)
                 gap = res.get("gap_intervals", {}).get(env)
-                lines.append(f"{env:<14}{e['k']:>5} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
-                             + ("  yes" if res["verdicts"][env]["beats"] else "  tie" if res["verdicts"][env]["ties"] else "  no ")
-                             + (_gap_cell(gap) if gap else ""))
+                lines.append(
+                    f"{env:<14}{e['k']:>5} "
+                    + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+                    + (
+                        "  yes"
+                        if res["verdicts"][env]["beats"]
+                        else "  tie"
+                        if res["verdicts"][env]["ties"]
+                        else "  no "
+                    )
+                    + (_gap_cell(gap) if gap else "")
+                )
             pure = {env: v["pure_nmi_at_k"] for env, v in res["verdicts"].items() if v.get("pure_nmi_at_k")}
-            lines.append("  NMI of a perfectly pure partition at the memory's k, largest labels halved / single members split off: "
-                         + "; ".join(f"{env} {p['even']:.2f}/{p['splinters']:.2f}" for env, p in pure.items()))
-            capped = {env: v["baseline_at_ceiling"] for env, v in res["verdicts"].items() if v.get("baseline_at_ceiling")}
+            lines.append(
+                "  NMI of a perfectly pure partition at the memory's k, largest labels halved / single members split off: "
+                + "; ".join(f"{env} {p['even']:.2f}/{p['splinters']:.2f}" for env, p in pure.items())
+            )
+            capped = {
+                env: v["baseline_at_ceiling"] for env, v in res["verdicts"].items() if v.get("baseline_at_ceiling")
+            }
             if capped:
-                lines.append("  the best named baseline is at 1.000 (can be tied, not beaten): "
-                             + "; ".join(f"{env} {'/'.join(ms)}{' (LifeMem ties it there)' if res['verdicts'][env]['beats_or_ties_at_ceiling'] else ''}"
-                                         for env, ms in capped.items()))
+                lines.append(
+                    "  the best named baseline is at 1.000 (can be tied, not beaten): "
+                    + "; ".join(
+                        f"{env} {'/'.join(ms)}{' (LifeMem ties it there)' if res['verdicts'][env]['beats_or_ties_at_ceiling'] else ''}"
+                        for env, ms in capped.items()
+                    )
+                )
             flows = res.get("distinct_workflows", {})
             if flows:
-                lines.append("  distinct workflow vectors (LifeMem's k; cosine between distinct ones min/mean/max): "
-                             + "; ".join(f"{env} {d['distinct']} (k {d['k']}"
-                                         + (f"; {d['cosine_between']['min']:.2f}/{d['cosine_between']['mean']:.2f}/{d['cosine_between']['max']:.2f})"
-                                            if "cosine_between" in d else ")") for env, d in flows.items()))
-            lines.append(f"  beats the best named baseline in {sum(v['beats'] for v in res['verdicts'].values())} of "
-                         f"{len(res['verdicts'])} environments; mean gap to it (worse order, purity and NMI): {res['mean_gap_to_best']:+.4f}")
+                lines.append(
+                    "  distinct workflow vectors (LifeMem's k; cosine between distinct ones min/mean/max): "
+                    + "; ".join(
+                        f"{env} {d['distinct']} (k {d['k']}"
+                        + (
+                            f"; {d['cosine_between']['min']:.2f}/{d['cosine_between']['mean']:.2f}/{d['cosine_between']['max']:.2f})"
+                            if "cosine_between" in d
+                            else ")"
+                        )
+                        for env, d in flows.items()
+                    )
+                )
+            lines.append(
+                f"  beats the best named baseline in {sum(v['beats'] for v in res['verdicts'].values())} of "
+                f"{len(res['verdicts'])} environments; mean gap to it (worse order, purity and NMI): {res['mean_gap_to_best']:+.4f}"
+            )
             said = Counter(v["bootstrap"] for v in res["verdicts"].values() if v.get("bootstrap"))
             if said:
-                lines.append("  bootstrap over trajectories (95%, both metrics): " + ", ".join(f"{said[w]} {w}" for w in ("above", "within noise", "below")))
-            picks = {env: (v["view_by_silhouette"], v["best_view_by_labels"]) for env, v in res["verdicts"].items() if v.get("view_by_silhouette")}
+                lines.append(
+                    "  bootstrap over trajectories (95%, both metrics): "
+                    + ", ".join(f"{said[w]} {w}" for w in ("above", "within noise", "below"))
+                )
+            picks = {
+                env: (v["view_by_silhouette"], v["best_view_by_labels"])
+                for env, v in res["verdicts"].items()
+                if v.get("view_by_silhouette")
+            }
             if picks:
-                lines.append(f"  the view with the best silhouette is the best by labels (NMI) in {sum(a == b for a, b in picks.values())} of {len(picks)}: "
-                             + "; ".join(f"{env} {a.split('_')[0]}{'' if a == b else ' (labels: ' + b.split('_')[0] + ')'}" for env, (a, b) in picks.items()))
+                lines.append(
+                    f"  the view with the best silhouette is the best by labels (NMI) in {sum(a == b for a, b in picks.values())} of {len(picks)}: "
+                    + "; ".join(
+                        f"{env} {a.split('_')[0]}{'' if a == b else ' (labels: ' + b.split('_')[0] + ')'}"
+                        for env, (a, b) in picks.items()
+                    )
+                )
             refined = res.get("refined_in_picked_view", {})
             if refined:
-                lines.append(f"  LifeMem's partition refined by k-means in that view (a batch consolidation; the engine has none) beats the best named "
-                             f"baseline in {sum(bool(v.get('refined_beats')) for v in res['verdicts'].values())} of {len(refined)}: "
-                             + "; ".join(f"{env} {r['purity']:.3f}/{r['nmi']:.3f} (k {r['k_similarity']})" for env, r in refined.items()))
+                lines.append(
+                    f"  LifeMem's partition refined by k-means in that view (a batch consolidation; the engine has none) beats the best named "
+                    f"baseline in {sum(bool(v.get('refined_beats')) for v in res['verdicts'].values())} of {len(refined)}: "
+                    + "; ".join(
+                        f"{env} {r['purity']:.3f}/{r['nmi']:.3f} (k {r['k_similarity']})" for env, r in refined.items()
+                    )
+                )
             combos = {env: v["batch_combinations_beating"] for env, v in res["verdicts"].items()}
-            lines.append("  batch k-means over a combination of views (not LifeMem) beating the best named view: "
-                         + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items()))
+            lines.append(
+                "  batch k-means over a combination of views (not LifeMem) beating the best named view: "
+                + "; ".join(f"{env} {', '.join(c) if c else 'none'}" for env, c in combos.items())
+            )
             for run in res["runs"][:2]:
-                lines.append(f"  {run['order']}: {run['clusters']} clusters, {run['splits']} splits, {run['splits_refused']} refused, "
-                             f"{run['merges']} merges, {run['mixed_env_clusters']} mixing environments, {run['seconds']} s")
+                lines.append(
+                    f"  {run['order']}: {run['clusters']} clusters, {run['splits']} splits, {run['splits_refused']} refused, "
+                    f"{run['merges']} merges, {run['mixed_env_clusters']} mixing environments, {run['seconds']} s"
+                )
             if "skills" in res:
                 own = [r["overall"]["own_cluster"] for r in res["skills"]]
                 other = [r["overall"]["random_other_cluster"] for r in res["skills"]]
-                lines.append(f"  skills: step-category edit distance to {res['skills'][0]['overall']['n']} held-out trajectories: "
-                             f"{min(own):.3f}-{max(own):.3f} their retrieved cluster's skill vs {min(other):.3f}-{max(other):.3f} a random other cluster's (4 orders)")
+                lines.append(
+                    f"  skills: step-category edit distance to {res['skills'][0]['overall']['n']} held-out trajectories: "
+                    f"{min(own):.3f}-{max(own):.3f} their retrieved cluster's skill vs {min(other):.3f}-{max(other):.3f} a random other cluster's (4 orders)"
+                )
     for fold, scales in report.get("weight_sweep", {}).items():
         for scale, sweep in scales.items():
             chosen = sweep["label_chosen"]
-            lines.append(f"\n{fold} fold, {scale}: workflow weight picked per environment with the labels (grid "
-                         f"{', '.join(str(w) for w in WEIGHT_GRID)}; optimistic) beats the best named baseline in "
-                         f"{sum(c['beats'] for c in chosen.values())} of {len(chosen)}: "
-                         + "; ".join(f"{env} {c['weight']} (k {c['k']}, gap {c['gap']['purity']:+.3f}/{c['gap']['nmi']:+.3f})" for env, c in chosen.items()))
+            lines.append(
+                f"\n{fold} fold, {scale}: workflow weight picked per environment with the labels (grid "
+                f"{', '.join(str(w) for w in WEIGHT_GRID)}; optimistic) beats the best named baseline in "
+                f"{sum(c['beats'] for c in chosen.values())} of {len(chosen)}: "
+                + "; ".join(
+                    f"{env} {c['weight']} (k {c['k']}, gap {c['gap']['purity']:+.3f}/{c['gap']['nmi']:+.3f})"
+                    for env, c in chosen.items()
+                )
+            )
     if "ablation" in report:
         lines.append(ablation_table(report))
     return "\n".join(lines)
 
 
 def _gap_cell(gap: dict[str, Any]) -> str:
-    return (f"; {gap['purity']['gap']:+.3f} [{gap['purity']['low']:+.3f},{gap['purity']['high']:+.3f}] / "
-            f"{gap['nmi']['gap']:+.3f} [{gap['nmi']['low']:+.3f},{gap['nmi']['high']:+.3f}] {gap['verdict']}")
+    return (
+        f"; {gap['purity']['gap']:+.3f} [{gap['purity']['low']:+.3f},{gap['purity']['high']:+.3f}] / "
+        f"{gap['nmi']['gap']:+.3f} [{gap['nmi']['low']:+.3f},{gap['nmi']['high']:+.3f}] {gap['verdict']}"
+    )
 
 
 def ablation_table(report: dict[str, Any]) -> str:
     rows = {"default": report["folds"].get("report", {}).get("full"), **report["ablation"]}
     envs = list(next(r for r in rows.values() if r)["similarity"]["per_env"])
-    lines = ["\nablation, report fold, full: topic-level purity / NMI, similarity order (clusters; skill distance own vs other; "
-             "mean gap to the best equal-k baseline at the variant's own k; environments beaten, and above / within noise / below by the bootstrap)"]
-    lines.append(f"{'variant':<37}" + "".join(f"{e[:12]:>13}" for e in envs) + f"{'overall':>13}{'clusters':>9}{'skills':>13}{'gap':>9}{'beats':>7}{'a/n/b':>8}")
+    lines = [
+        "\nablation, report fold, full: topic-level purity / NMI, similarity order (clusters; skill distance own vs other; "
+        "mean gap to the best equal-k baseline at the variant's own k; environments beaten, and above / within noise / below by the bootstrap)"
+    ]
+    lines.append(
+        f"{'variant':<37}"
+        + "".join(f"{e[:12]:>13}" for e in envs)
+        + f"{'overall':>13}{'clusters':>9}{'skills':>13}{'gap':>9}{'beats':>7}{'a/n/b':>8}"
+    )
     for name, res in rows.items():
         if not res:
             continue
         per = res["similarity"]["per_env"]
         cells = [f"{per[e][LABEL_LEVELS[e][-1]]['purity']:.2f}/{per[e][LABEL_LEVELS[e][-1]]['nmi']:.2f}" for e in envs]
         o = res["similarity"]["overall_topic"]
-        sk = res["skills"][0]["overall"] if res.get("skills") else {"own_cluster": float("nan"), "random_other_cluster": float("nan")}
+        sk = (
+            res["skills"][0]["overall"]
+            if res.get("skills")
+            else {"own_cluster": float("nan"), "random_other_cluster": float("nan")}
+        )
         said = Counter(v.get("bootstrap") for v in res["verdicts"].values())
-        lines.append(f"{name:<37}" + "".join(f"{c:>13}" for c in cells) + f"{o['purity']:.2f}/{o['nmi']:.2f}".rjust(13)
-                     + f"{res['runs'][0]['clusters']:>9}" + f"{sk['own_cluster']:.2f}/{sk['random_other_cluster']:.2f}".rjust(13)
-                     + f"{res['mean_gap_to_best']:>+9.3f}" + f"{sum(v['beats'] for v in res['verdicts'].values()):>7}"
-                     + f"{said['above']}/{said['within noise']}/{said['below']}".rjust(8))
+        lines.append(
+            f"{name:<37}"
+            + "".join(f"{c:>13}" for c in cells)
+            + f"{o['purity']:.2f}/{o['nmi']:.2f}".rjust(13)
+            + f"{res['runs'][0]['clusters']:>9}"
+            + f"{sk['own_cluster']:.2f}/{sk['random_other_cluster']:.2f}".rjust(13)
+            + f"{res['mean_gap_to_best']:>+9.3f}"
+            + f"{sum(v['beats'] for v in res['verdicts'].values()):>7}"
+            + f"{said['above']}/{said['within noise']}/{said['below']}".rjust(8)
+        )
     return "\n".join(lines)
 
 
@@ -663,7 +870,9 @@ def main() -> None:
     parser.add_argument("--folds", default="tune,report")
     parser.add_argument("--scales", default="small,full")
     parser.add_argument("--ablation", action="store_true")
-    parser.add_argument("--weight-sweep", action="store_true", help="every fold and scale again at each workflow weight of WEIGHT_GRID")
+    parser.add_argument(
+        "--weight-sweep", action="store_true", help="every fold and scale again at each workflow weight of WEIGHT_GRID"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "cluster_quality" / "report.json")
     args = parser.parse_args()
@@ -680,14 +889,25 @@ def main() -> None:
             for scale in args.scales.split(","):
                 pick = stratified_sample(trajs, SMALL_SIZE) if scale == "small" else list(range(len(trajs)))
                 sub = [trajs[i] for i in pick]
-                report["folds"][fold][scale] = evaluate_fold(sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report")
+                report["folds"][fold][scale] = evaluate_fold(
+                    sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report"
+                )
                 if args.weight_sweep:
                     report.setdefault("weight_sweep", {}).setdefault(fold, {})[scale] = weight_sweep(
-                        sub, vecs[pick], act_vecs[pick], config, tmp, with_skills=fold == "report", evaluated=report["folds"][fold][scale])
+                        sub,
+                        vecs[pick],
+                        act_vecs[pick],
+                        config,
+                        tmp,
+                        with_skills=fold == "report",
+                        evaluated=report["folds"][fold][scale],
+                    )
                 print(f"{fold}/{scale} done", file=sys.stderr, flush=True)
             if args.ablation and fold == "report":
-                report["ablation"] = {name: evaluate_fold(trajs, vecs, act_vecs, config.replace(over), tmp, with_skills=True)
-                                      for name, over in ABLATION.items()}
+                report["ablation"] = {
+                    name: evaluate_fold(trajs, vecs, act_vecs, config.replace(over), tmp, with_skills=True)
+                    for name, over in ABLATION.items()
+                }
     text = json.dumps(report, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -26,12 +26,17 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from shard_probes import (  # benchmarks/ (the script's folder)
+    label_purity,
+    shard_cpu_seconds,
+    shard_resources,
+    timed_retrieve_many,
+)
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.synthetic import generate, text_vectors
-from shard_probes import label_purity, shard_cpu_seconds, shard_resources, timed_retrieve_many  # benchmarks/ (the script's folder)
 
 LENGTH_SCALE = 1.2  # mean ~2.9 kB per trajectory as JSON, like the released data (2.9 kB)
 
@@ -58,7 +63,13 @@ def cpu_by_process() -> dict[str, float]:
             role = cmd.split("ray::", 1)[1].split()[0].split(".")[0]
         elif "cluster_scale" in cmd:
             role = "driver"
-        elif "raylet" in cmd or "gcs_server" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd or "ray/autoscaler" in cmd:
+        elif (
+            "raylet" in cmd
+            or "gcs_server" in cmd
+            or "ray/_private" in cmd
+            or "ray/dashboard" in cmd
+            or "ray/autoscaler" in cmd
+        ):
             role = "ray-system"
         else:
             continue
@@ -83,8 +94,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--request", type=int, default=2048, help="trajectories per add_many request")
     parser.add_argument("--in-flight", type=int, default=4, help="requests in flight")
     parser.add_argument("--queries", type=int, default=1000)
-    parser.add_argument("--store", type=Path, default=None, help="keep the store here (default: a temporary folder, removed)")
-    parser.add_argument("--reuse", action="store_true", help="measure retrieval on the --store a run with the same --n loaded, without loading")
+    parser.add_argument(
+        "--store", type=Path, default=None, help="keep the store here (default: a temporary folder, removed)"
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="measure retrieval on the --store a run with the same --n loaded, without loading",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args()
     if args.reuse and not (args.store and (args.store / "memory" / "coordinator").exists()):
@@ -109,16 +126,35 @@ class LoadWindows:
         busy1 = machine_cpu()
         utilisation = round((busy1[0] - busy0[0]) / max(1e-9, busy1[1] - busy0[1]), 3)
         cpu = cpu_by_process()
-        cpu_delta = {k: round(v - self._cpu.get(k, 0.0), 1) for k, v in sorted(cpu.items()) if v - self._cpu.get(k, 0.0) >= 0.05}
+        cpu_delta = {
+            k: round(v - self._cpu.get(k, 0.0), 1) for k, v in sorted(cpu.items()) if v - self._cpu.get(k, 0.0) >= 0.05
+        }
         self._cpu = cpu
         busy = ray.get([s.__ray_call__.remote(shard_cpu_seconds) for s in self.client.shards])
         busy_delta = [round(b - lb, 1) for b, lb in zip(busy, self._busy)]
         self._busy = busy
-        self.windows.append({"stored": stored, "per_s": round(added / wall, 1), "wall_s": round(wall, 1), "stage_seconds": delta,
-                             "shard_cpu_seconds": busy_delta, "cpu_seconds": cpu_delta, "machine_cpu_busy": utilisation})
-        print(f"{stored:>9,} stored  {self.windows[-1]['per_s']:>8,.0f}/s  coordinator stages (s): {delta}", file=sys.stderr, flush=True)
-        print(f"{'':>18}shards cpu (s): {busy_delta}  machine CPU busy {utilisation:.0%} while loading; cpu (s) since the last window, "
-              f"generation included: {cpu_delta}", file=sys.stderr, flush=True)
+        self.windows.append(
+            {
+                "stored": stored,
+                "per_s": round(added / wall, 1),
+                "wall_s": round(wall, 1),
+                "stage_seconds": delta,
+                "shard_cpu_seconds": busy_delta,
+                "cpu_seconds": cpu_delta,
+                "machine_cpu_busy": utilisation,
+            }
+        )
+        print(
+            f"{stored:>9,} stored  {self.windows[-1]['per_s']:>8,.0f}/s  coordinator stages (s): {delta}",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(
+            f"{'':>18}shards cpu (s): {busy_delta}  machine CPU busy {utilisation:.0%} while loading; cpu (s) since the last window, "
+            f"generation included: {cpu_delta}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def load(client: MemoryClient, args: argparse.Namespace, report: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +169,14 @@ def load(client: MemoryClient, args: argparse.Namespace, report: dict) -> tuple[
     loaded = 0
     for part in range(0, args.n, chunk):
         t = time.perf_counter()
-        trajs = list(generate(min(chunk, args.n - part), seed=1000 + part // chunk, length_scale=LENGTH_SCALE, id_prefix=f"s{part // chunk}"))
+        trajs = list(
+            generate(
+                min(chunk, args.n - part),
+                seed=1000 + part // chunk,
+                length_scale=LENGTH_SCALE,
+                id_prefix=f"s{part // chunk}",
+            )
+        )
         vecs = text_vectors([x.task for x in trajs])
         if part == 0:
             lengths = [len(json.dumps(x.to_dict())) for x in trajs[:2000]]
@@ -158,10 +201,22 @@ def load(client: MemoryClient, args: argparse.Namespace, report: dict) -> tuple[
         stored = client.stats()["trajectories"]
         if stored != args.n:
             raise SystemExit(f"--reuse: {args.store} holds {stored:,} trajectories, not --n {args.n:,}")
-    report["generate"] = {"seconds": round(gen_s, 1), "per_s": round(args.n / gen_s, 1), "json_chars_mean": round(statistics.mean(lengths)),
-                          "json_chars_median": statistics.median(lengths)}
-    report["load"] = {"reused": True} if args.reuse else {"per_s": round(args.n / load_s, 1), "seconds": round(load_s, 1),
-                                                           "slowest_window_per_s": min(w["per_s"] for w in windows.windows), "windows": windows.windows}
+    report["generate"] = {
+        "seconds": round(gen_s, 1),
+        "per_s": round(args.n / gen_s, 1),
+        "json_chars_mean": round(statistics.mean(lengths)),
+        "json_chars_median": statistics.median(lengths),
+    }
+    report["load"] = (
+        {"reused": True}
+        if args.reuse
+        else {
+            "per_s": round(args.n / load_s, 1),
+            "seconds": round(load_s, 1),
+            "slowest_window_per_s": min(w["per_s"] for w in windows.windows),
+            "windows": windows.windows,
+        }
+    )
     return np.vstack(all_vecs), np.asarray(all_envs)
 
 
@@ -190,7 +245,9 @@ def measure_retrieval(client: MemoryClient, vectors: np.ndarray, envs: np.ndarra
     # In-process share: the same single queries timed inside the shard actors.
     inside = []
     for x, v in zip(qtrajs[:200], qvecs[:200]):
-        parts = ray.get([s.__ray_call__.remote(timed_retrieve_many, [x.task], [x.env], 4, v[None, :]) for s in client.shards])
+        parts = ray.get(
+            [s.__ray_call__.remote(timed_retrieve_many, [x.task], [x.env], 4, v[None, :]) for s in client.shards]
+        )
         inside.append(max(p[1] for p in parts))
     return {
         **percentiles(lat),
@@ -231,8 +288,12 @@ def measure_memory(client: MemoryClient) -> dict:
 def measure_clusters(client: MemoryClient) -> dict:
     pur = ray.get([s.__ray_call__.remote(label_purity, "workflow") for s in client.shards])
     stats = client.stats()
-    return {"count": stats["clusters"], "splits": stats["splits"],
-            "purity": round(sum(p["agree"] for p in pur) / max(1, sum(p["total"] for p in pur)), 4), "labels": 31}
+    return {
+        "count": stats["clusters"],
+        "splits": stats["splits"],
+        "purity": round(sum(p["agree"] for p in pur) / max(1, sum(p["total"] for p in pur)), 4),
+        "labels": 31,
+    }
 
 
 def print_table(report: dict, n: int, shards: int) -> None:
@@ -249,7 +310,11 @@ def print_table(report: dict, n: int, shards: int) -> None:
         ("recall@4 vs exact", r["recall@4"], ">= 0.95"),
         ("client / in-process p50", r["client_vs_in_process_p50"], ""),
         ("shard RSS per trajectory (bytes)", m["shard_rss_bytes_per_trajectory"], ""),
-        ("  of it anonymous / LMDB pages (bytes)", f"{m['shard_anon_rss_bytes_per_trajectory']} / {m['shard_file_rss_bytes_per_trajectory']}", ""),
+        (
+            "  of it anonymous / LMDB pages (bytes)",
+            f"{m['shard_anon_rss_bytes_per_trajectory']} / {m['shard_file_rss_bytes_per_trajectory']}",
+            "",
+        ),
         ("disk per trajectory (bytes)", m["disk_bytes_per_trajectory"], ""),
         ("clusters / purity", f"{c['count']} / {c['purity']}", ""),
     ):

@@ -25,14 +25,18 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
     ms = np.asarray(samples) * 1000
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3), "mean_ms": round(float(ms.mean()), 3)}
+    return {
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "mean_ms": round(float(ms.mean()), 3),
+    }
 
 
 def bench_ingest_and_retrieve(n: int, batch: int, queries: int, config: MemoryConfig) -> dict:
@@ -44,36 +48,35 @@ def bench_ingest_and_retrieve(n: int, batch: int, queries: int, config: MemoryCo
     held, held_vecs = trajs[n:], vecs[n:]
 
     windows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        with Memory.open(Path(tmp) / "m", config) as memory:
-            start = time.perf_counter()
-            mark, mark_n = start, 0
-            for i in range(0, n, batch):
-                memory.add_many(train[i : i + batch], train_vecs[i : i + batch])
-                done = min(i + batch, n)
-                if done - mark_n >= n // 10 or done == n:
-                    now = time.perf_counter()
-                    windows.append({"stored": done, "per_s": round((done - mark_n) / (now - mark), 1)})
-                    mark, mark_n = now, done
-            ingest_s = time.perf_counter() - start
-            stats = memory.stats()
-            # Single retrieves, one query at a time, as an agent would ask.
-            lat = []
-            for q, v in zip(held, held_vecs):
-                t = time.perf_counter()
-                memory.retrieve(q.task, q.env, 4, vector=v)
-                lat.append(time.perf_counter() - t)
-            # The same searches on the engine's own FAISS index alone: the rest is LMDB reads,
-            # skill lookup and prompt rendering.
-            index_lat = []
-            for q, v in zip(held, held_vecs):
-                t = time.perf_counter()
-                memory.index.search(v[None, :], 4, env=q.env)
-                index_lat.append(time.perf_counter() - t)
-            many_t = time.perf_counter()
-            memory.retrieve_many([q.task for q in held], [q.env for q in held], 4, vectors=held_vecs)
-            many_s = time.perf_counter() - many_t
-            disk = sum(p.stat().st_size for p in (Path(tmp) / "m").rglob("*") if p.is_file())
+    with tempfile.TemporaryDirectory() as tmp, Memory.open(Path(tmp) / "m", config) as memory:
+        start = time.perf_counter()
+        mark, mark_n = start, 0
+        for i in range(0, n, batch):
+            memory.add_many(train[i : i + batch], train_vecs[i : i + batch])
+            done = min(i + batch, n)
+            if done - mark_n >= n // 10 or done == n:
+                now = time.perf_counter()
+                windows.append({"stored": done, "per_s": round((done - mark_n) / (now - mark), 1)})
+                mark, mark_n = now, done
+        ingest_s = time.perf_counter() - start
+        stats = memory.stats()
+        # Single retrieves, one query at a time, as an agent would ask.
+        lat = []
+        for q, v in zip(held, held_vecs):
+            t = time.perf_counter()
+            memory.retrieve(q.task, q.env, 4, vector=v)
+            lat.append(time.perf_counter() - t)
+        # The same searches on the engine's own FAISS index alone: the rest is LMDB reads,
+        # skill lookup and prompt rendering.
+        index_lat = []
+        for q, v in zip(held, held_vecs):
+            t = time.perf_counter()
+            memory.index.search(v[None, :], 4, env=q.env)
+            index_lat.append(time.perf_counter() - t)
+        many_t = time.perf_counter()
+        memory.retrieve_many([q.task for q in held], [q.env for q in held], 4, vectors=held_vecs)
+        many_s = time.perf_counter() - many_t
+        disk = sum(p.stat().st_size for p in (Path(tmp) / "m").rglob("*") if p.is_file())
 
     # Raw FAISS on the same data: add, then env-restricted search with one flat index per env.
     envs = sorted({t.env for t in train})
@@ -109,14 +112,35 @@ def bench_ingest_and_retrieve(n: int, batch: int, queries: int, config: MemoryCo
             "raw_faiss_flat": percentiles(raw_lat),
             "many_queries_per_s": round(len(held) / many_s, 1),
         },
-        "store": {"clusters": stats["clusters"], "splits": stats["splits"], "disk_bytes_per_trajectory": round(disk / n, 1), "index": {e: (v["kind"], v["nprobe"]) for e, v in stats["index"]["envs"].items()}},
+        "store": {
+            "clusters": stats["clusters"],
+            "splits": stats["splits"],
+            "disk_bytes_per_trajectory": round(disk / n, 1),
+            "index": {e: (v["kind"], v["nprobe"]) for e, v in stats["index"]["envs"].items()},
+        },
     }
 
 
 def bench_embedding(count: int) -> dict:
     from lifemem_ray.engine.embedding import MiniLMEmbedder, default_model_path
 
-    words = "search the catalogue for a waterproof pair of running shoes under fifty dollars then compare".split()
+    words = [
+        "search",
+        "the",
+        "catalogue",
+        "for",
+        "a",
+        "waterproof",
+        "pair",
+        "of",
+        "running",
+        "shoes",
+        "under",
+        "fifty",
+        "dollars",
+        "then",
+        "compare",
+    ]
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(words, size=110)) for _ in range(count)]
     embedder = MiniLMEmbedder()
@@ -159,11 +183,23 @@ def main() -> None:
         ("ingest slowest 10% window (traj/s)", e["ingest"]["min_window_per_s"], None, ""),
         ("retrieve p50 (ms)", e["retrieve"]["p50_ms"], e["retrieve"]["index_only"]["p50_ms"], "its FAISS index alone"),
         ("retrieve p99 (ms)", e["retrieve"]["p99_ms"], e["retrieve"]["index_only"]["p99_ms"], "its FAISS index alone"),
-        ("retrieve p50 vs raw flat (ms)", e["retrieve"]["p50_ms"], e["retrieve"]["raw_faiss_flat"]["p50_ms"], "raw IndexFlatIP per env"),
+        (
+            "retrieve p50 vs raw flat (ms)",
+            e["retrieve"]["p50_ms"],
+            e["retrieve"]["raw_faiss_flat"]["p50_ms"],
+            "raw IndexFlatIP per env",
+        ),
         ("retrieve_many (queries/s)", e["retrieve"]["many_queries_per_s"], None, ""),
     ]
     if "embedding" in report:
-        rows.append(("embedding (texts/s, ~128 tok)", report["embedding"]["per_s"], report["embedding"]["sentence_transformers_per_s"], "sentence-transformers"))
+        rows.append(
+            (
+                "embedding (texts/s, ~128 tok)",
+                report["embedding"]["per_s"],
+                report["embedding"]["sentence_transformers_per_s"],
+                "sentence-transformers",
+            )
+        )
     print(f"\nengine at {e['n']:,} stored trajectories ({e['store']['clusters']} clusters)", file=sys.stderr)
     print(f"{'figure':<38}{'lifemem-ray':>14}{'baseline':>12}  {'ratio':>7}  baseline", file=sys.stderr)
     for name, ours, base, what in rows:

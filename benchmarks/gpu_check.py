@@ -80,10 +80,26 @@ def recall_at_4(index, vecs: np.ndarray, envs: np.ndarray, queries: np.ndarray, 
 def embedding_check(model_path: str) -> dict:
     import torch
 
-    from lifemem_ray.engine.memory_config import EmbeddingConfig
     from lifemem_ray.engine.embedding import MiniLMEmbedder
+    from lifemem_ray.engine.memory_config import EmbeddingConfig
 
-    words = "search the catalogue for a waterproof pair of running shoes under fifty dollars then compare".split()
+    words = [
+        "search",
+        "the",
+        "catalogue",
+        "for",
+        "a",
+        "waterproof",
+        "pair",
+        "of",
+        "running",
+        "shoes",
+        "under",
+        "fifty",
+        "dollars",
+        "then",
+        "compare",
+    ]
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(words, size=110)) for _ in range(4096)]
     out: dict = {"torch": torch.__version__}
@@ -93,7 +109,9 @@ def embedding_check(model_path: str) -> dict:
             out["cuda_per_s"] = None
             continue
         count = 4096 if device == "cuda" else 256
-        embedder = MiniLMEmbedder(EmbeddingConfig(device=device, batch_size=256 if device == "cuda" else 64, model_path=model_path))
+        embedder = MiniLMEmbedder(
+            EmbeddingConfig(device=device, batch_size=256 if device == "cuda" else 64, model_path=model_path)
+        )
         embedder.embed(texts[:64])
         t = time.perf_counter()
         vectors[device] = embedder.embed(texts[:count])
@@ -124,8 +142,8 @@ def main() -> None:
 
     import faiss
 
-    from lifemem_ray.engine.memory_config import IndexConfig
     from lifemem_ray.engine.index.vector_index import VectorIndex
+    from lifemem_ray.engine.memory_config import IndexConfig
 
     gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
     if gpus == 0:
@@ -166,7 +184,9 @@ def main() -> None:
             del index, loaded
             report[name] = results[name]
             stage(f"searched on {name}")
-    report["gpu_over_cpu_batched"] = round(results["gpu"]["batched_queries_per_s"] / results["cpu"]["batched_queries_per_s"], 2)
+    report["gpu_over_cpu_batched"] = round(
+        results["gpu"]["batched_queries_per_s"] / results["cpu"]["batched_queries_per_s"], 2
+    )
     report["gpu_over_cpu_p50"] = round(results["cpu"]["p50_ms"] / results["gpu"]["p50_ms"], 2)
     report["embedding"] = embedding_check(args.model_path)
     stage("embedded")
@@ -176,7 +196,9 @@ def main() -> None:
         r = results[name]
         print(f"{name:10}{r['p50_ms']:>9}{r['p99_ms']:>9}{r['batched_queries_per_s']:>13}{r['recall@4']:>10}")
     emb = report["embedding"]
-    print(f"embedding texts/s: cuda {emb.get('cuda_per_s')}, cpu {emb.get('cpu_per_s')}, min cosine {emb.get('cuda_vs_cpu_cosine_min')}")
+    print(
+        f"embedding texts/s: cuda {emb.get('cuda_per_s')}, cpu {emb.get('cpu_per_s')}, min cosine {emb.get('cuda_vs_cpu_cosine_min')}"
+    )
 
 
 if __name__ == "__main__":

@@ -37,13 +37,18 @@ import ray
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
-from lifemem_ray.actors.frontdoor.app import start_http, stop_http
-from lifemem_ray.service.auth import KeyRing, new_key
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.frontdoor.app import start_http, stop_http
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.lab.synthetic import generate
+from lifemem_ray.service.auth import KeyRing, new_key
 
-ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25, "http.replica_cpus": 0.25}
+ACTORS = {
+    "cluster.shard_cpus": 0.25,
+    "cluster.coordinator_cpus": 0.25,
+    "cluster.embedder_cpus": 0.25,
+    "http.replica_cpus": 0.25,
+}
 TENANT = "bench"
 ENVS = ["shop", "sql", "retail", "airline"]
 
@@ -71,12 +76,24 @@ class Feed:
             return [next(self._source) for _ in range(n)]
 
 
-def _summary(name: str, latencies: dict[str, list[float]], seconds: float, errors: dict[str, int], extra: dict | None = None) -> dict:
+def _summary(
+    name: str, latencies: dict[str, list[float]], seconds: float, errors: dict[str, int], extra: dict | None = None
+) -> dict:
     ops = sum(len(v) for v in latencies.values())
-    row = {"phase": name, "seconds": round(seconds, 2), "ops": ops, "ops_per_s": round(ops / seconds, 1), "errors": dict(errors)}
+    row = {
+        "phase": name,
+        "seconds": round(seconds, 2),
+        "ops": ops,
+        "ops_per_s": round(ops / seconds, 1),
+        "errors": dict(errors),
+    }
     for op, values in latencies.items():
-        row[op] = {"n": len(values), "per_s": round(len(values) / seconds, 1), "p50_ms": round(1000 * _pct(values, 0.5), 2),
-                   "p99_ms": round(1000 * _pct(values, 0.99), 2)}
+        row[op] = {
+            "n": len(values),
+            "per_s": round(len(values) / seconds, 1),
+            "p50_ms": round(1000 * _pct(values, 0.5), 2),
+            "p99_ms": round(1000 * _pct(values, 0.99), 2),
+        }
     row.update(extra or {})
     return row
 
@@ -118,8 +135,9 @@ def _tenanted(t: Trajectory) -> Trajectory:
     return Trajectory.from_dict({**t.to_dict(), "tenant": TENANT})
 
 
-async def _http_phase(url: str, key: str, tasks: list[tuple[str, str]], args: argparse.Namespace, name: str,
-                      kill: Any = None) -> dict:
+async def _http_phase(
+    url: str, key: str, tasks: list[tuple[str, str]], args: argparse.Namespace, name: str, kill: Any = None
+) -> dict:
     """The HTTP load; ``kill`` (a callable) runs a third of the way in. Adds refused with 503 are
     sent again after Retry-After until acknowledged (every acknowledged id is returned)."""
     feed = Feed("http" if kill is None else "fault", 202 if kill is None else 303)
@@ -151,7 +169,10 @@ async def _http_phase(url: str, key: str, tasks: list[tuple[str, str]], args: ar
             started = time.perf_counter()
             if rng.random() < args.retrieve_share:
                 task, env = rng.choice(tasks)
-                op, r = "retrieve", await send(http, "/v1/retrieve", {"queries": [{"task": task, "env": env}], "k": args.k})
+                op, r = (
+                    "retrieve",
+                    await send(http, "/v1/retrieve", {"queries": [{"task": task, "env": env}], "k": args.k}),
+                )
             else:
                 batch = [t.to_dict() for t in feed.batch(args.batch)]
                 op, r = "add", await send(http, "/v1/trajectories", {"trajectories": batch})
@@ -169,7 +190,9 @@ async def _http_phase(url: str, key: str, tasks: list[tuple[str, str]], args: ar
         await asyncio.to_thread(kill)
         return round(time.monotonic() - began, 2)
 
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600, limits=limits) as http:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600, limits=limits
+    ) as http:
         results = await asyncio.gather(killer(), *[client(i, http) for i in range(args.clients)])
     extra = {"acknowledged_ids": len(acked), "unavailable_503": unavailable}
     if kill is not None:
@@ -194,8 +217,15 @@ def _wait_healthy(url: str, timeout_s: float = 300) -> float:
 def run(args: argparse.Namespace) -> dict:
     ray.init(num_cpus=max(4, args.clients), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     namespace = "bench-http"
-    config = DeploymentConfig().replace({**ACTORS, "cluster.namespace": namespace, "cluster.batch_wait_ms": 5,
-                                     "http.read_timeout_s": args.read_timeout, "http.retry_after_s": 1})
+    config = DeploymentConfig().replace(
+        {
+            **ACTORS,
+            "cluster.namespace": namespace,
+            "cluster.batch_wait_ms": 5,
+            "http.read_timeout_s": args.read_timeout,
+            "http.retry_after_s": 1,
+        }
+    )
     store = Path(tempfile.mkdtemp(prefix="lifemem-http-load-"))
     dep.deploy(store, config, shards=2)
     key, entry = new_key(TENANT, "read,write", name="bench")
@@ -217,17 +247,35 @@ def run(args: argparse.Namespace) -> dict:
         fault = asyncio.run(_http_phase(url, key, tasks, args, "http shard-kill", kill))
         fault["recovered_after_s"] = round(_wait_healthy(url), 2)
         after = MemoryClient(namespace, config).stats(tenant=TENANT)["trajectories"]
-        fault["count_check"] = {"before": before, "acknowledged": len(fault["_acked"]), "after": after,
-                                "nothing_lost": after == before + len(fault["_acked"])}
+        fault["count_check"] = {
+            "before": before,
+            "acknowledged": len(fault["_acked"]),
+            "after": after,
+            "nothing_lost": after == before + len(fault["_acked"]),
+        }
         rows.append(fault)
         for row in rows:
             row.pop("_acked", None)
         base, over = rows[0], rows[1]
-        ratios = {op: {"p50": round(over[op]["p50_ms"] / base[op]["p50_ms"], 2), "p99": round(over[op]["p99_ms"] / base[op]["p99_ms"], 2),
-                       "throughput": round(over[op]["per_s"] / base[op]["per_s"], 2)}
-                  for op in ("retrieve", "add") if base.get(op, {}).get("n") and over.get(op, {}).get("n")}
-        return {"clients": args.clients, "seconds": args.seconds, "batch": args.batch, "k": args.k, "seed": args.seed,
-                "retrieve_share": args.retrieve_share, "rows": rows, "http_over_in_ray": ratios}
+        ratios = {
+            op: {
+                "p50": round(over[op]["p50_ms"] / base[op]["p50_ms"], 2),
+                "p99": round(over[op]["p99_ms"] / base[op]["p99_ms"], 2),
+                "throughput": round(over[op]["per_s"] / base[op]["per_s"], 2),
+            }
+            for op in ("retrieve", "add")
+            if base.get(op, {}).get("n") and over.get(op, {}).get("n")
+        }
+        return {
+            "clients": args.clients,
+            "seconds": args.seconds,
+            "batch": args.batch,
+            "k": args.k,
+            "seed": args.seed,
+            "retrieve_share": args.retrieve_share,
+            "rows": rows,
+            "http_over_in_ray": ratios,
+        }
     finally:
         stop_http(namespace)
         from ray import serve
@@ -247,22 +295,34 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=300, help="trajectories stored before the load")
     ap.add_argument("--retrieve-share", type=float, default=0.8)
     ap.add_argument("--max-wait", type=float, default=1.0, help="most seconds a client waits on Retry-After")
-    ap.add_argument("--read-timeout", type=float, default=1.5,
-                    help="http.read_timeout_s: a retrieve the shards do not answer by then (a restart) is a 503")
-    ap.add_argument("--drain", type=float, default=120.0, help="seconds after the phase an unacknowledged add keeps retrying")
+    ap.add_argument(
+        "--read-timeout",
+        type=float,
+        default=1.5,
+        help="http.read_timeout_s: a retrieve the shards do not answer by then (a restart) is a 503",
+    )
+    ap.add_argument(
+        "--drain", type=float, default=120.0, help="seconds after the phase an unacknowledged add keeps retrying"
+    )
     args = ap.parse_args()
     result = run(args)
     print(json.dumps(result, indent=2))
-    print(f"\n{'phase':<22} {'ops/s':>7} {'retr/s':>7} {'r p50':>7} {'r p99':>7} {'add/s':>6} {'a p50':>7} {'a p99':>7} {'errors':>8}")
+    print(
+        f"\n{'phase':<22} {'ops/s':>7} {'retr/s':>7} {'r p50':>7} {'r p99':>7} {'add/s':>6} {'a p50':>7} {'a p99':>7} {'errors':>8}"
+    )
     for r in result["rows"]:
         ret, add = r.get("retrieve", {}), r.get("add", {})
-        print(f"{r['phase']:<22} {r['ops_per_s']:>7.1f} {ret.get('per_s', 0):>7.1f} {ret.get('p50_ms', 0):>7.1f} {ret.get('p99_ms', 0):>7.1f} "
-              f"{add.get('per_s', 0):>6.1f} {add.get('p50_ms', 0):>7.1f} {add.get('p99_ms', 0):>7.1f} {sum(r['errors'].values()):>8}")
+        print(
+            f"{r['phase']:<22} {r['ops_per_s']:>7.1f} {ret.get('per_s', 0):>7.1f} {ret.get('p50_ms', 0):>7.1f} {ret.get('p99_ms', 0):>7.1f} "
+            f"{add.get('per_s', 0):>6.1f} {add.get('p50_ms', 0):>7.1f} {add.get('p99_ms', 0):>7.1f} {sum(r['errors'].values()):>8}"
+        )
     print(f"HTTP / in-Ray: {json.dumps(result['http_over_in_ray'])}")
     fault = result["rows"][-1]
-    print(f"shard killed at {fault.get('killed_at_s')} s: {fault['unavailable_503']['count']} answers 503 "
-          f"({fault['unavailable_503']['with_retry_after']} with Retry-After), healthy again after {fault['recovered_after_s']} s; "
-          f"count check {fault['count_check']}")
+    print(
+        f"shard killed at {fault.get('killed_at_s')} s: {fault['unavailable_503']['count']} answers 503 "
+        f"({fault['unavailable_503']['with_retry_after']} with Retry-After), healthy again after {fault['recovered_after_s']} s; "
+        f"count check {fault['count_check']}"
+    )
     sys.exit(0 if fault["count_check"]["nothing_lost"] else 1)
 
 

@@ -31,8 +31,8 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from openai_stub import OpenAIStub  # noqa: E402
-from shard_probes import label_purity  # noqa: E402  (benchmarks/, the script's folder)
+from openai_stub import OpenAIStub
+from shard_probes import label_purity
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
@@ -105,15 +105,27 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     report: dict = {"latency_s": args.latency}
     with OpenAIStub(sensible=True, latency_s=args.latency) as stub:
-        report["batched"] = run("batched", stub.base_url, args.n, {"llm.concurrency": 16, "cluster.batch_size": 512}, request=50)
+        report["batched"] = run(
+            "batched", stub.base_url, args.n, {"llm.concurrency": 16, "cluster.batch_size": 512}, request=50
+        )
         report["batched_ask_every_decision"] = run(
-            "ask-all", stub.base_url, args.n, {"llm.concurrency": 16, "cluster.batch_size": 512, "llm.skip_confident": False}, request=50
+            "ask-all",
+            stub.base_url,
+            args.n,
+            {"llm.concurrency": 16, "cluster.batch_size": 512, "llm.skip_confident": False},
+            request=50,
         )
         report["one_at_a_time"] = run(
             "serial",
             stub.base_url,
             args.serial_n,
-            {"llm.concurrency": 1, "llm.items_per_call": 1, "llm.skip_confident": False, "cluster.batch_size": 1, "cluster.batch_wait_ms": 0},
+            {
+                "llm.concurrency": 1,
+                "llm.items_per_call": 1,
+                "llm.skip_confident": False,
+                "cluster.batch_size": 1,
+                "cluster.batch_wait_ms": 0,
+            },
             request=1,
         )
     ray.shutdown()
@@ -123,8 +135,14 @@ def main() -> None:
     print(f"\nLLM decisions with {args.latency * 1000:.0f} ms per call (local OpenAI-protocol server)", file=sys.stderr)
     print(f"{'':<30}{'traj/s':>10}{'calls/traj':>12}{'tokens/1k':>11}{'purity':>8}{'clusters':>9}", file=sys.stderr)
     for name, r in (("batched (defaults)", b), ("batched, LLM for every item", a), ("one call at a time", s)):
-        print(f"{name:<30}{r['trajectories_per_s']:>10}{r['calls_per_trajectory']:>12}{r['tokens_per_1000']:>11}{r['purity']:>8}{r['clusters']:>9}", file=sys.stderr)
-    print(f"speed-up of batching: {report['speedup']}x (goal >= 30x); calls per 1,000 (batched): {b['calls_per_1000']}", file=sys.stderr)
+        print(
+            f"{name:<30}{r['trajectories_per_s']:>10}{r['calls_per_trajectory']:>12}{r['tokens_per_1000']:>11}{r['purity']:>8}{r['clusters']:>9}",
+            file=sys.stderr,
+        )
+    print(
+        f"speed-up of batching: {report['speedup']}x (goal >= 30x); calls per 1,000 (batched): {b['calls_per_1000']}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

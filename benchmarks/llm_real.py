@@ -34,12 +34,12 @@ sys.path.insert(0, str(ROOT))
 
 import openai  # noqa: E402
 
-from lifemem_ray.engine.memory_config import MemoryConfig
-from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
-from lifemem_ray.llm.decider import LLMDecider
 from lifemem_ray.engine.memory import Memory
-from lifemem_ray.llm.prompts import OPERATIONS
+from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.lab.synthetic import generate, text_vectors
+from lifemem_ray.llm.decider import LLMDecider
+from lifemem_ray.llm.prompts import OPERATIONS
+from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
 
 
 class _Recording:
@@ -60,9 +60,12 @@ class _Recording:
         try:
             response = await self._inner.chat.completions.create(**params)
             usage = getattr(response, "usage", None)
-            entry.update(ok=True, prompt_tokens=getattr(usage, "prompt_tokens", None),
-                         completion_tokens=getattr(usage, "completion_tokens", None),
-                         finish_reason=response.choices[0].finish_reason if response.choices else None)
+            entry.update(
+                ok=True,
+                prompt_tokens=getattr(usage, "prompt_tokens", None),
+                completion_tokens=getattr(usage, "completion_tokens", None),
+                finish_reason=response.choices[0].finish_reason if response.choices else None,
+            )
             return response
         except BaseException as exc:
             entry["error"] = type(exc).__name__
@@ -90,7 +93,7 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _per_operation(usage: dict[str, Any], recording: "_Recording") -> dict[str, Any]:
+def _per_operation(usage: dict[str, Any], recording: _Recording) -> dict[str, Any]:
     """Per LLM operation: the engine's counts beside the HTTP calls the recording client saw."""
     per_op: dict[str, Any] = {}
     for op in OPERATIONS:
@@ -110,9 +113,15 @@ def _per_operation(usage: dict[str, Any], recording: "_Recording") -> dict[str, 
             "items": int(u.get("items", 0)),
             "items_invalid": int(u.get("items_invalid", 0)),
             "cut_at_max_tokens": sum(1 for c in ok if c.get("finish_reason") == "length"),
-            "latency_s": {"mean": _mean(latencies), "p50": _percentile(latencies, 0.5), "p95": _percentile(latencies, 0.95)},
+            "latency_s": {
+                "mean": _mean(latencies),
+                "p50": _percentile(latencies, 0.5),
+                "p95": _percentile(latencies, 0.95),
+            },
             "prompt_tokens_per_call": _mean([c["prompt_tokens"] for c in ok if c.get("prompt_tokens") is not None]),
-            "completion_tokens_per_call": _mean([c["completion_tokens"] for c in ok if c.get("completion_tokens") is not None]),
+            "completion_tokens_per_call": _mean(
+                [c["completion_tokens"] for c in ok if c.get("completion_tokens") is not None]
+            ),
         }
     return per_op
 
@@ -121,20 +130,25 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     envs = [e for e in args.envs.split(",") if e] or None
     trajs = list(generate(args.n, seed=args.seed, envs=envs, length_scale=args.length_scale))
     vectors = text_vectors([t.task for t in trajs])
-    config = MemoryConfig().replace({
-        "llm.backend": "openai",
-        "llm.base_url": base_url,
-        "llm.model": args.model,
-        "llm.timeout_s": args.timeout,
-        "llm.concurrency": args.concurrency,
-        "llm.items_per_call": args.items_per_call,
-        "llm.max_item_chars": args.max_item_chars,
-        "llm.max_answer_tokens": args.max_answer_tokens,
-        "llm.max_retries": 1,
-        "evolution.skill_sample_size": args.skill_sample_size,
-    })
-    recording = _Recording(openai.AsyncOpenAI(api_key=args.api_key or PLACEHOLDER_API_KEY, base_url=base_url,
-                                              max_retries=0, timeout=args.timeout + 5.0))
+    config = MemoryConfig().replace(
+        {
+            "llm.backend": "openai",
+            "llm.base_url": base_url,
+            "llm.model": args.model,
+            "llm.timeout_s": args.timeout,
+            "llm.concurrency": args.concurrency,
+            "llm.items_per_call": args.items_per_call,
+            "llm.max_item_chars": args.max_item_chars,
+            "llm.max_answer_tokens": args.max_answer_tokens,
+            "llm.max_retries": 1,
+            "evolution.skill_sample_size": args.skill_sample_size,
+        }
+    )
+    recording = _Recording(
+        openai.AsyncOpenAI(
+            api_key=args.api_key or PLACEHOLDER_API_KEY, base_url=base_url, max_retries=0, timeout=args.timeout + 5.0
+        )
+    )
     decider = LLMDecider(config.llm, LLMClient(config.llm, client=recording))  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory(prefix="lifemem-llm-real-") as folder:
         memory = Memory.open(Path(folder) / "mem", config, decider=decider)
@@ -160,8 +174,17 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         "envs": envs or "all",
         "base_url": base_url,
         "model": args.model,
-        "settings": {k: config.llm.__dict__[k] for k in ("items_per_call", "max_item_chars", "max_answer_tokens",
-                                                         "concurrency", "timeout_s", "response_format")}
+        "settings": {
+            k: config.llm.__dict__[k]
+            for k in (
+                "items_per_call",
+                "max_item_chars",
+                "max_answer_tokens",
+                "concurrency",
+                "timeout_s",
+                "response_format",
+            )
+        }
         | {"skill_sample_size": args.skill_sample_size},
         "wall_s": wall_s,
         "verify_ok": report["ok"],
@@ -180,10 +203,16 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
             "http_calls": len(every),
             "valid_answers": valid,
             "valid_rate": valid / calls if calls else None,
-            "latency_s": {"mean": _mean(latencies), "p50": _percentile(latencies, 0.5), "p95": _percentile(latencies, 0.95)},
+            "latency_s": {
+                "mean": _mean(latencies),
+                "p50": _percentile(latencies, 0.5),
+                "p95": _percentile(latencies, 0.95),
+            },
             "llm_time_s": sum(latencies),
             "prompt_tokens_per_call": _mean([c["prompt_tokens"] for c in ok if c.get("prompt_tokens") is not None]),
-            "completion_tokens_per_call": _mean([c["completion_tokens"] for c in ok if c.get("completion_tokens") is not None]),
+            "completion_tokens_per_call": _mean(
+                [c["completion_tokens"] for c in ok if c.get("completion_tokens") is not None]
+            ),
             "prompt_tokens": sum(c.get("prompt_tokens") or 0 for c in ok),
             "completion_tokens": sum(c.get("completion_tokens") or 0 for c in ok),
         },
@@ -203,40 +232,77 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = ("operation", "calls", "valid", "valid %", "invalid", "retries", "cut", "lat mean", "p50", "p95",
-            "prompt tok", "compl tok")
+    head = (
+        "operation",
+        "calls",
+        "valid",
+        "valid %",
+        "invalid",
+        "retries",
+        "cut",
+        "lat mean",
+        "p50",
+        "p95",
+        "prompt tok",
+        "compl tok",
+    )
     rows = []
     for op, v in list(result["operations"].items()) + [("TOTAL", None)]:
         if v is None:
             t = result["total"]
-            v = {"calls": t["calls"], "valid_answers": t["valid_answers"], "valid_rate": t["valid_rate"],
-                 "invalid_answers": sum(x["invalid_answers"] for x in result["operations"].values()),
-                 "retries": sum(x["retries"] for x in result["operations"].values()),
-                 "cut_at_max_tokens": sum(x["cut_at_max_tokens"] for x in result["operations"].values()),
-                 "latency_s": t["latency_s"], "prompt_tokens_per_call": t["prompt_tokens_per_call"],
-                 "completion_tokens_per_call": t["completion_tokens_per_call"]}
+            v = {
+                "calls": t["calls"],
+                "valid_answers": t["valid_answers"],
+                "valid_rate": t["valid_rate"],
+                "invalid_answers": sum(x["invalid_answers"] for x in result["operations"].values()),
+                "retries": sum(x["retries"] for x in result["operations"].values()),
+                "cut_at_max_tokens": sum(x["cut_at_max_tokens"] for x in result["operations"].values()),
+                "latency_s": t["latency_s"],
+                "prompt_tokens_per_call": t["prompt_tokens_per_call"],
+                "completion_tokens_per_call": t["completion_tokens_per_call"],
+            }
         elif not v["calls"]:
             continue
         rate = v["valid_rate"]
-        rows.append((op, _fmt(v["calls"]), _fmt(v["valid_answers"]), "-" if rate is None else f"{100 * rate:.0f}%",
-                     _fmt(v["invalid_answers"]), _fmt(v["retries"]), _fmt(v["cut_at_max_tokens"]),
-                     _fmt(v["latency_s"]["mean"]), _fmt(v["latency_s"]["p50"]), _fmt(v["latency_s"]["p95"]),
-                     _fmt(v["prompt_tokens_per_call"], 0), _fmt(v["completion_tokens_per_call"], 0)))
+        rows.append(
+            (
+                op,
+                _fmt(v["calls"]),
+                _fmt(v["valid_answers"]),
+                "-" if rate is None else f"{100 * rate:.0f}%",
+                _fmt(v["invalid_answers"]),
+                _fmt(v["retries"]),
+                _fmt(v["cut_at_max_tokens"]),
+                _fmt(v["latency_s"]["mean"]),
+                _fmt(v["latency_s"]["p50"]),
+                _fmt(v["latency_s"]["p95"]),
+                _fmt(v["prompt_tokens_per_call"], 0),
+                _fmt(v["completion_tokens_per_call"], 0),
+            )
+        )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     out = [line(head), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
     r = result
     out.append("")
-    out.append(f"{r['n']} trajectories -> {r['clusters']} clusters in {r['wall_s']:.1f} s wall "
-               f"({r['total']['llm_time_s']:.1f} s in LLM calls); verify ok: {r['verify_ok']}")
-    out.append(f"engine fallbacks (items decided offline after an LLM failure): {r['engine_fallbacks']}; "
-               f"decided offline without asking: {r['decided_offline']}")
-    out.append(f"descriptions by LLM: {r['descriptions_by_llm']}; skills by LLM: {r['skills_by_llm']}, "
-               f"fallback skills: {r['skills_fallback']}")
+    out.append(
+        f"{r['n']} trajectories -> {r['clusters']} clusters in {r['wall_s']:.1f} s wall "
+        f"({r['total']['llm_time_s']:.1f} s in LLM calls); verify ok: {r['verify_ok']}"
+    )
+    out.append(
+        f"engine fallbacks (items decided offline after an LLM failure): {r['engine_fallbacks']}; "
+        f"decided offline without asking: {r['decided_offline']}"
+    )
+    out.append(
+        f"descriptions by LLM: {r['descriptions_by_llm']}; skills by LLM: {r['skills_by_llm']}, "
+        f"fallback skills: {r['skills_fallback']}"
+    )
     if "server" in r:
         out.append(f"server start: {_fmt(r['server']['startup_s'])} s ({r['server']['model_file']})")
-    out.append("latency in seconds per HTTP call; tokens per call as reported by the server; "
-               "valid = calls that gave a usable answer")
+    out.append(
+        "latency in seconds per HTTP call; tokens per call as reported by the server; "
+        "valid = calls that gave a usable answer"
+    )
     return "\n".join(out)
 
 
@@ -244,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=40, help="trajectories to ingest (default 40)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--envs", default="household,shop,sql",
-                        help="comma-separated synthetic environments (empty: all twelve)")
+    parser.add_argument(
+        "--envs", default="household,shop,sql", help="comma-separated synthetic environments (empty: all twelve)"
+    )
     parser.add_argument("--length-scale", type=float, default=0.2, help="observation length factor")
     parser.add_argument("--items-per-call", type=int, default=3)
     parser.add_argument("--max-item-chars", type=int, default=600)
@@ -271,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with LlamaServer(args.gguf, n_threads=args.threads) as server:
                 result = measure(args, server.base_url)
-                result["server"] = {"startup_s": server.startup_s, "model_file": str(server.model),
-                                    "command": " ".join(server.command(server.port or 0)[1:])}
+                result["server"] = {
+                    "startup_s": server.startup_s,
+                    "model_file": str(server.model),
+                    "command": " ".join(server.command(server.port or 0)[1:]),
+                }
         except ServerUnavailable as exc:
             print(f"llm_real: {exc}", file=sys.stderr)
             return 2

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.engine.embedding import MiniLMEmbedder
 from lifemem_ray.core.importers import iter_jsonl
+from lifemem_ray.engine.embedding import MiniLMEmbedder
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
@@ -53,10 +53,22 @@ def purity(memory: Memory, label_of) -> tuple[float, int]:
 
 def size_distribution(sizes: list[int]) -> dict[str, float]:
     s = np.asarray(sorted(sizes))
-    buckets = {"1": int((s == 1).sum()), "2-4": int(((s >= 2) & (s <= 4)).sum()), "5-9": int(((s >= 5) & (s <= 9)).sum()),
-               "10-19": int(((s >= 10) & (s <= 19)).sum()), "20-50": int(((s >= 20) & (s <= 50)).sum()), ">50": int((s > 50).sum())}
-    return {"clusters": len(s), "min": int(s.min()), "median": float(np.median(s)), "mean": round(float(s.mean()), 2),
-            "max": int(s.max()), "histogram": buckets}
+    buckets = {
+        "1": int((s == 1).sum()),
+        "2-4": int(((s >= 2) & (s <= 4)).sum()),
+        "5-9": int(((s >= 5) & (s <= 9)).sum()),
+        "10-19": int(((s >= 10) & (s <= 19)).sum()),
+        "20-50": int(((s >= 20) & (s <= 50)).sum()),
+        ">50": int((s > 50).sum()),
+    }
+    return {
+        "clusters": len(s),
+        "min": int(s.min()),
+        "median": float(np.median(s)),
+        "mean": round(float(s.mean()), 2),
+        "max": int(s.max()),
+        "histogram": buckets,
+    }
 
 
 def cached_embed(embedder: MiniLMEmbedder, texts: list[str], cache: Path | None) -> np.ndarray:
@@ -95,7 +107,10 @@ def real_data(shared: Path, config: DeploymentConfig, embedder: MiniLMEmbedder, 
             clusters = memory.clusters()
             k = 4
             results = memory.retrieve_many([t.query_text for t in held], [t.env for t in held], k, vectors=held_vecs)
-            lifemem_prec = [np.mean([h.env == q.env for h in r.trajectories]) if r.trajectories else 0.0 for q, r in zip(held, results)]
+            lifemem_prec = [
+                np.mean([h.env == q.env for h in r.trajectories]) if r.trajectories else 0.0
+                for q, r in zip(held, results)
+            ]
             skills_per_query = float(np.mean([len(r.skills) for r in results]))
             # Baseline: plain nearest neighbours over every stored trajectory, any environment.
             stored = np.asarray(train_vecs)
@@ -134,15 +149,26 @@ def real_data(shared: Path, config: DeploymentConfig, embedder: MiniLMEmbedder, 
         "splits": stats["splits"],
         "mixed_env_cluster_share": round(stats["mixed_env_clusters"] / max(stats["clusters"], 1), 4),
         "cluster_sizes": size_distribution([c.count for c in clusters]),
-        "precision@4": {"lifemem": round(float(np.mean(lifemem_prec)), 4), "trajectory_only_baseline": round(float(np.mean(base_prec)), 4)},
+        "precision@4": {
+            "lifemem": round(float(np.mean(lifemem_prec)), 4),
+            "trajectory_only_baseline": round(float(np.mean(base_prec)), 4),
+        },
         "skills_per_query": round(skills_per_query, 2),
         "toolqa_pass_purity": round(toolqa_purity, 4),
         "clusters_10plus": {
             "count": len(r_goal),
             "R_goal_text_median": round(float(np.median(r_goal)), 3) if r_goal else None,
             "R_workflow_median": round(float(np.median(r_flow)), 3) if r_flow else None,
-            "share_R_goal_below_tau": round(float(np.mean([r < config.evolution.split_mrl_threshold for r in r_goal])), 3) if r_goal else None,
-            "share_R_workflow_below_tau": round(float(np.mean([r < config.evolution.split_mrl_threshold for r in r_flow])), 3) if r_flow else None,
+            "share_R_goal_below_tau": round(
+                float(np.mean([r < config.evolution.split_mrl_threshold for r in r_goal])), 3
+            )
+            if r_goal
+            else None,
+            "share_R_workflow_below_tau": round(
+                float(np.mean([r < config.evolution.split_mrl_threshold for r in r_flow])), 3
+            )
+            if r_flow
+            else None,
         },
         "toolqa_labelled": toolqa_n,
         "per_env": per_env,
@@ -154,21 +180,30 @@ def real_data(shared: Path, config: DeploymentConfig, embedder: MiniLMEmbedder, 
 def synthetic_data(n: int, config: DeploymentConfig) -> dict:
     trajs = list(generate(n, seed=11, length_scale=0.2))
     vecs = text_vectors([t.task for t in trajs])
-    with tempfile.TemporaryDirectory() as tmp:
-        with Memory.open(Path(tmp) / "m", config) as memory:
-            memory.add_many(trajs, vecs)
-            p, _ = purity(memory, lambda t: t.metadata["workflow"])
-            stats = memory.stats()
+    with tempfile.TemporaryDirectory() as tmp, Memory.open(Path(tmp) / "m", config) as memory:
+        memory.add_many(trajs, vecs)
+        p, _ = purity(memory, lambda t: t.metadata["workflow"])
+        stats = memory.stats()
     labels = len({t.metadata["workflow"] for t in trajs})
-    return {"trajectories": n, "workflow_labels": labels, "clusters": stats["clusters"], "splits": stats["splits"], "purity": round(p, 4)}
+    return {
+        "trajectories": n,
+        "workflow_labels": labels,
+        "clusters": stats["clusters"],
+        "splits": stats["splits"],
+        "purity": round(p, 4),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
-    parser.add_argument("--synthetic", type=int, default=3000, help="also measure purity on N labelled synthetic trajectories (0: skip)")
+    parser.add_argument(
+        "--synthetic", type=int, default=3000, help="also measure purity on N labelled synthetic trajectories (0: skip)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--no-ablation", dest="ablation", action="store_false", help="skip the goal-text-only comparison")
+    parser.add_argument(
+        "--no-ablation", dest="ablation", action="store_false", help="skip the goal-text-only comparison"
+    )
     parser.add_argument("--vector-cache", type=Path, help="reuse task embeddings across runs (an .npy path prefix)")
     args = parser.parse_args()
     config = DeploymentConfig.load(overrides=dict(item.split("=", 1) for item in args.set))
@@ -180,28 +215,51 @@ def main() -> None:
         # The same with the goal text alone deciding (no workflow similarity).
         text_only = config.replace({"policy.workflow_weight": 0.0})
         real = real_data(args.shared, text_only, embedder, args.vector_cache)
-        report["ablation_goal_text_only"] = {k: real[k] for k in ("clusters", "splits", "toolqa_pass_purity", "precision@4", "mixed_env_cluster_share")}
+        report["ablation_goal_text_only"] = {
+            k: real[k] for k in ("clusters", "splits", "toolqa_pass_purity", "precision@4", "mixed_env_cluster_share")
+        }
         if args.synthetic:
             report["ablation_goal_text_only"]["synthetic"] = synthetic_data(args.synthetic, text_only)
     print(json.dumps(report, indent=2))
     real = report["real"]
     print("\nLifeMem quality on the paper's released trajectories (offline policy)", file=sys.stderr)
-    print(f"{'env':<14}{'stored':>8}{'clusters':>10}{'mean size':>11}{'P@4 LifeMem':>13}{'P@4 baseline':>14}{'R goal':>8}{'R flow':>8}", file=sys.stderr)
+    print(
+        f"{'env':<14}{'stored':>8}{'clusters':>10}{'mean size':>11}{'P@4 LifeMem':>13}{'P@4 baseline':>14}{'R goal':>8}{'R flow':>8}",
+        file=sys.stderr,
+    )
     for env, e in real["per_env"].items():
-        print(f"{env:<14}{e['trajectories']:>8}{e['clusters']:>10}{e['mean_cluster_size']:>11}{e['precision@4_lifemem']:>13.3f}"
-              f"{e['precision@4_baseline']:>14.3f}{e['R_goal_text']:>8}{e['R_workflow']:>8}", file=sys.stderr)
+        print(
+            f"{env:<14}{e['trajectories']:>8}{e['clusters']:>10}{e['mean_cluster_size']:>11}{e['precision@4_lifemem']:>13.3f}"
+            f"{e['precision@4_baseline']:>14.3f}{e['R_goal_text']:>8}{e['R_workflow']:>8}",
+            file=sys.stderr,
+        )
     p = real["precision@4"]
-    print(f"{'all':<14}{real['stored']:>8}{real['clusters']:>10}{'':>11}{p['lifemem']:>13.3f}{p['trajectory_only_baseline']:>14.3f}", file=sys.stderr)
+    print(
+        f"{'all':<14}{real['stored']:>8}{real['clusters']:>10}{'':>11}{p['lifemem']:>13.3f}{p['trajectory_only_baseline']:>14.3f}",
+        file=sys.stderr,
+    )
     sizes = real["cluster_sizes"]
-    print(f"cluster sizes: median {sizes['median']}, mean {sizes['mean']}, max {sizes['max']}, histogram {sizes['histogram']}", file=sys.stderr)
-    print(f"clusters mixing environments: {real['mixed_env_cluster_share']:.1%}; toolqa pass purity {real['toolqa_pass_purity']:.3f}", file=sys.stderr)
+    print(
+        f"cluster sizes: median {sizes['median']}, mean {sizes['mean']}, max {sizes['max']}, histogram {sizes['histogram']}",
+        file=sys.stderr,
+    )
+    print(
+        f"clusters mixing environments: {real['mixed_env_cluster_share']:.1%}; toolqa pass purity {real['toolqa_pass_purity']:.3f}",
+        file=sys.stderr,
+    )
     c10 = real["clusters_10plus"]
-    print(f"clusters with 10+ members: {c10['count']}; median R over goal vectors {c10['R_goal_text_median']} "
-          f"({c10['share_R_goal_below_tau']:.0%} below tau) vs over workflow vectors {c10['R_workflow_median']} "
-          f"({c10['share_R_workflow_below_tau']:.0%} below tau)", file=sys.stderr)
+    print(
+        f"clusters with 10+ members: {c10['count']}; median R over goal vectors {c10['R_goal_text_median']} "
+        f"({c10['share_R_goal_below_tau']:.0%} below tau) vs over workflow vectors {c10['R_workflow_median']} "
+        f"({c10['share_R_workflow_below_tau']:.0%} below tau)",
+        file=sys.stderr,
+    )
     if args.synthetic:
         s = report["synthetic"]
-        print(f"synthetic: {s['trajectories']} trajectories, {s['workflow_labels']} workflows -> {s['clusters']} clusters, purity {s['purity']:.3f}", file=sys.stderr)
+        print(
+            f"synthetic: {s['trajectories']} trajectories, {s['workflow_labels']} workflows -> {s['clusters']} clusters, purity {s['purity']:.3f}",
+            file=sys.stderr,
+        )
     if args.ablation:
         a = report["ablation_goal_text_only"]
         line = f"goal text only (policy.workflow_weight=0): {a['clusters']} clusters, toolqa pass purity {a['toolqa_pass_purity']:.3f}"

@@ -49,9 +49,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # llm_server.py: the server helper shared with the tests
@@ -59,14 +60,14 @@ sys.path.insert(0, str(ROOT))
 
 import openai  # noqa: E402
 
-from lifemem_ray.lab.agents import Agent, AgentStep, make_agent
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.retrieval import Retrieval, render_context
+from lifemem_ray.lab.agents import Agent, AgentStep, make_agent
+from lifemem_ray.lab.envs import Environment, Task, make_env
+from lifemem_ray.lab.episode import EpisodeLimits, run_episode
 from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
-from lifemem_ray.lab.envs import Environment, Task, make_env
-from lifemem_ray.engine.memory import Memory
-from lifemem_ray.engine.retrieval import Retrieval, render_context
-from lifemem_ray.lab.episode import EpisodeLimits, run_episode
 
 MODES = ("none", "trajectory", "lifemem", "skills-only")
 FALLBACK_ACTION = "invalid_action"  # what ReActAgent sends when the model gave no valid answer
@@ -129,7 +130,14 @@ class MeasuredAgent(Agent):
         self.uses_gold = inner.uses_gold
         self.steps: list[dict[str, Any]] = []
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         self.steps = []
         self.inner.start(task, observation, info, memory, gold)
 
@@ -141,18 +149,20 @@ class MeasuredAgent(Agent):
         after = _usage(self.inner)
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if k != "latency_s"}
         valid = info.get("valid_actions")
-        self.steps.append({
-            "action": step.action,
-            "offered": list(valid) if valid else None,
-            "latency_s": latency,
-            "prompt_tokens": delta.get("prompt_tokens", 0),
-            "completion_tokens": delta.get("completion_tokens", 0),
-            "calls": delta.get("calls", 0),
-            "failures": delta.get("failures", 0),  # no usable answer: the agent fell back
-            "invalid": delta.get("invalid", 0),  # an answer that was not entirely valid
-            "retries": delta.get("retries", 0),
-            "tokens_estimated": delta.get("tokens_estimated", 0),
-        })
+        self.steps.append(
+            {
+                "action": step.action,
+                "offered": list(valid) if valid else None,
+                "latency_s": latency,
+                "prompt_tokens": delta.get("prompt_tokens", 0),
+                "completion_tokens": delta.get("completion_tokens", 0),
+                "calls": delta.get("calls", 0),
+                "failures": delta.get("failures", 0),  # no usable answer: the agent fell back
+                "invalid": delta.get("invalid", 0),  # an answer that was not entirely valid
+                "retries": delta.get("retries", 0),
+                "tokens_estimated": delta.get("tokens_estimated", 0),
+            }
+        )
         return step
 
     def close(self) -> None:
@@ -213,8 +223,17 @@ class SchemaShim:
 def react_agent(seed: int, llm: LLMConfig, schema: str, thought_chars: int = 0) -> tuple[Agent, LLMClient, SchemaShim]:
     """``make_agent("react")`` with a client of our own (closed by the caller) whose
     requests pass through :class:`SchemaShim`."""
-    shim = SchemaShim(openai.AsyncOpenAI(api_key=llm.api_key or PLACEHOLDER_API_KEY, base_url=llm.base_url,
-                                         max_retries=0, timeout=llm.timeout_s + 5.0), schema, seed, thought_chars)
+    shim = SchemaShim(
+        openai.AsyncOpenAI(
+            api_key=llm.api_key or PLACEHOLDER_API_KEY,
+            base_url=llm.base_url,
+            max_retries=0,
+            timeout=llm.timeout_s + 5.0,
+        ),
+        schema,
+        seed,
+        thought_chars,
+    )
     client = LLMClient(llm, client=shim)  # type: ignore[arg-type]
     return make_agent("react", seed=seed, llm_config=llm, client=client), client, shim
 
@@ -263,7 +282,9 @@ def bootstrap_ci(values: Sequence[float], draws: int, seed: int = 0) -> tuple[fl
     return percentile(means, 0.025), percentile(means, 0.975)
 
 
-def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], draws: int, seed: int = 0) -> tuple[float | None, float | None]:
+def paired_bootstrap_ci(
+    a: Sequence[float], b: Sequence[float], draws: int, seed: int = 0
+) -> tuple[float | None, float | None]:
     """95 % interval of mean(a - b) over paired episodes (the same test task in two modes)."""
     return bootstrap_ci([x - y for x, y in zip(a, b)], draws, seed)
 
@@ -286,7 +307,9 @@ def collect(envs: dict[str, Environment], seed: int, s: Settings) -> tuple[list[
         wins = 0
         tasks = env.tasks("train", limit=s.train_tasks)
         for task in tasks:
-            result = run_episode(env, agent, task, trajectory_id=f"react-real/s{seed}/train/{name}/{task.id}", limits=limits)
+            result = run_episode(
+                env, agent, task, trajectory_id=f"react-real/s{seed}/train/{name}/{task.id}", limits=limits
+            )
             trajs.append(result.trajectory)
             wins += result.success
         agent.close()
@@ -311,8 +334,13 @@ def retriever(memory: Memory, mode: str, s: Settings) -> Callable[[Task], Retrie
 
 
 def evaluate(
-    envs: dict[str, Environment], memory: Memory, seed: int, s: Settings, llm: LLMConfig,
-    progress: Callable[[str], None] | None = None, alive: Callable[[], str | None] | None = None,
+    envs: dict[str, Environment],
+    memory: Memory,
+    seed: int,
+    s: Settings,
+    llm: LLMConfig,
+    progress: Callable[[str], None] | None = None,
+    alive: Callable[[], str | None] | None = None,
     shims: list[SchemaShim] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (mode, env, test task): success, steps, and the per-step measurements.
@@ -325,7 +353,9 @@ def evaluate(
             inner_retrieve = retriever(memory, mode, s)
             seen: list[Retrieval | None] = []
 
-            def retrieve(task: Task, inner: Any = inner_retrieve, seen: list[Retrieval | None] = seen) -> Retrieval | None:
+            def retrieve(
+                task: Task, inner: Any = inner_retrieve, seen: list[Retrieval | None] = seen
+            ) -> Retrieval | None:
                 found = inner(task)
                 seen.append(found)
                 return found
@@ -338,37 +368,51 @@ def evaluate(
                 for task in tasks:
                     seen.clear()
                     started = time.perf_counter()
-                    result = run_episode(env, agent, task, retrieve=None if inner_retrieve is None else retrieve, limits=limits,
-                                         trajectory_id=f"react-real/s{seed}/{mode}/{name}/{task.id}")
+                    result = run_episode(
+                        env,
+                        agent,
+                        task,
+                        retrieve=None if inner_retrieve is None else retrieve,
+                        limits=limits,
+                        trajectory_id=f"react-real/s{seed}/{mode}/{name}/{task.id}",
+                    )
                     observations = [st.observation for st in result.trajectory.steps]
                     steps = agent.steps
                     valid = [action_valid(name, st, obs) for st, obs in zip(steps, observations)]
-                    records.append({
-                        "seed": seed, "mode": mode, "env": name, "task_id": task.id,
-                        "success": bool(result.success), "steps": result.steps,
-                        "wall_s": time.perf_counter() - started,
-                        "context_tokens": seen[0].tokens if seen and seen[0] is not None else 0,
-                        "retrieved": len(seen[0].trajectories) if seen and seen[0] is not None else 0,
-                        "skills": len(seen[0].skills) if seen and seen[0] is not None else 0,
-                        "valid_actions": sum(valid),
-                        "fallbacks": sum(1 for st in steps if st["failures"]),
-                        "invalid_answers": sum(st["invalid"] for st in steps),
-                        "retries": sum(st["retries"] for st in steps),
-                        "tokens_estimated": sum(st["tokens_estimated"] for st in steps),
-                        "calls": sum(st["calls"] for st in steps),
-                        "step_latency_s": [round(st["latency_s"], 4) for st in steps],
-                        "step_prompt_tokens": [st["prompt_tokens"] for st in steps],
-                        "step_completion_tokens": [st["completion_tokens"] for st in steps],
-                        "actions": [st["action"][:120] for st in steps],
-                    })
+                    records.append(
+                        {
+                            "seed": seed,
+                            "mode": mode,
+                            "env": name,
+                            "task_id": task.id,
+                            "success": bool(result.success),
+                            "steps": result.steps,
+                            "wall_s": time.perf_counter() - started,
+                            "context_tokens": seen[0].tokens if seen and seen[0] is not None else 0,
+                            "retrieved": len(seen[0].trajectories) if seen and seen[0] is not None else 0,
+                            "skills": len(seen[0].skills) if seen and seen[0] is not None else 0,
+                            "valid_actions": sum(valid),
+                            "fallbacks": sum(1 for st in steps if st["failures"]),
+                            "invalid_answers": sum(st["invalid"] for st in steps),
+                            "retries": sum(st["retries"] for st in steps),
+                            "tokens_estimated": sum(st["tokens_estimated"] for st in steps),
+                            "calls": sum(st["calls"] for st in steps),
+                            "step_latency_s": [round(st["latency_s"], 4) for st in steps],
+                            "step_prompt_tokens": [st["prompt_tokens"] for st in steps],
+                            "step_completion_tokens": [st["completion_tokens"] for st in steps],
+                            "actions": [st["action"][:120] for st in steps],
+                        }
+                    )
                     problem = alive() if alive is not None else None
                     if problem:
                         raise RuntimeError(f"the LLM server is gone after {mode}/{name}/{task.id}: {problem}")
                     if progress is not None:
                         r = records[-1]
-                        progress(f"seed {seed} {mode:<11} {name:<9} {task.id:<24} success={int(r['success'])} "
-                                 f"steps={r['steps']} valid={r['valid_actions']} fallbacks={r['fallbacks']} "
-                                 f"{r['wall_s']:.1f}s")
+                        progress(
+                            f"seed {seed} {mode:<11} {name:<9} {task.id:<24} success={int(r['success'])} "
+                            f"steps={r['steps']} valid={r['valid_actions']} fallbacks={r['fallbacks']} "
+                            f"{r['wall_s']:.1f}s"
+                        )
             finally:
                 agent.close()
                 client.close()
@@ -389,7 +433,9 @@ def summarise(records: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
     return out
 
 
-def _summary(rows: list[dict[str, Any]], records: list[dict[str, Any]], mode: str, env: str, s: Settings) -> dict[str, Any]:
+def _summary(
+    rows: list[dict[str, Any]], records: list[dict[str, Any]], mode: str, env: str, s: Settings
+) -> dict[str, Any]:
     success = [float(r["success"]) for r in rows]
     steps = sum(r["steps"] for r in rows)
     latencies = [x for r in rows for x in r["step_latency_s"]]
@@ -410,26 +456,34 @@ def _summary(rows: list[dict[str, Any]], records: list[dict[str, Any]], mode: st
         "tokens_estimated": sum(r["tokens_estimated"] for r in rows),
         "prompt_tokens_per_step": statistics.fmean(prompt) if prompt else None,
         "completion_tokens_per_step": statistics.fmean(completion) if completion else None,
-        "latency_s": {"mean": statistics.fmean(latencies) if latencies else None,
-                      "p50": percentile(latencies, 0.5), "p95": percentile(latencies, 0.95)},
+        "latency_s": {
+            "mean": statistics.fmean(latencies) if latencies else None,
+            "p50": percentile(latencies, 0.5),
+            "p95": percentile(latencies, 0.95),
+        },
         "context_tokens_mean": statistics.fmean(r["context_tokens"] for r in rows),
     }
     if mode != "none" and "none" in s.modes:
         key = lambda r: (r["seed"], r["env"], r["task_id"])  # noqa: E731
-        base = {key(r): float(r["success"]) for r in records if r["mode"] == "none" and (env == "ALL" or r["env"] == env)}
+        base = {
+            key(r): float(r["success"]) for r in records if r["mode"] == "none" and (env == "ALL" or r["env"] == env)
+        }
         pairs = [(float(r["success"]), base[key(r)]) for r in rows if key(r) in base]
         if pairs:
             a, b = [p[0] for p in pairs], [p[1] for p in pairs]
-            summary["vs_none"] = {"diff": statistics.fmean(a) - statistics.fmean(b),
-                                  "ci95": list(paired_bootstrap_ci(a, b, s.bootstrap, seed=len(pairs)))}
+            summary["vs_none"] = {
+                "diff": statistics.fmean(a) - statistics.fmean(b),
+                "ci95": list(paired_bootstrap_ci(a, b, s.bootstrap, seed=len(pairs))),
+            }
     return summary
 
 
 def warm_up(llm: LLMConfig) -> float:
     """One short chat call before measuring: the first one also pages the model in."""
     started = time.monotonic()
-    client = openai.OpenAI(api_key=llm.api_key or PLACEHOLDER_API_KEY, base_url=llm.base_url, max_retries=1,
-                           timeout=llm.timeout_s)
+    client = openai.OpenAI(
+        api_key=llm.api_key or PLACEHOLDER_API_KEY, base_url=llm.base_url, max_retries=1, timeout=llm.timeout_s
+    )
     try:
         client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "Say OK."}], max_tokens=4)
     finally:
@@ -437,13 +491,29 @@ def warm_up(llm: LLMConfig) -> float:
     return time.monotonic() - started
 
 
-def run(s: Settings, base_url: str, model: str, *, api_key: str = "",
-        progress: Callable[[str], None] | None = None, alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
+def run(
+    s: Settings,
+    base_url: str,
+    model: str,
+    *,
+    api_key: str = "",
+    progress: Callable[[str], None] | None = None,
+    alive: Callable[[], str | None] | None = None,
+) -> dict[str, Any]:
     """The whole benchmark against an OpenAI-compatible server; returns the JSON result.
     ``alive()`` (optional) says why the server is gone, else None: the run stops there."""
     s.validate()
-    llm = LLMConfig(backend="openai", base_url=base_url, api_key=api_key, model=model, temperature=s.temperature,
-                    timeout_s=s.timeout_s, max_retries=1, concurrency=1, max_answer_tokens=s.max_answer_tokens)
+    llm = LLMConfig(
+        backend="openai",
+        base_url=base_url,
+        api_key=api_key,
+        model=model,
+        temperature=s.temperature,
+        timeout_s=s.timeout_s,
+        max_retries=1,
+        concurrency=1,
+        max_answer_tokens=s.max_answer_tokens,
+    )
     config = MemoryConfig().replace({"retrieval.k": s.k, "retrieval.token_budget": s.token_budget})
     warmup_s = warm_up(llm)
     started = time.monotonic()
@@ -457,8 +527,10 @@ def run(s: Settings, base_url: str, model: str, *, api_key: str = "",
             trajs, train = collect(envs, seed, s)
             collect_s = time.monotonic() - t0
             if len(trajs) < config.evolution.init_size:
-                raise ValueError(f"{len(trajs)} training trajectories: the memory forms clusters from "
-                                 f"evolution.init_size={config.evolution.init_size} on; raise train_tasks")
+                raise ValueError(
+                    f"{len(trajs)} training trajectories: the memory forms clusters from "
+                    f"evolution.init_size={config.evolution.init_size} on; raise train_tasks"
+                )
             with tempfile.TemporaryDirectory(prefix="lifemem-react-real-") as folder:
                 memory = Memory.open(Path(folder) / "mem", config)
                 try:
@@ -468,13 +540,18 @@ def run(s: Settings, base_url: str, model: str, *, api_key: str = "",
                     ingest_s = time.monotonic() - t0
                     clusters = memory.clusters()
                     memories[str(seed)] = {
-                        "trajectories": len(memory), "clusters": len(clusters),
+                        "trajectories": len(memory),
+                        "clusters": len(clusters),
                         "clusters_with_skill": sum(1 for c in clusters if c.skill),
-                        "train": train, "collect_s": collect_s, "ingest_s": ingest_s,
+                        "train": train,
+                        "collect_s": collect_s,
+                        "ingest_s": ingest_s,
                     }
                     if progress is not None:
-                        progress(f"seed {seed}: memory of {len(memory)} trajectories, {len(clusters)} clusters "
-                                 f"(collect {collect_s:.1f}s, ingest {ingest_s:.1f}s)")
+                        progress(
+                            f"seed {seed}: memory of {len(memory)} trajectories, {len(clusters)} clusters "
+                            f"(collect {collect_s:.1f}s, ingest {ingest_s:.1f}s)"
+                        )
                     records += evaluate(envs, memory, seed, s, llm, progress, alive, shims)
                 finally:
                     memory.close()
@@ -488,8 +565,11 @@ def run(s: Settings, base_url: str, model: str, *, api_key: str = "",
         "memory": memories,
         "wall_s": time.monotonic() - started,
         "warmup_s": warmup_s,
-        "schema": {"mode": s.schema, "requests": sum(x.requests for x in shims),
-                   "caps_dropped": sum(x.caps_dropped for x in shims)},
+        "schema": {
+            "mode": s.schema,
+            "requests": sum(x.requests for x in shims),
+            "caps_dropped": sum(x.caps_dropped for x in shims),
+        },
         "summary": summarise(records, s),
         "episodes": records,
     }
@@ -507,39 +587,70 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = ("mode", "env", "eps", "success % [95% CI]", "vs none [95% CI]", "valid act %", "fallback %",
-            "steps/ep", "prompt tok/step", "compl tok/step", "lat p50 s", "lat p95 s", "ctx tok")
+    head = (
+        "mode",
+        "env",
+        "eps",
+        "success % [95% CI]",
+        "vs none [95% CI]",
+        "valid act %",
+        "fallback %",
+        "steps/ep",
+        "prompt tok/step",
+        "compl tok/step",
+        "lat p50 s",
+        "lat p95 s",
+        "ctx tok",
+    )
     rows = []
     for mode, per_env in result["summary"].items():
         for env, v in per_env.items():
             low, high = v["success_ci95"]
             vs = v.get("vs_none")
-            rows.append((
-                mode, env, str(v["episodes"]), f"{_pct(v['success'])} [{_pct(low)}, {_pct(high)}]",
-                "-" if vs is None else f"{100 * vs['diff']:+.0f} [{100 * vs['ci95'][0]:+.0f}, {100 * vs['ci95'][1]:+.0f}]",
-                _pct(v["valid_action_share"]), _pct(v["fallback_share"]), _num(v["steps_per_episode"]),
-                _num(v["prompt_tokens_per_step"], 0), _num(v["completion_tokens_per_step"], 0),
-                _num(v["latency_s"]["p50"], 2), _num(v["latency_s"]["p95"], 2), _num(v["context_tokens_mean"], 0),
-            ))
+            rows.append(
+                (
+                    mode,
+                    env,
+                    str(v["episodes"]),
+                    f"{_pct(v['success'])} [{_pct(low)}, {_pct(high)}]",
+                    "-"
+                    if vs is None
+                    else f"{100 * vs['diff']:+.0f} [{100 * vs['ci95'][0]:+.0f}, {100 * vs['ci95'][1]:+.0f}]",
+                    _pct(v["valid_action_share"]),
+                    _pct(v["fallback_share"]),
+                    _num(v["steps_per_episode"]),
+                    _num(v["prompt_tokens_per_step"], 0),
+                    _num(v["completion_tokens_per_step"], 0),
+                    _num(v["latency_s"]["p50"], 2),
+                    _num(v["latency_s"]["p95"], 2),
+                    _num(v["context_tokens_mean"], 0),
+                )
+            )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     out = [line(head), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
     s = result["settings"]
     out.append("")
-    out.append(f"model {result['model']}; seeds {s['seeds']}; {s['test_tasks']} test tasks per env and seed; "
-               f"max {s['max_steps']} steps; k={s['k']}, context budget {s['token_budget']} tokens; "
-               f"temperature {s['temperature']}; max {s['max_answer_tokens']} answer tokens; schema {s['schema']}"
-               + (f" (thought <= {s['thought_chars']} chars)" if s["schema"] == "safe" and s["thought_chars"] else "")
-               + f"; wall {result['wall_s']:.0f} s")
+    out.append(
+        f"model {result['model']}; seeds {s['seeds']}; {s['test_tasks']} test tasks per env and seed; "
+        f"max {s['max_steps']} steps; k={s['k']}, context budget {s['token_budget']} tokens; "
+        f"temperature {s['temperature']}; max {s['max_answer_tokens']} answer tokens; schema {s['schema']}"
+        + (f" (thought <= {s['thought_chars']} chars)" if s["schema"] == "safe" and s["thought_chars"] else "")
+        + f"; wall {result['wall_s']:.0f} s"
+    )
     for seed, m in result["memory"].items():
         train = ", ".join(f"{e} {_pct(t['train_success'])}%" for e, t in m["train"].items())
-        out.append(f"seed {seed}: memory {m['trajectories']} trajectories, {m['clusters']} clusters "
-                   f"({m['clusters_with_skill']} with a skill); noisy-gold train success: {train}")
+        out.append(
+            f"seed {seed}: memory {m['trajectories']} trajectories, {m['clusters']} clusters "
+            f"({m['clusters_with_skill']} with a skill); noisy-gold train success: {train}"
+        )
     if "server" in result:
         out.append(f"server start {result['server']['startup_s']:.1f} s ({result['server']['model_file']})")
-    out.append("valid act: action in the offered list (twx) / query executed or answer parsed (sql); "
-               "fallback: no valid model answer, the agent sent 'invalid_action'; tokens as the server counts them; "
-               "latency per agent step; vs none: paired difference on the same tasks")
+    out.append(
+        "valid act: action in the offered list (twx) / query executed or answer parsed (sql); "
+        "fallback: no valid model answer, the agent sent 'invalid_action'; tokens as the server counts them; "
+        "latency per agent step; vs none: paired difference on the same tasks"
+    )
     return "\n".join(out)
 
 
@@ -559,7 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=d.seeds, help="seeds (default 0 1)")
     parser.add_argument("--modes", default=",".join(d.modes), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--train-tasks", type=int, default=d.train_tasks, help="noisy-gold episodes per env and seed")
-    parser.add_argument("--test-tasks", type=int, default=d.test_tasks, help="ReAct test episodes per env, seed and mode")
+    parser.add_argument(
+        "--test-tasks", type=int, default=d.test_tasks, help="ReAct test episodes per env, seed and mode"
+    )
     parser.add_argument("--max-steps", type=int, default=d.max_steps, help="per test episode")
     parser.add_argument("--epsilon", type=float, default=d.epsilon, help="noisy-gold deviation rate")
     parser.add_argument("--k", type=int, default=d.k, help="exemplars retrieved")
@@ -568,24 +681,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-answer-tokens", type=int, default=d.max_answer_tokens)
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="per LLM call, seconds")
     parser.add_argument("--bootstrap", type=int, default=d.bootstrap, help="bootstrap resamples")
-    parser.add_argument("--schema", choices=SCHEMA_MODES, default=d.schema,
-                        help="the agent's JSON schema as sent: safe (length caps llama.cpp cannot compile dropped), "
-                             "as-is, none")
-    parser.add_argument("--thought-chars", type=int, default=d.thought_chars,
-                        help=f"with --schema safe: the thought's length cap in the grammar (0: none; at most {GRAMMAR_MAX_LENGTH})")
+    parser.add_argument(
+        "--schema",
+        choices=SCHEMA_MODES,
+        default=d.schema,
+        help="the agent's JSON schema as sent: safe (length caps llama.cpp cannot compile dropped), as-is, none",
+    )
+    parser.add_argument(
+        "--thought-chars",
+        type=int,
+        default=d.thought_chars,
+        help=f"with --schema safe: the thought's length cap in the grammar (0: none; at most {GRAMMAR_MAX_LENGTH})",
+    )
     parser.add_argument("--base-url", default="", help="use this running server instead of starting SmolLM2")
     parser.add_argument("--model", default="smollm2", help="model name sent to the server")
     parser.add_argument("--api-key", default="")
-    parser.add_argument("--gguf", default=None, help="model file for the started server (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--gguf", default=None, help="model file for the started server (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads for the started server")
-    parser.add_argument("--out", default=None, help="folder for result.json and table.txt (default runs/react_real/<time>)")
+    parser.add_argument(
+        "--out", default=None, help="folder for result.json and table.txt (default runs/react_real/<time>)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-episode progress on stderr")
     args = parser.parse_args(argv)
     settings = Settings(
-        envs=[e for e in args.envs.split(",") if e], seeds=args.seeds, modes=[m for m in args.modes.split(",") if m],
-        train_tasks=args.train_tasks, test_tasks=args.test_tasks, max_steps=args.max_steps, epsilon=args.epsilon,
-        k=args.k, token_budget=args.token_budget, temperature=args.temperature,
-        max_answer_tokens=args.max_answer_tokens, timeout_s=args.timeout, bootstrap=args.bootstrap, schema=args.schema,
+        envs=[e for e in args.envs.split(",") if e],
+        seeds=args.seeds,
+        modes=[m for m in args.modes.split(",") if m],
+        train_tasks=args.train_tasks,
+        test_tasks=args.test_tasks,
+        max_steps=args.max_steps,
+        epsilon=args.epsilon,
+        k=args.k,
+        token_budget=args.token_budget,
+        temperature=args.temperature,
+        max_answer_tokens=args.max_answer_tokens,
+        timeout_s=args.timeout,
+        bootstrap=args.bootstrap,
+        schema=args.schema,
         thought_chars=args.thought_chars,
     )
     try:
@@ -602,15 +736,31 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             with LlamaServer(args.gguf, preset="smollm2", n_threads=args.threads) as server:
-                result = run(settings, server.base_url, args.model, progress=progress, alive=lambda: server_gone(server))
-                result["server"] = {"startup_s": server.startup_s, "model_file": str(server.model),
-                                    "command": " ".join(server.command(server.port or 0)[1:])}
+                result = run(
+                    settings, server.base_url, args.model, progress=progress, alive=lambda: server_gone(server)
+                )
+                result["server"] = {
+                    "startup_s": server.startup_s,
+                    "model_file": str(server.model),
+                    "command": " ".join(server.command(server.port or 0)[1:]),
+                }
         except ServerUnavailable as exc:
             print(f"react_real: {exc}", file=sys.stderr)
             return 2
     text = table(result)
-    print(json.dumps({"summary": result["summary"], "memory": result["memory"], "settings": result["settings"],
-                      "schema": result["schema"], "wall_s": result["wall_s"], "server": result.get("server")}, indent=2))
+    print(
+        json.dumps(
+            {
+                "summary": result["summary"],
+                "memory": result["memory"],
+                "settings": result["settings"],
+                "schema": result["schema"],
+                "wall_s": result["wall_s"],
+                "server": result.get("server"),
+            },
+            indent=2,
+        )
+    )
     print()
     print(text)
     out = Path(args.out) if args.out else ROOT / "runs" / "react_real" / time.strftime("%Y%m%d-%H%M%S")

@@ -24,7 +24,9 @@ def shard_cpu_seconds(shard: Any) -> float:
     return time.process_time()
 
 
-def timed_retrieve_many(shard: Any, tasks: list[str], envs: list[str], k: int, vectors: np.ndarray) -> tuple[Any, float]:
+def timed_retrieve_many(
+    shard: Any, tasks: list[str], envs: list[str], k: int, vectors: np.ndarray
+) -> tuple[Any, float]:
     """retrieve_many and the seconds it took inside the shard's process (to separate Ray's share)."""
     started = time.perf_counter()
     out = shard.memory.retrieve_many(tasks, envs, k, vectors=vectors)
@@ -42,8 +44,13 @@ def shard_resources(shard: Any) -> dict[str, Any]:
     disk = sum(p.stat().st_size for p in shard.path.rglob("*") if p.is_file())
     # RssFile is mostly LMDB pages this process has read through its map: page cache the
     # kernel can drop, unlike RssAnon (the index, Python objects, allocator arenas).
-    return {"rss_bytes": status.get("VmRSS", 0), "anon_rss_bytes": status.get("RssAnon", 0),
-            "file_rss_bytes": status.get("RssFile", 0), "disk_bytes": disk, "trajectories": len(shard.memory)}
+    return {
+        "rss_bytes": status.get("VmRSS", 0),
+        "anon_rss_bytes": status.get("RssAnon", 0),
+        "file_rss_bytes": status.get("RssFile", 0),
+        "disk_bytes": disk,
+        "trajectories": len(shard.memory),
+    }
 
 
 def label_purity(shard: Any, key: str) -> dict[str, int]:

@@ -65,7 +65,12 @@ def unit(x) -> np.ndarray:
 
 
 # Several deployments share the test session's Ray instance: reserve little CPU per actor.
-SMALL_ACTORS = {"cluster.shard_cpus": 0.1, "cluster.coordinator_cpus": 0.1, "cluster.embedder_cpus": 0.1, "cluster.start_timeout_s": 60}
+SMALL_ACTORS = {
+    "cluster.shard_cpus": 0.1,
+    "cluster.coordinator_cpus": 0.1,
+    "cluster.embedder_cpus": 0.1,
+    "cluster.start_timeout_s": 60,
+}
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +101,9 @@ def deployment(ray_local, tmp_path):
 
     def start(shards: int = 2, store=None, **overrides):
         namespace = f"t{len(started)}-{os.getpid()}-{tmp_path.name[-12:]}"
-        config = DeploymentConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
+        config = DeploymentConfig().replace(
+            {"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides}
+        )
         info = dep.deploy(store or tmp_path / f"store-{namespace}", config, shards=shards)
         started.append(namespace)
         from lifemem_ray.actors.cluster.client import MemoryClient

@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
-
 from conftest import SMALL_ACTORS
-from lifemem_ray.service.auth import KeyRing, new_key
+
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.service.auth import KeyRing, new_key
 
 
 def free_port() -> int:
@@ -27,8 +28,17 @@ def free_port() -> int:
 class Front:
     """The running front door: its URL and port, a key per role, and the deployment's client."""
 
-    def __init__(self, url: str, port: int, keys: dict[str, str], client: Any, namespace: str, config: DeploymentConfig) -> None:
-        self.url, self.port, self.keys, self.client, self.namespace, self.config = url, port, keys, client, namespace, config
+    def __init__(
+        self, url: str, port: int, keys: dict[str, str], client: Any, namespace: str, config: DeploymentConfig
+    ) -> None:
+        self.url, self.port, self.keys, self.client, self.namespace, self.config = (
+            url,
+            port,
+            keys,
+            client,
+            namespace,
+            config,
+        )
 
     def http(self, role: str | None = None, timeout: float = 300) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.keys[role]}"} if role else {}
@@ -45,7 +55,9 @@ def serve_front(store: Path, namespace: str, roles: list[tuple[str, str, str]], 
     from lifemem_ray.actors.cluster.client import MemoryClient
     from lifemem_ray.actors.frontdoor.app import start_http, stop_http
 
-    config = DeploymentConfig().replace({"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides})
+    config = DeploymentConfig().replace(
+        {"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides}
+    )
     dep.deploy(store, config, shards=2)
     keys, entries = {}, []
     for role, tenant, scopes in roles:

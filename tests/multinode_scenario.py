@@ -16,12 +16,18 @@ from ray.cluster_utils import Cluster
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
-from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
-ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25,
-          "cluster.call_timeout_s": 30, "cluster.start_timeout_s": 120, "cluster.batch_wait_ms": 5}
+ACTORS = {
+    "cluster.shard_cpus": 0.25,
+    "cluster.coordinator_cpus": 0.25,
+    "cluster.embedder_cpus": 0.25,
+    "cluster.call_timeout_s": 30,
+    "cluster.start_timeout_s": 120,
+    "cluster.batch_wait_ms": 5,
+}
 
 
 def main() -> None:
@@ -29,7 +35,10 @@ def main() -> None:
     report: dict = {}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     # Two nodes marked for shards (as in cluster_configs/), one plain worker that must get none.
-    workers = [cluster.add_node(num_cpus=2, resources={"lifemem_shard": 1}), cluster.add_node(num_cpus=2, resources={"lifemem_shard": 1})]
+    workers = [
+        cluster.add_node(num_cpus=2, resources={"lifemem_shard": 1}),
+        cluster.add_node(num_cpus=2, resources={"lifemem_shard": 1}),
+    ]
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="mn", log_to_driver=False, logging_level="WARNING")
@@ -90,7 +99,9 @@ def main() -> None:
         client3 = MemoryClient("mn3", config3)
         report["reopened"] = client3.stats()["trajectories"]
         report["reopened_verify_ok"] = client3.verify()["ok"]
-        report["reopened_retrieve"] = [h.id for h in client3.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0]).trajectories]
+        report["reopened_retrieve"] = [
+            h.id for h in client3.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0]).trajectories
+        ]
         dep.stop("mn3")
     finally:
         ray.shutdown()

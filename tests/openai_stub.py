@@ -25,9 +25,10 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any, Union
 
 __all__ = ["OpenAIStub", "Reply", "sensible_reply", "serve"]
 
@@ -38,24 +39,32 @@ class Reply:
 
     content: str | None = None
     status: int = 200
-    body: Union[bytes, str, dict, None] = None
+    body: bytes | str | dict | None = None
     headers: dict[str, str] = field(default_factory=dict)
     delay_s: float = 0.0  # sleep before answering (a timeout when > the client's)
     drop: bool = False  # close the connection without answering
-    usage: Union[bool, tuple[int, int]] = True  # False: no usage; (prompt, completion): these counts
+    usage: bool | tuple[int, int] = True  # False: no usage; (prompt, completion): these counts
     finish_reason: str = "stop"
 
     @classmethod
-    def text(cls, content: str, **kw: Any) -> "Reply":
+    def text(cls, content: str, **kw: Any) -> Reply:
         return cls(content=content, **kw)
 
     @classmethod
-    def json(cls, value: Any, **kw: Any) -> "Reply":
+    def json(cls, value: Any, **kw: Any) -> Reply:
         return cls(content=json.dumps(value), **kw)
 
     @classmethod
-    def error(cls, status: int, message: str = "", *, retry_after: float | str | None = None,
-              param: str | None = None, code: str | None = None, **kw: Any) -> "Reply":
+    def error(
+        cls,
+        status: int,
+        message: str = "",
+        *,
+        retry_after: float | str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        **kw: Any,
+    ) -> Reply:
         headers = dict(kw.pop("headers", {}))
         if retry_after is not None:
             headers["Retry-After"] = str(retry_after)
@@ -64,21 +73,21 @@ class Reply:
         return cls(status=status, body=body, headers=headers, **kw)
 
     @classmethod
-    def malformed(cls, **kw: Any) -> "Reply":
+    def malformed(cls, **kw: Any) -> Reply:
         """Content that is not JSON: a truncated object followed by chatter."""
         return cls(content='Sure! {"assignments": [{"item": 0, "decision": "jo', **kw)
 
     @classmethod
-    def dropped(cls, **kw: Any) -> "Reply":
+    def dropped(cls, **kw: Any) -> Reply:
         return cls(drop=True, **kw)
 
     @classmethod
-    def slow(cls, delay_s: float, content: Any = None, **kw: Any) -> "Reply":
+    def slow(cls, delay_s: float, content: Any = None, **kw: Any) -> Reply:
         text = content if content is None or isinstance(content, str) else json.dumps(content)
         return cls(content=text, delay_s=delay_s, **kw)
 
 
-Script = Union[Reply, str, dict, Callable[[dict], Union[Reply, str, dict, None]]]
+Script = Union[Reply, str, dict, Callable[[dict], Reply | str | dict | None]]
 
 
 def _as_reply(item: Any, request: dict) -> Reply | None:
@@ -99,7 +108,7 @@ class OpenAIStub:
     def __init__(
         self,
         script: Iterable[Script] = (),
-        responder: Callable[[dict], Union[Reply, str, dict, None]] | None = None,
+        responder: Callable[[dict], Reply | str | dict | None] | None = None,
         *,
         sensible: bool = False,
         latency_s: float = 0.0,
@@ -149,7 +158,7 @@ class OpenAIStub:
 
     # -- lifetime ----------------------------------------------------------------------
 
-    def start(self) -> "OpenAIStub":
+    def start(self) -> OpenAIStub:
         if self._server is not None:
             return self
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -157,8 +166,9 @@ class OpenAIStub:
         server.stub = self  # type: ignore[attr-defined]
         self._server = server
         self._stopping.clear()
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="openai-stub", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="openai-stub", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -172,7 +182,7 @@ class OpenAIStub:
             self._thread.join(timeout=5)
         self._server = None
 
-    def __enter__(self) -> "OpenAIStub":
+    def __enter__(self) -> OpenAIStub:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -187,8 +197,14 @@ class OpenAIStub:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": str(request.get("model", self.model)),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": reply.finish_reason, "logprobs": None}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": reply.finish_reason,
+                    "logprobs": None,
+                }
+            ],
         }
         if reply.usage is not False:
             if isinstance(reply.usage, tuple):
@@ -196,8 +212,11 @@ class OpenAIStub:
             else:
                 chars = sum(len(str(m.get("content", ""))) for m in request.get("messages", []))
                 prompt_tokens, completion_tokens = chars // 4 + 1, len(content) // 4 + 1
-            out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                            "total_tokens": prompt_tokens + completion_tokens}
+            out["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
         return out
 
 
@@ -214,10 +233,10 @@ class _Handler(BaseHTTPRequestHandler):
         # Headers and body go out in two writes: without NODELAY, Nagle + delayed ACK add ~40 ms a call.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet tests
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def _send(self, status: int, body: Union[bytes, str, dict], headers: dict[str, str] | None = None) -> None:
+    def _send(self, status: int, body: bytes | str | dict, headers: dict[str, str] | None = None) -> None:
         data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
         try:
             self.send_response(status)
@@ -232,8 +251,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/v1/models":
-            self._send(200, {"object": "list", "data": [
-                {"id": self.stub.model, "object": "model", "created": 0, "owned_by": "stub"}]})
+            self._send(
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": self.stub.model, "object": "model", "created": 0, "owned_by": "stub"}],
+                },
+            )
         else:
             self._send(404, Reply.error(404, f"no route {self.path}").body)  # type: ignore[arg-type]
 
@@ -298,8 +322,14 @@ def sensible_reply(request: dict) -> Reply:
             if allowed:
                 answers.append({"item": int(key), "decision": "join", "cluster_id": allowed[0]})
             else:
-                answers.append({"item": int(key), "decision": "new", "new_group": f"group-{key}",
-                                "description": "Carry out the task with a newly seen sequence of steps."})
+                answers.append(
+                    {
+                        "item": int(key),
+                        "decision": "new",
+                        "new_group": f"group-{key}",
+                        "description": "Carry out the task with a newly seen sequence of steps.",
+                    }
+                )
         return Reply.json({"assignments": answers})
     if op in ("partition", "split"):
         members = [(int(k), env) for k, env in _TRAJ.findall(user)]
@@ -315,13 +345,23 @@ def sensible_reply(request: dict) -> Reply:
                 groups = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
             while len(groups) > max_groups:
                 groups[-2].extend(groups.pop())
-        return Reply.json({"groups": [{"items": g, "description": f"Complete tasks that follow workflow number {i + 1}."}
-                                      for i, g in enumerate(groups)]})
+        return Reply.json(
+            {
+                "groups": [
+                    {"items": g, "description": f"Complete tasks that follow workflow number {i + 1}."}
+                    for i, g in enumerate(groups)
+                ]
+            }
+        )
     if op == "describe":
         return Reply.json({"description": "Locate the relevant object, act on it, then verify the result."})
     if op == "distil":
-        return Reply.json({"skill": "- Read the goal and list its constraints.\n- Plan the steps before acting.\n"
-                                    "- Check each result against the goal before finishing."})
+        return Reply.json(
+            {
+                "skill": "- Read the goal and list its constraints.\n- Plan the steps before acting.\n"
+                "- Check each result against the goal before finishing."
+            }
+        )
     return Reply.error(400, f"stub: cannot answer operation {op!r}")
 
 

@@ -28,8 +28,14 @@ def installed_layout(tmp: Path) -> Path:
 def lint_imports(site: Path, config: Path) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("lint-imports")
     env = {**os.environ, "PYTHONPATH": str(site)}
-    return subprocess.run([str(exe), "--config", str(config), "--no-cache"], cwd=site, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [str(exe), "--config", str(config), "--no-cache"],
+        cwd=site,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_import_contracts_hold(tmp_path):
@@ -42,13 +48,19 @@ def test_a_forbidden_import_is_refused(tmp_path):
     """The contracts can fail: an engine module that imports Ray breaks two of them."""
     site = installed_layout(tmp_path)
     probe = site / "lifemem_ray" / "engine" / "ray_probe.py"
-    probe.write_text("def f():\n    import ray  # lazily: still an import\n    from lifemem_ray.actors.cluster import client\n")
+    probe.write_text(
+        "def f():\n    import ray  # lazily: still an import\n    from lifemem_ray.actors.cluster import client\n"
+    )
     done = lint_imports(site, ROOT / "pyproject.toml")
     assert done.returncode != 0
     assert "BROKEN" in done.stdout and "lifemem_ray.engine.ray_probe" in done.stdout, done.stdout[-3000:]
 
 
 def test_no_module_name_repeats_across_layers():
-    names = Counter(p.stem for tree in ("lifemem_ray", "actors") for p in (ROOT / tree).rglob("*.py")
-                    if p.stem not in ("__init__", "__main__") and "envs" not in p.parts)
+    names = Counter(
+        p.stem
+        for tree in ("lifemem_ray", "actors")
+        for p in (ROOT / tree).rglob("*.py")
+        if p.stem not in ("__init__", "__main__") and "envs" not in p.parts
+    )
     assert [name for name, n in names.items() if n > 1] == []

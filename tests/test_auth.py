@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.service.auth import ENV_KEYS, KeyRing, check_bind, hash_key, is_loopback, new_key, parse_key_entries
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import AuthError, ConfigError
+from lifemem_ray.service.auth import ENV_KEYS, KeyRing, check_bind, hash_key, is_loopback, new_key, parse_key_entries
 from lifemem_ray.service.principal import SCOPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +27,16 @@ def test_a_new_key_authenticates_as_its_tenant_and_scopes_and_only_its_hash_is_k
     assert (who.tenant, who.scopes, who.key_id) == ("acme", frozenset({"read", "write"}), "acme-1")
     assert ring.authenticate(f"bearer   {key}  ").tenant == "acme"  # the scheme is case-insensitive
     other_key, _ = new_key("acme", ["read"])
-    for header, said in ((None, "no API key"), ("", "no API key"), (key, "Bearer <key>"), (f"Basic {key}", "Bearer <key>"),
-                         ("Bearer ", "Bearer <key>"), (f"Bearer {other_key}", "not valid"), (f"Bearer {key}x", "not valid"),
-                         ("Bearer " + "a" * 10_000, "not valid")):
+    for header, said in (
+        (None, "no API key"),
+        ("", "no API key"),
+        (key, "Bearer <key>"),
+        (f"Basic {key}", "Bearer <key>"),
+        ("Bearer ", "Bearer <key>"),
+        (f"Bearer {other_key}", "not valid"),
+        (f"Bearer {key}x", "not valid"),
+        ("Bearer " + "a" * 10_000, "not valid"),
+    ):
         with pytest.raises(AuthError, match=said):
             ring.authenticate(header)
 
@@ -62,19 +69,27 @@ def test_key_entries_are_checked_naming_the_entry_and_field():
         parse_key_entries([ok, {**ok, "sha256": "0" * 64}], "http.api_keys")
     with pytest.raises(ConfigError, match=r"http.api_keys\[1\]\.sha256: the same sha256"):
         parse_key_entries([ok, {**ok, "name": "k2"}], "http.api_keys")
-    assert parse_key_entries([{**ok, "scopes": "read, write", "sha256": ok["sha256"].upper()}], "x")[0].sha256 == ok["sha256"]
+    assert (
+        parse_key_entries([{**ok, "scopes": "read, write", "sha256": ok["sha256"].upper()}], "x")[0].sha256
+        == ok["sha256"]
+    )
 
 
 def test_keys_come_from_the_config_file_and_the_environment(tmp_path):
     key_a, entry_a = new_key("acme", ["read", "write"], name="a")
     key_b, entry_b = new_key("globex", ["read"], name="b")
     config = tmp_path / "server.toml"
-    config.write_text(f'[http]\nport = 8123\n\n[[http.api_keys]]\nname = "a"\nsha256 = "{entry_a.sha256}"\ntenant = "acme"\n'
-                      'scopes = ["read", "write"]\n')
+    config.write_text(
+        f'[http]\nport = 8123\n\n[[http.api_keys]]\nname = "a"\nsha256 = "{entry_a.sha256}"\ntenant = "acme"\n'
+        'scopes = ["read", "write"]\n'
+    )
     loaded = DeploymentConfig.load(config, environ={})
     assert loaded.http.port == 8123
     ring = KeyRing.from_config(loaded.http, environ={ENV_KEYS: json.dumps([entry_b.to_dict()])})
-    assert ring.authenticate(f"Bearer {key_a}").tenant == "acme" and ring.authenticate(f"Bearer {key_b}").tenant == "globex"
+    assert (
+        ring.authenticate(f"Bearer {key_a}").tenant == "acme"
+        and ring.authenticate(f"Bearer {key_b}").tenant == "globex"
+    )
     # A file path in the variable, and the generic LIFEMEM_HTTP_API_KEYS (JSON) too.
     keyfile = tmp_path / "keys.json"
     keyfile.write_text(json.dumps([entry_b.to_dict()]))
@@ -112,26 +127,60 @@ def test_no_auth_binds_to_loopback_only():
 
 
 def test_http_settings_have_bounds():
-    for key, bad in (("port", 0), ("port", 70_000), ("replicas", 0), ("max_body_bytes", 10), ("max_batch_items", 0),
-                     ("max_queries", 10**9), ("operations_ttl_s", float("inf")), ("retry_after_s", 0)):
+    for key, bad in (
+        ("port", 0),
+        ("port", 70_000),
+        ("replicas", 0),
+        ("max_body_bytes", 10),
+        ("max_batch_items", 0),
+        ("max_queries", 10**9),
+        ("operations_ttl_s", float("inf")),
+        ("retry_after_s", 0),
+    ):
         with pytest.raises(ConfigError, match=f"http.{key}"):
             DeploymentConfig().replace({f"http.{key}": bad})
 
 
 def test_keys_new_command_prints_a_key_and_an_entry_that_the_server_accepts(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,write", "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lifemem_ray.cli",
+            "keys",
+            "new",
+            "--tenant",
+            "acme",
+            "--scopes",
+            "read,write",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     ring = KeyRing.from_entries([data["entry"]])
     assert ring.authenticate(f"Bearer {data['key']}").scopes == frozenset({"read", "write"})
-    text = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
-    toml = text[text.index("[[http.api_keys]]"):]
+    text = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    ).stdout
+    toml = text[text.index("[[http.api_keys]]") :]
     (tmp_path / "c.toml").write_text(toml)
     assert len(DeploymentConfig.load(tmp_path / "c.toml", environ={}).http.api_keys) == 1
-    bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,root"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "keys", "new", "--tenant", "acme", "--scopes", "read,root"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert bad.returncode == 1 and "--scopes: unknown scope(s) ['root']" in bad.stderr
 
 
@@ -171,7 +220,11 @@ def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read():
     with client:
         r = client.post("/v1/retrieve", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer"), r.text
-        r = client.post("/v1/retrieve", content=b"{not json", headers={"content-type": "application/json", "authorization": "Bearer lmk_wrong"})
+        r = client.post(
+            "/v1/retrieve",
+            content=b"{not json",
+            headers={"content-type": "application/json", "authorization": "Bearer lmk_wrong"},
+        )
         assert r.status_code == 401
         assert client.get("/healthz").status_code == 200 and client.get("/openapi.json").status_code == 200
         assert client.get("/v1/nothing-here").status_code == 404

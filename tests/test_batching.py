@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from lifemem_ray.actors.cluster.batching import BatchIngest, LocalShards, absorb_previous, route
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator import Coordinator
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.actors.cluster.shard_actor import MemoryShard
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import EmbeddingError, IdConflictError, UnknownClusterError
+from lifemem_ray.core.model import Step, Trajectory
 from lifemem_ray.engine.clustering.evolution import ItemBatch, Placement
 from lifemem_ray.engine.memory import Memory, pack_trajectories
-from lifemem_ray.core.model import Step, Trajectory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 DIM = 384
@@ -53,7 +53,9 @@ def cluster(tmp_path):
 
 
 def packed(config: DeploymentConfig, trajs, vecs):
-    return pack_trajectories(list(trajs), None if vecs is None else np.asarray(vecs), DIM, config.evolution.workflow_features)
+    return pack_trajectories(
+        list(trajs), None if vecs is None else np.asarray(vecs), DIM, config.evolution.workflow_features
+    )
 
 
 def changed(traj: Trajectory) -> Trajectory:
@@ -135,7 +137,9 @@ def test_a_zero_vector_rejects_its_request_and_a_rejected_first_occurrence_passe
     ]
     (outcomes,) = asyncio.run(ingest_serially(ingest, config, [micro]))
     assert {r.status for r in outcomes[0]} == {"added"}
-    assert isinstance(outcomes[1], ValueError) and trajs[24].id in str(outcomes[1]) and "zero vector" in str(outcomes[1])
+    assert (
+        isinstance(outcomes[1], ValueError) and trajs[24].id in str(outcomes[1]) and "zero vector" in str(outcomes[1])
+    )
     assert [r.status for r in outcomes[2]] == ["added", "added"]
     assert isinstance(outcomes[3], ValueError) and "NaN" in str(outcomes[3])
     assert sum(len(s.memory) for s in shards.shards) == 22
@@ -163,7 +167,13 @@ def test_without_vectors_or_embedder_the_request_fails_with_a_clear_error(cluste
 
 
 def test_route_joins_to_owners_new_clusters_to_the_least_loaded():
-    placements = [Placement(7, "join", "offline"), Placement(-1, "join", "offline"), Placement(-1, "join", "offline"), Placement(-2, "join", "offline"), Placement(9, "join", "offline")]
+    placements = [
+        Placement(7, "join", "offline"),
+        Placement(-1, "join", "offline"),
+        Placement(-1, "join", "offline"),
+        Placement(-2, "join", "offline"),
+        Placement(9, "join", "offline"),
+    ]
     target = route(placements, {7: 1}, {9: 0}.get, [5, 3])
     # 7 to its owner (loads [5, 4]); -1 opens on shard 1 (4 < 5) and its second item follows it;
     # then loads [5, 6]: -2 opens on shard 0; 9 goes to its route.
@@ -239,10 +249,22 @@ def test_absorb_previous_adds_exact_neighbours_within_the_environment():
     prev = rng.normal(size=(6, 8)).astype(np.float32)
     prev /= np.linalg.norm(prev, axis=1, keepdims=True)
     cur = prev[[0, 4]] + 0.01
-    part = ItemBatch(["x", "y"], ["a", "b"], ["", ""], [None, None], ["", ""], [b"", b""], cur, np.zeros((2, 4), np.float32),
-                     [[], []], ["", ""], "roles")
-    previous = Committed(vecs=prev, envs=["a", "a", "a", "b", "b", "b"], clusters=[10, 11, 12, 13, 14, 15],
-                         opened={"a": [10, 11]})
+    part = ItemBatch(
+        ["x", "y"],
+        ["a", "b"],
+        ["", ""],
+        [None, None],
+        ["", ""],
+        [b"", b""],
+        cur,
+        np.zeros((2, 4), np.float32),
+        [[], []],
+        ["", ""],
+        "roles",
+    )
+    previous = Committed(
+        vecs=prev, envs=["a", "a", "a", "b", "b", "b"], clusters=[10, 11, 12, 13, 14, 15], opened={"a": [10, 11]}
+    )
     merged = CandidateSet([[(99, 0.5)], []], [[], [(20, 0.1)]], {})
     absorb_previous(part, merged, {}, previous, k=2, max_provisional=1)
     assert merged.neighbours[0][0][0] == 10 and len(merged.neighbours[0]) == 2
@@ -257,11 +279,22 @@ def test_the_client_offers_the_engines_user_operations():
     from lifemem_ray.engine.protocols import MemoryAPI
 
     assert isinstance(MemoryClient.__new__(MemoryClient), MemoryAPI)
-    for name in ("add", "add_many", "retrieve", "retrieve_many", "clusters", "cluster_count", "verify", "maintain", "close"):
+    for name in (
+        "add",
+        "add_many",
+        "retrieve",
+        "retrieve_many",
+        "clusters",
+        "cluster_count",
+        "verify",
+        "maintain",
+        "close",
+    ):
         ours = list(inspect.signature(getattr(MemoryClient, name)).parameters)
         engine = list(inspect.signature(getattr(Memory, name)).parameters)
         assert ours == engine[: len(ours)] and all(
-            p.default is not inspect.Parameter.empty for p in list(inspect.signature(getattr(Memory, name)).parameters.values())[len(ours):]
+            p.default is not inspect.Parameter.empty
+            for p in list(inspect.signature(getattr(Memory, name)).parameters.values())[len(ours) :]
         ), (name, ours, engine)
 
 
@@ -280,10 +313,14 @@ def test_a_resent_commit_reports_its_items_added_and_counts_them(cluster, data):
     local, routing = cluster(config)
     shards = _ResentCommits(local.shards)
     ingest = BatchIngest(config, shards, routing, DIM)
-    first, second = asyncio.run(ingest_serially(ingest, config, [[(trajs[:40], vecs[:40])], [(trajs[40:80], vecs[40:80])]]))
+    first, second = asyncio.run(
+        ingest_serially(ingest, config, [[(trajs[:40], vecs[:40])], [(trajs[40:80], vecs[40:80])]])
+    )
     assert {r.status for r in second[0]} == {"added"}, "every id was new: the request's first attempt stored it"
     assert sum(len(s.memory) for s in shards.shards) == 80
-    assert sum(ingest.loads) == sum(len(s.memory) for s in shards.shards) - sum(1 for r in first[0] if r.status != "added")
+    assert sum(ingest.loads) == sum(len(s.memory) for s in shards.shards) - sum(
+        1 for r in first[0] if r.status != "added"
+    )
 
 
 def test_absorbing_the_previous_batch_adds_its_items_to_the_environment_sums():
@@ -295,7 +332,11 @@ def test_absorbing_the_previous_batch_adds_its_items_to_the_environment_sums():
     previous = Committed(vecs=np.ones((3, 4), np.float32), wvecs=np.ones((3, 2), np.float32), envs=["a", "a", "b"])
     merged = CandidateSet([], [], {}, {"a": ScopeSums(2, np.zeros(4), np.zeros(2))})
     absorb_previous(part, merged, {}, previous, 4, 4, count_scopes=True)
-    assert merged.scopes["a"].count == 4 and merged.scopes["a"].tsum.tolist() == [2.0] * 4 and merged.scopes["b"].count == 1
+    assert (
+        merged.scopes["a"].count == 4
+        and merged.scopes["a"].tsum.tolist() == [2.0] * 4
+        and merged.scopes["b"].count == 1
+    )
     untouched = CandidateSet([], [], {}, {})
     absorb_previous(part, untouched, {}, previous, 4, 4)  # the contrast off: the shards sent no sums, none are made up
     assert untouched.scopes == {}

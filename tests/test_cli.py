@@ -43,7 +43,17 @@ def test_ingest_is_idempotent_and_reports(store):
 
 
 def test_retrieve_json_shape(store):
-    out = run("retrieve", "i need running shoes, price lower than 50.00 dollars", "--store", str(store / "store"), "--env", "shop", "-k", "3", "--json")
+    out = run(
+        "retrieve",
+        "i need running shoes, price lower than 50.00 dollars",
+        "--store",
+        str(store / "store"),
+        "--env",
+        "shop",
+        "-k",
+        "3",
+        "--json",
+    )
     data = json.loads(out.stdout)
     assert set(data) == {"trajectories", "skills"}
     assert len(data["trajectories"]) == 3
@@ -83,9 +93,18 @@ def test_malformed_records(tmp_path):
 
 
 def test_chat_format_with_env_flag_and_stdin(tmp_path):
-    record = {"task": "Find X", "messages": [{"role": "user", "content": "Find X"}, {"role": "assistant", "content": "Thought 1: go\nAction 1: Search[X]"}, {"role": "user", "content": "Observation 1: X is Y"}]}
+    record = {
+        "task": "Find X",
+        "messages": [
+            {"role": "user", "content": "Find X"},
+            {"role": "assistant", "content": "Thought 1: go\nAction 1: Search[X]"},
+            {"role": "user", "content": "Observation 1: X is Y"},
+        ],
+    }
     lines = "\n".join(json.dumps({**record, "task": f"Find X{i}"}) for i in range(6)) + "\n"
-    proc = run("ingest", "-", "--store", str(tmp_path / "s"), "--env", "wiki", "--format", "chat", "--json", stdin=lines)
+    proc = run(
+        "ingest", "-", "--store", str(tmp_path / "s"), "--env", "wiki", "--format", "chat", "--json", stdin=lines
+    )
     assert json.loads(proc.stdout)["added"] == 6
     stats = json.loads(run("stats", "--store", str(tmp_path / "s"), "--json").stdout)
     assert stats["per_env"]["wiki"]["trajectories"] == 6
@@ -102,7 +121,12 @@ def test_errors_are_one_line(tmp_path):
 
 def test_second_writer_gets_a_clear_error(store, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys,time; from lifemem_ray.engine.memory import Memory; m=Memory.open(sys.argv[1]); print('open', flush=True); time.sleep(60)", str(tmp_path / "s")],
+        [
+            sys.executable,
+            "-c",
+            "import sys,time; from lifemem_ray.engine.memory import Memory; m=Memory.open(sys.argv[1]); print('open', flush=True); time.sleep(60)",
+            str(tmp_path / "s"),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -126,15 +150,24 @@ def test_demo_runs(tmp_path):
 def test_terminal_control_sequences_in_stored_text_are_shown_escaped(tmp_path):
     from lifemem_ray.core.model import Outcome, Step, Trajectory
 
-    hostile = [Trajectory(env="shop", task=f"buy shoes \x1b[2J\x1b]0;pwned\x07 number {i} \u202eevil",
-                          steps=(Step(action="search[shoes \x1b[31m]", observation="\x9b2J results"),), outcome=Outcome(success=True))
-               for i in range(6)]
+    hostile = [
+        Trajectory(
+            env="shop",
+            task=f"buy shoes \x1b[2J\x1b]0;pwned\x07 number {i} \u202eevil",
+            steps=(Step(action="search[shoes \x1b[31m]", observation="\x9b2J results"),),
+            outcome=Outcome(success=True),
+        )
+        for i in range(6)
+    ]
     write_jsonl(hostile, tmp_path / "h.jsonl")
     store = str(tmp_path / "store")
     run("ingest", str(tmp_path / "h.jsonl"), "--store", store)
-    for args in (("retrieve", "buy shoes", "--store", store, "--env", "shop", "--context"),
-                 ("retrieve", "buy shoes", "--store", store, "--env", "shop", "--json"),
-                 ("clusters", "--store", store), ("clusters", "--store", store, "--json")):
+    for args in (
+        ("retrieve", "buy shoes", "--store", store, "--env", "shop", "--context"),
+        ("retrieve", "buy shoes", "--store", store, "--env", "shop", "--json"),
+        ("clusters", "--store", store),
+        ("clusters", "--store", store, "--json"),
+    ):
         out = run(*args).stdout
         assert not any(c in out for c in ("\x1b", "\x9b", "\x07", "\u202e")), args
         assert "\\u001b" in out or args[0] == "clusters"
@@ -143,7 +176,10 @@ def test_terminal_control_sequences_in_stored_text_are_shown_escaped(tmp_path):
 
 
 def _lines(n: int, seed: int) -> list[str]:
-    return [json.dumps(t.to_dict()) for t in generate(n, seed=seed, envs=["shop", "sql"], length_scale=0.1, id_prefix=f"f{seed}")]
+    return [
+        json.dumps(t.to_dict())
+        for t in generate(n, seed=seed, envs=["shop", "sql"], length_scale=0.1, id_prefix=f"f{seed}")
+    ]
 
 
 def test_ingest_is_all_or_nothing_per_file(tmp_path):
@@ -154,7 +190,12 @@ def test_ingest_is_all_or_nothing_per_file(tmp_path):
     late = tmp_path / "late.jsonl"
     late.write_text("\n".join(lines[:289] + ["{not json"] + lines[289:299]) + "\n")
     proc = run("ingest", str(late), "--store", store, check=False)
-    assert proc.returncode == 1 and f"{late}:290:" in proc.stderr and "nothing of" in proc.stderr and "0 record(s) stored" in proc.stderr
+    assert (
+        proc.returncode == 1
+        and f"{late}:290:" in proc.stderr
+        and "nothing of" in proc.stderr
+        and "0 record(s) stored" in proc.stderr
+    )
     assert "Traceback" not in proc.stderr
     # A compressed file whose checksum fails at its end: nothing of it is stored.
     packed = bytearray(gzip.compress(("\n".join(lines[:120]) + "\n").encode()))
@@ -186,10 +227,16 @@ def test_skip_invalid_skips_and_lists_conflicting_ids(tmp_path):
     second = tmp_path / "b.jsonl"
     second.write_text("\n".join([lines[6], json.dumps(changed), lines[7], json.dumps(repeat), lines[8]]) + "\n")
     proc = run("ingest", str(second), "--store", store, check=False)
-    assert proc.returncode == 1 and f"{second}:2:" in proc.stderr and "already stored with different content" in proc.stderr
+    assert (
+        proc.returncode == 1
+        and f"{second}:2:" in proc.stderr
+        and "already stored with different content" in proc.stderr
+    )
     report = json.loads(run("ingest", str(second), "--store", store, "--skip-invalid", "--json").stdout)
     assert report["added"] == 3 and report["invalid"] == 2
-    assert any(f"{second}:2:" in e for e in report["errors"]) and any(f"{second}:4:" in e and "repeats line 3" in e for e in report["errors"])
+    assert any(f"{second}:2:" in e for e in report["errors"]) and any(
+        f"{second}:4:" in e and "repeats line 3" in e for e in report["errors"]
+    )
     assert json.loads(run("stats", "--store", store, "--json").stdout)["trajectories"] == 9
 
 

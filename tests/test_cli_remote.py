@@ -15,25 +15,50 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lifemem_ray.cli", *args], capture_output=True, text=True, timeout=600,
-                          input=stdin, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        input=stdin,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_remote_ingest_answers_bad_input_as_local_ingest(deployment, ray_local, tmp_path):
     client, _ = deployment(shards=2)
     remote = ["--address", ray_local.get_runtime_context().gcs_address, "--namespace", client.namespace]
-    lines = [json.dumps(t.to_dict()) for t in generate(40, seed=4, envs=["shop", "sql"], length_scale=0.1, id_prefix="r")]
+    lines = [
+        json.dumps(t.to_dict()) for t in generate(40, seed=4, envs=["shop", "sql"], length_scale=0.1, id_prefix="r")
+    ]
     late = tmp_path / "late.jsonl"
-    late.write_text("\n".join(lines[:30] + ['{"env": "shop", "task": "t", "steps": [{"action": "a"}], "task": "dup key"}'] + lines[30:]) + "\n")
+    late.write_text(
+        "\n".join(
+            lines[:30] + ['{"env": "shop", "task": "t", "steps": [{"action": "a"}], "task": "dup key"}'] + lines[30:]
+        )
+        + "\n"
+    )
     local = _cli("ingest", str(late), "--store", str(tmp_path / "local"))
     far = _cli("ingest", str(late), *remote)
     assert local.returncode == far.returncode == 1
-    assert local.stderr == far.stderr and f"{late}:31:" in far.stderr and "nothing of" in far.stderr and "Traceback" not in far.stderr
+    assert (
+        local.stderr == far.stderr
+        and f"{late}:31:" in far.stderr
+        and "nothing of" in far.stderr
+        and "Traceback" not in far.stderr
+    )
     assert client.stats()["trajectories"] == 0
     bad_utf8 = tmp_path / "utf8.jsonl"
     bad_utf8.write_bytes(("\n".join(lines[:3]) + "\n").encode() + b'{"env": "shop", "task": "\xff"}\n')
-    local, far = _cli("ingest", str(bad_utf8), "--store", str(tmp_path / "local2")), _cli("ingest", str(bad_utf8), *remote)
-    assert local.returncode == far.returncode == 1 and local.stderr == far.stderr and f"{bad_utf8}:4: not UTF-8" in far.stderr
+    local, far = (
+        _cli("ingest", str(bad_utf8), "--store", str(tmp_path / "local2")),
+        _cli("ingest", str(bad_utf8), *remote),
+    )
+    assert (
+        local.returncode == far.returncode == 1
+        and local.stderr == far.stderr
+        and f"{bad_utf8}:4: not UTF-8" in far.stderr
+    )
     # Standard input, and --skip-invalid: the bad record is left out and listed, the rest stored.
     ok = _cli("ingest", "-", *remote, "--skip-invalid", "--json", stdin=late.read_text())
     assert ok.returncode == 0, ok.stderr[-2000:]

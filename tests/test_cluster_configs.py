@@ -54,7 +54,13 @@ _CONTAINER = {
 _POD = {
     "type": "object",
     "required": ["spec"],
-    "properties": {"spec": {"type": "object", "required": ["containers"], "properties": {"containers": {"type": "array", "minItems": 1, "items": _CONTAINER}}}},
+    "properties": {
+        "spec": {
+            "type": "object",
+            "required": ["containers"],
+            "properties": {"containers": {"type": "array", "minItems": 1, "items": _CONTAINER}},
+        }
+    },
 }
 RAYCLUSTER_SCHEMA = {
     "type": "object",
@@ -73,14 +79,24 @@ RAYCLUSTER_SCHEMA = {
                 "headGroupSpec": {
                     "type": "object",
                     "required": ["rayStartParams", "template"],
-                    "properties": {"rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}}, "template": _POD},
+                    "properties": {
+                        "rayStartParams": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "template": _POD,
+                    },
                 },
                 "workerGroupSpecs": {
                     "type": "array",
                     "minItems": 1,
                     "items": {
                         "type": "object",
-                        "required": ["groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"],
+                        "required": [
+                            "groupName",
+                            "replicas",
+                            "minReplicas",
+                            "maxReplicas",
+                            "rayStartParams",
+                            "template",
+                        ],
                         "properties": {
                             "groupName": {"type": "string"},
                             "replicas": {"type": "integer", "minimum": 0},
@@ -131,7 +147,9 @@ def test_cluster_configs_install_the_released_package_never_a_checkout():
         if target.endswith(".whl"):
             folder, name = target.rsplit("/", 1)
             assert name == WHEEL, f"{section} installs {target}, not this version's wheel {WHEEL}"
-            assert folder in aws["file_mounts"], f"{section}: the wheel's folder {folder} reaches the node by file_mounts"
+            assert folder in aws["file_mounts"], (
+                f"{section}: the wheel's folder {folder} reaches the node by file_mounts"
+            )
         else:
             wanted = f"lifemem-ray=={__version__}"
             assert target.strip("\"'") == wanted, f"{section} installs {target}, not {wanted}"

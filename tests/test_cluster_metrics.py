@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lifemem_ray.lab.cluster_metrics import bootstrap_weights, equal_k_baseline, partition_scores, purity, refine_partition, sequence_distance, weighted_scores
+from lifemem_ray.lab.cluster_metrics import (
+    bootstrap_weights,
+    equal_k_baseline,
+    partition_scores,
+    purity,
+    refine_partition,
+    sequence_distance,
+    weighted_scores,
+)
 
 
 def test_purity_counts_each_clusters_majority():
@@ -21,7 +29,9 @@ def test_scores_of_a_perfect_and_of_a_useless_partition():
     perfect = partition_scores(np.array([5, 5, 5, 1, 1, 1, 9, 9, 9]), labels)
     assert perfect == {"purity": 1.0, "nmi": pytest.approx(1.0), "ari": pytest.approx(1.0)}
     one = partition_scores(np.zeros(9, int), labels)
-    assert one["purity"] == pytest.approx(1 / 3) and one["nmi"] == pytest.approx(0.0) and one["ari"] == pytest.approx(0.0)
+    assert (
+        one["purity"] == pytest.approx(1 / 3) and one["nmi"] == pytest.approx(0.0) and one["ari"] == pytest.approx(0.0)
+    )
 
 
 def test_scores_reject_mismatched_inputs():
@@ -74,7 +84,9 @@ def test_weighted_scores_equal_the_plain_ones_with_unit_weights_and_follow_the_w
     clusters, labels = np.array([0, 0, 1, 1]), np.array(list("aabb"))
     doubled = partition_scores(np.array([0, 0, 0, 1, 1]), np.array(list("aaabb")))
     assert weighted_scores(clusters, labels, np.array([[2.0, 1, 1, 1]]))["nmi"][0] == pytest.approx(doubled["nmi"])
-    assert weighted_scores(np.array([0, 1, 1]), np.array(list("abb")), np.array([[0.0, 1, 1]]))["nmi"][0] == pytest.approx(1.0)
+    assert weighted_scores(np.array([0, 1, 1]), np.array(list("abb")), np.array([[0.0, 1, 1]]))["nmi"][
+        0
+    ] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="weights"):
         weighted_scores(clusters, labels, np.ones((1, 3)))
 

@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from conftest import unit
-from lifemem_ray.engine.memory_config import MemoryConfig
+
 from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.memory_config import MemoryConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import cluster_quality  # noqa: E402
+import cluster_quality
 
 FLOWS = {
     "count": ["```sql\nSELECT COUNT(*) FROM t WHERE a = 1\n```", "Final Answer: [(3,)]"],
@@ -27,9 +27,16 @@ def labelled(n: int) -> list[Trajectory]:
     out = []
     for i in range(n):
         kind = list(FLOWS)[i % 3]
-        out.append(Trajectory(env="sql", task=f"question {i} about table t{i % 5}", id=f"{kind}-{i}",
-                              steps=tuple(Step(action=a) for a in FLOWS[kind]), outcome=Outcome(success=True),
-                              metadata={"labels": {"task_type": kind}}))
+        out.append(
+            Trajectory(
+                env="sql",
+                task=f"question {i} about table t{i % 5}",
+                id=f"{kind}-{i}",
+                steps=tuple(Step(action=a) for a in FLOWS[kind]),
+                outcome=Outcome(success=True),
+                metadata={"labels": {"task_type": kind}},
+            )
+        )
     return out
 
 
@@ -40,14 +47,25 @@ def test_one_fold_evaluates_with_verdicts_gap_and_diagnostics(tmp_path):
     action = unit(rng.standard_normal((60, 384)))
     res = cluster_quality.evaluate_fold(trajs, goal, action, MemoryConfig(), tmp_path, with_skills=True)
     verdict = res["verdicts"]["sql"]
-    assert set(verdict) >= {"beats", "best_baseline", "lifemem_worse_order", "batch_combinations_beating", "pure_nmi_at_k",
-                            "baseline_at_ceiling", "beats_or_ties_at_ceiling"}
+    assert set(verdict) >= {
+        "beats",
+        "best_baseline",
+        "lifemem_worse_order",
+        "batch_combinations_beating",
+        "pure_nmi_at_k",
+        "baseline_at_ceiling",
+        "beats_or_ties_at_ceiling",
+    }
     assert res["distinct_workflows"]["sql"]["distinct"] == 3  # the three statement kinds, whatever the goal
     assert 0 < res["distinct_workflows"]["sql"]["cosine_between"]["max"] < 1
     assert set(verdict["batch_combinations_beating"]) <= set(cluster_quality.VIEW_COMBINATIONS)
     gap = np.mean([verdict["lifemem_worse_order"][m] - verdict["best_baseline"][m] for m in ("purity", "nmi")])
     assert abs(res["mean_gap_to_best"] - round(float(gap), 4)) < 1e-9
-    assert set(res["baselines_at_similarity_k"]) == set(cluster_quality.BASELINES) | {"workflow+action", "goal+action", "all_three_views"}
+    assert set(res["baselines_at_similarity_k"]) == set(cluster_quality.BASELINES) | {
+        "workflow+action",
+        "goal+action",
+        "all_three_views",
+    }
     assert res["held_out"] == 6 and res["skills"]  # every 10th held out, its retrieved cluster's skill scored
     report = {"folds": {"report": {"full": res}}, "ablation": {"a variant": res}}
     text = cluster_quality.table(report)
@@ -99,10 +117,21 @@ def test_weight_sweep_scores_every_weight_and_picks_the_largest_mean_gap(tmp_pat
     assert means[str(chosen["weight"])] == max(means.values())
     assert chosen["gap"] == sweep["per_weight"][str(chosen["weight"])]["sql"]["gap"]
     marked = cluster_quality.evaluate_fold(trajs, goal, action, MemoryConfig(), tmp_path, with_skills=False)
-    marked["verdicts"]["sql"]["lifemem_worse_order"]["purity"] = marked["verdicts"]["sql"]["best_baseline"]["purity"] + 0.123
-    reused = cluster_quality.weight_sweep(trajs, goal, action, MemoryConfig().replace({"policy.workflow_weight": 0.9}), tmp_path,
-                                          with_skills=False, evaluated=marked)
-    assert reused["per_weight"]["0.9"]["sql"]["gap"]["purity"] == 0.123  # the given evaluation at the config's weight, not a rerun
+    marked["verdicts"]["sql"]["lifemem_worse_order"]["purity"] = (
+        marked["verdicts"]["sql"]["best_baseline"]["purity"] + 0.123
+    )
+    reused = cluster_quality.weight_sweep(
+        trajs,
+        goal,
+        action,
+        MemoryConfig().replace({"policy.workflow_weight": 0.9}),
+        tmp_path,
+        with_skills=False,
+        evaluated=marked,
+    )
+    assert (
+        reused["per_weight"]["0.9"]["sql"]["gap"]["purity"] == 0.123
+    )  # the given evaluation at the config's weight, not a rerun
     assert reused["per_weight"]["0.2"] == sweep["per_weight"]["0.2"]
     text = cluster_quality.table({"folds": {}, "weight_sweep": {"tune": {"full": sweep}}})
     assert "workflow weight picked per environment with the labels" in text and f"sql {chosen['weight']}" in text
@@ -117,10 +146,20 @@ def test_benchmark_docstring_examples_hold():
 
 def test_a_baseline_at_purity_one_can_be_tied_but_not_beaten():
     per_env = lambda purity, nmi: {"sql": {"task_type": {"purity": purity, "nmi": nmi, "labels": 3}}}  # noqa: E731
-    base = {name: {"per_env": {"sql": {"task_type": {"purity": {"mean": 1.0}, "nmi": {"mean": 0.8}}}}}
-            for name in cluster_quality.NAMED_BASELINES}
+    base = {
+        name: {"per_env": {"sql": {"task_type": {"purity": {"mean": 1.0}, "nmi": {"mean": 0.8}}}}}
+        for name in cluster_quality.NAMED_BASELINES
+    }
     random = {"sql": {"task_type": {"purity": {"mean": 1.0}, "nmi": {"mean": 0.9}}}}
-    tied = cluster_quality.verdicts({"similarity": {"per_env": per_env(1.0, 0.9)}, "random": {"per_env": random}, "baselines_at_similarity_k": base})["sql"]
+    tied = cluster_quality.verdicts(
+        {"similarity": {"per_env": per_env(1.0, 0.9)}, "random": {"per_env": random}, "baselines_at_similarity_k": base}
+    )["sql"]
     assert tied["baseline_at_ceiling"] == ["purity"] and not tied["beats"] and tied["beats_or_ties_at_ceiling"]
-    short = cluster_quality.verdicts({"similarity": {"per_env": per_env(0.99, 0.9)}, "random": {"per_env": random}, "baselines_at_similarity_k": base})["sql"]
+    short = cluster_quality.verdicts(
+        {
+            "similarity": {"per_env": per_env(0.99, 0.9)},
+            "random": {"per_env": random},
+            "baselines_at_similarity_k": base,
+        }
+    )["sql"]
     assert not short["beats_or_ties_at_ceiling"]

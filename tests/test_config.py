@@ -76,28 +76,35 @@ def test_replace_copies_and_hides_the_key():
 def test_every_number_in_the_config_has_a_hard_bound():
     import dataclasses
 
-    
     config = DeploymentConfig()
-    numbers = [f"{s.name}.{f.name}" for s in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, s.name))
-               if type(getattr(getattr(config, s.name), f.name)) in (int, float)]
+    numbers = [
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(config)
+        for f in dataclasses.fields(getattr(config, s.name))
+        if type(getattr(getattr(config, s.name), f.name)) in (int, float)
+    ]
     assert sorted(numbers) == sorted(BOUNDS)
     for dotted, (low, high) in BOUNDS.items():
         section, key = dotted.split(".")
         kind = type(getattr(getattr(config, section), key))
         assert low <= getattr(getattr(config, section), key) <= high, dotted  # the defaults are inside
-        linked = {"cluster.search_chunk": 65_536, "cluster.retrieve_chunk": 65_536} if "chunk" in dotted else {}  # one a multiple of the other
+        linked = (
+            {"cluster.search_chunk": 65_536, "cluster.retrieve_chunk": 65_536} if "chunk" in dotted else {}
+        )  # one a multiple of the other
         if dotted in ("http.add_timeout_s", "cluster.add_resends"):  # an add answered 202 must outlive its attempts
             linked = {"http.operations_ttl_s": BOUNDS["http.operations_ttl_s"][1]}
         if dotted == "http.max_ongoing_per_tenant":  # a tenant's share is at most every slot
             linked = {"http.max_ongoing_requests": BOUNDS["http.max_ongoing_requests"][1]}
         DeploymentConfig().replace({dotted: kind(high), **linked})  # the bounds themselves are accepted
-        for bad in ([high + 1] if kind is int else [high * 2 + 1, float("inf"), float("nan")]):
+        for bad in [high + 1] if kind is int else [high * 2 + 1, float("inf"), float("nan")]:
             with pytest.raises(ConfigError, match=dotted.replace(".", r"\.")):
                 DeploymentConfig().replace({dotted: bad})
 
 
 def test_a_tenants_share_cannot_exceed_the_replicas_slots():
-    with pytest.raises(ConfigError, match=r"http\.max_ongoing_per_tenant: 33 is above http\.max_ongoing_requests \(32\)"):
+    with pytest.raises(
+        ConfigError, match=r"http\.max_ongoing_per_tenant: 33 is above http\.max_ongoing_requests \(32\)"
+    ):
         DeploymentConfig().replace({"http.max_ongoing_per_tenant": 33})
     assert DeploymentConfig().replace({"http.max_ongoing_per_tenant": 32}).http.max_ongoing_per_tenant == 32
 
@@ -120,9 +127,14 @@ def test_range_and_encoding_errors_name_the_file(tmp_path):
 def test_operations_must_outlive_the_adds_they_answer():
     config = DeploymentConfig()
     assert config.add_operation_deadline_s() == 300.0 * 11 + 60.0 <= config.http.operations_ttl_s
-    with pytest.raises(ConfigError, match=r"http\.operations_ttl_s: 600 s would forget an add answered 202 before it can finish \(3360 s"):
+    with pytest.raises(
+        ConfigError,
+        match=r"http\.operations_ttl_s: 600 s would forget an add answered 202 before it can finish \(3360 s",
+    ):
         DeploymentConfig().replace({"http.operations_ttl_s": 600})
-    DeploymentConfig().replace({"http.operations_ttl_s": 600, "http.add_timeout_s": 30, "cluster.add_resends": 2})  # 150 s: fine
+    DeploymentConfig().replace(
+        {"http.operations_ttl_s": 600, "http.add_timeout_s": 30, "cluster.add_resends": 2}
+    )  # 150 s: fine
 
 
 def test_each_layer_owns_its_settings():

@@ -32,7 +32,9 @@ with Memory.open(path, config) as memory:
 
 
 def _run_and_kill(path, start: int, after_acks: int, delay: float) -> list[str]:
-    proc = subprocess.Popen([sys.executable, "-c", INGEST, str(path), str(start), "0"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INGEST, str(path), str(start), "0"], stdout=subprocess.PIPE, text=True
+    )
     acked: list[str] = []
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"

@@ -24,8 +24,13 @@ def test_a_hung_or_crashed_episode_is_counted_and_the_rest_is_played(tmp_path):
     from lifemem_ray.lab.envs import make_env
 
     ids = [t.id for t in make_env("sql", n_train=5, n_test=1).tasks("train")]
-    options = {"inner": "sql", "inner_options": {"n_train": 5, "n_test": 1}, "marker_dir": str(tmp_path / "markers"),
-               "hang_on": [ids[1]], "crash_on": [ids[3]]}
+    options = {
+        "inner": "sql",
+        "inner_options": {"n_train": 5, "n_test": 1},
+        "marker_dir": str(tmp_path / "markers"),
+        "hang_on": [ids[1]],
+        "crash_on": [ids[3]],
+    }
     result = generate([Source("sql", "faulty", options, seed=0)], "tune", workers=1, agent="gold", episode_timeout_s=2)
     played = sorted(t.metadata["task_id"] for t in result.trajectories)
     assert played == sorted([ids[0], ids[2], ids[4]])

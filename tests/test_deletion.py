@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from lifemem_ray.engine.memory_config import MemoryConfig
-from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.memory_config import MemoryConfig
 
 CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
 
@@ -51,7 +51,9 @@ def test_remove_updates_counts_sums_r_and_retires_empty_clusters(tmp_path, synth
         assert smallest.id not in {c.id for c in mem.clusters(tenant=None)}, "an emptied cluster is retired"
         assert mem.stats("acme")["trajectories"] == 300 - len(members) - len(others)
         _check(mem)
-        hits = mem.retrieve_many([t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50], tenant="acme")
+        hits = mem.retrieve_many(
+            [t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50], tenant="acme"
+        )
         assert not set(members + others) & {h.id for r in hits for h in r.trajectories}
     with Memory.open(path, CONFIG) as mem:  # reopened: the retired cluster stays retired
         assert smallest.id not in {c.id for c in mem.clusters(tenant=None)}
@@ -139,7 +141,11 @@ def test_purge_passes_that_find_nothing_leave_the_generation_alone(tmp_path, syn
         before = mem.store.generation()
         assert mem.purge_tenant("acme") == 0  # nothing left to blank or scrub: dozens of passes, each a no-op
         bumped = mem.store.generation() - before
-        assert entries // 7 + clusters // 7 > 20 and bumped <= 2, (entries, clusters, bumped)  # the intent and the last removal
+        assert entries // 7 + clusters // 7 > 20 and bumped <= 2, (
+            entries,
+            clusters,
+            bumped,
+        )  # the intent and the last removal
         _check(mem)
 
 
@@ -170,7 +176,9 @@ def test_a_purge_forgets_the_tenants_environment_names_and_codes_stay_unique(tmp
         with mem.store.read() as txn:
             after = mem.store.env_codes(txn)
         assert not acme_envs & set(after), "no name of the purged tenant's environments is left"
-        assert {n: c for n, c in after.items() if not n.startswith("\x00")} == {n: c for n, c in before.items() if n not in acme_envs}
+        assert {n: c for n, c in after.items() if not n.startswith("\x00")} == {
+            n: c for n, c in before.items() if n not in acme_envs
+        }
         assert sorted(after.values()) == sorted(before.values()), "every code is kept, under a placeholder"
         mem.add_many(_acme(trajs[:30]), vecs[:30])  # the tenant starts again: new codes, none reused
         with mem.store.read() as txn:
@@ -178,7 +186,10 @@ def test_a_purge_forgets_the_tenants_environment_names_and_codes_stay_unique(tmp
         assert len(set(again.values())) == len(again) and acme_envs <= set(again)
         _check(mem)
     with Memory.open(path, CONFIG) as mem:  # reopened: the index is built from the codes again
-        assert mem.stats("acme")["trajectories"] == 30 and mem.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0], tenant="acme").trajectories
+        assert (
+            mem.stats("acme")["trajectories"] == 30
+            and mem.retrieve(trajs[0].task, trajs[0].env, vector=vecs[0], tenant="acme").trajectories
+        )
         _check(mem)
 
 
@@ -229,10 +240,13 @@ def test_a_purge_blanks_the_log_and_tombstones_in_bounded_passes(tmp_path, synth
             logged = [e.get("id", "") for _, e in mem.store.iter_log(txn)]
             after = [r for r in mem.store.iter_clusters(txn) if r.id in acme]
         assert logged and not [i for i in logged if i.startswith("acme\x00")]
-        assert len(after) == len(acme) and not any(r.live or r.envs or r.description or r.skill or r.flows for r in after)
+        assert len(after) == len(acme) and not any(
+            r.live or r.envs or r.description or r.skill or r.flows for r in after
+        )
         last_pass = max(i for i, e in enumerate(events) if e == ("pass", None))
-        assert ("pass", 7) in events and not [e for e in events[last_pass:] if e[0] == "put" and e[1] in worded], \
+        assert ("pass", 7) in events and not [e for e in events[last_pass:] if e[0] == "put" and e[1] in worded], (
             "the tombstones that were there before are scrubbed in the bounded passes, not in the last transaction"
+        )
         assert mem.stats()["purging"] == [] and mem.clusters(tenant="acme") == []
         _check(mem)
 
@@ -253,8 +267,9 @@ def test_snapshots_after_a_deletion_do_not_bring_it_back(tmp_path, synthetic):
         hits = snap.retrieve_many([t.task for t in trajs[:40]], [t.env for t in trajs[:40]], k=10, vectors=vecs[:40])
         assert not set(victims) & {h.id for r in hits for h in r.trajectories}
     unique = [t.task.encode() for t in trajs[:40] if all(t.task != u.task for u in trajs[40:300])]
-    assert unique and not [e for e in _entries(tmp_path / "snap") if any(task in e for task in unique)], \
+    assert unique and not [e for e in _entries(tmp_path / "snap") if any(task in e for task in unique)], (
         "no table of the snapshot holds a deleted task (records, briefs, cluster descriptions, tombstones)"
+    )
     with Memory.open(tmp_path / "restored", CONFIG) as restored:  # a restore copies the snapshot's clusters
         restored.absorb(tmp_path / "snap")
         assert all(restored.get(i) is None for i in victims) and len(restored) == 160
@@ -327,7 +342,9 @@ def test_sigkill_during_removals_keeps_every_acknowledged_one(tmp_path, syntheti
                 assert all(mem.get(i, tenant=tenant) is None for i in ids), "an acknowledged removal came back"
             _check(mem)
             vecs = synthetic[1]
-            hits = mem.retrieve_many([t.task for t in synthetic[0][:60]], [None] * 60, k=20, vectors=vecs[:60], tenant="acme")
+            hits = mem.retrieve_many(
+                [t.task for t in synthetic[0][:60]], [None] * 60, k=20, vectors=vecs[:60], tenant="acme"
+            )
             assert not acked["acme"] & {h.id for r in hits for h in r.trajectories}
     assert acked["default"] and acked["acme"]
 
@@ -362,7 +379,9 @@ def test_sigkill_during_a_purge_completes_it_at_the_next_open(tmp_path, syntheti
     _fill(path, synthetic)
     with Memory.open(path, CONFIG) as mem:
         default_before = {c.id: c.count for c in mem.clusters()}
-    proc = subprocess.run([sys.executable, "-c", PURGER, str(path), str(kill_after)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PURGER, str(path), str(kill_after)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     with Memory.open(path, CONFIG, read_only=True) as reader:  # what the crash left: the intent, part of the data
         assert reader.stats()["purging"] == ["acme"]
@@ -409,4 +428,3 @@ def test_purging_the_default_tenant_blanks_its_ids_in_the_log_only(tmp_path, syn
         assert any(i.startswith("acme\x00") for i in logged), "acme's entries keep their ids"
         assert mem.stats("acme")["trajectories"] == 300
         _check(mem)
-

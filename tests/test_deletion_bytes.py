@@ -22,11 +22,10 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from lifemem_ray.engine.store import lmdb_rewrite
-from lifemem_ray.engine.store import storage
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import StoreLockedError
 from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.store import lmdb_rewrite, storage
 from lifemem_ray.engine.store.storage import MemoryStore
 
 CONFIG = DeploymentConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
@@ -39,11 +38,17 @@ def _planted(synthetic, n_victims: int = 300, n_keepers: int = 300, tenant: str 
     """(victims, keepers, vectors): victims with ids ``gone-NNNN-QZX`` and :data:`MARKER` in
     every observation (of ``tenant``), keepers as generated (default tenant)."""
     trajs, vecs = synthetic
-    victims = [dataclasses.replace(t, id=f"gone-{i:04d}-QZX", tenant=tenant,
-                                   steps=tuple(dataclasses.replace(s, observation=f"{s.observation} {MARKER}") for s in t.steps))
-               for i, t in enumerate(trajs[:n_victims])]
-    keepers = list(trajs[n_victims:n_victims + n_keepers])
-    return victims, keepers, vecs[:n_victims + n_keepers]
+    victims = [
+        dataclasses.replace(
+            t,
+            id=f"gone-{i:04d}-QZX",
+            tenant=tenant,
+            steps=tuple(dataclasses.replace(s, observation=f"{s.observation} {MARKER}") for s in t.steps),
+        )
+        for i, t in enumerate(trajs[:n_victims])
+    ]
+    keepers = list(trajs[n_victims : n_victims + n_keepers])
+    return victims, keepers, vecs[: n_victims + n_keepers]
 
 
 def _leaks(folder: Path) -> dict[str, set[bytes]]:
@@ -78,7 +83,9 @@ def test_a_removal_by_id_blanks_exactly_its_own_log_entries(tmp_path, synthetic)
             rows = sum(1 for _ in txn.cursor(db=mem.store.db["logvid"]))
         assert not [i for i in logged if DELETED_ID.fullmatch(i.encode())], "no log entry names a removed id"
         assert {t.id for t in keepers} <= set(logged), "the other trajectories' entries keep their ids"
-        assert rows == sum(1 for i in logged if i), "every entry naming an id is indexed by its trajectory, and only those"
+        assert rows == sum(1 for i in logged if i), (
+            "every entry naming an id is indexed by its trajectory, and only those"
+        )
         again = dataclasses.replace(victims[0], task=victims[0].task + " (again)")  # an id re-added with other content
         mem.add_many([again], vecs[:1])
         with mem.store.read() as txn:
@@ -114,7 +121,9 @@ def test_a_store_written_before_the_log_index_gets_it_at_its_first_writable_open
         with mem.store.read() as txn:
             logged = [e.get("id", "") for _, e in mem.store.iter_log(txn)]
             rows = sum(1 for _ in txn.cursor(db=mem.store.db["logvid"]))
-        assert not [i for i in logged if DELETED_ID.fullmatch(i.encode())], "the ids of removed trajectories are blanked"
+        assert not [i for i in logged if DELETED_ID.fullmatch(i.encode())], (
+            "the ids of removed trajectories are blanked"
+        )
         assert rows == sum(1 for i in logged if i) and {t.id for t in keepers} <= set(logged)
         assert mem.store.get_meta("log_by_vid") is True and mem.store.get_meta("log_by_vid_from") is None
         assert mem.remove([keepers[0].id]) == 1
@@ -161,11 +170,13 @@ def test_searches_and_reads_go_on_while_the_store_is_compacted(tmp_path, synthet
         def read() -> None:
             while not stop.is_set():
                 try:
-                    got = mem.retrieve_many([t.task for t in keepers[:8]], [t.env for t in keepers[:8]], k=3, vectors=vecs[100:108])
+                    got = mem.retrieve_many(
+                        [t.task for t in keepers[:8]], [t.env for t in keepers[:8]], k=3, vectors=vecs[100:108]
+                    )
                     assert all(r.trajectories for r in got) and mem.get(keepers[0].id) is not None
                     answers[0] += 1
                     answering.set()
-                except Exception as exc:  # noqa: BLE001 - collected for the main thread's assertion
+                except Exception as exc:
                     errors.append(exc)
                     return
 
@@ -191,7 +202,9 @@ def test_a_snapshot_after_a_tenant_purge_holds_no_byte_of_the_tenant(tmp_path, s
         assert mem.purge_tenant("acme") == len(victims)
         mem.shard.snapshot(str(tmp_path / "snap"))
         assert _leaks(tmp_path / "snap") == {}, "the snapshot holds the purged tenant's ids or texts"
-        assert MARKER.encode() in (tmp_path / "m" / "data.mdb").read_bytes(), "the live store keeps deleted bytes until compacted"
+        assert MARKER.encode() in (tmp_path / "m" / "data.mdb").read_bytes(), (
+            "the live store keeps deleted bytes until compacted"
+        )
         mem.shard.compact()
         assert _leaks(tmp_path / "m") == {}
     with Memory.open(tmp_path / "snap", CONFIG, read_only=True) as snap:
@@ -253,7 +266,9 @@ def test_a_compaction_killed_midway_leaves_a_whole_store(tmp_path, synthetic, wh
     path = tmp_path / "m"
     keepers = _deleted_store(path, synthetic)
     before = _digest(path / "data.mdb")
-    proc = subprocess.run([sys.executable, "-c", CRASHER, str(path), where], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHER, str(path), where], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     if where == "before-replace":
         assert _digest(path / "data.mdb") == before and (path / lmdb_rewrite.COMPACT_STAGING / "data.mdb").is_file()
@@ -287,14 +302,18 @@ def test_cli_compact_rewrites_a_store_and_refuses_one_another_process_has_open(t
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), mode], stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
-            proc = subprocess.run([SCRIPT, "compact", "--store", str(path)], capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(
+                [SCRIPT, "compact", "--store", str(path)], capture_output=True, text=True, timeout=300
+            )
         finally:
             holder.kill()
             holder.wait(timeout=30)
         assert proc.returncode == 1 and why in proc.stderr and "compact" in proc.stderr, (mode, proc.stderr)
         assert _digest(path / "data.mdb") == before and not (path / lmdb_rewrite.COMPACT_STAGING).exists()
     assert MARKER.encode() in (path / "data.mdb").read_bytes()
-    proc = subprocess.run([SCRIPT, "compact", "--store", str(path), "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [SCRIPT, "compact", "--store", str(path), "--json"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["bytes_before"] > 0 and out["bytes_after"] == (path / "data.mdb").stat().st_size
@@ -325,7 +344,9 @@ def test_compacting_refuses_while_another_process_has_the_store_open_read_only(t
 
 
 # -- through a Ray deployment ------------------------------------------------------------------
-def test_through_the_coordinator_snapshots_and_compaction_hold_no_deleted_bytes(deployment, ray_local, synthetic, tmp_path):
+def test_through_the_coordinator_snapshots_and_compaction_hold_no_deleted_bytes(
+    deployment, ray_local, synthetic, tmp_path
+):
     from lifemem_ray.actors.cluster import deployment as dep
 
     victims, keepers, vecs = _planted(synthetic)
@@ -337,7 +358,9 @@ def test_through_the_coordinator_snapshots_and_compaction_hold_no_deleted_bytes(
     assert manifest["shards"] == 2
     assert _leaks(tmp_path / "snap") == {}, "the deployment's snapshot holds deleted ids or texts"
     shard_dirs = sorted(store.glob("shard-*"))
-    assert any(MARKER.encode() in (d / "data.mdb").read_bytes() for d in shard_dirs), "the live shards keep deleted bytes until compacted"
+    assert any(MARKER.encode() in (d / "data.mdb").read_bytes() for d in shard_dirs), (
+        "the live shards keep deleted bytes until compacted"
+    )
     out = dep.compact(client.namespace)
     assert len(out["shards"]) == 2 and out["bytes_after"] > 0
     for d in shard_dirs:

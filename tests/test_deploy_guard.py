@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import SMALL_ACTORS
+
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import DeploymentExistsError
 from lifemem_ray.lab.synthetic import generate, text_vectors

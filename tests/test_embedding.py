@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lifemem_ray.engine.memory_config import EmbeddingConfig
 from lifemem_ray.engine.embedding import EmbeddingError, MiniLMEmbedder, default_model_path
+from lifemem_ray.engine.memory_config import EmbeddingConfig
 
 TEXTS = [
     "put a clean mug in the coffee machine",
@@ -41,7 +41,9 @@ def test_unit_vectors_batch_independent(embedder):
 
 
 def test_similarity_is_meaningful(embedder):
-    v = embedder.embed(["heat the apple in the microwave", "warm an apple using the microwave", "list all customers by region"])
+    v = embedder.embed(
+        ["heat the apple in the microwave", "warm an apple using the microwave", "list all customers by region"]
+    )
     assert v[0] @ v[1] > v[0] @ v[2] + 0.3
 
 

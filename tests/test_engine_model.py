@@ -6,25 +6,47 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-
 from conftest import unit
-from lifemem_ray.engine.store import codec
-from lifemem_ray.engine.clustering.clusters import ClusterRecord, check_against_members, fold_member, merged, new_cluster_record, unfold_member
-from lifemem_ray.engine.memory import IdConflictError, Memory, pack_trajectories
+
 from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.clustering.clusters import (
+    ClusterRecord,
+    check_against_members,
+    fold_member,
+    merged,
+    new_cluster_record,
+    unfold_member,
+)
+from lifemem_ray.engine.memory import IdConflictError, Memory, pack_trajectories
 from lifemem_ray.engine.protocols import MemoryAPI, ShardProtocol
+from lifemem_ray.engine.store import codec
 
 
 def _traj(i: int, task: str | None = None, env: str = "shop") -> Trajectory:
-    return Trajectory(env=env, task=task or f"task number {i}", steps=(Step(action="search[x]", observation=f"obs {i}"), Step(action="click[Buy Now]")),
-                      outcome=Outcome(success=i % 2 == 0, reward=1.0), id=f"{env}-{i}", initial_observation="home", metadata={"k": i})
+    return Trajectory(
+        env=env,
+        task=task or f"task number {i}",
+        steps=(Step(action="search[x]", observation=f"obs {i}"), Step(action="click[Buy Now]")),
+        outcome=Outcome(success=i % 2 == 0, reward=1.0),
+        id=f"{env}-{i}",
+        initial_observation="home",
+        metadata={"k": i},
+    )
 
 
 def _record(dim: int = 8, wdim: int = 4) -> ClusterRecord:
     rng = np.random.default_rng(3)
     record = new_cluster_record(7, dim, wdim, "new", 1.0)
     for n in range(5):
-        fold_member(record, unit(rng.standard_normal(dim)), unit(rng.standard_normal(wdim)), "shop" if n % 2 else "web", [True, False, None][n % 3], f"flow {n % 2}", 2.0)
+        fold_member(
+            record,
+            unit(rng.standard_normal(dim)),
+            unit(rng.standard_normal(wdim)),
+            "shop" if n % 2 else "web",
+            [True, False, None][n % 3],
+            f"flow {n % 2}",
+            2.0,
+        )
     record.description, record.skill = "Workflow: x. Example goal: buy", "1. search"
     return record
 
@@ -35,10 +57,17 @@ def test_fold_then_unfold_returns_the_cluster_to_its_state():
     before = record.copy()
     vec, wvec = unit(np.ones(8)), unit(np.arange(4.0) + 1)
     fold_member(record, vec, wvec, "alfworld", True, "a new flow", 3.0)
-    assert record.count == before.count + 1 and record.envs["alfworld"] == 1 and record.successes == before.successes + 1
+    assert (
+        record.count == before.count + 1 and record.envs["alfworld"] == 1 and record.successes == before.successes + 1
+    )
     unfold_member(record, vec, wvec, "alfworld", True, "a new flow", 4.0)
     assert (record.count, record.envs, record.flows, record.successes, record.failures) == (
-        before.count, before.envs, before.flows, before.successes, before.failures)
+        before.count,
+        before.envs,
+        before.flows,
+        before.successes,
+        before.failures,
+    )
     assert np.allclose(record.tsum, before.tsum) and np.allclose(record.wsum, before.wsum)
     assert record.mrl == pytest.approx(before.mrl) and record.version == before.version + 2
 
@@ -48,7 +77,14 @@ def test_unfolding_the_last_member_empties_the_sums():
     vec = unit(np.ones(4))
     fold_member(record, vec, vec, "e", None, "f", 0.0)
     unfold_member(record, vec, vec, "e", None, "f", 0.0)
-    assert record.count == 0 and not record.tsum.any() and not record.wsum.any() and not record.live and record.envs == {} and record.flows == {}
+    assert (
+        record.count == 0
+        and not record.tsum.any()
+        and not record.wsum.any()
+        and not record.live
+        and record.envs == {}
+        and record.flows == {}
+    )
 
 
 def test_merged_equals_folding_every_member_into_one_cluster():
@@ -59,7 +95,14 @@ def test_merged_equals_folding_every_member_into_one_cluster():
         fold_member(a if n < 4 else b, vec, wvec, f"env{n % 2}", n % 2 == 0, f"f{n % 3}", 0.0)
         fold_member(both, vec, wvec, f"env{n % 2}", n % 2 == 0, f"f{n % 3}", 0.0)
     out = merged(a, b, 1.0)
-    assert (out.id, out.count, out.envs, out.flows, out.successes, out.failures) == (1, 7, both.envs, both.flows, both.successes, both.failures)
+    assert (out.id, out.count, out.envs, out.flows, out.successes, out.failures) == (
+        1,
+        7,
+        both.envs,
+        both.flows,
+        both.successes,
+        both.failures,
+    )
     assert np.allclose(out.tsum, both.tsum) and np.allclose(out.wsum, both.wsum) and a.count == 4  # inputs untouched
 
 
@@ -110,15 +153,38 @@ def test_cluster_records_round_trip_byte_for_byte():
     raw = codec.encode_cluster(record)
     back = codec.decode_cluster(raw)
     assert codec.encode_cluster(back) == raw
-    assert back.id == 7 and back.split_into == [3, 4] and back.no_split_until == 9 and np.array_equal(back.wsum, record.wsum)
+    assert (
+        back.id == 7
+        and back.split_into == [3, 4]
+        and back.no_split_until == 9
+        and np.array_equal(back.wsum, record.wsum)
+    )
 
 
 def _old_cluster_bytes(r: ClusterRecord, with_nsu: bool) -> bytes:
     """A cluster record as the writers before lifemem_ray.engine.store.codec packed it."""
-    d = {"id": r.id, "n": r.count, "ts": r.tsum.astype(np.float64).tobytes(), "ws": r.wsum.astype(np.float64).tobytes(), "envs": r.envs,
-         "flows": r.flows, "ok": r.successes, "ko": r.failures, "d": r.description, "db": r.description_by, "dn": r.description_n,
-         "s": r.skill, "sb": r.skill_by, "sn": r.skill_n, "v": r.version, "born": r.born, "parent": r.parent, "c": r.created,
-         "u": r.updated, "split_into": r.split_into}
+    d = {
+        "id": r.id,
+        "n": r.count,
+        "ts": r.tsum.astype(np.float64).tobytes(),
+        "ws": r.wsum.astype(np.float64).tobytes(),
+        "envs": r.envs,
+        "flows": r.flows,
+        "ok": r.successes,
+        "ko": r.failures,
+        "d": r.description,
+        "db": r.description_by,
+        "dn": r.description_n,
+        "s": r.skill,
+        "sb": r.skill_by,
+        "sn": r.skill_n,
+        "v": r.version,
+        "born": r.born,
+        "parent": r.parent,
+        "c": r.created,
+        "u": r.updated,
+        "split_into": r.split_into,
+    }
     if with_nsu:
         d["nsu"] = r.no_split_until
     return msgpack.packb(d, use_bin_type=True)
@@ -130,15 +196,39 @@ def test_older_stored_records_still_decode_and_the_bytes_written_are_unchanged()
     old = codec.decode_cluster(_old_cluster_bytes(record, with_nsu=False))  # before refused splits were remembered
     assert old.no_split_until == 0 and old.count == record.count and old.description == record.description
     traj = _traj(4)
-    legacy = msgpack.packb({"id": traj.id, "env": traj.env, "task": traj.task, "io": traj.initial_observation,
-                            "steps": [[s.thought, s.action, s.observation] for s in traj.steps], "out": [traj.outcome.success, traj.outcome.reward],
-                            "meta": dict(traj.metadata), "fp": traj.fingerprint, "wf": ["SEARCH"], "t": 5.0}, use_bin_type=True)
+    legacy = msgpack.packb(
+        {
+            "id": traj.id,
+            "env": traj.env,
+            "task": traj.task,
+            "io": traj.initial_observation,
+            "steps": [[s.thought, s.action, s.observation] for s in traj.steps],
+            "out": [traj.outcome.success, traj.outcome.reward],
+            "meta": dict(traj.metadata),
+            "fp": traj.fingerprint,
+            "wf": ["SEARCH"],
+            "t": 5.0,
+        },
+        use_bin_type=True,
+    )
     assert codec.encode_trajectory(traj, ["SEARCH"], 5.0) == legacy
     fields = codec.record_fields(legacy)
-    assert (fields.id, fields.env, fields.success, fields.tokens, fields.added) == (traj.id, "shop", True, ["SEARCH"], 5.0)
+    assert (fields.id, fields.env, fields.success, fields.tokens, fields.added) == (
+        traj.id,
+        "shop",
+        True,
+        ["SEARCH"],
+        5.0,
+    )
     assert codec.decode_trajectory(legacy)[0] == traj == codec.fields_to_trajectory(fields)
     brief = codec.decode_brief(msgpack.packb([["A", "B"], False, "web", "find it", "t-1"], use_bin_type=True))
-    assert (brief.tokens, brief.success, brief.env, brief.task, brief.id) == (["A", "B"], False, "web", "find it", "t-1")
+    assert (brief.tokens, brief.success, brief.env, brief.task, brief.id) == (
+        ["A", "B"],
+        False,
+        "web",
+        "find it",
+        "t-1",
+    )
     assert codec.encode_brief(brief) == msgpack.packb([["A", "B"], False, "web", "find it", "t-1"], use_bin_type=True)
 
 
@@ -191,6 +281,7 @@ def test_the_engine_and_the_actor_satisfy_the_shard_protocol(tmp_path):
 
     with Memory.open(tmp_path / "m", dim=8) as m:
         assert isinstance(m, MemoryAPI) and isinstance(m.shard, ShardProtocol)
+
     def params(fn):  # a class Ray has made remote gains a tracing parameter
         return [p for p in inspect.signature(fn).parameters if not p.startswith("_ray")]
 
@@ -198,4 +289,7 @@ def test_the_engine_and_the_actor_satisfy_the_shard_protocol(tmp_path):
         wanted = params(getattr(ShardProtocol, name))
         assert params(getattr(EngineShard, name)) == wanted, name
         assert params(getattr(MemoryShard, name)) == wanted, name
-    assert not any(hasattr(Memory, name) for name in ("check_ids", "prepare", "commit", "candidates", "cluster_states", "search_hits", "hit_records"))
+    assert not any(
+        hasattr(Memory, name)
+        for name in ("check_ids", "prepare", "commit", "candidates", "cluster_states", "search_hits", "hit_records")
+    )

@@ -12,12 +12,13 @@ import json
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from front_harness import Front, serve_front
+
 from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
 from lifemem_ray.lab.synthetic import generate
 
@@ -54,15 +55,24 @@ def test_body_pace_deadlines():
 
 
 # -- against a real front door ---------------------------------------------------------------------
-ROLES = [("acme", "acme", "read,write"), ("acme_ro", "acme", "read"), ("acme_wo", "acme", "write"),
-         ("globex", "globex", "read,write"), ("admin", "ops", "read,write,admin")]
+ROLES = [
+    ("acme", "acme", "read,write"),
+    ("acme_ro", "acme", "read"),
+    ("acme_wo", "acme", "write"),
+    ("globex", "globex", "read,write"),
+    ("admin", "ops", "read,write,admin"),
+]
 
 
 @pytest.fixture(scope="module")
 def front(ray_local, tmp_path_factory) -> Iterator[Front]:
     namespace = f"hard-{tmp_path_factory.getbasetemp().name[-12:]}"
-    overrides = {"http.body_grace_s": GRACE_S, "http.body_min_rate_bytes_s": 1_024, "http.body_timeout_s": 30.0,
-                 "http.retry_after_s": 1}
+    overrides = {
+        "http.body_grace_s": GRACE_S,
+        "http.body_min_rate_bytes_s": 1_024,
+        "http.body_timeout_s": 30.0,
+        "http.retry_after_s": 1,
+    }
     with serve_front(tmp_path_factory.mktemp("hard") / "store", namespace, ROLES, **overrides) as running:
         with running.http("globex") as g:  # something for globex to read
             records = [t.to_dict() for t in generate(12, seed=3, envs=["shop"], length_scale=0.1, id_prefix="g")]
@@ -76,8 +86,10 @@ class SlowBodies:
     each (or ``give_up_s`` passed)."""
 
     def __init__(self, front: Front, key: str, n: int) -> None:
-        head = (f"POST /v1/trajectories HTTP/1.1\r\nHost: 127.0.0.1:{front.port}\r\nAuthorization: Bearer {key}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {SLOW_BODY_BYTES}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/trajectories HTTP/1.1\r\nHost: 127.0.0.1:{front.port}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {SLOW_BODY_BYTES}\r\n\r\n"
+        ).encode()
         self.socks = []
         for _ in range(n):
             sock = socket.create_connection(("127.0.0.1", front.port), timeout=10)
@@ -153,11 +165,15 @@ def test_slow_bodies_of_one_key_leave_other_tenants_served_and_are_closed(front,
                 waits.append(time.monotonic() - started)
                 assert r.status_code == 200, r.text
                 assert r.json()["trajectories"] == 12
-        assert time.monotonic() - slow.started < GRACE_S + SLOW_BYTE_EVERY_S, "the attack had ended before the reads were done"
+        assert time.monotonic() - slow.started < GRACE_S + SLOW_BYTE_EVERY_S, (
+            "the attack had ended before the reads were done"
+        )
         print(f"other tenant's GET /v1/stats during the attack: {[round(w, 3) for w in waits]} s")
         slow.wait_closed(give_up_s=GRACE_S + 30)
         statuses = slow.statuses()
-        assert all(c is not None for c in slow.closed_at), f"sockets left open: {sum(c is None for c in slow.closed_at)}"
+        assert all(c is not None for c in slow.closed_at), (
+            f"sockets left open: {sum(c is None for c in slow.closed_at)}"
+        )
         assert set(statuses) <= {408, 429}, statuses
         cap = front.config.http.max_ongoing_per_tenant
         assert statuses.count(408) <= cap and statuses.count(429) >= SLOW_CONNECTIONS - cap, statuses

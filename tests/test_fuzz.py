@@ -25,12 +25,17 @@ from lifemem_ray.lab.synthetic import generate, text_vectors
 SEED = 20261202
 CASES = 300  # generated records, bounded so the file runs in seconds
 
-GOOD = {"env": "shop", "task": "buy a red shirt", "steps": [{"action": "search[red shirt]", "observation": "3 results"}],
-        "outcome": {"success": True, "reward": 1.0}}
+GOOD = {
+    "env": "shop",
+    "task": "buy a red shirt",
+    "steps": [{"action": "search[red shirt]", "observation": "3 results"}],
+    "outcome": {"success": True, "reward": 1.0},
+}
 
 
 def _mutations(rng: random.Random) -> list[bytes]:
     """Malformed lines: broken JSON, wrong types, bad text, oversized parts, duplicate keys."""
+
     def record(**change: object) -> bytes:
         data = json.loads(json.dumps(GOOD))
         for key, value in change.items():
@@ -109,7 +114,10 @@ def test_generated_out_of_range_config_values_are_refused_naming_the_setting():
         low, high = BOUNDS[key]
         section, name = key.split(".")
         kind = type(getattr(getattr(DeploymentConfig(), section), name))
-        bad = rng.choice([high * 10 + 1, low - 1, -1e30, 1e30] + ([float("nan"), float("inf"), -float("inf")] if kind is float else []))
+        bad = rng.choice(
+            [high * 10 + 1, low - 1, -1e30, 1e30]
+            + ([float("nan"), float("inf"), -float("inf")] if kind is float else [])
+        )
         bad = int(bad) if kind is int and abs(bad) < 1e18 else bad
         if low <= bad <= high:
             continue

@@ -38,7 +38,9 @@ def spec_of(exported: str) -> tuple[metrics.MetricSpec, str]:
         base = name.removesuffix(suffix)
         if base != name and base in http_metrics.CATALOGUE and http_metrics.CATALOGUE[base].kind == "histogram":
             return http_metrics.CATALOGUE[base], suffix
-    raise AssertionError(f"{exported}: not a metric of lifemem_ray.core.http_metrics.CATALOGUE (nor a histogram's series)")
+    raise AssertionError(
+        f"{exported}: not a metric of lifemem_ray.core.http_metrics.CATALOGUE (nor a histogram's series)"
+    )
 
 
 def expressions(dashboard: dict) -> list[tuple[str, str]]:
@@ -56,7 +58,7 @@ def test_the_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource_variabl
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
         grid = panel["gridPos"]
-        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs)), panel["title"]
 
@@ -69,7 +71,9 @@ def test_every_query_names_catalogued_metrics_and_their_tags(dashboard):
         assert names, (where, expr)
         specs = [spec_of(n) for n in names]
         used.update(spec.name for spec, _ in specs)
-        labels = {key for spec, _ in specs for key in spec.tag_keys} | ({"le"} if any(s == "_bucket" for _, s in specs) else set())
+        labels = {key for spec, _ in specs for key in spec.tag_keys} | (
+            {"le"} if any(s == "_bucket" for _, s in specs) else set()
+        )
         for group in BY.findall(expr):
             for label in filter(None, (x.strip() for x in group.split(","))):
                 assert label in labels, f"{where}: groups by {label!r}, not a tag of {names}"
@@ -84,8 +88,12 @@ def test_every_query_names_catalogued_metrics_and_their_tags(dashboard):
 
 
 def test_latency_panels_show_p50_and_p99_by_layer(dashboard):
-    latency = [t["expr"] for p in panels(dashboard) for t in p["targets"] if "ray_lifemem_latency_seconds_bucket" in t["expr"]]
+    latency = [
+        t["expr"] for p in panels(dashboard) for t in p["targets"] if "ray_lifemem_latency_seconds_bucket" in t["expr"]
+    ]
     for operation in metrics.LATENCY_OPERATIONS:
         mine = [e for e in latency if f'operation="{operation}"' in e]
-        assert any(e.startswith("histogram_quantile(0.5,") for e in mine) and any(e.startswith("histogram_quantile(0.99,") for e in mine)
+        assert any(e.startswith("histogram_quantile(0.5,") for e in mine) and any(
+            e.startswith("histogram_quantile(0.99,") for e in mine
+        )
         assert all("layer" in BY.search(e).group(1) for e in mine)

@@ -17,11 +17,11 @@ import lmdb
 import numpy as np
 import pytest
 
-from lifemem_ray.engine.store import codec
 from lifemem_ray.core.errors import IndexSaveError, StoreError
 from lifemem_ray.core.importers import write_jsonl
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.retrieval import MAX_QUERIES, MAX_TASK_CHARS
+from lifemem_ray.engine.store import codec
 from lifemem_ray.lab.synthetic import generate, label_vectors
 
 SCRIPT = shutil.which("lifemem-ray") or str(Path(sys.executable).parent / "lifemem-ray")
@@ -77,8 +77,14 @@ def test_truncated_store_is_refused_on_open(whole_store, tmp_path, fraction):
 def test_truncated_store_cli_commands_exit_1_with_the_reason(whole_store, tmp_path):
     data = tmp_path / "more.jsonl"
     write_jsonl(generate(3, seed=9, length_scale=0.1), data)
-    for fraction, command in [(0.5, ["stats"]), (0.1, ["check"]), (0.5, ["retrieve", "buy shoes", "--env", "shop"]),
-                              (0.0, ["ingest", str(data)]), (0.0, ["stats"]), (0.5, ["ingest", str(data)])]:
+    for fraction, command in [
+        (0.5, ["stats"]),
+        (0.1, ["check"]),
+        (0.5, ["retrieve", "buy shoes", "--env", "shop"]),
+        (0.0, ["ingest", str(data)]),
+        (0.0, ["stats"]),
+        (0.5, ["ingest", str(data)]),
+    ]:
         path = _damaged(whole_store, tmp_path / f"{command[0]}{fraction}", fraction)
         proc = cli(*command, "--store", str(path))
         assert proc.returncode == 1, (command, fraction, proc.returncode, proc.stderr)
@@ -95,7 +101,9 @@ K_MESSAGE = "k: expected an integer within [1, 1024] (retrieval.k's bounds)"
 def test_engine_retrieve_bounds(tmp_path):
     trajs, vecs = _store(tmp_path / "s")
     with Memory.open(tmp_path / "s", read_only=True) as m:
-        assert len(m.retrieve(trajs[0].task, trajs[0].env, 1024, vector=vecs[0]).trajectories) == sum(t.env == trajs[0].env for t in trajs)
+        assert len(m.retrieve(trajs[0].task, trajs[0].env, 1024, vector=vecs[0]).trajectories) == sum(
+            t.env == trajs[0].env for t in trajs
+        )
         assert len(m.retrieve(trajs[0].task, trajs[0].env, 1, vector=vecs[0]).trajectories) == 1
         for k in (0, 1025, 10**9, -1, True, 2.0):
             with pytest.raises(ValueError, match=r"k: expected an integer within \[1, 1024\]"):
@@ -219,7 +227,9 @@ def test_check_deep_finds_a_record_edited_behind_the_engine(tmp_path):
     assert trajs[5].id in report["problems"][0] and "fingerprint" in report["problems"][0]
     assert cli("check", "--store", str(tmp_path / "s")).returncode == 0
     proc = cli("check", "--deep", "--store", str(tmp_path / "s"))
-    assert proc.returncode == 1 and trajs[5].id in proc.stdout and "fingerprint" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1 and trajs[5].id in proc.stdout and "fingerprint" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
 
 
 # -- 4. a long-lived read-only reader follows the writer -----------------------------------------
@@ -241,7 +251,11 @@ def test_read_only_reader_reloads_when_the_store_moves_on(tmp_path):
     reader = Memory.open(tmp_path / "s", read_only=True)
     try:
         assert len(reader.index) == 10
-        subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER.format(n=100, start=10)), str(tmp_path / "s")], check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(WRITER.format(n=100, start=10)), str(tmp_path / "s")],
+            check=True,
+            timeout=300,
+        )
         stats = reader.stats()
         assert stats["trajectories"] == 100 and len(reader.index) == 100
         assert sum(c.count for c in reader.clusters()) + stats["pending"] == 100
@@ -257,7 +271,11 @@ def test_read_only_reader_search_hits_follow_the_writer(tmp_path):
     with Memory.open(tmp_path / "s") as w:
         w.add_many(trajs[:5], vecs[:5])
     with Memory.open(tmp_path / "s", read_only=True) as reader:
-        subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER.format(n=40, start=5)), str(tmp_path / "s")], check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(WRITER.format(n=40, start=5)), str(tmp_path / "s")],
+            check=True,
+            timeout=300,
+        )
         assert reader.verify()["ok"]  # verify first: it reloads too, no false problem
         assert len(reader.index) == 40
 
@@ -309,7 +327,9 @@ def test_index_cache_save_failure_is_a_warning(tmp_path, monkeypatch, caplog):
     from lifemem_ray.engine.index.vector_index import VectorIndex
 
     def full(self, directory, stamp, identity=""):
-        raise IndexSaveError(f"{directory}: could not save the index cache: No space left on device; the store is intact")
+        raise IndexSaveError(
+            f"{directory}: could not save the index cache: No space left on device; the store is intact"
+        )
 
     monkeypatch.setattr(VectorIndex, "save", full)
     m = Memory.open(tmp_path / "s")

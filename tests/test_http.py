@@ -8,17 +8,18 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from front_harness import Front, free_port, serve_front
-from lifemem_ray.service.auth import KeyRing, new_key
+
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.lab.synthetic import generate
+from lifemem_ray.service.auth import KeyRing, new_key
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -30,17 +31,33 @@ MAX_BODY = 64 * 1024
 def front(ray_local, tmp_path_factory) -> Iterator[Front]:
     """Serve (two replicas) on a free loopback port, once for the module, shut down at the end."""
     namespace = f"http-{tmp_path_factory.getbasetemp().name[-12:]}"
-    roles = [("acme", "acme", "read,write"), ("acme_ro", "acme", "read"), ("globex", "globex", "read,write"),
-             ("admin", "ops", "read,write,admin")]
-    with serve_front(tmp_path_factory.mktemp("http") / "store", namespace, roles,
-                     **{"cluster.max_pending": 200, "cluster.overload_timeout_s": 1.0, "http.max_body_bytes": MAX_BODY,
-                        "http.max_batch_items": 50, "http.max_queries": 8, "http.retry_after_s": 3,
-                        "http.replicas": 2}) as running:  # operations are polled through either replica
+    roles = [
+        ("acme", "acme", "read,write"),
+        ("acme_ro", "acme", "read"),
+        ("globex", "globex", "read,write"),
+        ("admin", "ops", "read,write,admin"),
+    ]
+    with serve_front(
+        tmp_path_factory.mktemp("http") / "store",
+        namespace,
+        roles,
+        **{
+            "cluster.max_pending": 200,
+            "cluster.overload_timeout_s": 1.0,
+            "http.max_body_bytes": MAX_BODY,
+            "http.max_batch_items": 50,
+            "http.max_queries": 8,
+            "http.retry_after_s": 3,
+            "http.replicas": 2,
+        },
+    ) as running:  # operations are polled through either replica
         yield running
 
 
 def _records(n: int, seed: int, prefix: str, envs: list[str] | None = None) -> list[dict[str, Any]]:
-    return [t.to_dict() for t in generate(n, seed=seed, envs=envs or ["shop", "sql"], length_scale=0.1, id_prefix=prefix)]
+    return [
+        t.to_dict() for t in generate(n, seed=seed, envs=envs or ["shop", "sql"], length_scale=0.1, id_prefix=prefix)
+    ]
 
 
 def _error(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -53,18 +70,41 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 def test_openapi_lists_the_routes_and_health_needs_no_key(front):
     doc = httpx.get(f"{front.url}/openapi.json", timeout=60).json()
-    assert {"/v1/trajectories", "/v1/retrieve", "/v1/stats", "/v1/clusters", "/v1/trajectories/{trajectory_id}",
-            "/v1/tenants/{tenant}", "/v1/operations/{operation}", "/healthz"} <= set(doc["paths"])
-    assert set(doc["paths"]["/v1/trajectories"]) == {"post"} and "delete" in doc["paths"]["/v1/trajectories/{trajectory_id}"]
-    assert "Trajectory" in json.dumps(doc["paths"]["/v1/trajectories"]["post"]) or "Trajectory" in json.dumps(doc["components"])
+    assert {
+        "/v1/trajectories",
+        "/v1/retrieve",
+        "/v1/stats",
+        "/v1/clusters",
+        "/v1/trajectories/{trajectory_id}",
+        "/v1/tenants/{tenant}",
+        "/v1/operations/{operation}",
+        "/healthz",
+    } <= set(doc["paths"])
+    assert (
+        set(doc["paths"]["/v1/trajectories"]) == {"post"}
+        and "delete" in doc["paths"]["/v1/trajectories/{trajectory_id}"]
+    )
+    assert "Trajectory" in json.dumps(doc["paths"]["/v1/trajectories"]["post"]) or "Trajectory" in json.dumps(
+        doc["components"]
+    )
     health = httpx.get(f"{front.url}/healthz", timeout=60)
-    assert health.status_code == 200 and health.json() == {"ok": True, "coordinator": True, "shards": [True, True], "detail": None}
+    assert health.status_code == 200 and health.json() == {
+        "ok": True,
+        "coordinator": True,
+        "shards": [True, True],
+        "detail": None,
+    }
     _error(httpx.get(f"{front.url}/v1/nothing-here", timeout=60), 404)
 
 
 def test_keys_and_scopes(front):
     with front.http() as anon:
-        for method, path in (("GET", "/v1/stats"), ("POST", "/v1/retrieve"), ("GET", "/v1/clusters"), ("DELETE", "/v1/trajectories/x")):
+        for method, path in (
+            ("GET", "/v1/stats"),
+            ("POST", "/v1/retrieve"),
+            ("GET", "/v1/clusters"),
+            ("DELETE", "/v1/trajectories/x"),
+        ):
             r = anon.request(method, path, json={"queries": [{"task": "t"}]} if method == "POST" else None)
             assert _error(r, 401)["type"] == "unauthorized" and r.headers["www-authenticate"].startswith("Bearer")
         r = anon.get("/v1/stats", headers={"Authorization": "Bearer lmk_not-a-key"})
@@ -110,8 +150,15 @@ def test_retrieve_answers_trajectories_skills_and_context(front):
     records = _records(16, 5, "ret", envs=["shop"])
     with front.http("acme") as rw:
         assert rw.post("/v1/trajectories", json={"trajectories": records}).status_code == 200
-        r = rw.post("/v1/retrieve", json={"queries": [{"task": records[0]["task"], "env": "shop"}, {"task": records[1]["task"], "env": None}],
-                                          "k": 3, "context": True, "full": True})
+        r = rw.post(
+            "/v1/retrieve",
+            json={
+                "queries": [{"task": records[0]["task"], "env": "shop"}, {"task": records[1]["task"], "env": None}],
+                "k": 3,
+                "context": True,
+                "full": True,
+            },
+        )
         assert r.status_code == 200, r.text
         results = r.json()["results"]
         assert len(results) == 2 and results[0]["env"] == "shop" and results[1]["env"] is None
@@ -120,7 +167,9 @@ def test_retrieve_answers_trajectories_skills_and_context(front):
         assert all(set(h) >= {"id", "env", "task", "score", "cluster_id", "trajectory"} for h in hits)
         assert hits[0]["trajectory"]["steps"] and results[0]["context"]
         assert isinstance(results[0]["skills"], list)
-        lean = rw.post("/v1/retrieve", json={"queries": [{"task": records[0]["task"], "env": "shop"}], "skills": False}).json()
+        lean = rw.post(
+            "/v1/retrieve", json={"queries": [{"task": records[0]["task"], "env": "shop"}], "skills": False}
+        ).json()
         assert lean["results"][0]["skills"] == [] and "context" not in lean["results"][0]
         assert "trajectory" not in lean["results"][0]["trajectories"][0]
 
@@ -137,12 +186,18 @@ def test_validation_errors_name_the_field(front):
         err = _error(rw.post("/v1/trajectories", json={"trajectories": extra}), 422)
         assert err["where"] == "trajectories[0]" and "colour" in err["message"]
         assert _error(rw.post("/v1/trajectories", json={"trajectories": [3]}), 422)["where"] == "trajectories[0]"
-        assert _error(rw.post("/v1/trajectories", json={"trajectory": good}), 422)["where"] in ("trajectories", "trajectory")
+        assert _error(rw.post("/v1/trajectories", json={"trajectory": good}), 422)["where"] in (
+            "trajectories",
+            "trajectory",
+        )
         err = _error(rw.post("/v1/trajectories", json={"trajectories": _records(51, 7, "many")}), 422)
         assert err["where"] == "trajectories" and "http.max_batch_items" in err["message"]
         assert _error(rw.post("/v1/retrieve", json={"queries": [{"env": "shop"}]}), 422)["where"] == "queries[0].task"
         assert _error(rw.post("/v1/retrieve", json={"queries": [{"task": "t"}], "k": 0}), 422)["where"] == "k"
-        assert _error(rw.post("/v1/retrieve", json={"queries": [{"task": "t", "env": " "}]}), 422)["where"] == "queries[0].env"
+        assert (
+            _error(rw.post("/v1/retrieve", json={"queries": [{"task": "t", "env": " "}]}), 422)["where"]
+            == "queries[0].env"
+        )
         err = _error(rw.post("/v1/retrieve", json={"queries": [{"task": "t"}] * 9}), 422)
         assert err["where"] == "queries" and "http.max_queries" in err["message"]
         r = rw.post("/v1/trajectories", content=b"{not json", headers={"content-type": "application/json"})
@@ -202,17 +257,31 @@ def test_two_tenants_never_see_each_other(front):
     records = _records(10, 10, "both", envs=["retail"])
     with front.http("acme") as a, front.http("globex") as g, front.http("admin") as admin:
         for c in (a, g):
-            assert {i["status"] for i in c.post("/v1/trajectories", json={"trajectories": records}).json()["items"]} <= {"added", "pending"}
+            assert {
+                i["status"] for i in c.post("/v1/trajectories", json={"trajectories": records}).json()["items"]
+            } <= {"added", "pending"}
         g_only = _records(4, 11, "gonly", envs=["airline"])
         assert g.post("/v1/trajectories", json={"trajectories": g_only}).status_code == 200
         # Retrieval: globex's own records only (ids of its own airline env never reach acme).
         for c, forbidden in ((a, {r["id"] for r in g_only}), (g, set())):
-            hits = c.post("/v1/retrieve", json={"queries": [{"task": r["task"], "env": None} for r in g_only[:2]], "k": 32}).json()
+            hits = c.post(
+                "/v1/retrieve", json={"queries": [{"task": r["task"], "env": None} for r in g_only[:2]], "k": 32}
+            ).json()
             ids = {h["id"] for res in hits["results"] for h in res["trajectories"]}
             assert not ids & forbidden
-        assert {r["id"] for r in g_only[:2]} <= {h["id"] for res in g.post("/v1/retrieve", json={
-            "queries": [{"task": r["task"], "env": "airline"} for r in g_only[:2]], "k": 4}).json()["results"] for h in res["trajectories"]}
-        assert a.post("/v1/retrieve", json={"queries": [{"task": g_only[0]["task"], "env": "airline"}]}).json()["results"][0]["trajectories"] == []
+        assert {r["id"] for r in g_only[:2]} <= {
+            h["id"]
+            for res in g.post(
+                "/v1/retrieve", json={"queries": [{"task": r["task"], "env": "airline"} for r in g_only[:2]], "k": 4}
+            ).json()["results"]
+            for h in res["trajectories"]
+        }
+        assert (
+            a.post("/v1/retrieve", json={"queries": [{"task": g_only[0]["task"], "env": "airline"}]}).json()["results"][
+                0
+            ]["trajectories"]
+            == []
+        )
         # Clusters and stats: per tenant; the admin sees every tenant with tenant=*.
         a_envs = {e for c in a.get("/v1/clusters").json()["clusters"] for e in c["envs"]}
         g_clusters = g.get("/v1/clusters", params={"env": "airline"}).json()
@@ -231,7 +300,10 @@ def test_two_tenants_never_see_each_other(front):
         assert a.delete(f"/v1/trajectories/{victim}").json() == {"id": victim, "deleted": True}
         assert _error(a.delete(f"/v1/trajectories/{victim}"), 404)["where"] == "trajectory_id"
         assert a.get("/v1/stats").json()["trajectories"] == sa["trajectories"]  # one added, one deleted
-        slashed = {**_records(1, 19, "slash", envs=["retail"])[0], "id": "runs/2026/ep 7"}  # ids may hold '/' and spaces
+        slashed = {
+            **_records(1, 19, "slash", envs=["retail"])[0],
+            "id": "runs/2026/ep 7",
+        }  # ids may hold '/' and spaces
         assert a.post("/v1/trajectories", json={"trajectories": [slashed]}).json()["items"][0]["id"] == "runs/2026/ep 7"
         assert a.delete("/v1/trajectories/runs/2026/ep%207").json() == {"id": "runs/2026/ep 7", "deleted": True}
         assert g.get("/v1/stats").json()["trajectories"] == sg["trajectories"]  # globex's copy of that id stays
@@ -260,13 +332,19 @@ def test_overload_answers_503_with_retry_after(front):
         try:
             accepted = []
             for n, (count, seed) in enumerate(((40, 13), (50, 14), (50, 15), (50, 16))):  # 190 queued
-                r = rw.post("/v1/trajectories", params={"wait": "false"}, json={"trajectories": _records(count, seed, f"q{n}")})
+                r = rw.post(
+                    "/v1/trajectories", params={"wait": "false"}, json={"trajectories": _records(count, seed, f"q{n}")}
+                )
                 assert r.status_code == 202
                 accepted.append(r.json()["operation"])
             time.sleep(1.0)  # the accepted adds reach the coordinator's queue
             refused = rw.post("/v1/trajectories", json={"trajectories": _records(50, 17, "q-over")})
             err = _error(refused, 503)
-            assert err["type"] == "unavailable" and "max_pending" in err["message"] and refused.headers["retry-after"] == "3"
+            assert (
+                err["type"] == "unavailable"
+                and "max_pending" in err["message"]
+                and refused.headers["retry-after"] == "3"
+            )
         finally:
             ray.get(front.client.coordinator.resume.remote())
         for op in accepted:
@@ -284,11 +362,34 @@ def test_no_auth_mode_refuses_a_non_loopback_host(front):
     ring = KeyRing.from_config(open_config.http, environ={})
     with pytest.raises(ConfigError, match="loopback only"):
         start_http(front.namespace, open_config, ring, host="0.0.0.0", port=free_port())
-    out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--host", "0.0.0.0", "--set", "http.auth=none",
-                          "--namespace", front.namespace], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lifemem_ray.cli",
+            "serve",
+            "--http",
+            "--host",
+            "0.0.0.0",
+            "--set",
+            "http.auth=none",
+            "--namespace",
+            front.namespace,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 1 and "loopback only" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--namespace", front.namespace],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--namespace", front.namespace],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 1 and "no API key is configured" in out.stderr
 
 
@@ -345,7 +446,10 @@ def test_answers_and_latencies_reach_rays_prometheus_endpoint(front, ray_metrics
     wanted = [
         ("ray_lifemem_http_responses_total", (("route", "/v1/retrieve"), ("method", "POST"), ("status", "200"))),
         ("ray_lifemem_http_responses_total", (("route", "/v1/stats"), ("method", "GET"), ("status", "401"))),
-        ("ray_lifemem_http_responses_total", (("route", "/v1/trajectories/{id}"), ("method", "DELETE"), ("status", "404"))),
+        (
+            "ray_lifemem_http_responses_total",
+            (("route", "/v1/trajectories/{id}"), ("method", "DELETE"), ("status", "404")),
+        ),
         ("ray_lifemem_latency_seconds_count", (("operation", "add"), ("layer", "http"))),
         ("ray_lifemem_latency_seconds_count", (("operation", "retrieve"), ("layer", "http"))),
     ]
@@ -370,6 +474,7 @@ def test_answers_and_latencies_reach_rays_prometheus_endpoint(front, ray_metrics
         assert time.monotonic() < deadline, f"not exported within 90 s: {missing}"
         time.sleep(1.0)
 
+
 def test_a_dead_shard_answers_503_with_retry_after(front):
     """A shard gone for good (killed without restart; the last test of the deployment but one):
     reads and /healthz answer 503 with Retry-After, in the one error shape; nothing hangs."""
@@ -377,12 +482,20 @@ def test_a_dead_shard_answers_503_with_retry_after(front):
 
     ray.kill(front.client.shards[1], no_restart=True)
     with front.http("acme") as rw:
-        for r in (rw.post("/v1/retrieve", json={"queries": [{"task": "book a flight", "env": "airline"}]}), rw.get("/v1/stats")):
+        for r in (
+            rw.post("/v1/retrieve", json={"queries": [{"task": "book a flight", "env": "airline"}]}),
+            rw.get("/v1/stats"),
+        ):
             err = _error(r, 503)
-            assert err["type"] == "unavailable" and r.headers["retry-after"] == "3" and "retry after 3 s" in err["what_to_do"]
+            assert (
+                err["type"] == "unavailable"
+                and r.headers["retry-after"] == "3"
+                and "retry after 3 s" in err["what_to_do"]
+            )
         health = rw.get("/healthz")
         assert health.status_code == 503 and health.headers["retry-after"] == "3"
         assert health.json()["coordinator"] is True and health.json()["shards"] == [True, False]
+
 
 def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_local):
     """`lifemem-ray serve --http` in front of the running deployment (keys from LIFEMEM_API_KEYS),
@@ -393,8 +506,14 @@ def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_l
     port = int(front.url.rsplit(":", 1)[1])
     remote = ["--address", ray_local.get_runtime_context().gcs_address, "--namespace", front.namespace]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LIFEMEM_API_KEYS": json.dumps([entry.to_dict()])}
-    out = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(port), *remote, "--json"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(port), *remote, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     info = json.loads(out.stdout)
     assert info["http"]["url"] == front.url and info["http"]["keys"] == 1 and len(info["shards"]) == 2
@@ -404,14 +523,30 @@ def test_cli_serve_http_replaces_the_front_door_and_stop_removes_it(front, ray_l
         while http.get("/v1/operations/none", headers={"Authorization": f"Bearer {key}"}).status_code != 404:
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        assert http.get("/v1/operations/none", headers={"Authorization": f"Bearer {front.keys['acme']}"}).status_code == 401
-        other = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(free_port()), *remote],
-                               capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        assert (
+            http.get("/v1/operations/none", headers={"Authorization": f"Bearer {front.keys['acme']}"}).status_code
+            == 401
+        )
+        other = subprocess.run(
+            [sys.executable, "-m", "lifemem_ray.cli", "serve", "--http", "--port", str(free_port()), *remote],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env=env,
+        )
         assert other.returncode == 1 and "already runs on this cluster with its HTTP proxy at" in other.stderr
-        stop = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "stop", *remote, "--json"],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+        stop = subprocess.run(
+            [sys.executable, "-m", "lifemem_ray.cli", "stop", *remote, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env=env,
+        )
         assert stop.returncode == 0 and json.loads(stop.stdout)["http"] is True, stop.stderr[-3000:]
         assert http.get("/healthz").status_code == 404  # Serve answers, the front door is gone
+
 
 def test_the_operations_table_is_bounded_and_forgets(monkeypatch):
     """Operations kept for polling: at most operations_max (the oldest finished go first; full of
@@ -464,8 +599,8 @@ def test_health_without_a_deployment_names_no_namespace_or_internals(monkeypatch
     """/healthz needs no key: a failed check says what kind of failure, the log says the rest."""
     import ray
 
-    from lifemem_ray.actors.frontdoor import front_service as http_service
     from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError
+    from lifemem_ray.actors.frontdoor import front_service as http_service
 
     def find(namespace: str):
         if failure == "gone":

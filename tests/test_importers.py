@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from lifemem_ray.core.importers import ImportReport, InvalidTrajectoryError, RecordError, iter_jsonl, parse_record, read_jsonl, split_agent_turn, write_jsonl
+from lifemem_ray.core.importers import (
+    ImportReport,
+    InvalidTrajectoryError,
+    RecordError,
+    iter_jsonl,
+    parse_record,
+    read_jsonl,
+    split_agent_turn,
+    write_jsonl,
+)
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 
 
@@ -233,7 +242,9 @@ def test_chat_ids_metadata_and_extras() -> None:
 
 
 def test_chat_empty_agent_turn_is_recorded_not_fatal() -> None:
-    t = parse_record(_chat("e", ("user", "t"), ("assistant", "a1"), ("user", "o1"), ("assistant", "  "), ("user", "o2")))
+    t = parse_record(
+        _chat("e", ("user", "t"), ("assistant", "a1"), ("user", "o1"), ("assistant", "  "), ("user", "o2"))
+    )
     assert len(t.steps) == 1 and t.steps[0].observation == "o1\no2"
     assert t.metadata["empty_agent_turns"] == [3]
     with pytest.raises(InvalidTrajectoryError, match="no non-empty 'assistant' turn"):

@@ -10,8 +10,8 @@ import faiss
 import numpy as np
 import pytest
 
-from lifemem_ray.engine.memory_config import ConfigError, IndexConfig
 from lifemem_ray.engine.index.vector_index import PAD_ID, VectorIndex, VectorIndexError
+from lifemem_ray.engine.memory_config import ConfigError, IndexConfig
 
 DIM = 32
 
@@ -269,7 +269,9 @@ def test_retrain_growth_is_configurable(clustered: dict[str, object]) -> None:
     assert trained == [0, 4000, 4000, 4000, 10_000, 10_000]
 
 
-def test_ids_are_read_back_from_faiss_for_flat_and_ivf(grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]) -> None:
+def test_ids_are_read_back_from_faiss_for_flat_and_ivf(
+    grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]
+) -> None:
     index, _ = grown
     ids = clustered["ids"]
     held = index.ids()
@@ -289,7 +291,9 @@ def test_ivf_recall_on_held_out_queries(grown: tuple[VectorIndex, list[str]], cl
     assert recall(got, truth) >= 0.95
 
 
-def test_candidate_search_probes_fewer_lists_and_stays_close(grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]) -> None:
+def test_candidate_search_probes_fewer_lists_and_stays_close(
+    grown: tuple[VectorIndex, list[str]], clustered: dict[str, object]
+) -> None:
     """The evolution's neighbour search (nprobe_fraction < 1) is approximate, never short."""
     ivf_index = grown[0]
     e = ivf_index._envs["big"]
@@ -508,7 +512,9 @@ def test_environments_growing_together_retrain_at_different_sizes() -> None:
     from lifemem_ray.engine.index.ivf import retrain_at as _retrain_at
 
     e = _Env(index=None, kind="ivf", trained_size=10_000)
-    points = {env: _retrain_at(env, e, 2.0) for env in ("alfworld", "webshop", "sql", "tau2-retail", "bfcl", "scienceworld")}
+    points = {
+        env: _retrain_at(env, e, 2.0) for env in ("alfworld", "webshop", "sql", "tau2-retail", "bfcl", "scienceworld")
+    }
     assert all(20_000 <= p < 25_000 for p in points.values()), points
     assert len({round(p) for p in points.values()}) == len(points), "a fixed, different point per environment"
     assert _retrain_at("sql", e, 2.0) == points["sql"]
@@ -536,7 +542,9 @@ def test_scan_cap_is_calibrated_and_bounds_the_scan_of_huge_lists() -> None:
         index.add("e", ids, vectors)
     info = capped.stats()["envs"]["e"]
     # The smallest of 1024/16 ... 1024 that still reaches the target recall.
-    assert info["kind"] == "ivf" and info["max_codes"] in (64, 128, 256, 512, 1024) and info["calibrated_recall"] >= 0.97
+    assert (
+        info["kind"] == "ivf" and info["max_codes"] in (64, 128, 256, 512, 1024) and info["calibrated_recall"] >= 0.97
+    )
     assert uncapped.stats()["envs"]["e"]["max_codes"] == 0
     repeats = vectors[::1500][:4]
     # A repeated trajectory's list holds 1,500 equal vectors: scanned whole without the cap.
@@ -582,16 +590,19 @@ def test_a_saved_index_is_recalibrated_for_another_scan_cap(tmp_path: Path) -> N
     assert _scanned_per_query(other, vectors[::1500][:4], "e") >= 1500
 
 
-def test_background_retrain_runs_niced_and_is_adopted_by_the_next_search(clustered: dict[str, object], monkeypatch) -> None:
+def test_background_retrain_runs_niced_and_is_adopted_by_the_next_search(
+    clustered: dict[str, object], monkeypatch
+) -> None:
     """The build thread runs at index.retrain_nice; it never takes the index lock to swap its
     result in: the next search (here, no add follows) adopts it with the adds since."""
     import os
     import sys
     import threading
 
-
     ids, vectors = clustered["ids"][:10_600], clustered["vectors"][:10_600]
-    index = VectorIndex(IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=2.0, background_retrain=True, retrain_nice=7))
+    index = VectorIndex(
+        IVF_DIM, IndexConfig(exact_max=2000, retrain_growth=2.0, background_retrain=True, retrain_nice=7)
+    )
     index.add("e", ids[:4000], vectors[:4000])
     seen: dict[str, object] = {}
     gate = threading.Event()
@@ -654,7 +665,8 @@ def test_faiss_thread_count_holds_in_threads_started_later(monkeypatch) -> None:
 def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
     """The recall calibration reports (exact neighbours from faiss.knn) equals a count made
     independently with numpy on the same sample queries, at the nprobe and cap it chose."""
-    from lifemem_ray.engine.index.ivf import CAL_QUERIES as _CAL_QUERIES, calibrate as _calibrate
+    from lifemem_ray.engine.index.ivf import CAL_QUERIES as _CAL_QUERIES
+    from lifemem_ray.engine.index.ivf import calibrate as _calibrate
 
     rng = np.random.default_rng(47)
     vectors = sphere_mixture(rng, random_vectors(rng, 40), 6000, 0.25)

@@ -9,7 +9,18 @@ import pytest
 from lifemem_ray.engine.memory_config import ConfigError
 from lifemem_ray.lab.envs.base import Task
 from lifemem_ray.lab.experiment_config import ExperimentConfig
-from lifemem_ray.lab.lifelong import ScoreTable, SeedResult, build_stream, learnt_rows, metrics, overlap, render_markdown, summarise, transfer_events, write_plots
+from lifemem_ray.lab.lifelong import (
+    ScoreTable,
+    SeedResult,
+    build_stream,
+    learnt_rows,
+    metrics,
+    overlap,
+    render_markdown,
+    summarise,
+    transfer_events,
+    write_plots,
+)
 
 
 def _tasks(env: str, n: int) -> list[Task]:
@@ -85,7 +96,7 @@ def test_experiment_config_sources_and_validation(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(
         '[experiment]\nname = "t"\nenvs = ["sql", "websearch"]\ntrain_tasks = 4\nworkers = 3\n'
-        '[experiment.env_options.sql]\nn_train = 10\n[retrieval]\nk = 4\n'
+        "[experiment.env_options.sql]\nn_train = 10\n[retrieval]\nk = 4\n"
     )
     exp = ExperimentConfig.load(path, environ={"LIFEMEM_EXPERIMENT_WORKERS": "5"}, overrides={"stream": "buffer"})
     assert exp.envs == ["sql", "websearch"] and exp.train_tasks == 4 and exp.workers == 5 and exp.stream == "buffer"
@@ -127,8 +138,11 @@ def test_random_stream_bwt_baseline_is_where_training_ends():
     x, y = _tasks("x", 2), _tasks("y", 2)
     from lifemem_ray.lab.lifelong import Phase
 
-    phases = [Phase(0, "chunk 1", (x[0], y[0]), ("x", "y")), Phase(1, "chunk 2", (x[1],), ("x", "y")),
-              Phase(2, "chunk 3", (y[1],), ("x", "y"))]
+    phases = [
+        Phase(0, "chunk 1", (x[0], y[0]), ("x", "y")),
+        Phase(1, "chunk 2", (x[1],), ("x", "y")),
+        Phase(2, "chunk 3", (y[1],), ("x", "y")),
+    ]
     assert learnt_rows(phases) == {"x": 1, "y": 2}
     t = ScoreTable(["x", "y"])
     t.add_row("chunk 1", {"x": 10.0, "y": 50.0})
@@ -151,15 +165,24 @@ def test_overlap_finds_repeated_gold_and_goals_but_not_a_shared_template():
 
 
 def _seed(seed, none_rows, mem_rows, zero=None):
-    return SeedResult(seed, ["a", "b"], {"a": 0, "b": 1}, rows={"none": none_rows, "lifemem": mem_rows},
-                      zero_shot=zero or {})
+    return SeedResult(
+        seed, ["a", "b"], {"a": 0, "b": 1}, rows={"none": none_rows, "lifemem": mem_rows}, zero_shot=zero or {}
+    )
 
 
 def test_summarise_pools_seeds_and_brackets_every_figure():
-    r0 = _seed(0, [{"a": [0, 1, 1, 0]}, {"a": [0, 1, 1, 0], "b": [0, 1]}],
-               [{"a": [1, 0, 1, 0]}, {"a": [1, 1, 1, 0], "b": [1, 1]}], {"none": {"z": [0, 0]}, "lifemem": {"z": [1, 0]}})
-    r1 = _seed(1, [{"a": [1, 0, 1, 0]}, {"a": [1, 0, 1, 0], "b": [0, 0]}],
-               [{"a": [1, 1, 0, 0]}, {"a": [1, 1, 0, 1], "b": [1, 0]}], {"none": {"z": [1, 0]}, "lifemem": {"z": [1, 1]}})
+    r0 = _seed(
+        0,
+        [{"a": [0, 1, 1, 0]}, {"a": [0, 1, 1, 0], "b": [0, 1]}],
+        [{"a": [1, 0, 1, 0]}, {"a": [1, 1, 1, 0], "b": [1, 1]}],
+        {"none": {"z": [0, 0]}, "lifemem": {"z": [1, 0]}},
+    )
+    r1 = _seed(
+        1,
+        [{"a": [1, 0, 1, 0]}, {"a": [1, 0, 1, 0], "b": [0, 0]}],
+        [{"a": [1, 1, 0, 0]}, {"a": [1, 1, 0, 1], "b": [1, 0]}],
+        {"none": {"z": [1, 0]}, "lifemem": {"z": [1, 1]}},
+    )
     out = summarise([r0, r1], ["none", "lifemem"], ["a", "b"], bootstrap=300, seed=1)
     mem = out["lifemem"]
     assert mem["table"]["rows"][0]["a"] == pytest.approx(100 * 4 / 8)
@@ -186,8 +209,12 @@ def _report(tmp_path):
     return {
         "config": ExperimentConfig(name="r", envs=["a", "b"], eval_envs=[]).to_dict(),
         "modes": {"none": mode, "lifemem": mode},
-        "memory": {"trajectories": 9, "clusters": 3, "cluster_sizes": [5, 3, 1],
-                   "clusters_per_env": {"a": {"single_env": 2, "shared": 1}, "b": {"single_env": 0, "shared": 1}}},
+        "memory": {
+            "trajectories": 9,
+            "clusters": 3,
+            "cluster_sizes": [5, 3, 1],
+            "clusters_per_env": {"a": {"single_env": 2, "shared": 1}, "b": {"single_env": 0, "shared": 1}},
+        },
     }
 
 

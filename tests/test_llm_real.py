@@ -22,14 +22,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llm_server import llama_server_fixture  # noqa: E402
-from lifemem_ray.llm.llm_config import LLMConfig
+from llm_server import llama_server_fixture
+
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, Candidate, ClusterView
-from lifemem_ray.llm.decider import LLMDecider
 from lifemem_ray.engine.memory import Memory
-from lifemem_ray.llm.prompts import DESCRIPTION_MAX_CHARS, SKILL_MAX_CHARS, assign_prompt
 from lifemem_ray.lab.synthetic import generate, text_vectors
+from lifemem_ray.llm.decider import LLMDecider
+from lifemem_ray.llm.llm_config import LLMConfig
+from lifemem_ray.llm.prompts import DESCRIPTION_MAX_CHARS, SKILL_MAX_CHARS, assign_prompt
 
 pytestmark = [pytest.mark.llm_real, pytest.mark.timeout(900)]
 
@@ -51,7 +52,9 @@ ERRORISH = re.compile(
     r"timed out|connection (error|refused)|rate limit|\{\s*[\"']error[\"']|<html)",
     re.IGNORECASE,
 )
-ERROR_OPENING = re.compile(r"^\W*(error|exception|sorry|i cannot|i can't|i'm sorry|as an ai|none$|null$|n/a$)", re.IGNORECASE)
+ERROR_OPENING = re.compile(
+    r"^\W*(error|exception|sorry|i cannot|i can't|i'm sorry|as an ai|none$|null$|n/a$)", re.IGNORECASE
+)
 URL = re.compile(r"(https?://|www\.)\S+", re.IGNORECASE)
 
 
@@ -60,13 +63,21 @@ PLACEHOLDER_LINE = re.compile(r"^\W*<[^<>]*>\W*$")  # "<one sentence>", "- <rule
 
 def looks_like_error(text: str) -> bool:
     """An error report, a refusal, or the prompt's answer-format placeholders copied back."""
-    return bool(ERRORISH.search(text) or ERROR_OPENING.search(text.strip())
-                or any(PLACEHOLDER_LINE.match(line) for line in text.splitlines()))
+    return bool(
+        ERRORISH.search(text)
+        or ERROR_OPENING.search(text.strip())
+        or any(PLACEHOLDER_LINE.match(line) for line in text.splitlines())
+    )
 
 
 def clean_description(text: object) -> bool:
-    return (isinstance(text, str) and 8 <= len(text) <= DESCRIPTION_MAX_CHARS and "\n" not in text
-            and text == text.strip() and not looks_like_error(text))
+    return (
+        isinstance(text, str)
+        and 8 <= len(text) <= DESCRIPTION_MAX_CHARS
+        and "\n" not in text
+        and text == text.strip()
+        and not looks_like_error(text)
+    )
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -120,8 +131,14 @@ def test_server_lists_a_model(server):
 
 def test_assign_answers_are_valid_or_none(server, decider):
     requests = [
-        AssignRequest(0, traj("shop", 1), (Candidate(view(11, SHOP, {"shop": 4}), 0.7, 0.6, 0.8, 2),
-                                           Candidate(view(12, HOUSE, {"household": 3}), 0.4, 0.3, 0.5, 1))),
+        AssignRequest(
+            0,
+            traj("shop", 1),
+            (
+                Candidate(view(11, SHOP, {"shop": 4}), 0.7, 0.6, 0.8, 2),
+                Candidate(view(12, HOUSE, {"household": 3}), 0.4, 0.3, 0.5, 1),
+            ),
+        ),
         AssignRequest(1, traj("household", 2), (Candidate(view(12, HOUSE, {"household": 3}), 0.6, 0.5, 0.7, 2),)),
         AssignRequest(2, traj("sql", 3), ()),
     ]
@@ -148,7 +165,9 @@ def test_assign_answers_are_valid_or_none(server, decider):
     first = assign_prompt(requests[:2], LLM_SETTINGS["max_item_chars"])
     second = assign_prompt(requests[2:], LLM_SETTINGS["max_item_chars"])
     low = sum(server.tokenize(p.messages[1]["content"]) for p in (first, second))
-    high = sum(server.tokenize(p.messages[0]["content"] + "\n" + p.messages[1]["content"]) + 32 for p in (first, second))
+    high = sum(
+        server.tokenize(p.messages[0]["content"] + "\n" + p.messages[1]["content"]) + 32 for p in (first, second)
+    )
     assert low < usage["prompt_tokens"] <= high, (low, usage["prompt_tokens"], high)
     assert usage["completion_tokens"] <= 2 * LLM_SETTINGS["max_answer_tokens"]
 
@@ -189,8 +208,14 @@ def test_partition_covers_every_trajectory_or_is_none(decider):
 def test_memory_ingest_end_to_end(server, tmp_path):
     trajs = list(generate(30, seed=5, envs=["household", "shop", "sql"], length_scale=0.2))
     overrides = {f"llm.{k}": v for k, v in LLM_SETTINGS.items()}
-    overrides.update({"llm.base_url": server.base_url, "llm.items_per_call": 3, "llm.max_item_chars": 600,
-                      "evolution.skill_sample_size": 4})
+    overrides.update(
+        {
+            "llm.base_url": server.base_url,
+            "llm.items_per_call": 3,
+            "llm.max_item_chars": 600,
+            "evolution.skill_sample_size": 4,
+        }
+    )
     config = DeploymentConfig().replace(overrides)
     memory = Memory.open(tmp_path / "mem", config)
     try:

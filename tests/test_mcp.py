@@ -19,8 +19,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import httpx2
 import jsonschema
@@ -31,10 +32,10 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from starlette.middleware import Middleware
 
-from lifemem_ray.service.mcp_server import build_mcp_server, streamable_http_app
 from lifemem_ray.engine.memory import Memory
-from lifemem_ray.service.principal import Principal, acting_as, current
 from lifemem_ray.lab.synthetic import generate
+from lifemem_ray.service.mcp_server import build_mcp_server, streamable_http_app
+from lifemem_ray.service.principal import Principal, acting_as, current
 
 TOOLS = {"add_trajectory", "retrieve_experience", "memory_stats"}
 
@@ -80,8 +81,11 @@ def _command() -> tuple[str, list[str]]:
 
 def _stdio(store: Path, *args: str) -> StdioServerParameters:
     command, prefix = _command()
-    return StdioServerParameters(command=command, args=[*prefix, "mcp", "--store", str(store), *args],
-                                 env={"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    return StdioServerParameters(
+        command=command,
+        args=[*prefix, "mcp", "--store", str(store), *args],
+        env={"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def test_stdio_server_adds_retrieves_and_reports_errors(tmp_path):
@@ -94,33 +98,58 @@ def test_stdio_server_adds_retrieves_and_reports_errors(tmp_path):
             for t in trajectories:
                 answer = _structured(await client.call_tool("add_trajectory", _record(t)), tools["add_trajectory"])
                 assert answer["id"] == t.id and answer["status"] in ("added", "pending") and answer["tenant"] == "acme"
-            again = _structured(await client.call_tool("add_trajectory", _record(trajectories[0])), tools["add_trajectory"])
+            again = _structured(
+                await client.call_tool("add_trajectory", _record(trajectories[0])), tools["add_trajectory"]
+            )
             assert again["status"] == "duplicate"
 
             target = trajectories[-1]
-            got = _structured(await client.call_tool("retrieve_experience", {"task": target.task, "env": target.env, "k": 3}),
-                              tools["retrieve_experience"])
+            got = _structured(
+                await client.call_tool("retrieve_experience", {"task": target.task, "env": target.env, "k": 3}),
+                tools["retrieve_experience"],
+            )
             hits = {h["id"]: h for h in got["trajectories"]}
             assert target.id in hits and hits[target.id]["score"] > 0.99
             first = hits[target.id]
             assert [s["action"] for s in first["steps"]] == [s.action for s in target.steps]
             assert f"Task: {target.task}" in got["context"] and target.steps[0].action in got["context"]
-            assert "rendered" not in first, "the rendered text is the context's, within its token budget: not sent twice"
+            assert "rendered" not in first, (
+                "the rendered text is the context's, within its token budget: not sent twice"
+            )
             assert got["context"] and got["k"] == 3
 
             stats = _structured(await client.call_tool("memory_stats", {}), tools["memory_stats"])
             assert stats["tenant"] == "acme" and stats["trajectories"] == len(trajectories)
             assert sum(e["trajectories"] for e in stats["per_env"].values()) == len(trajectories)
 
-            bad_step = await client.call_tool("add_trajectory", {"task": "t", "env": "e", "steps": [{"observation": "o"}]})
-            assert bad_step.is_error and "steps[0]" in _text(bad_step) and "neither an action nor a thought" in _text(bad_step)
+            bad_step = await client.call_tool(
+                "add_trajectory", {"task": "t", "env": "e", "steps": [{"observation": "o"}]}
+            )
+            assert (
+                bad_step.is_error
+                and "steps[0]" in _text(bad_step)
+                and "neither an action nor a thought" in _text(bad_step)
+            )
             no_env = await client.call_tool("add_trajectory", {"task": "t", "steps": [{"action": "a"}]})
             assert no_env.is_error and "env" in _text(no_env) and "Field required" in _text(no_env)
             # The record forms REST and ingest accept: an integer id, a bare true/false outcome.
-            native = _structured(await client.call_tool("add_trajectory", {"task": "count the rows", "env": "e", "id": 7, "outcome": True,
-                                                                           "steps": [{"action": "SELECT COUNT(*) FROM t"}]}), tools["add_trajectory"])
+            native = _structured(
+                await client.call_tool(
+                    "add_trajectory",
+                    {
+                        "task": "count the rows",
+                        "env": "e",
+                        "id": 7,
+                        "outcome": True,
+                        "steps": [{"action": "SELECT COUNT(*) FROM t"}],
+                    },
+                ),
+                tools["add_trajectory"],
+            )
             assert native["id"] == "7" and native["status"] in ("added", "pending")
-            bool_id = await client.call_tool("add_trajectory", {"task": "t", "env": "e", "id": True, "steps": [{"action": "a"}]})
+            bool_id = await client.call_tool(
+                "add_trajectory", {"task": "t", "env": "e", "id": True, "steps": [{"action": "a"}]}
+            )
             assert bool_id.is_error and "id" in _text(bool_id)
             bad_k = await client.call_tool("retrieve_experience", {"task": "t", "k": 0})
             assert bad_k.is_error and "k: expected an integer within [1, " in _text(bad_k)
@@ -147,11 +176,24 @@ def _read_line(stream: Any, deadline: float) -> bytes:
 def test_stdio_server_closes_the_store_on_sigterm(tmp_path):
     store = tmp_path / "store"
     command, prefix = _command()
-    proc = subprocess.Popen([command, *prefix, "mcp", "--store", str(store), "--create"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.Popen(
+        [command, *prefix, "mcp", "--store", str(store), "--create"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     try:
-        hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "test", "version": "0"}}}
+        hello = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "test", "version": "0"},
+            },
+        }
         proc.stdin.write((json.dumps(hello) + "\n").encode())
         proc.stdin.flush()
         answer = json.loads(_read_line(proc.stdout, time.monotonic() + 120))
@@ -168,16 +210,26 @@ def test_stdio_server_closes_the_store_on_sigterm(tmp_path):
 
 def test_stdio_server_refuses_a_bad_tenant_before_serving(tmp_path):
     command, prefix = _command()
-    done = subprocess.run([command, *prefix, "mcp", "--store", str(tmp_path / "s"), "--tenant", "no spaces"],
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [command, *prefix, "mcp", "--store", str(tmp_path / "s"), "--tenant", "no spaces"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 1 and "--tenant" in done.stderr and done.stdout == ""
 
 
 def test_stdio_server_refuses_a_folder_without_a_store_unless_told_to_create_one(tmp_path):
     command, prefix = _command()
     mistyped = tmp_path / "stroe"
-    done = subprocess.run([command, *prefix, "mcp", "--store", str(mistyped)],
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [command, *prefix, "mcp", "--store", str(mistyped)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 1 and done.stdout == ""
     assert f"{mistyped}: no memory store here" in done.stderr and "--create" in done.stderr
     assert not mistyped.exists()
@@ -207,7 +259,9 @@ class BearerKeys:
         principal = KEYS.get(header.removeprefix("Bearer "))
         if principal is None:
             body = b'{"error": "send Authorization: Bearer <key>"}'
-            await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]}
+            )
             await send({"type": "http.response.body", "body": body})
             return
         with acting_as(principal):
@@ -259,8 +313,10 @@ def test_http_tenants_never_see_each_other(http_memory, mode):
     async def scenario() -> None:
         async with _http_client(url, "key-a", mode) as a, _http_client(url, "key-b", mode) as b:
             tools = _check_schemas(await a.list_tools())
-            before = {k: _structured(await c.call_tool("memory_stats", {}), tools["memory_stats"])["trajectories"]
-                      for k, c in (("a", a), ("b", b))}
+            before = {
+                k: _structured(await c.call_tool("memory_stats", {}), tools["memory_stats"])["trajectories"]
+                for k, c in (("a", a), ("b", b))
+            }
             for t in trajectories:
                 for owner, client in (("tenant-a", a), ("tenant-b", b)):
                     # A "tenant" argument is not one: the key decides.
@@ -269,8 +325,10 @@ def test_http_tenants_never_see_each_other(http_memory, mode):
                     assert answer["id"] == t.id and answer["tenant"] == owner
             for owner, client in (("tenant-a", a), ("tenant-b", b)):
                 for t in trajectories[:3]:
-                    got = _structured(await client.call_tool("retrieve_experience", {"task": t.task, "env": None, "k": 32}),
-                                      tools["retrieve_experience"])
+                    got = _structured(
+                        await client.call_tool("retrieve_experience", {"task": t.task, "env": None, "k": 32}),
+                        tools["retrieve_experience"],
+                    )
                     assert got["trajectories"], owner
                     assert {h["metadata"].get("owner") for h in got["trajectories"]} == {owner}
                     assert t.id in {h["id"] for h in got["trajectories"]}
@@ -307,9 +365,11 @@ def test_http_is_stateless_with_json_answers(http_memory):
         async with httpx2.AsyncClient(headers={"Authorization": "Bearer key-a"}) as http:
             for n, method in enumerate(("tools/list", "tools/call")):
                 params = {"name": "memory_stats", "arguments": {}} if method == "tools/call" else {}
-                answer = await http.post(url, json={"jsonrpc": "2.0", "id": n, "method": method, "params": params},
-                                         headers={"Accept": "application/json, text/event-stream",
-                                                  "MCP-Protocol-Version": "2025-06-18"})
+                answer = await http.post(
+                    url,
+                    json={"jsonrpc": "2.0", "id": n, "method": method, "params": params},
+                    headers={"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-06-18"},
+                )
                 assert answer.status_code == 200, answer.text
                 assert answer.headers["content-type"].startswith("application/json")
                 assert "mcp-session-id" not in answer.headers
@@ -326,6 +386,7 @@ def test_tools_refuse_a_call_without_a_principal(tmp_path, embedder):
     """A mount that forgot to authenticate gets a tool error, not another tenant's data."""
     memory = Memory.open(tmp_path / "store", embedder=embedder)
     try:
+
         async def scenario() -> None:
             async with Client(build_mcp_server(lambda: memory, current)) as client:
                 refused = await client.call_tool("memory_stats", {})
@@ -344,8 +405,10 @@ def test_tools_over_a_ray_deployment(deployment):
     after the coordinator acknowledged it, and the tenant travels to the shards."""
     client, _info = deployment(shards=2)
     trajectories = list(generate(8, seed=31, length_scale=0.1))
-    principals = {"x": Principal("tenant-x", frozenset({"read", "write"}), "x"),
-                  "y": Principal("tenant-y", frozenset({"read", "write"}), "y")}
+    principals = {
+        "x": Principal("tenant-x", frozenset({"read", "write"}), "x"),
+        "y": Principal("tenant-y", frozenset({"read", "write"}), "y"),
+    }
     acting: list[Principal] = [principals["x"]]
     server = build_mcp_server(lambda: client, lambda: acting[0])
 
@@ -356,14 +419,18 @@ def test_tools_over_a_ray_deployment(deployment):
                 answer = _structured(await mcp.call_tool("add_trajectory", _record(t)), tools["add_trajectory"])
                 assert answer["id"] == t.id and answer["status"] in ("added", "pending")
             target = trajectories[0]
-            got = _structured(await mcp.call_tool("retrieve_experience", {"task": target.task, "env": target.env}),
-                              tools["retrieve_experience"])
+            got = _structured(
+                await mcp.call_tool("retrieve_experience", {"task": target.task, "env": target.env}),
+                tools["retrieve_experience"],
+            )
             assert target.id in {h["id"] for h in got["trajectories"]}
             stats = _structured(await mcp.call_tool("memory_stats", {}), tools["memory_stats"])
             assert stats["trajectories"] == len(trajectories)
             acting[0] = principals["y"]
-            other = _structured(await mcp.call_tool("retrieve_experience", {"task": target.task, "env": None, "k": 8}),
-                                tools["retrieve_experience"])
+            other = _structured(
+                await mcp.call_tool("retrieve_experience", {"task": target.task, "env": None, "k": 8}),
+                tools["retrieve_experience"],
+            )
             assert other["trajectories"] == [] and other["skills"] == []
             assert _structured(await mcp.call_tool("memory_stats", {}), tools["memory_stats"])["trajectories"] == 0
 

@@ -6,15 +6,20 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import purity, unit
-from lifemem_ray.engine.memory_config import MemoryConfig
-from lifemem_ray.engine.memory import IdConflictError, Memory, prepare_items
+
 from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.engine.memory import IdConflictError, Memory, prepare_items
+from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.store.storage import StoreError
 
 
-def traj(i: int, env: str = "shop", actions: tuple[str, ...] = ("search[x]", "click[B1]", "click[Buy Now]"), task: str | None = None) -> Trajectory:
+def traj(
+    i: int,
+    env: str = "shop",
+    actions: tuple[str, ...] = ("search[x]", "click[B1]", "click[Buy Now]"),
+    task: str | None = None,
+) -> Trajectory:
     return Trajectory(
         env=env,
         task=task or f"task number {i} in {env}",
@@ -83,7 +88,10 @@ def test_one_batch_starting_a_new_workflow_opens_one_cluster(tmp_path):
         # Ten trajectories of an unseen workflow in one batch, similar tasks.
         centre = rand_vecs(1, seed=9)[0]
         vecs = unit(centre + 0.05 * rand_vecs(10, seed=10))
-        new = [traj(i, "sql", ("Action: Operation\n```sql\nSELECT 1;\n```", "Action: Answer\nFinal Answer: [1]")) for i in range(10)]
+        new = [
+            traj(i, "sql", ("Action: Operation\n```sql\nSELECT 1;\n```", "Action: Answer\nFinal Answer: [1]"))
+            for i in range(10)
+        ]
         res = m.add_many(new, vecs)
         opened = {r.cluster_id for r in res} - before
         assert len(opened) == 1
@@ -103,11 +111,15 @@ def test_evolution_groups_by_workflow(tmp_path, synthetic):
 
 
 def test_split_when_large_and_diverse(tmp_path):
-    config = MemoryConfig().replace({"evolution.split_min_size": 20, "policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
+    config = MemoryConfig().replace(
+        {"evolution.split_min_size": 20, "policy.join_threshold": 0.0, "policy.density_ratio": 0.0}
+    )
     with Memory.open(tmp_path / "m", config) as m:
         # Everything joins (threshold 0) one cluster although there are two workflows.
         a = [traj(i, "shop", ("search[x]", "click[B1]", "click[Buy Now]")) for i in range(15)]
-        b = [traj(100 + i, "shop", ("look around", "open door to kitchen", "focus on water", "wait1")) for i in range(15)]
+        b = [
+            traj(100 + i, "shop", ("look around", "open door to kitchen", "focus on water", "wait1")) for i in range(15)
+        ]
         items = [x for pair in zip(a, b) for x in pair]
         centre = rand_vecs(1, seed=5)[0]
         res = m.add_many(items, unit(centre + 0.01 * rand_vecs(30, seed=6)))
@@ -175,7 +187,12 @@ def test_retrieval_context_respects_the_token_budget(tmp_path):
     long_obs = "word " * 4000
     with Memory.open(tmp_path / "m") as m:
         items = [
-            Trajectory(env="e", task=f"t{i}", steps=tuple(Step(action=f"act{j}", observation=long_obs) for j in range(5)), id=f"e{i}")
+            Trajectory(
+                env="e",
+                task=f"t{i}",
+                steps=tuple(Step(action=f"act{j}", observation=long_obs) for j in range(5)),
+                id=f"e{i}",
+            )
             for i in range(8)
         ]
         m.add_many(items, rand_vecs(8))
@@ -294,17 +311,29 @@ def test_store_map_grows_by_itself(tmp_path):
     config = MemoryConfig().replace({"store.map_size_mb": 1})
     big = "x" * 20000
     with Memory.open(tmp_path / "m", config) as m:
-        items = [Trajectory(env="e", task=f"t{i}", steps=(Step(action="a", observation=big),), id=f"t{i}") for i in range(300)]
+        items = [
+            Trajectory(env="e", task=f"t{i}", steps=(Step(action="a", observation=big),), id=f"t{i}")
+            for i in range(300)
+        ]
         m.add_many(items, rand_vecs(300))
         assert m.store.info()["map_size"] > 1 << 20
         assert len(m) == 300 and m.verify()["ok"]
 
 
 def test_background_maintenance(tmp_path):
-    config = MemoryConfig().replace({"evolution.background_maintenance": True, "evolution.split_min_size": 20, "policy.join_threshold": 0.0, "policy.density_ratio": 0.0})
+    config = MemoryConfig().replace(
+        {
+            "evolution.background_maintenance": True,
+            "evolution.split_min_size": 20,
+            "policy.join_threshold": 0.0,
+            "policy.density_ratio": 0.0,
+        }
+    )
     with Memory.open(tmp_path / "m", config) as m:
         a = [traj(i, "shop", ("search[x]", "click[B1]", "click[Buy Now]")) for i in range(15)]
-        b = [traj(100 + i, "shop", ("look around", "open door to kitchen", "focus on water", "wait1")) for i in range(15)]
+        b = [
+            traj(100 + i, "shop", ("look around", "open door to kitchen", "focus on water", "wait1")) for i in range(15)
+        ]
         m.add_many(a + b, unit(rand_vecs(1)[0] + 0.01 * rand_vecs(30, seed=6)))
     with Memory.open(tmp_path / "m", config) as m:  # queued work is durable: finished now if close() left any
         m.maintain()
@@ -321,10 +350,18 @@ def test_closed_memory_refuses_work(tmp_path):
 
 
 def test_trusted_decode_of_stored_records_equals_the_validated_one():
-    from lifemem_ray.engine.store.codec import decode_trajectory as record_to_trajectory, encode_trajectory as trajectory_to_record
+    from lifemem_ray.engine.store.codec import decode_trajectory as record_to_trajectory
+    from lifemem_ray.engine.store.codec import encode_trajectory as trajectory_to_record
 
-    traj = Trajectory(env="web", task="find a red mug", steps=(Step(action="search[red mug]", thought="look", observation="3 hits"),),
-                      outcome=Outcome(success=True, reward=1.0), id="t1", initial_observation="home page", metadata={"k": [1, "x"]})
+    traj = Trajectory(
+        env="web",
+        task="find a red mug",
+        steps=(Step(action="search[red mug]", thought="look", observation="3 hits"),),
+        outcome=Outcome(success=True, reward=1.0),
+        id="t1",
+        initial_observation="home page",
+        metadata={"k": [1, "x"]},
+    )
     raw = trajectory_to_record(traj, ["SEARCH"], 0.0)
     checked, extra = record_to_trajectory(raw)
     fast, fast_extra = record_to_trajectory(raw, trusted=True)
@@ -336,8 +373,20 @@ def test_candidate_arrays_merge_keeps_the_best_across_stores_in_store_order():
     from lifemem_ray.engine.clustering.evolution import CandidateArrays
 
     pad = -np.inf
-    a = CandidateArrays(np.array([[5, -1, 7]]), np.array([[0.9, pad, 0.5]], np.float32), np.array([[5]]), np.array([[0.8]], np.float32), {})
-    b = CandidateArrays(np.array([[9, 8, -1]]), np.array([[0.9, 0.7, pad]], np.float32), np.zeros((1, 0), np.int64), np.zeros((1, 0), np.float32), {})
+    a = CandidateArrays(
+        np.array([[5, -1, 7]]),
+        np.array([[0.9, pad, 0.5]], np.float32),
+        np.array([[5]]),
+        np.array([[0.8]], np.float32),
+        {},
+    )
+    b = CandidateArrays(
+        np.array([[9, 8, -1]]),
+        np.array([[0.9, 0.7, pad]], np.float32),
+        np.zeros((1, 0), np.int64),
+        np.zeros((1, 0), np.float32),
+        {},
+    )
     merged = CandidateArrays.merge([a, b], k=3, m=2)
     assert [c for c, _ in merged.neighbours[0]] == [5, 9, 8]  # equal scores: the first store first
     assert [c for c, _ in merged.extra[0]] == [5]
@@ -349,7 +398,9 @@ def test_candidates_match_between_the_list_and_array_forms(tmp_path, synthetic):
     with Memory.open(tmp_path / "m") as memory:
         memory.add_many(trajs[:400], vecs[:400])
         items = prepare_items(trajs[400:460], vecs[400:460], memory.dim, memory.features)
-        arrays = memory.shard.candidates(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items])
+        arrays = memory.shard.candidates(
+            np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items]
+        )
         found = memory._ingest.candidates(items)  # the list form the engine plans with
         assert found.neighbours == arrays.to_set().neighbours and found.extra == arrays.to_set().extra
         assert all(row for row in found.neighbours) and set(found.clusters) == set(arrays.clusters)
@@ -401,9 +452,8 @@ def test_paused_gc_restores_the_collector_state():
         assert not gc.isenabled()  # a caller that disabled it keeps it disabled
     finally:
         gc.enable()
-    with pytest.raises(RuntimeError):
-        with paused_gc():
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError("boom")
     assert gc.isenabled()
 
 
@@ -413,7 +463,9 @@ def test_retrieved_exemplars_decode_their_trajectory_on_demand(tmp_path, synthet
 
     trajs, vecs = synthetic
     raw = [trajectory_to_record(t, ["w"], 0.0) for t in trajs[:3]]
-    got = assemble("q", trajs[0].env, [(0.5, 7, raw[1]), (0.9, 3, raw[0]), (0.1, None, raw[2])], {3: "skill"}, 2, 4, 3000)
+    got = assemble(
+        "q", trajs[0].env, [(0.5, 7, raw[1]), (0.9, 3, raw[0]), (0.1, None, raw[2])], {3: "skill"}, 2, 4, 3000
+    )
     first, second = got.trajectories
     assert (first.id, first.score, first.cluster_id, second.id) == (trajs[0].id, 0.9, 3, trajs[1].id)
     assert first._fields is None and first._trajectory is None  # only the bytes are kept
@@ -447,10 +499,15 @@ def test_in_batch_neighbours_come_from_the_items_environment(tmp_path):
     its environment, as its stored neighbours are: two environments doing the very same thing,
     interleaved in one batch (no centroid candidates), keep apart."""
     steps = (Step(action="search[shoes]"), Step(action="click[item 3]"), Step(action="buy[now]"))
-    trajs = [Trajectory(env=env, task=f"buy shoes, order {i}", id=f"{env}-{i}", steps=steps, outcome=Outcome(success=True))
-             for i in range(20) for env in ("shop-a", "shop-b")]
+    trajs = [
+        Trajectory(env=env, task=f"buy shoes, order {i}", id=f"{env}-{i}", steps=steps, outcome=Outcome(success=True))
+        for i in range(20)
+        for env in ("shop-a", "shop-b")
+    ]
     vecs = unit(np.tile(np.random.default_rng(0).normal(size=(1, 384)), (len(trajs), 1)))
-    config = MemoryConfig().replace({"evolution.neighbour_scope": "env", "evolution.centroid_candidates": 0, "evolution.init_size": 2})
+    config = MemoryConfig().replace(
+        {"evolution.neighbour_scope": "env", "evolution.centroid_candidates": 0, "evolution.init_size": 2}
+    )
     with Memory.open(tmp_path / "m", config) as m:
         m.add_many(trajs[:2], vecs[:2])  # initialised: one trajectory of each
         m.add_many(trajs[2:], vecs[2:])  # one batch, the two environments interleaved

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import unit
-from lifemem_ray.engine.memory_config import MemoryConfig
+
+from lifemem_ray.engine.clustering.steps import features_id, featurize
 from lifemem_ray.engine.memory import Memory, pack_trajectories
+from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, stored_features
-from lifemem_ray.engine.clustering.steps import featurize, features_id
 from lifemem_ray.engine.store.storage import StoreError
 from lifemem_ray.lab.synthetic import generate, text_vectors
 

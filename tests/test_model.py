@@ -8,7 +8,12 @@ from lifemem_ray.core.model import InvalidTrajectoryError, Outcome, Step, Trajec
 
 
 def test_round_trip_and_stable_id():
-    t = Trajectory(env="shop", task="buy", steps=(Step(action="search[x]", thought="t", observation="o"),), outcome=Outcome(True, 1))
+    t = Trajectory(
+        env="shop",
+        task="buy",
+        steps=(Step(action="search[x]", thought="t", observation="o"),),
+        outcome=Outcome(True, 1),
+    )
     assert t.id.startswith("h-") and t.id == t.fingerprint
     again = Trajectory.from_dict(t.to_dict())
     assert again == t and again.id == t.id and hash(again) == hash(t)
@@ -29,8 +34,14 @@ def test_round_trip_and_stable_id():
         ({"env": "e", "task": "t", "steps": [{"action": "a", "oops": 1}]}, r"steps\[0\]: unknown field"),
         ({"env": "e", "task": "t", "steps": [{"action": ""}]}, r"steps\[0\]: step has neither"),
         ({"env": "e", "task": "t", "steps": [{"action": "a"}], "outcome": {"success": "yes"}}, "outcome.success"),
-        ({"env": "e", "task": "t", "steps": [{"action": "a"}], "outcome": {"reward": float("nan")}}, "outcome.reward: must be finite"),
-        ({"env": "e", "task": "t", "steps": [{"action": "a"}], "metadata": {"x": {1, 2}}}, "metadata.x: unsupported type"),
+        (
+            {"env": "e", "task": "t", "steps": [{"action": "a"}], "outcome": {"reward": float("nan")}},
+            "outcome.reward: must be finite",
+        ),
+        (
+            {"env": "e", "task": "t", "steps": [{"action": "a"}], "metadata": {"x": {1, 2}}},
+            "metadata.x: unsupported type",
+        ),
         ({"env": "e", "task": "t", "steps": [{"action": "a"}], "metadata": []}, "metadata: expected an object"),
         ({"env": " e", "task": "t", "steps": [{"action": "a"}]}, "env: ' e' must be"),
         ({"env": "e", "task": "", "steps": [{"action": "a"}]}, "task: empty"),
@@ -45,20 +56,30 @@ def test_malformed_records(record, message):
 
 
 def test_env_fallback_and_render():
-    t = Trajectory.from_dict({"env": None, "task": "t", "steps": [{"action": "Action 1: Search[x]", "thought": "Thought 1: hm"}]}, env="wiki")
+    t = Trajectory.from_dict(
+        {"env": None, "task": "t", "steps": [{"action": "Action 1: Search[x]", "thought": "Thought 1: hm"}]}, env="wiki"
+    )
     assert t.env == "wiki"
     text = t.render()
     assert "Action 1: Search[x]" in text and "Action 1: Action 1" not in text
-    assert len(Trajectory(env="e", task="t", steps=tuple(Step(action="a" * 100) for _ in range(50))).render(max_chars=500)) <= 500
+    assert (
+        len(Trajectory(env="e", task="t", steps=tuple(Step(action="a" * 100) for _ in range(50))).render(max_chars=500))
+        <= 500
+    )
 
 
 def test_render_text_from_plain_fields_matches_render():
     from lifemem_ray.core.model import render_text
 
     t = Trajectory(
-        env="e", task="  ", initial_observation="You are in a room.",
-        steps=(Step(thought="Thought 1: look", action="go north", observation=""), Step(thought="  ", action="a", observation="obs 2"),
-               Step(thought="think", action="ACTION 3: x", observation="Observation: y")),
+        env="e",
+        task="  ",
+        initial_observation="You are in a room.",
+        steps=(
+            Step(thought="Thought 1: look", action="go north", observation=""),
+            Step(thought="  ", action="a", observation="obs 2"),
+            Step(thought="think", action="ACTION 3: x", observation="Observation: y"),
+        ),
         outcome=Outcome(success=False),
     )
     fields = [(s.thought, s.action, s.observation) for s in t.steps]
@@ -77,9 +98,12 @@ def test_metadata_text_follows_the_text_rules_and_the_size_bounds():
         fields.update(kw)
         return Trajectory(**fields)
 
-    for metadata, message in (({"a": "x\x00y"}, "metadata.a: contains a NUL"), ({"k\x00": 1}, "contains a NUL"),
-                              ({"a": "x" * (MAX_TEXT_CHARS + 1)}, "more than the"),
-                              ({"a": list(range(MAX_METADATA_ITEMS + 1))}, "keys and items")):
+    for metadata, message in (
+        ({"a": "x\x00y"}, "metadata.a: contains a NUL"),
+        ({"k\x00": 1}, "contains a NUL"),
+        ({"a": "x" * (MAX_TEXT_CHARS + 1)}, "more than the"),
+        ({"a": list(range(MAX_METADATA_ITEMS + 1))}, "keys and items"),
+    ):
         with pytest.raises(InvalidTrajectoryError, match=message):
             make(metadata=metadata)
     with pytest.raises(InvalidTrajectoryError, match="steps:"):

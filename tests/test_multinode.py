@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 
-
 def test_node_loss_is_reported_and_a_snapshot_brings_the_memory_back(tmp_path):
     script = Path(__file__).with_name("multinode_scenario.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)

@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
-
 from conftest import SMALL_ACTORS
-from lifemem_ray.engine.memory import IdConflictError, Memory
+
 from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.engine.memory import IdConflictError, Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -55,13 +55,19 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
     report = client.verify()
     assert report["ok"], [s["problems"][:3] for s in report["shards"]]
     every = client.clusters()
-    assert client.cluster_count() == len(every) and [c.id for c in client.clusters(limit=3)] == [c.id for c in every[:3]]
+    assert client.cluster_count() == len(every) and [c.id for c in client.clusters(limit=3)] == [
+        c.id for c in every[:3]
+    ]
     # The same top-k trajectories as the single-process engine on the same data.
     with Memory.open(tmp_path / "single") as memory:
         memory.add_many(trajs[:1200], vecs[:1200])
         queries = list(range(1200, 1260))
-        single = memory.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
-    sharded = client.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
+        single = memory.retrieve_many(
+            [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
+        )
+    sharded = client.retrieve_many(
+        [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
+    )
     for a, b in zip(single, sharded):
         same_hits(a, b, clusters=False)  # cluster ids differ: each shard has its own id namespace
         assert b.skills and b.context
@@ -74,7 +80,9 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
     with Memory.open(tmp_path / "single") as memory:
         memory.add_many(trajs, vecs)
         queries = list(range(0, 1500, 37))
-        expected = memory.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
+        expected = memory.retrieve_many(
+            [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
+        )
         clusters = {c.id for c in memory.clusters()}
     client, _ = deployment(shards=1)  # only to learn a namespace pattern; restore makes its own
     from lifemem_ray.actors.cluster import deployment as dep
@@ -88,7 +96,9 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
         assert info["trajectories"] == 1500 and info["clusters"] == len(clusters)
         # Many queries: two rounds (hits, then the winners' records), in pipelined chunks of 7.
         restored = MemoryClient(ns, config.replace({"cluster.retrieve_chunk": 7, "cluster.search_chunk": 14}))
-        got = restored.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
+        got = restored.retrieve_many(
+            [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
+        )
         assert len(got) == len(expected)
         for a, b in zip(expected, got):
             same_retrieval(a, b)
@@ -114,7 +124,9 @@ def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_pat
     manifest = client.snapshot(tmp_path / "snap")
     assert manifest["shards"] == 2 and (tmp_path / "snap" / "snapshot.json").exists()
     queries = list(range(0, 600, 29))
-    before = client.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
+    before = client.retrieve_many(
+        [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
+    )
     # Writes after the snapshot are not in it.
     client.add_many(trajs[600:700], vecs[600:700]).result(timeout=300)
     ns = client.namespace + "-three"
@@ -123,7 +135,9 @@ def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_pat
     try:
         three = MemoryClient(ns, config)
         assert three.stats()["trajectories"] == 600 and info["trajectories"] == 600
-        after = three.retrieve_many([trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries])
+        after = three.retrieve_many(
+            [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
+        )
         for x, y in zip(before, after):
             same_retrieval(x, y)  # the memory as it was at the snapshot, cluster ids and skills included
         assert three.verify()["ok"]
@@ -217,9 +231,9 @@ def test_a_snapshot_whose_pause_times_out_does_not_leave_ingest_paused(deploymen
     """The pause goes on waiting for the batch in flight after the snapshot gave up on it; it
     is resumed all the same, so later adds are served (before: the coordinator stayed paused)."""
     import ray
+    from openai_stub import OpenAIStub, sensible_reply
 
     from lifemem_ray.actors.cluster import deployment as dep
-    from openai_stub import OpenAIStub, sensible_reply
 
     trajs, vecs = data
     assigning = threading.Event()
@@ -232,8 +246,16 @@ def test_a_snapshot_whose_pause_times_out_does_not_leave_ingest_paused(deploymen
         return reply
 
     with OpenAIStub(responder=slow_assignments) as stub:
-        client, _ = deployment(shards=1, **{"llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
-                                            "llm.timeout_s": 30, "policy.confident_margin": 1.0})
+        client, _ = deployment(
+            shards=1,
+            **{
+                "llm.backend": "openai",
+                "llm.base_url": stub.base_url,
+                "llm.model": "stub",
+                "llm.timeout_s": 30,
+                "policy.confident_margin": 1.0,
+            },
+        )
         client.add_many(trajs[:10], vecs[:10]).result(timeout=300)
         assigning.clear()
         in_flight = client.add_many(trajs[10:20], vecs[10:20])
@@ -244,7 +266,9 @@ def test_a_snapshot_whose_pause_times_out_does_not_leave_ingest_paused(deploymen
         assert {r.status for r in client.add_many(trajs[20:30], vecs[20:30]).result(timeout=120)} == {"added"}
 
 
-def _ingest_with_retries(client, trajs, vecs, acked: set, stop: threading.Event, errors: list, statuses: list | None = None) -> None:
+def _ingest_with_retries(
+    client, trajs, vecs, acked: set, stop: threading.Event, errors: list, statuses: list | None = None
+) -> None:
     """What a rollout worker does: send, and retry a request that was not acknowledged."""
     for start in range(0, len(trajs), 40):
         if stop.is_set():
@@ -273,7 +297,9 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
     errors: list[str] = []
     stop = threading.Event()
     statuses: list[str] = []
-    worker = threading.Thread(target=_ingest_with_retries, args=(client, trajs[:1200], vecs[:1200], acked, stop, errors, statuses))
+    worker = threading.Thread(
+        target=_ingest_with_retries, args=(client, trajs[:1200], vecs[:1200], acked, stop, errors, statuses)
+    )
     worker.start()
     while len(acked) < 200:
         time.sleep(0.05)

@@ -17,8 +17,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -52,8 +52,9 @@ def stale_tmp() -> Iterator[tuple[Path, str]]:
 def _cli(tmp: Path, *args: str, timeout: float = QUICK_S) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
     env.update(RAY_TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "lifemem_ray.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 # -- the address, without Ray --------------------------------------------------------------------
@@ -123,4 +124,6 @@ def test_serve_passes_over_a_stale_address_file_and_starts_its_own_head(stale_tm
         assert stats.returncode == 0 and json.loads(stats.stdout)["trajectories"] == 0, stats.stderr[-2000:]
     finally:
         stopped = _cli(tmp, "stop", "--namespace", "stale", "--ray", timeout=180)
-    assert stopped.returncode == 0 and "stopped the local Ray head" in stopped.stdout, stopped.stdout + stopped.stderr[-2000:]
+    assert stopped.returncode == 0 and "stopped the local Ray head" in stopped.stdout, (
+        stopped.stdout + stopped.stderr[-2000:]
+    )

@@ -10,13 +10,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import react_real  # noqa: E402
+import react_real
 
 SCHEMA = {
     "type": "object",
-    "properties": {"thought": {"type": "string", "maxLength": 2000},
-                   "action": {"type": "string", "minLength": 1, "maxLength": 2000},
-                   "note": {"type": "string", "maxLength": 40}},
+    "properties": {
+        "thought": {"type": "string", "maxLength": 2000},
+        "action": {"type": "string", "minLength": 1, "maxLength": 2000},
+        "note": {"type": "string", "maxLength": 40},
+    },
     "required": ["thought", "action"],
 }
 
@@ -69,7 +71,9 @@ def test_valid_action_rules():
     op = "Action: Operation\n```sql\nSELECT 1;\n```"
     assert react_real.action_valid("sql", {"action": op, "offered": None}, "[(1,)]")
     assert not react_real.action_valid("sql", {"action": op, "offered": None}, "Error: no such table: x")
-    assert react_real.action_valid("sql", {"action": "Action: Answer\nFinal Answer: [1]", "offered": None}, "Answer submitted: incorrect.")
+    assert react_real.action_valid(
+        "sql", {"action": "Action: Answer\nFinal Answer: [1]", "offered": None}, "Answer submitted: incorrect."
+    )
     assert not react_real.action_valid("sql", {"action": "SELECT 1", "offered": None}, "Invalid action: use ...")
 
 

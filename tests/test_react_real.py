@@ -41,10 +41,19 @@ def test_server_lists_a_model(server):
 def test_react_acts_on_the_memory(server, env):
     import react_real
 
-    settings = react_real.Settings(envs=[env], seeds=[0], modes=["none", "lifemem"], train_tasks=6, test_tasks=1,
-                                   max_steps=3, token_budget=600, bootstrap=50, max_answer_tokens=128)
+    settings = react_real.Settings(
+        envs=[env],
+        seeds=[0],
+        modes=["none", "lifemem"],
+        train_tasks=6,
+        test_tasks=1,
+        max_steps=3,
+        token_budget=600,
+        bootstrap=50,
+        max_answer_tokens=128,
+    )
     result = react_real.run(settings, server.base_url, "smollm2")
-    assert server.process is not None and server.process.poll() is None, f"the LLM server died:\n{server.log_tail(1500)}"
+    assert server.process is not None and server.process.poll() is None, server.death_report()
 
     memory = result["memory"]["0"]
     assert memory["trajectories"] == 6 and memory["clusters"] >= 1
@@ -73,5 +82,8 @@ def test_react_acts_on_the_memory(server, env):
         assert row["episodes"] == 1
         assert 0.0 <= row["valid_action_share"] <= 1.0
         assert row["prompt_tokens_per_step"] > row["completion_tokens_per_step"] > 0
-    assert result["summary"]["lifemem"][env]["prompt_tokens_per_step"] > result["summary"]["none"][env]["prompt_tokens_per_step"]
+    assert (
+        result["summary"]["lifemem"][env]["prompt_tokens_per_step"]
+        > result["summary"]["none"][env]["prompt_tokens_per_step"]
+    )
     assert "success" in react_real.table(result)

@@ -6,15 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from openai_stub import OpenAIStub, Reply
 
-from lifemem_ray.lab.agents import ExemplarAgent, GoldAgent, NoisyGoldAgent, RandomAgent, ReActAgent, action_similarity, make_agent
-from lifemem_ray.llm.llm_config import LLMConfig
-from lifemem_ray.lab.envs import Environment, StepResult, Task, make_env
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, RetrievedTrajectory, render_context
+from lifemem_ray.lab.agents import (
+    ExemplarAgent,
+    GoldAgent,
+    NoisyGoldAgent,
+    RandomAgent,
+    ReActAgent,
+    action_similarity,
+    make_agent,
+)
+from lifemem_ray.lab.envs import Environment, StepResult, Task, make_env
 from lifemem_ray.lab.episode import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
-
-from openai_stub import OpenAIStub, Reply
+from lifemem_ray.llm.llm_config import LLMConfig
 
 
 class Corridor(Environment):
@@ -26,7 +33,10 @@ class Corridor(Environment):
 
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         routes = ["north east east", "south west north", "east east east", "north north west"]
-        out = [Task("corridor", f"{split}-{i}", f"reach the vault ({i % 2})", split, {"route": r.split()}) for i, r in enumerate(routes)]
+        out = [
+            Task("corridor", f"{split}-{i}", f"reach the vault ({i % 2})", split, {"route": r.split()})
+            for i, r in enumerate(routes)
+        ]
         return out[:limit]
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
@@ -40,12 +50,20 @@ class Corridor(Environment):
         if action == f"go {self.route[self.pos]}":
             self.pos += 1
             done = self.pos == len(self.route)
-            return StepResult("The vault!" if done else f"Room {self.pos}.", 1.0 if done else 0.0, done,
-                              {"valid_actions": self._valid(), "success": done})
+            return StepResult(
+                "The vault!" if done else f"Room {self.pos}.",
+                1.0 if done else 0.0,
+                done,
+                {"valid_actions": self._valid(), "success": done},
+            )
         if action not in self._valid():
-            return StepResult(f"Invalid action: {action!r}", 0.0, False, {"valid_actions": self._valid(), "success": False})
+            return StepResult(
+                f"Invalid action: {action!r}", 0.0, False, {"valid_actions": self._valid(), "success": False}
+            )
         self.pos = 0
-        return StepResult("A trapdoor sends you back to the entrance.", 0.0, False, {"valid_actions": self._valid(), "success": False})
+        return StepResult(
+            "A trapdoor sends you back to the entrance.", 0.0, False, {"valid_actions": self._valid(), "success": False}
+        )
 
     def gold_actions(self, task: Task) -> list[str]:
         return [f"go {d}" for d in task.payload["route"]]
@@ -59,7 +77,13 @@ def _retrieval(task: Task, trajectories: list[Trajectory], skills: tuple[str, ..
 
 
 def _demo(task: Task, actions: list[str], success: bool = True, tid: str = "demo") -> Trajectory:
-    return Trajectory(env=task.env, task=task.instruction, steps=tuple(Step(a) for a in actions), outcome=Outcome(success=success), id=tid)
+    return Trajectory(
+        env=task.env,
+        task=task.instruction,
+        steps=tuple(Step(a) for a in actions),
+        outcome=Outcome(success=success),
+        id=tid,
+    )
 
 
 def test_gold_agent_solves_sql_and_the_trajectory_records_everything():
@@ -103,14 +127,20 @@ def test_exemplar_agent_prefers_successful_exemplars():
     failed = _demo(test, ["go south", "go south", "go south"], success=False, tid="bad")
     good = _demo(test, env.gold_actions(test), tid="good")
     # The failed exemplar ranks first but weighs less than the successful one.
-    result = run_episode(env, ExemplarAgent(), test, retrieve=lambda t: _retrieval(t, [failed, good]), trajectory_id="e3")
+    result = run_episode(
+        env, ExemplarAgent(), test, retrieve=lambda t: _retrieval(t, [failed, good]), trajectory_id="e3"
+    )
     assert result.success and result.steps == 3
 
 
 def test_noisy_gold_deviates_and_random_is_seeded():
     env = Corridor()
     tasks = env.tasks("train")
-    outcomes = [run_episode(env, NoisyGoldAgent(seed=s, epsilon=0.4), t, trajectory_id="n").success for s in range(5) for t in tasks]
+    outcomes = [
+        run_episode(env, NoisyGoldAgent(seed=s, epsilon=0.4), t, trajectory_id="n").success
+        for s in range(5)
+        for t in tasks
+    ]
     assert 0 < sum(outcomes) < len(outcomes)
     a = run_episode(env, RandomAgent(seed=2), tasks[1], trajectory_id="r").trajectory.fingerprint
     assert a == run_episode(env, RandomAgent(seed=2), tasks[1], trajectory_id="r").trajectory.fingerprint
@@ -125,7 +155,9 @@ def test_agent_errors_are_clear():
     task = Task("nowhere", "t0", "no gold here")
     with pytest.raises(ValueError, match="no gold actions"):
         GoldAgent().start(task, "", {}, None, None)
-    assert action_similarity("go north", "GO  north") == 1.0 and action_similarity("go north", "go south") == pytest.approx(1 / 3)
+    assert action_similarity("go north", "GO  north") == 1.0 and action_similarity(
+        "go north", "go south"
+    ) == pytest.approx(1 / 3)
     env.close()
 
 
@@ -157,7 +189,13 @@ def test_episode_limit():
 
     env = Slow()
     with pytest.raises(EpisodeTimeout, match="episode exceeded 0.3 s"):
-        run_episode(env, RandomAgent(), env.tasks()[0], trajectory_id="s", limits=EpisodeLimits(step_timeout_s=5, episode_timeout_s=0.3))
+        run_episode(
+            env,
+            RandomAgent(),
+            env.tasks()[0],
+            trajectory_id="s",
+            limits=EpisodeLimits(step_timeout_s=5, episode_timeout_s=0.3),
+        )
     with pytest.raises(ValueError, match="max_steps"):
         EpisodeLimits(max_steps=0)
 
@@ -182,7 +220,13 @@ def test_react_agent_acts_from_validated_answers_with_memory_in_the_prompt():
     with OpenAIStub(responder=answer) as stub:
         agent = ReActAgent(_react_config(stub))
         try:
-            result = run_episode(env, agent, task, retrieve=lambda t: _retrieval(t, [demo], ("Walk the known route.",)), trajectory_id="llm")
+            result = run_episode(
+                env,
+                agent,
+                task,
+                retrieve=lambda t: _retrieval(t, [demo], ("Walk the known route.",)),
+                trajectory_id="llm",
+            )
         finally:
             agent.close()
         first = stub.requests[0]["messages"]
@@ -202,7 +246,9 @@ def test_react_agent_rejects_actions_outside_the_valid_list():
     task = env.tasks("test")[1]
     answers = iter([{"thought": "x", "action": "teleport to vault"}, "not json at all", {"action": "go south"}])
 
-    with OpenAIStub(responder=lambda r: Reply.json(next(answers, {"thought": "t", "action": "look"})) if True else None) as stub:
+    with OpenAIStub(
+        responder=lambda r: Reply.json(next(answers, {"thought": "t", "action": "look"})) if True else None
+    ) as stub:
         agent = ReActAgent(_react_config(stub))
         try:
             result = run_episode(env, agent, task, trajectory_id="llm2", limits=EpisodeLimits(max_steps=3))

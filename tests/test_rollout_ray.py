@@ -10,19 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SMALL_ACTORS
 
 ray = pytest.importorskip("ray")
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.rollout.experiment import run_experiment
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.envs import make_env
-from lifemem_ray.lab.experiment_config import ExperimentConfig
 from lifemem_ray.lab.episode import EpisodeLimits
+from lifemem_ray.lab.experiment_config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,13 +52,28 @@ def test_workers_store_each_task_once_through_crash_hang_and_failure(memory, tmp
     tasks = make_env("sql").tasks("train", limit=8)
     # The workers' "sql" is the fault-injecting wrapper around the real one: task 1 kills its
     # worker process, task 3 hangs (the step limit fires, the env is replaced), task 5 raises in step.
-    env_options = {"sql": {"adapter": "faulty", "inner": "sql", "marker_dir": str(tmp_path),
-                           "crash_on": [tasks[1].id], "hang_on": [tasks[3].id], "fail_on": [tasks[5].id]}}
+    env_options = {
+        "sql": {
+            "adapter": "faulty",
+            "inner": "sql",
+            "marker_dir": str(tmp_path),
+            "crash_on": [tasks[1].id],
+            "hang_on": [tasks[3].id],
+            "fail_on": [tasks[5].id],
+        }
+    }
     before = client.stats()["trajectories"]
     spec = EpisodeSpec(run="faults", phase="learn-00", mode="lifemem", agent="gold", namespace=ns, write=True)
     progress: list[dict] = []
-    with RolloutPool(2, env_options=env_options, config=config, limits=EpisodeLimits(step_timeout_s=2.0), worker_cpus=0.1,
-                     progress=progress.append, progress_every_s=0.2) as pool:
+    with RolloutPool(
+        2,
+        env_options=env_options,
+        config=config,
+        limits=EpisodeLimits(step_timeout_s=2.0),
+        worker_cpus=0.1,
+        progress=progress.append,
+        progress_every_s=0.2,
+    ) as pool:
         outcomes = pool.run(tasks, spec)
         replaced = pool.replaced
     assert [o.error for o in outcomes] == [None] * len(tasks)
@@ -70,7 +84,9 @@ def test_workers_store_each_task_once_through_crash_hang_and_failure(memory, tmp
     by_id = {o.task.id: o for o in outcomes}
     assert by_id[tasks[3].id].summary["env_restarts"] >= 1 and by_id[tasks[5].id].summary["env_restarts"] >= 1
     assert client.stats()["trajectories"] == before + len(tasks)
-    assert progress[-1]["episodes"] == len(tasks) and progress[-1]["success_rate"] == 1.0 and progress[-1]["retries"] == 1
+    assert (
+        progress[-1]["episodes"] == len(tasks) and progress[-1]["success_rate"] == 1.0 and progress[-1]["retries"] == 1
+    )
     for key in ("steps_per_s", "memory_p50_ms", "episodes_per_s"):
         assert progress[-1][key] > 0
     # A retry after a lost acknowledgement maps to the same ids: nothing is stored twice.
@@ -87,7 +103,7 @@ def test_a_task_that_always_fails_is_reported_not_dropped(memory, tmp_path):
     spec = EpisodeSpec(run="bad", phase="eval-00", mode="none", agent="gold")
     with RolloutPool(1, config=config, worker_cpus=0.1, max_attempts=2) as pool:
         [outcome] = pool.run([bad], spec)
-    assert outcome.error is not None and "TaskError" in outcome.error or "Error" in (outcome.error or "")
+    assert (outcome.error is not None and "TaskError" in outcome.error) or "Error" in (outcome.error or "")
     assert not outcome.success and outcome.attempts == 1  # a bad task is not retried
 
 
@@ -97,8 +113,14 @@ def test_retrieval_modes_from_a_worker(memory):
     with RolloutPool(1, config=config, worker_cpus=0.1) as pool:
         out = {}
         for mode in ("none", "trajectory", "lifemem", "global-skills"):
-            spec = EpisodeSpec(run="modes", phase=f"eval-{mode}", mode=mode, agent="exemplar",
-                               namespace=None if mode in ("none", "global-skills") else ns, global_skill="1. Inspect first.")
+            spec = EpisodeSpec(
+                run="modes",
+                phase=f"eval-{mode}",
+                mode=mode,
+                agent="exemplar",
+                namespace=None if mode in ("none", "global-skills") else ns,
+                global_skill="1. Inspect first.",
+            )
             out[mode] = pool.run(tasks, spec, return_trajectories=True)
     assert all(o.error is None for outs in out.values() for o in outs)
     assert out["none"][0].summary["memory_s"] == 0.0
@@ -111,14 +133,31 @@ def test_retrieval_modes_from_a_worker(memory):
 
 def test_lifelong_experiment_end_to_end(ray_local, tmp_path):
     envs = _fast_envs() + (["websearch"] if _has("websearch") else [])
-    exp = ExperimentConfig(name="e2e", envs=envs, eval_envs=[], train_tasks=4, test_tasks=3, workers=2, worker_cpus=0.1,
-                           modes=["none", "trajectory", "global-skills", "lifemem", "lifemem-no-skills", "skills-only"],
-                           agent="exemplar", seeds=2, bootstrap=50, output=str(tmp_path / "run"), self_learn=True, env_options={})
+    exp = ExperimentConfig(
+        name="e2e",
+        envs=envs,
+        eval_envs=[],
+        train_tasks=4,
+        test_tasks=3,
+        workers=2,
+        worker_cpus=0.1,
+        modes=["none", "trajectory", "global-skills", "lifemem", "lifemem-no-skills", "skills-only"],
+        agent="exemplar",
+        seeds=2,
+        bootstrap=50,
+        output=str(tmp_path / "run"),
+        self_learn=True,
+        env_options={},
+    )
     mconf = DeploymentConfig().replace(SMALL_ACTORS)
     report = run_experiment(exp, mconf, progress=None)
     out = tmp_path / "run"
     assert (out / "report.json").is_file() and (out / "report.md").is_file()
-    assert sorted(Path(p).name for p in report["plots"]) == ["cluster_sizes.png", "cluster_types.png", "table_heatmap.png"]
+    assert sorted(Path(p).name for p in report["plots"]) == [
+        "cluster_sizes.png",
+        "cluster_types.png",
+        "table_heatmap.png",
+    ]
     saved = json.loads((out / "report.json").read_text())
     assert saved["seeds"] == [0, 1] and "collected once per seed" in saved["learner"]["collection"]
     for mode in exp.modes:
@@ -147,9 +186,22 @@ def test_lifelong_experiment_end_to_end(ray_local, tmp_path):
 
 
 def test_zero_shot_environment_is_routed_to_its_alias_or_the_best_match(ray_local, tmp_path):
-    exp = ExperimentConfig(name="zs", envs=["sql"], eval_envs=["sql-copy"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1,
-                           modes=["none", "lifemem", "skills-only"], agent="exemplar", seeds=1, bootstrap=20, self_learn=False,
-                           env_options={"sql-copy": {"adapter": "sql"}}, output=str(tmp_path / "run"))
+    exp = ExperimentConfig(
+        name="zs",
+        envs=["sql"],
+        eval_envs=["sql-copy"],
+        train_tasks=3,
+        test_tasks=2,
+        workers=1,
+        worker_cpus=0.1,
+        modes=["none", "lifemem", "skills-only"],
+        agent="exemplar",
+        seeds=1,
+        bootstrap=20,
+        self_learn=False,
+        env_options={"sql-copy": {"adapter": "sql"}},
+        output=str(tmp_path / "run"),
+    )
     report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
     for mode in exp.modes:
         assert sorted(report["modes"][mode]["zero_shot"]) == ["sql-copy"]
@@ -159,9 +211,23 @@ def test_zero_shot_environment_is_routed_to_its_alias_or_the_best_match(ray_loca
 
 
 def test_memory_reading_learner_learns_per_mode(ray_local, tmp_path):
-    exp = ExperimentConfig(name="same", envs=["sql"], eval_envs=[], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1,
-                           modes=["none", "lifemem", "skills-only"], agent="exemplar", learn_agent="same", seeds=1, bootstrap=0,
-                           self_learn=False, env_options={}, output=str(tmp_path / "run"))
+    exp = ExperimentConfig(
+        name="same",
+        envs=["sql"],
+        eval_envs=[],
+        train_tasks=3,
+        test_tasks=2,
+        workers=1,
+        worker_cpus=0.1,
+        modes=["none", "lifemem", "skills-only"],
+        agent="exemplar",
+        learn_agent="same",
+        seeds=1,
+        bootstrap=0,
+        self_learn=False,
+        env_options={},
+        output=str(tmp_path / "run"),
+    )
     report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
     assert report["learner"]["collection"].startswith("per mode")
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
@@ -171,8 +237,22 @@ def test_memory_reading_learner_learns_per_mode(ray_local, tmp_path):
 
 
 def test_buffer_stream_commits_in_batches(ray_local, tmp_path):
-    exp = ExperimentConfig(name="buf", envs=["sql"], eval_envs=[], train_tasks=7, test_tasks=2, workers=1, worker_cpus=0.1, stream="buffer",
-                           modes=["lifemem"], agent="exemplar", seeds=1, self_learn=False, env_options={}, output=str(tmp_path / "run"))
+    exp = ExperimentConfig(
+        name="buf",
+        envs=["sql"],
+        eval_envs=[],
+        train_tasks=7,
+        test_tasks=2,
+        workers=1,
+        worker_cpus=0.1,
+        stream="buffer",
+        modes=["lifemem"],
+        agent="exemplar",
+        seeds=1,
+        self_learn=False,
+        env_options={},
+        output=str(tmp_path / "run"),
+    )
     report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
     assert report["memory"]["trajectories"] == 7
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
@@ -194,15 +274,26 @@ def test_cli_run_writes_the_report(ray_local, tmp_path):
         '[experiment]\nname = "cli"\nenvs = ["sql"]\ntrain_tasks = 3\ntest_tasks = 2\nworkers = 1\nworker_cpus = 0.1\n'
         f'modes = ["none", "lifemem"]\nself_learn = false\noutput = "{tmp_path / "out"}"\n'
         'eval_envs = []\nseeds = 1\nagent = "exemplar"\nenv_options = {}\n'
-        '[cluster]\nshard_cpus = 0.1\ncoordinator_cpus = 0.1\nembedder_cpus = 0.1\n'
+        "[cluster]\nshard_cpus = 0.1\ncoordinator_cpus = 0.1\nembedder_cpus = 0.1\n"
     )
-    proc = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--address", address, "--quiet"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--address", address, "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| lifemem |" in proc.stdout and "report.md" in proc.stdout
     assert json.loads((tmp_path / "out" / "report.json").read_text())["memory"]["trajectories"] == 3
-    bad = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--set", "experiment.stream=sideways"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "run", "--config", str(cfg), "--set", "experiment.stream=sideways"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 1 and "experiment.stream" in bad.stderr
 
 
@@ -215,7 +306,11 @@ REAL_ENVS = {
     "twx-cookingworld": {},
     "bfcl": {},
     "tau2-retail": {},
-    "scienceworld": {"task_names": ["find-living-thing"], "variations_per_task_train": 2, "variations_per_task_test": 1},
+    "scienceworld": {
+        "task_names": ["find-living-thing"],
+        "variations_per_task_train": 2,
+        "variations_per_task_test": 1,
+    },
     "alfworld": {},
 }
 
@@ -239,8 +334,13 @@ def test_gold_rollouts_on_every_installed_environment(memory):
     tasks = [t for ts in available.values() for t in ts]
     before = client.stats()["trajectories"]
     spec = EpisodeSpec(run="real", phase="learn-00", mode="lifemem", agent="gold", namespace=ns, write=True)
-    with RolloutPool(2, env_options={n: REAL_ENVS[n] for n in available}, config=config, worker_cpus=0.1,
-                     limits=EpisodeLimits(step_timeout_s=120, episode_timeout_s=400)) as pool:
+    with RolloutPool(
+        2,
+        env_options={n: REAL_ENVS[n] for n in available},
+        config=config,
+        worker_cpus=0.1,
+        limits=EpisodeLimits(step_timeout_s=120, episode_timeout_s=400),
+    ) as pool:
         outcomes = pool.run(tasks, spec)
     failures = {o.task.id: o.error or o.summary for o in outcomes if not o.success}
     assert not failures, failures
@@ -266,11 +366,31 @@ def test_experiment_with_the_llm_agent_through_an_openai_endpoint(ray_local, tmp
         return Reply.json({"thought": "look first", "action": "Operation: SELECT 1;"})
 
     with OpenAIStub(responder=act, sensible=True) as stub:
-        mconf = DeploymentConfig().replace({**SMALL_ACTORS, "llm.backend": "openai", "llm.base_url": stub.base_url, "llm.model": "stub",
-                                        "llm.timeout_s": 20})
-        exp = ExperimentConfig(name="llm", envs=["sql"], train_tasks=3, test_tasks=2, workers=1, worker_cpus=0.1, agent="react",
-                               learn_agent="gold", modes=["none", "lifemem"], self_learn=False, output=str(tmp_path / "run"),
-                               eval_envs=[], seeds=1, env_options={})
+        mconf = DeploymentConfig().replace(
+            {
+                **SMALL_ACTORS,
+                "llm.backend": "openai",
+                "llm.base_url": stub.base_url,
+                "llm.model": "stub",
+                "llm.timeout_s": 20,
+            }
+        )
+        exp = ExperimentConfig(
+            name="llm",
+            envs=["sql"],
+            train_tasks=3,
+            test_tasks=2,
+            workers=1,
+            worker_cpus=0.1,
+            agent="react",
+            learn_agent="gold",
+            modes=["none", "lifemem"],
+            self_learn=False,
+            output=str(tmp_path / "run"),
+            eval_envs=[],
+            seeds=1,
+            env_options={},
+        )
         report = run_experiment(exp, mconf, progress=None)
         acts = [r for r in stub.requests if r["messages"][0]["content"].startswith("You are an agent")]
     episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
@@ -298,7 +418,12 @@ def test_test_tasks_skip_overlap_and_ask_gold_only_as_far_as_needed():
     env = Env()
     exp = ExperimentConfig(test_tasks=3, eval_envs=[], env_options={})
     test, counts = _pick_test(exp, env, train, candidates)
-    assert [t.id for t in test] == ["t0", "t2", "t3"] and counts == {"gold": 1, "goal": 0, "one_template": False, "dropped": 1}
+    assert [t.id for t in test] == ["t0", "t2", "t3"] and counts == {
+        "gold": 1,
+        "goal": 0,
+        "one_template": False,
+        "dropped": 1,
+    }
     assert env.asked == ["a", "b", "t0", "t1", "t2", "t3"]  # not the rest of the fold
     exp.dedupe_test = False
     test, counts = _pick_test(exp, Env(), train, candidates[:3])

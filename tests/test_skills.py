@@ -5,39 +5,79 @@ from __future__ import annotations
 import random
 
 import numpy as np
-
 from conftest import unit
+
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.clustering.policy import OfflinePolicy, skill_step_texts
 from lifemem_ray.engine.clustering.skills import distil_procedure, mine_procedure
+from lifemem_ray.engine.memory import Memory
 
-SUBSTANCES = ["water", "milk", "orange juice", "apple juice", "oil", "soda", "tea", "vinegar", "honey", "syrup", "broth", "cream"]
+SUBSTANCES = [
+    "water",
+    "milk",
+    "orange juice",
+    "apple juice",
+    "oil",
+    "soda",
+    "tea",
+    "vinegar",
+    "honey",
+    "syrup",
+    "broth",
+    "cream",
+]
 OBJECTS = ["apple", "mug", "soapbar", "spatula", "knife", "book", "pen", "cloth", "bowl", "plate", "egg", "key"]
 PRODUCTS = ["usb drive", "red mug", "desk lamp", "yoga mat", "phone case", "rain jacket", "tea kettle", "wool socks"]
 
 
 def measure(i: int, ok: bool = True) -> Trajectory:
     x = SUBSTANCES[i % len(SUBSTANCES)]
-    steps = ["teleport to kitchen", "pick up thermometer", f"focus on {x}", f"use thermometer on {x}", f"move {x} to red box"]
+    steps = [
+        "teleport to kitchen",
+        "pick up thermometer",
+        f"focus on {x}",
+        f"use thermometer on {x}",
+        f"move {x} to red box",
+    ]
     if not ok:
         steps[2] = "focus on door"
-    return Trajectory(env="lab", task=f"Your task is to measure the temperature of {x}, then move it to the red box.",
-                      steps=tuple(Step(action=a) for a in steps), outcome=Outcome(success=ok), id=f"measure-{i}-{ok}")
+    return Trajectory(
+        env="lab",
+        task=f"Your task is to measure the temperature of {x}, then move it to the red box.",
+        steps=tuple(Step(action=a) for a in steps),
+        outcome=Outcome(success=ok),
+        id=f"measure-{i}-{ok}",
+    )
 
 
 def place(i: int) -> Trajectory:
     x = OBJECTS[i % len(OBJECTS)]
-    steps = [f"go to countertop {i % 3 + 1}", f"take {x} {i % 4 + 1} from countertop {i % 3 + 1}", "go to shelf 1", f"put {x} {i % 4 + 1} in/on shelf 1"]
-    return Trajectory(env="lab", task=f"put a {x} on the shelf.", steps=tuple(Step(action=a) for a in steps), outcome=Outcome(success=True), id=f"place-{i}")
+    steps = [
+        f"go to countertop {i % 3 + 1}",
+        f"take {x} {i % 4 + 1} from countertop {i % 3 + 1}",
+        "go to shelf 1",
+        f"put {x} {i % 4 + 1} in/on shelf 1",
+    ]
+    return Trajectory(
+        env="lab",
+        task=f"put a {x} on the shelf.",
+        steps=tuple(Step(action=a) for a in steps),
+        outcome=Outcome(success=True),
+        id=f"place-{i}",
+    )
 
 
 def shop(i: int) -> Trajectory:
     x = PRODUCTS[i % len(PRODUCTS)]
     steps = [f"search[{x}]", f"click[B0{i:03d}XYZ]", "click[Buy Now]"]
-    return Trajectory(env="lab", task=f"i want a {x} under {10 + i} dollars", steps=tuple(Step(action=a) for a in steps),
-                      outcome=Outcome(success=True), id=f"shop-{i}")
+    return Trajectory(
+        env="lab",
+        task=f"i want a {x} under {10 + i} dollars",
+        steps=tuple(Step(action=a) for a in steps),
+        outcome=Outcome(success=True),
+        id=f"shop-{i}",
+    )
 
 
 def goal_vectors(trajs: list[Trajectory], seed: int = 0) -> np.ndarray:
@@ -60,7 +100,9 @@ def test_three_clearly_different_workflows_end_in_three_clusters(tmp_path):
 
 
 def test_a_split_fires_when_n_exceeds_L_and_R_is_below_tau(tmp_path):
-    config = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20})
+    config = DeploymentConfig().replace(
+        {"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20}
+    )
     trajs = [f(i) for i in range(12) for f in (measure, place)]  # 24 > L, two workflows forced into one cluster
     with Memory.open(tmp_path / "m", config) as memory:
         memory.add_many(trajs[:20], goal_vectors(trajs[:20]))
@@ -75,8 +117,12 @@ def test_a_split_fires_when_n_exceeds_L_and_R_is_below_tau(tmp_path):
 
 
 def test_no_split_while_R_reaches_tau_and_one_vector_is_nothing_to_split_on(tmp_path):
-    same = [Trajectory(env="lab", task="say hi", steps=(Step(action="look around"),), id=f"same-{i}") for i in range(30)]
-    config = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20})
+    same = [
+        Trajectory(env="lab", task="say hi", steps=(Step(action="look around"),), id=f"same-{i}") for i in range(30)
+    ]
+    config = DeploymentConfig().replace(
+        {"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20}
+    )
     with Memory.open(tmp_path / "a", config) as memory:
         memory.add_many(same, unit(np.ones((30, 384))))
         stats = memory.stats()
@@ -92,8 +138,13 @@ def test_the_skill_lists_the_procedure_in_order_with_roles():
     members = [measure(i) for i in range(8)] + [measure(8, ok=False), measure(9, ok=False)]
     skill = distil_procedure(members)
     steps = skill_step_texts(skill)
-    assert steps == ["teleport to kitchen", "pick up thermometer", "focus on the object named in the goal",
-                     "use thermometer on the object named in the goal", "move the object named in the goal to red box"], skill
+    assert steps == [
+        "teleport to kitchen",
+        "pick up thermometer",
+        "focus on the object named in the goal",
+        "use thermometer on the object named in the goal",
+        "move the object named in the goal to red box",
+    ], skill
     assert "8 of 10 runs succeeded; usually 5 actions" in skill
     assert "Successful runs end with: use thermometer on the object named in the goal, then move" in skill
     assert "Usual failure: 2 of 2 failed runs left the procedure with: focus on door" in skill
@@ -101,8 +152,12 @@ def test_the_skill_lists_the_procedure_in_order_with_roles():
 
 def test_navigation_procedures_name_places_and_repeat_steps():
     p = mine_procedure([place(i) for i in range(9)])
-    assert [s.text for s in p.steps] == ["go to countertop", "take the object named in the goal from countertop", "go to shelf",
-                                         "put the object named in the goal in/on shelf"]
+    assert [s.text for s in p.steps] == [
+        "go to countertop",
+        "take the object named in the goal from countertop",
+        "go to shelf",
+        "put the object named in the goal in/on shelf",
+    ]
     assert [s.category for s in p.steps] == ["NAVIGATE", "MANIPULATE", "NAVIGATE", "MANIPULATE"]
 
 
@@ -111,7 +166,9 @@ def test_fragments_of_one_workflow_merge_when_merging_is_on(tmp_path):
     base = rng.standard_normal(384)
     trajs = [measure(i) for i in range(11)]
     vecs = unit(base + 0.1 * rng.standard_normal((11, 384)))
-    apart = DeploymentConfig().replace({"policy.join_threshold": 1.0, "policy.density_ratio": 0.0})  # nothing ever joins: 10 fragments
+    apart = DeploymentConfig().replace(
+        {"policy.join_threshold": 1.0, "policy.density_ratio": 0.0}
+    )  # nothing ever joins: 10 fragments
     with Memory.open(tmp_path / "m", apart) as memory:
         memory.add_many(trajs[:10], vecs[:10])
         assert len(memory.clusters()) == 10 and memory.stats()["merges"] == 0
@@ -152,8 +209,8 @@ def test_env_contrast_stops_a_cluster_as_diffuse_as_its_environment_from_taking_
 
 def test_env_contrast_threshold_and_scope_sums():
     from lifemem_ray.engine.clustering.clusters import new_cluster_record
-    from lifemem_ray.engine.memory_config import PolicyConfig
     from lifemem_ray.engine.clustering.evolution import CandidateArrays, scope_sums
+    from lifemem_ray.engine.memory_config import PolicyConfig
 
     policy = OfflinePolicy(PolicyConfig(join_threshold=0.6, density_ratio=0.7, env_contrast=0.2))
     # A cluster of 10 with R = 0.7 in an environment of 100 with R = 0.7 (text and workflow alike).
@@ -174,15 +231,30 @@ def test_env_contrast_threshold_and_scope_sums():
 
     tomb = record(4, {"a": 5}, 5)
     tomb.split_into = [1]
-    clusters = [record(1, {"a": 2}, 2), record(2, {"a": 3}, 3), record(3, {"a": 1, "b": 1}, 2), tomb, record(5, {"b": 4}, 4)]
+    clusters = [
+        record(1, {"a": 2}, 2),
+        record(2, {"a": 3}, 3),
+        record(3, {"a": 1, "b": 1}, 2),
+        tomb,
+        record(5, {"b": 4}, 4),
+    ]
     sums = scope_sums(clusters, {"a"})
     assert set(sums) == {"a"} and sums["a"].count == 5 and sums["a"].tsum.tolist() == [5.0] * 4
     empty = np.zeros((1, 0))
 
     def part(scopes):
-        return CandidateArrays(empty.astype(np.int64), empty.astype(np.float32), empty.astype(np.int64), empty.astype(np.float32), {}, scopes)
+        return CandidateArrays(
+            empty.astype(np.int64),
+            empty.astype(np.float32),
+            empty.astype(np.int64),
+            empty.astype(np.float32),
+            {},
+            scopes,
+        )
 
-    merged = CandidateArrays.merge([part(scope_sums(clusters[:1], {"a"})), part(scope_sums(clusters[1:], {"a", "b"}))], 4, 4)
+    merged = CandidateArrays.merge(
+        [part(scope_sums(clusters[:1], {"a"})), part(scope_sums(clusters[1:], {"a", "b"}))], 4, 4
+    )
     assert merged.scopes["a"].count == 5 and merged.scopes["b"].count == 4
 
 
@@ -190,8 +262,13 @@ def test_a_silhouette_split_cuts_along_the_groups_and_refuses_noise():
     policy = OfflinePolicy()
     rng = np.random.default_rng(0)
     axes = np.eye(16)[:3]
-    groups = np.vstack([axes[0] + 0.05 * rng.standard_normal((40, 16)), axes[1] + 0.05 * rng.standard_normal((15, 16)),
-                        axes[2] + 0.05 * rng.standard_normal((5, 16))])
+    groups = np.vstack(
+        [
+            axes[0] + 0.05 * rng.standard_normal((40, 16)),
+            axes[1] + 0.05 * rng.standard_normal((15, 16)),
+            axes[2] + 0.05 * rng.standard_normal((5, 16)),
+        ]
+    )
     groups = unit(groups)
     labels = policy.split(groups, tau=0.95, min_size=20, max_parts=6, seed=0, cut="silhouette")
     assert sorted(np.bincount(labels).tolist()) == [5, 15, 40]  # the groups as they are, uneven
@@ -227,10 +304,24 @@ def test_mean_silhouette_matches_its_definition_on_a_sample():
 def test_a_split_refused_for_want_of_structure_is_counted_and_keeps_the_members(tmp_path):
     rng = random.Random(0)
     verbs = [f"verb{chr(97 + i)}{chr(97 + j)}" for i in range(8) for j in range(8)]
-    trajs = [Trajectory(env="lab", task="do something", id=f"noise-{i}", outcome=Outcome(success=True),
-                     steps=tuple(Step(action=f"{rng.choice(verbs)} thing") for _ in range(3))) for i in range(60)]
-    config = DeploymentConfig().replace({"policy.join_threshold": 0.0, "policy.density_ratio": 0.0, "evolution.split_min_size": 20,
-                                     "evolution.split_cut": "silhouette"})
+    trajs = [
+        Trajectory(
+            env="lab",
+            task="do something",
+            id=f"noise-{i}",
+            outcome=Outcome(success=True),
+            steps=tuple(Step(action=f"{rng.choice(verbs)} thing") for _ in range(3)),
+        )
+        for i in range(60)
+    ]
+    config = DeploymentConfig().replace(
+        {
+            "policy.join_threshold": 0.0,
+            "policy.density_ratio": 0.0,
+            "evolution.split_min_size": 20,
+            "evolution.split_cut": "silhouette",
+        }
+    )
     with Memory.open(tmp_path / "m", config) as memory:
         memory.add_many(trajs, goal_vectors(trajs))
         stats = memory.stats()

@@ -7,11 +7,11 @@ import doctest
 import numpy as np
 import pytest
 
-import lifemem_ray.lab.cluster_metrics
 import lifemem_ray.engine.clustering.skills
 import lifemem_ray.engine.clustering.steps
+import lifemem_ray.lab.cluster_metrics
 from lifemem_ray.core.model import Step, Trajectory
-from lifemem_ray.engine.clustering.steps import abstract_step, featurize, features_id, goal_words
+from lifemem_ray.engine.clustering.steps import abstract_step, features_id, featurize, goal_words
 from lifemem_ray.engine.clustering.workflow import canonical_token, step_tokens
 
 GOAL = goal_words("Your task is to measure the temperature of water. First, focus on the water.")
@@ -71,11 +71,20 @@ def test_featurizers_are_deterministic_unit_vectors_and_named():
 
 @pytest.mark.timeout(60)  # a quadratic parse of these would hang here, not merely run slow
 def test_hostile_actions_are_parsed_without_error():
-    for action in ("a" * 100_000, "go " + "ab1" * 30_000, "(" * 5000, "f(" + "[" * 3000 + ")", '{"name": "x", "arguments": ' + "[" * 3000):
+    for action in (
+        "a" * 100_000,
+        "go " + "ab1" * 30_000,
+        "(" * 5000,
+        "f(" + "[" * 3000 + ")",
+        '{"name": "x", "arguments": ' + "[" * 3000,
+    ):
         step = abstract_step(action, GOAL)
         assert len(step.roles) <= 8 and len(step.frame) < 400
 
 
-@pytest.mark.parametrize("module", [lifemem_ray.engine.clustering.steps, lifemem_ray.engine.clustering.skills, lifemem_ray.lab.cluster_metrics])
+@pytest.mark.parametrize(
+    "module",
+    [lifemem_ray.engine.clustering.steps, lifemem_ray.engine.clustering.skills, lifemem_ray.lab.cluster_metrics],
+)
 def test_docstring_examples_run(module):
     assert doctest.testmod(module).failed == 0

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from lifemem_ray.core import tenancy
-from lifemem_ray.service.auth import new_key, parse_key_entries
 from lifemem_ray.core.errors import ConfigError, InvalidTrajectoryError, TenantError
 from lifemem_ray.core.importers import write_jsonl
-from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.model import Step, Trajectory
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, label_vectors
+from lifemem_ray.service.auth import new_key, parse_key_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,8 +55,13 @@ def test_cli_ingest_refuses_a_tenant_with_a_final_newline(tmp_path):
     data = tmp_path / "d.jsonl"
     write_jsonl(generate(5, seed=2, length_scale=0.1), data)
     store = tmp_path / "store"
-    done = subprocess.run([sys.executable, "-m", "lifemem_ray.cli", "ingest", str(data), "--store", str(store), "--tenant", "acme\n"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "ingest", str(data), "--store", str(store), "--tenant", "acme\n"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 1 and "not a tenant name" in done.stderr, done.stderr[-2000:]
     assert not (store / "data.mdb").exists() or Memory.open(store, read_only=True).stats()["trajectories"] == 0
 
@@ -66,17 +71,25 @@ def test_data_stored_under_a_legacy_name_can_still_be_purged(tmp_path, monkeypat
     (nothing new is ever stored under it), so the operator can delete them."""
     trajs = list(generate(30, seed=3, length_scale=0.1))
     vecs = label_vectors([t.metadata["workflow"] for t in trajs], list(range(len(trajs))))
-    legacy = [Trajectory(env=t.env, task=t.task, steps=t.steps, outcome=t.outcome, id=t.id, tenant="acme\n") for t in trajs]
+    legacy = [
+        Trajectory(env=t.env, task=t.task, steps=t.steps, outcome=t.outcome, id=t.id, tenant="acme\n") for t in trajs
+    ]
     from lifemem_ray.engine import ingest
 
     with monkeypatch.context() as old:  # the old check: "$" matched before a final newline
-        old.setattr(ingest, "is_name", lambda v: isinstance(v, str) and tenancy._NAME.fullmatch(v.removesuffix("\n")) is not None)
+        old.setattr(
+            ingest,
+            "is_name",
+            lambda v: isinstance(v, str) and tenancy._NAME.fullmatch(v.removesuffix("\n")) is not None,
+        )
         with Memory.open(tmp_path / "s") as memory:
             memory.add_many(legacy, vecs)
     with Memory.open(tmp_path / "s") as memory:
         stats = memory.stats()
         assert stats["trajectories"] == 30 and "acme\n" in stats["per_tenant"]  # shown to the operator
-        with pytest.raises(InvalidTrajectoryError, match=r"trajectories\[0\]\.tenant: .*not a tenant name"):  # nothing new
+        with pytest.raises(
+            InvalidTrajectoryError, match=r"trajectories\[0\]\.tenant: .*not a tenant name"
+        ):  # nothing new
             memory.add_many([Trajectory(env="shop", task="t", steps=(Step(action="a"),), tenant="acme\n")])
         assert memory.remove([trajs[0].id], tenant="acme\n") == 1
         assert memory.purge_tenant("acme\n") == 29

@@ -5,17 +5,17 @@ tenant's stored bytes are those of stores written before tenants."""
 from __future__ import annotations
 
 import dataclasses
+from subprocess import CompletedProcess
 
 import numpy as np
 import pytest
-from subprocess import CompletedProcess
 
-from lifemem_ray.engine.store import codec
-from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.errors import InvalidTrajectoryError, TenantError
-from lifemem_ray.engine.memory import Memory
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, id_key, scope
+from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.store import codec
 
 CONFIG = MemoryConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
 
@@ -75,7 +75,9 @@ def test_retrieval_stays_within_the_tenant(two_tenants):
     for r in mem.retrieve_many([t.task for t in trajs[200:260]], [None] * 60, k=10, vectors=vecs[200:260]):
         assert not acme_only & {h.id for h in r.trajectories}
         assert all(h.trajectory.tenant == DEFAULT_TENANT for h in r.trajectories)
-    pooled = mem.retrieve_many([t.task for t in trajs[200:260]], [None] * 60, k=10, vectors=vecs[200:260], tenant="acme")
+    pooled = mem.retrieve_many(
+        [t.task for t in trajs[200:260]], [None] * 60, k=10, vectors=vecs[200:260], tenant="acme"
+    )
     assert all(h.trajectory.tenant == "acme" for r in pooled for h in r.trajectories)
     assert any(acme_only & {h.id for h in r.trajectories} for r in pooled)
     # An unknown tenant sees nothing at all.
@@ -87,7 +89,9 @@ def test_skills_come_from_the_tenants_own_clusters(two_tenants):
     acme_skills = {c.skill for c in mem.clusters(tenant="acme")}
     for tenant in (DEFAULT_TENANT, "acme"):
         own = {c.id: c.skill for c in mem.clusters(tenant=tenant)}
-        for r in mem.retrieve_many([t.task for t in trajs[:40]], [t.env for t in trajs[:40]], k=6, vectors=vecs[:40], tenant=tenant):
+        for r in mem.retrieve_many(
+            [t.task for t in trajs[:40]], [t.env for t in trajs[:40]], k=6, vectors=vecs[:40], tenant=tenant
+        ):
             assert {h.cluster_id for h in r.trajectories} <= set(own)
             assert {s.cluster_id for s in r.skills} <= set(own)
             assert all(s.text == own[s.cluster_id] for s in r.skills)
@@ -134,11 +138,15 @@ def test_stats_per_tenant(two_tenants):
     mem, trajs, _ = two_tenants
     everything = mem.stats()
     assert everything["trajectories"] == 460
-    assert everything["per_tenant"]["acme"]["trajectories"] == 260 and everything["per_tenant"][DEFAULT_TENANT]["trajectories"] == 200
+    assert (
+        everything["per_tenant"]["acme"]["trajectories"] == 260
+        and everything["per_tenant"][DEFAULT_TENANT]["trajectories"] == 200
+    )
     acme = mem.stats("acme")
     assert acme["trajectories"] == 260 and acme["tenant"] == "acme" and "per_tenant" not in acme
-    assert not {"path", "llm", "splits", "merges", "maintenance_queued", "generation", "purging"} & set(acme), \
+    assert not {"path", "llm", "splits", "merges", "maintenance_queued", "generation", "purging"} & set(acme), (
         "a tenant's view holds nothing of the store as a whole"
+    )
     assert sum(v["trajectories"] for v in acme["per_env"].values()) == 260
     assert set(acme["per_env"]) <= {t.env for t in trajs}
     assert all("\x00" not in name for name in acme["index"]["envs"])
@@ -155,7 +163,9 @@ def test_remove_is_per_tenant(two_tenants):
     assert mem.stats("acme")["trajectories"] == 230 and mem.stats()["trajectories"] == 430
     report = mem.verify()
     assert report["ok"], report["problems"]
-    got = mem.retrieve_many([t.task for t in trajs[:30]], [t.env for t in trajs[:30]], k=10, vectors=vecs[:30], tenant="acme")
+    got = mem.retrieve_many(
+        [t.task for t in trajs[:30]], [t.env for t in trajs[:30]], k=10, vectors=vecs[:30], tenant="acme"
+    )
     assert not set(victims) & {h.id for r in got for h in r.trajectories}
 
 
@@ -196,7 +206,9 @@ def test_export_and_reimport_keep_tenants(tmp_path, two_tenants):
     mem, trajs, vecs = two_tenants
     mem.export(tmp_path / "out.jsonl")
     back, _ = read_jsonl([tmp_path / "out.jsonl"])
-    assert sum(1 for t in back if t.tenant == "acme") == 260 and sum(1 for t in back if t.tenant == DEFAULT_TENANT) == 200
+    assert (
+        sum(1 for t in back if t.tenant == "acme") == 260 and sum(1 for t in back if t.tenant == DEFAULT_TENANT) == 200
+    )
     with Memory.open(tmp_path / "again", CONFIG) as again:
         by_key = {id_key(t.tenant, t.id): i for i, t in enumerate(trajs[:260])}
         again.add_many(back, np.stack([vecs[by_key[t.id]] for t in back]))
@@ -231,7 +243,12 @@ def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):
     acme_only = {t.id for t in trajs[300:360]}
     for n in (8, 60):
         tasks, envs = [t.task for t in trajs[300 : 300 + n]], [t.env for t in trajs[300 : 300 + n]]
-        for tenant, query_envs in ((DEFAULT_TENANT, envs), (DEFAULT_TENANT, [None] * n), ("acme", envs), ("acme", [None] * n)):
+        for tenant, query_envs in (
+            (DEFAULT_TENANT, envs),
+            (DEFAULT_TENANT, [None] * n),
+            ("acme", envs),
+            ("acme", [None] * n),
+        ):
             got = client.retrieve_many(tasks, query_envs, k=8, vectors=vecs[300 : 300 + n], tenant=tenant)
             assert all(h.trajectory.tenant == tenant for r in got for h in r.trajectories)
             own = {c.id: c.skill for c in client.clusters(tenant=tenant)}
@@ -255,10 +272,14 @@ def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):
     assert client.remove(victims, tenant="acme") == 50
     assert client.remove(victims, tenant="acme") == 0, "resending a removal is safe"
     assert all(r.status == "added" for f in more for r in f.result(timeout=300))
-    got = client.retrieve_many([t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50], tenant="acme")
+    got = client.retrieve_many(
+        [t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50], tenant="acme"
+    )
     assert not set(victims) & {h.id for r in got for h in r.trajectories}
     mine = client.retrieve_many([t.task for t in trajs[:50]], [t.env for t in trajs[:50]], k=10, vectors=vecs[:50])
-    assert set(victims) & {h.id for r in mine for h in r.trajectories}, "the default tenant's trajectories of those ids stay"
+    assert set(victims) & {h.id for r in mine for h in r.trajectories}, (
+        "the default tenant's trajectories of those ids stay"
+    )
     assert client.stats("acme")["trajectories"] == 310 and client.stats()["trajectories"] == 670
 
     # Purging a tenant.
@@ -273,15 +294,20 @@ def test_tenants_and_deletion_through_the_ray_client(deployment, synthetic):
 
 
 # -- the command line ---------------------------------------------------------------------------
-def _cli(*args: str) -> "CompletedProcess[str]":
+def _cli(*args: str) -> CompletedProcess[str]:
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, "-m", "lifemem_ray.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    return subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
 
 
 def _cli_json(*args: str) -> dict:
@@ -295,7 +321,9 @@ def _cli_json(*args: str) -> dict:
 def _cli_round(where: list[str], data) -> None:
     """Ingest the same file as two tenants, then retrieve, stats, clusters and delete per tenant."""
     assert _cli_json("ingest", str(data), *where)["added"] == 30
-    assert _cli_json("ingest", str(data), *where, "--tenant", "acme")["added"] == 30, "the same ids for another tenant are new"
+    assert _cli_json("ingest", str(data), *where, "--tenant", "acme")["added"] == 30, (
+        "the same ids for another tenant are new"
+    )
     hits = _cli_json("retrieve", "buy running shoes", *where, "--env", "shop", "--tenant", "acme", "-k", "5")
     assert hits["trajectories"] and all(h["env"] == "shop" for h in hits["trajectories"])
     assert _cli_json("stats", *where)["trajectories"] == 60
@@ -347,7 +375,9 @@ def test_in_batch_neighbours_are_of_the_same_tenant():
     vecs = np.repeat(base, 6, axis=0) + 0.01 * rng.normal(size=(6, 16)).astype(np.float32)
     tenants = np.asarray([0, 1, 0, 1, 0, 1], dtype=np.int32)
     _, plain = _earlier_neighbours(vecs, 2, 8)
-    assert {int(j) for j in plain[5] if j >= 0} & {0, 2, 4}, "without tenants, near-identical items of both are neighbours"
+    assert {int(j) for j in plain[5] if j >= 0} & {0, 2, 4}, (
+        "without tenants, near-identical items of both are neighbours"
+    )
     _, masked = _earlier_neighbours(vecs, 2, 8, tenants)
     for i in range(6):
         assert all(tenants[j] == tenants[i] for j in masked[i] if j >= 0)
@@ -368,7 +398,9 @@ def test_centroid_candidates_are_of_the_query_tenant():
 
     centroids = ClusterCentroids(8, 4, 0.5)
     centroids.update([record(1, "acme", 0.01), record(2, "acme", 0.02), record(3, DEFAULT_TENANT, 0.5)])
-    query = centroids.query((base / np.linalg.norm(base))[None, :].astype(np.float32), (np.ones(4) / 2)[None, :].astype(np.float32))
+    query = centroids.query(
+        (base / np.linalg.norm(base))[None, :].astype(np.float32), (np.ones(4) / 2)[None, :].astype(np.float32)
+    )
     ids, _ = centroids.search(query, 2)
     assert set(ids[0].tolist()) == {1, 2}, "unmasked, the nearest clusters win whoever's they are"
     ids, scores = centroids.search(query, 2, [DEFAULT_TENANT])

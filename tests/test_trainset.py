@@ -33,7 +33,11 @@ def test_ingest_and_retrieve_real_trajectories(tmp_path, trainset, embedder):
         # toolqa's two passes (SQLInterpreter vs FilterDB/GetValue) are different workflows.
         agree = total = 0
         for c in m.clusters("toolqa"):
-            passes = Counter("sql" if m.get(i).metadata["source_line"] <= 215 else "filter" for i in m.members(c.id) if m.get(i).env == "toolqa")
+            passes = Counter(
+                "sql" if m.get(i).metadata["source_line"] <= 215 else "filter"
+                for i in m.members(c.id)
+                if m.get(i).env == "toolqa"
+            )
             agree += passes.most_common(1)[0][1]
             total += sum(passes.values())
         assert agree / total >= 0.95

@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 from lifemem_ray.core.model import Step, Trajectory
-from lifemem_ray.engine.clustering.workflow import CATEGORIES, action_tokens, canonical_token, step_tokens, workflow_features, workflow_summary, workflow_vector, workflow_vectors
+from lifemem_ray.engine.clustering.workflow import (
+    CATEGORIES,
+    action_tokens,
+    canonical_token,
+    step_tokens,
+    workflow_features,
+    workflow_summary,
+    workflow_vector,
+    workflow_vectors,
+)
 
 
 def shared_data_dir() -> Path:
@@ -28,11 +37,11 @@ def _traj(env: str, *actions: str) -> Trajectory:
 
 MINIWOB_CODE = (
     "```# Type the flight from\n"
-    'agent.click_xpath("//*[@id=\'flight-from\']")\n'
+    "agent.click_xpath(\"//*[@id='flight-from']\")\n"
     'agent.type("Abilene, TX")\n'
     'agent.press("enter")\n'
     "for _ in range(2):\n"
-    '    agent.click_xpath("//*[@title=\'Prev\']")```'
+    "    agent.click_xpath(\"//*[@title='Prev']\")```"
 )
 
 
@@ -137,7 +146,9 @@ def test_vectors_are_stable_across_processes() -> None:
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+        outs.add(
+            subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        )
     outs.add(workflow_vector(["loaddb", "filterdb", "getvalue", "finish"]).tobytes().hex())
     assert len(outs) == 1
 

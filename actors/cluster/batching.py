@@ -26,20 +26,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.core.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
-from lifemem_ray.engine.clustering.evolution import BatchPlan, CandidateArrays, CandidateSet, ItemBatch, Placement, ScopeSums, top_k_rows
-from lifemem_ray.engine.ingest_rules import AddResult, IdClasses, caller_results, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
-from lifemem_ray.engine.memory import WORKFLOW_DIM
+from lifemem_ray.engine.clustering.evolution import (
+    BatchPlan,
+    CandidateArrays,
+    CandidateSet,
+    ItemBatch,
+    Placement,
+    ScopeSums,
+    top_k_rows,
+)
 from lifemem_ray.engine.clustering.policy import OfflinePolicy
-
-from lifemem_ray.actors.cluster.routing import RoutingTable
+from lifemem_ray.engine.ingest_rules import (
+    AddResult,
+    IdClasses,
+    caller_results,
+    classify_ids,
+    make_planner,
+    plan_counters,
+    refuse_conflicts,
+    unit_rows,
+)
+from lifemem_ray.engine.memory import WORKFLOW_DIM
 
 if TYPE_CHECKING:
     from lifemem_ray.engine.store.storage import ClusterRecord
@@ -60,7 +77,9 @@ class ShardSet(Protocol):
 
     async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]: ...
 
-    async def candidates(self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]) -> CandidateArrays: ...
+    async def candidates(
+        self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]
+    ) -> CandidateArrays: ...
 
     async def commit(
         self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None
@@ -89,10 +108,14 @@ class LocalShards:
     async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]:
         return await self.call(shard, "known", ids, fingerprints)
 
-    async def candidates(self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]) -> CandidateArrays:
+    async def candidates(
+        self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]
+    ) -> CandidateArrays:
         return await self.call(shard, "candidates", vectors, workflow_vectors, envs)
 
-    async def commit(self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None) -> Any:
+    async def commit(
+        self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None
+    ) -> Any:
         return await self.call(shard, "commit", batch, placements, counters)
 
     async def add_items(self, shard: int, batch: ItemBatch) -> list[AddResult]:
@@ -188,9 +211,14 @@ class BatchIngest:
         try:
             whole = stage.whole
             t0 = time.perf_counter()
-            known = await asyncio.gather(*[self.shards.known(s, whole.ids, whole.fingerprints) for s in range(len(self.shards))])
+            known = await asyncio.gather(
+                *[self.shards.known(s, whole.ids, whole.fingerprints) for s in range(len(self.shards))]
+            )
             self.stage_seconds["known"] += time.perf_counter() - t0
-            stage.stored = [_as_stored(fp, next((k[i] for k in known if k[i] is not None), None)) for i, fp in enumerate(whole.fingerprints)]
+            stage.stored = [
+                _as_stored(fp, next((k[i] for k in known if k[i] is not None), None))
+                for i, fp in enumerate(whole.fingerprints)
+            ]
             await self.settle(stage)
             if stage.fresh and self.initialised:
                 stage.found = await self.candidates(whole, stage.fresh)
@@ -205,7 +233,9 @@ class BatchIngest:
         whole, owner, failed = stage.whole, stage.owner, stage.failed
         while True:
             kept = [i for i in range(len(whole)) if owner[i] not in failed]
-            classes = classify_ids([whole.ids[i] for i in kept], [whole.fingerprints[i] for i in kept], [stage.stored[i] for i in kept])
+            classes = classify_ids(
+                [whole.ids[i] for i in kept], [whole.fingerprints[i] for i in kept], [stage.stored[i] for i in kept]
+            )
             if classes.conflicts:
                 per_request: dict[int, list[tuple[int, str]]] = {}
                 for j, why in classes.conflicts:
@@ -250,7 +280,9 @@ class BatchIngest:
 
     async def _embed(self, texts: list[str]) -> np.ndarray:
         if self.embed is None:
-            raise EmbeddingError("trajectories came without vectors and the deployment has no embedder actors; pass vectors, or deploy with embedders")
+            raise EmbeddingError(
+                "trajectories came without vectors and the deployment has no embedder actors; pass vectors, or deploy with embedders"
+            )
         return await self.embed(texts)
 
     async def candidates(self, whole: ItemBatch, positions: list[int]) -> Found:
@@ -265,7 +297,10 @@ class BatchIngest:
 
     # -- 2. the coordinator-side half: decide, commit, acknowledge ------------------------------
     async def back(
-        self, stage: Stage, previous: Committed | None = None, overlap: Callable[[], Awaitable[Any] | None] | None = None
+        self,
+        stage: Stage,
+        previous: Committed | None = None,
+        overlap: Callable[[], Awaitable[Any] | None] | None = None,
     ) -> tuple[list[Any], Committed | None]:
         """Decide and commit a micro-batch whose lookups ran before ``previous`` was
         committed (None: after every commit). ``overlap`` is called once planning starts
@@ -324,19 +359,25 @@ class BatchIngest:
                     if first is not None:
                         results[i] = AddResult(stage.whole.ids[i], "duplicate", first.cluster_id)
         self.counters["trajectories"] += sum(1 for r in placed.values() if r.status == "added")
-        self.counters["duplicates"] += sum(1 for i in stage.kept if results[i] is not None and results[i].status == "duplicate")  # type: ignore[union-attr]
+        self.counters["duplicates"] += sum(
+            1 for i in stage.kept if results[i] is not None and results[i].status == "duplicate"
+        )  # type: ignore[union-attr]
         out: list[Any] = []
         offset = 0
         for r, n in enumerate(stage.sizes):
             mine = results[offset : offset + n]
             error = stage.failed.get(r) or next((errors[i] for i in range(offset, offset + n) if i in errors), None)
             if error is None and any(x is None for x in mine):
-                error = ShardUnavailableError("part of the request was not committed; retry it (ids make adds idempotent)")
+                error = ShardUnavailableError(
+                    "part of the request was not committed; retry it (ids make adds idempotent)"
+                )
             out.append(error if error is not None else caller_results(mine))  # type: ignore[arg-type]
             offset += n
         return out
 
-    async def add_before_init(self, positions: list[int], whole: ItemBatch) -> tuple[dict[int, AddResult], dict[int, Exception]]:
+    async def add_before_init(
+        self, positions: list[int], whole: ItemBatch
+    ) -> tuple[dict[int, AddResult], dict[int, Exception]]:
         """Until the initial partition exists, trajectories go to shard 0, which runs the
         engine's own initialisation; the initial clusters start there."""
         if not positions:
@@ -367,13 +408,24 @@ class BatchIngest:
         return await self.commit(fresh, part, plan, owner_of)
 
     async def plan(
-        self, part: ItemBatch, found: Found, previous: Committed | None, overlap: Callable[[], Awaitable[Any] | None] | None = None
+        self,
+        part: ItemBatch,
+        found: Found,
+        previous: Committed | None,
+        overlap: Callable[[], Awaitable[Any] | None] | None = None,
     ) -> tuple[BatchPlan, dict[int, int]]:
         """One plan for the batch, as the engine makes it; ``overlap`` runs while it is made."""
         merged, owner_of = found
         if previous is not None:
-            absorb_previous(part, merged, owner_of, previous, self.config.evolution.top_k, self.config.evolution.max_provisional_candidates,
-                            count_scopes=self.config.policy.env_contrast > 0)
+            absorb_previous(
+                part,
+                merged,
+                owner_of,
+                previous,
+                self.config.evolution.top_k,
+                self.config.evolution.max_provisional_candidates,
+                count_scopes=self.config.policy.env_contrast > 0,
+            )
         t0 = time.perf_counter()
         self.routing.set(owner_of.items())
         planner = make_planner(merged.clusters, self.policy, self.config, self.dim, WORKFLOW_DIM, self.decider)
@@ -398,7 +450,12 @@ class BatchIngest:
             per_shard.setdefault(shard, []).append(pos)
         counters = plan_counters(plan)
         calls = {
-            shard: self.shards.commit(shard, part.select(positions), [plan.placements[p] for p in positions], counters if shard == min(per_shard) else None)
+            shard: self.shards.commit(
+                shard,
+                part.select(positions),
+                [plan.placements[p] for p in positions],
+                counters if shard == min(per_shard) else None,
+            )
             for shard, positions in per_shard.items()
         }
         outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -413,8 +470,11 @@ class BatchIngest:
             if isinstance(outcome, BaseException):
                 log.warning("commit on shard %d failed: %s", shard, outcome)
                 for pos in positions:
-                    errors[fresh[pos]] = outcome if isinstance(outcome, Exception) else ShardUnavailableError(
-                        f"commit on shard {shard} was interrupted: {outcome!r}")
+                    errors[fresh[pos]] = (
+                        outcome
+                        if isinstance(outcome, Exception)
+                        else ShardUnavailableError(f"commit on shard {shard} was interrupted: {outcome!r}")
+                    )
                 continue
             done, states = outcome
             committed.states.update(states)
@@ -442,7 +502,12 @@ class BatchIngest:
 
 
 # -- plain functions ------------------------------------------------------------------------------
-def route(placements: Sequence[Placement], owner_of: dict[int, int], shard_of: Callable[[int], int | None], loads: Sequence[int]) -> list[int]:
+def route(
+    placements: Sequence[Placement],
+    owner_of: dict[int, int],
+    shard_of: Callable[[int], int | None],
+    loads: Sequence[int],
+) -> list[int]:
     """The shard of each placement: a join goes to its cluster's owner, each new cluster
     (one provisional id, however many items open it) to the least-loaded shard."""
     target: list[int] = []
@@ -470,7 +535,9 @@ def concat_batches(batches: list[ItemBatch]) -> ItemBatch:
         return ItemBatch(**{**only.__dict__, "vecs": only.vecs.copy()})
     kinds = {b.features for b in batches}
     if len(kinds) != 1:
-        raise ValueError(f"batches packed with different workflow featurizers {sorted(kinds)}; every client needs one evolution.workflow_features")
+        raise ValueError(
+            f"batches packed with different workflow featurizers {sorted(kinds)}; every client needs one evolution.workflow_features"
+        )
     return ItemBatch(
         ids=[x for b in batches for x in b.ids],
         envs=[x for b in batches for x in b.envs],
@@ -488,11 +555,20 @@ def concat_batches(batches: list[ItemBatch]) -> ItemBatch:
 
 def select_rows(found: Found, rows: list[int]) -> Found:
     merged, owner_of = found
-    return CandidateSet([merged.neighbours[r] for r in rows], [merged.extra[r] for r in rows], merged.clusters, merged.scopes), owner_of
+    return CandidateSet(
+        [merged.neighbours[r] for r in rows], [merged.extra[r] for r in rows], merged.clusters, merged.scopes
+    ), owner_of
 
 
-def absorb_previous(part: ItemBatch, merged: CandidateSet, owner_of: dict[int, int], previous: Committed, k: int, max_provisional: int,
-                    count_scopes: bool = False) -> None:
+def absorb_previous(
+    part: ItemBatch,
+    merged: CandidateSet,
+    owner_of: dict[int, int],
+    previous: Committed,
+    k: int,
+    max_provisional: int,
+    count_scopes: bool = False,
+) -> None:
     """Make candidates looked up before the previous batch's commit as if looked up after it.
 
     The previous batch's trajectories join each item's neighbours (exact search within the
@@ -509,7 +585,9 @@ def absorb_previous(part: ItemBatch, merged: CandidateSet, owner_of: dict[int, i
         for row, env in enumerate(previous.envs):
             sums = merged.scopes.get(env)
             if sums is None:
-                merged.scopes[env] = ScopeSums(1, previous.vecs[row].astype(np.float64), previous.wvecs[row].astype(np.float64))
+                merged.scopes[env] = ScopeSums(
+                    1, previous.vecs[row].astype(np.float64), previous.wvecs[row].astype(np.float64)
+                )
             else:
                 sums.add(ScopeSums(1, previous.vecs[row], previous.wvecs[row]))
     if len(previous.envs):

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import EmbeddingConfig
+from lifemem_ray.actors.cluster.client import AddFuture, MemoryClient
 from lifemem_ray.core.importers import parse_record
 from lifemem_ray.core.model import InvalidTrajectoryError, Trajectory
-
-from lifemem_ray.actors.cluster.client import AddFuture, MemoryClient
+from lifemem_ray.engine.memory_config import EmbeddingConfig
 
 __all__ = ["ParseAndEmbed", "bulk_load"]
 
@@ -61,7 +61,9 @@ class ParseAndEmbed:
                 snippet = (row if isinstance(row, str) else json.dumps(row, default=str))[:80]
                 errors.append(f"{where}: {exc} (record starting {snippet!r})")
         vectors = (
-            self.embedder.embed([t.query_text for t in trajs]) if self.embedder is not None and trajs else np.zeros((len(trajs), 0), np.float32)
+            self.embedder.embed([t.query_text for t in trajs])
+            if self.embedder is not None and trajs
+            else np.zeros((len(trajs), 0), np.float32)
         )
         return {
             "record": np.asarray(records + [""] * len(errors), dtype=object),
@@ -125,7 +127,9 @@ def bulk_load(
             errors.extend(bad[: max(0, 100 - len(errors))])
             if not skip_invalid:
                 settle(block=True)
-                raise InvalidTrajectoryError(f"{bad[0]} ({len(bad)} invalid record(s) in this batch; nothing after them was sent)")
+                raise InvalidTrajectoryError(
+                    f"{bad[0]} ({len(bad)} invalid record(s) in this batch; nothing after them was sent)"
+                )
         keep = [i for i, e in enumerate(batch["error"]) if not e]
         if not keep:
             continue

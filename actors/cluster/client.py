@@ -11,29 +11,28 @@ from __future__ import annotations
 
 import threading
 import time
-
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import ray
 
-from lifemem_ray.actors.cluster.ray_metrics import RECORDER
-from lifemem_ray.engine.clustering.clusters import check_listing_limit
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.engine.memory import pack_trajectories
-from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.protocols import MemoryStats
-from lifemem_ray.core.errors import EmbeddingError
-from lifemem_ray.engine.ingest_rules import AddResult
-from lifemem_ray.llm.transport import merge_usage, usage_refusals, usage_totals
-from lifemem_ray.engine.retrieval import Retrieval, assemble, check_retrieve_args, paused_gc
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
-
 from lifemem_ray.actors.cluster import deployment
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote, remote_cause
+from lifemem_ray.core.errors import EmbeddingError
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
+from lifemem_ray.engine.clustering.clusters import check_listing_limit
+from lifemem_ray.engine.ingest_rules import AddResult
+from lifemem_ray.engine.memory import pack_trajectories
+from lifemem_ray.engine.protocols import MemoryStats
+from lifemem_ray.engine.retrieval import Retrieval, assemble, check_retrieve_args, paused_gc
+from lifemem_ray.llm.transport import merge_usage, usage_refusals, usage_totals
 
 __all__ = ["AddFuture", "MemoryClient"]
 
@@ -66,7 +65,7 @@ class AddFuture:
     single: bool = False
     sent: dict[str, str] | None = None  # id key -> fingerprint of what the request carried
     keys: list[str] | None = None  # per position of the request: its id key (tenancy.id_key)
-    client: "MemoryClient | None" = None
+    client: MemoryClient | None = None
     resend: Callable[[], Any] | None = None  # sends the same request again (a new ref)
     resends: int = 0  # how many times a request whose coordinator died is sent again
     started: float | None = None  # monotonic time of the add_many call; observed once, when it resolves
@@ -132,7 +131,9 @@ class MemoryClient:
         self._doubt_lock = threading.Lock()
 
     @classmethod
-    def connect(cls, namespace: str = "lifemem", address: str | None = None, config: DeploymentConfig | None = None) -> "MemoryClient":
+    def connect(
+        cls, namespace: str = "lifemem", address: str | None = None, config: DeploymentConfig | None = None
+    ) -> MemoryClient:
         """Attach to the deployment in ``namespace`` (starting a Ray connection if needed)."""
         if not ray.is_initialized():
             ray.init(address=address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False)
@@ -160,8 +161,15 @@ class MemoryClient:
             # itself, knowing its ids are in doubt (see AddFuture.result).
             return self.coordinator.add_batch.options(max_task_retries=0).remote(batch, embedded)
 
-        return AddFuture(send(), sent=sent, keys=list(batch.ids), client=self, resend=send, resends=self.config.cluster.add_resends,
-                         started=started)
+        return AddFuture(
+            send(),
+            sent=sent,
+            keys=list(batch.ids),
+            client=self,
+            resend=send,
+            resends=self.config.cluster.add_resends,
+            started=started,
+        )
 
     def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
         """Per id key (:func:`lifemem_ray.core.tenancy.id_key`: the id itself for the default tenant):
@@ -195,16 +203,34 @@ class MemoryClient:
     def embed(self, texts: list[str]) -> np.ndarray:
         """Embeddings of ``texts`` from the deployment's embedder actors (round robin)."""
         if not self.embedders:
-            raise EmbeddingError("no embedder actors in this deployment (deployed with cluster.embedders = 0); pass vectors, or deploy with embedders")
+            raise EmbeddingError(
+                "no embedder actors in this deployment (deployed with cluster.embedders = 0); pass vectors, or deploy with embedders"
+            )
         actor = self.embedders[self._next % len(self.embedders)]
         self._next += 1
         return ray.get(actor.embed.remote(texts))
 
-    def retrieve(self, task: str, env: str | None, k: int | None = None, *, vector: Any = None, token_budget: int | None = None, skills: bool = True,
-                 tenant: str = DEFAULT_TENANT) -> Retrieval:
+    def retrieve(
+        self,
+        task: str,
+        env: str | None,
+        k: int | None = None,
+        *,
+        vector: Any = None,
+        token_budget: int | None = None,
+        skills: bool = True,
+        tenant: str = DEFAULT_TENANT,
+    ) -> Retrieval:
         """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve` (``env=None``: every environment of the tenant)."""
-        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills,
-                                  tenant=tenant)[0]
+        return self.retrieve_many(
+            [task],
+            [env],
+            k,
+            vectors=None if vector is None else [vector],
+            token_budget=token_budget,
+            skills=skills,
+            tenant=tenant,
+        )[0]
 
     def retrieve_many(
         self,
@@ -220,7 +246,9 @@ class MemoryClient:
         """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve_many`: queries of one tenant, which
         see only that tenant's trajectories and skills (``None`` envs: all of its environments)."""
         started = time.monotonic()
-        tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.config.retrieval)  # the engine's checks
+        tasks, envs, k, budget = check_retrieve_args(
+            tasks, envs, k, token_budget, self.config.retrieval
+        )  # the engine's checks
         targets = search_targets(tenant, envs)  # what the shards search: the tenant's scopes
         if not tasks:
             return []
@@ -233,8 +261,16 @@ class MemoryClient:
         RECORDER.observe_latency("retrieve", "client", time.monotonic() - started)
         return out
 
-    def _retrieve_one_round(self, tasks: list[str], envs: list[str | None], targets: list[str], k: int, vecs: np.ndarray, skills: bool,
-                            budget: int) -> list[Retrieval]:
+    def _retrieve_one_round(
+        self,
+        tasks: list[str],
+        envs: list[str | None],
+        targets: list[str],
+        k: int,
+        vecs: np.ndarray,
+        skills: bool,
+        budget: int,
+    ) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
         refs = [shard.search_records.remote(targets, k, vecs, skills) for shard in self.shards]
         per_shard = _shard_answers(refs)
@@ -246,8 +282,16 @@ class MemoryClient:
             out.append(assemble(task, env, hits, texts, k, max_skills, budget))
         return out
 
-    def _retrieve_two_rounds(self, tasks: list[str], envs: list[str | None], targets: list[str], k: int, vecs: np.ndarray, skills: bool,
-                             budget: int) -> list[Retrieval]:
+    def _retrieve_two_rounds(
+        self,
+        tasks: list[str],
+        envs: list[str | None],
+        targets: list[str],
+        k: int,
+        vecs: np.ndarray,
+        skills: bool,
+        budget: int,
+    ) -> list[Retrieval]:
         """Shards send scores and ids, the top-k across shards is chosen here, then only those
         records are fetched: a shard's records that lose the merge never travel. Searches go
         out at once in large chunks (FAISS is cheaper per query on more queries of an
@@ -256,7 +300,13 @@ class MemoryClient:
         chunk = self.config.cluster.retrieve_chunk
         per_search = max(chunk, self.config.cluster.search_chunk // chunk * chunk)  # validated as a multiple of chunk
         starts = list(range(0, len(tasks), per_search))
-        searches = [[shard.search_hits.remote(targets[a : a + per_search], k, vecs[a : a + per_search]) for shard in self.shards] for a in starts]
+        searches = [
+            [
+                shard.search_hits.remote(targets[a : a + per_search], k, vecs[a : a + per_search])
+                for shard in self.shards
+            ]
+            for a in starts
+        ]
         merged: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         owner = np.repeat(np.arange(len(self.shards)), k)  # column of the merged rows -> shard
 
@@ -331,17 +381,30 @@ class MemoryClient:
         by_operation = merge_usage(coord_usage, *(l.get("by_operation", {}) for l in llm_shards))
         out.update(
             splits=sum(st["splits"] for st in shard_stats),
-            llm={"calls": sum(l["calls"] for l in llm_shards) + coord_calls, "tokens": sum(l["tokens"] for l in llm_shards) + coord_tokens,
-                 "fallbacks": sum(l["fallbacks"] for l in llm_shards), "refused_generated": usage_refusals(by_operation),
-                 "by_operation": by_operation, "coordinator": coord_usage},
-            shards=[{"trajectories": st["trajectories"], "clusters": st["clusters"], "maintenance_queued": st["maintenance_queued"]}
-                    for st in shard_stats],
+            llm={
+                "calls": sum(l["calls"] for l in llm_shards) + coord_calls,
+                "tokens": sum(l["tokens"] for l in llm_shards) + coord_tokens,
+                "fallbacks": sum(l["fallbacks"] for l in llm_shards),
+                "refused_generated": usage_refusals(by_operation),
+                "by_operation": by_operation,
+                "coordinator": coord_usage,
+            },
+            shards=[
+                {
+                    "trajectories": st["trajectories"],
+                    "clusters": st["clusters"],
+                    "maintenance_queued": st["maintenance_queued"],
+                }
+                for st in shard_stats
+            ],
             per_tenant=dict(sorted(per_tenant.items())),
             coordinator=coordinator,
         )
         return out  # type: ignore[return-value]
 
-    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[Any]:
+    def clusters(
+        self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None
+    ) -> list[Any]:
         """``tenant``'s live clusters on every shard, largest first (None: every tenant's); with
         ``limit``, the largest that many (each shard sends at most that many)."""
         if tenant is not None:

@@ -38,7 +38,6 @@ class ClusterConfig(Section):
         "add_resends": (0, 100),
     }
 
-
     namespace: str = "lifemem"  # Ray namespace of the named actors
     shards: int = 2
     batch_size: int = 512  # the coordinator's micro-batch
@@ -69,8 +68,19 @@ class ClusterConfig(Section):
             if not low <= value <= high:
                 raise ConfigError(f"cluster.{key}: must be in [{low}, {high}], got {value}")
         if self.search_chunk % self.retrieve_chunk:
-            raise ConfigError(f"cluster.search_chunk ({self.search_chunk}) must be a multiple of cluster.retrieve_chunk ({self.retrieve_chunk})")
-        positive(self, "shards", "batch_size", "max_pending", "overload_timeout_s", "embedders", "call_timeout_s", "start_timeout_s")
+            raise ConfigError(
+                f"cluster.search_chunk ({self.search_chunk}) must be a multiple of cluster.retrieve_chunk ({self.retrieve_chunk})"
+            )
+        positive(
+            self,
+            "shards",
+            "batch_size",
+            "max_pending",
+            "overload_timeout_s",
+            "embedders",
+            "call_timeout_s",
+            "start_timeout_s",
+        )
         if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
             raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
@@ -93,12 +103,16 @@ class DeploymentConfig(MemoryConfig):
 
     def check(self) -> None:
         if self.http.operations_max_items < self.http.max_batch_items:
-            raise ConfigError(f"http.operations_max_items: {self.http.operations_max_items:,} is below http.max_batch_items "
-                              f"({self.http.max_batch_items:,}): one add answered 202 could never be kept; raise it")
+            raise ConfigError(
+                f"http.operations_max_items: {self.http.operations_max_items:,} is below http.max_batch_items "
+                f"({self.http.max_batch_items:,}): one add answered 202 could never be kept; raise it"
+            )
         deadline = self.add_operation_deadline_s()
         if self.http.operations_ttl_s < deadline:
-            raise ConfigError(f"http.operations_ttl_s: {self.http.operations_ttl_s:g} s would forget an add answered 202 before it can "
-                              f"finish ({deadline:g} s: http.add_timeout_s x (1 + cluster.add_resends) + 60); raise it or lower those")
+            raise ConfigError(
+                f"http.operations_ttl_s: {self.http.operations_ttl_s:g} s would forget an add answered 202 before it can "
+                f"finish ({deadline:g} s: http.add_timeout_s x (1 + cluster.add_resends) + 60); raise it or lower those"
+            )
 
     def add_operation_deadline_s(self) -> float:
         """How long an add answered 202 may take before its operation reads failed: every

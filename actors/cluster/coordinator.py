@@ -25,24 +25,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lifemem_ray.actors.cluster import ray_metrics
+from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, Stage
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.remote_errors import OverloadedError, ShardUnavailableError, actor_failures
+from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.core.decisions import Decider
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.engine.ingest_rules import AddResult, make_decider
 from lifemem_ray.engine.memory import pack_trajectories
-from lifemem_ray.core.model import Trajectory
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
-
-from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, Stage
-from lifemem_ray.actors.cluster.remote_errors import OverloadedError, ShardUnavailableError, actor_failures
-from lifemem_ray.actors.cluster.routing import RoutingTable
 
 if TYPE_CHECKING:
     from lifemem_ray.engine.store.storage import ClusterRecord
@@ -80,7 +80,7 @@ class RayShards:
         try:
             ref = getattr(self.handles[shard], method).remote(*args)
             return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
-        except (*actor_failures(), asyncio.TimeoutError) as exc:
+        except (TimeoutError, *actor_failures()) as exc:
             raise ShardUnavailableError(
                 f"shard {shard} ({self.names[shard]}) is unavailable during {method}: {type(exc).__name__}: {exc}"
             ) from exc
@@ -88,7 +88,9 @@ class RayShards:
     async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]:
         return await self.call(shard, "known", ids, fingerprints)
 
-    async def candidates(self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]) -> CandidateArrays:
+    async def candidates(
+        self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]
+    ) -> CandidateArrays:
         return await self.call(shard, "candidates", vectors, workflow_vectors, envs)
 
     async def commit(
@@ -175,7 +177,9 @@ class Coordinator:
         self.routing = RoutingTable(Path(store_dir) / "coordinator")
         self.shard_names = shard_names
         self.embedder_names = embedder_names
-        self.shards = shards if shards is not None else RayShards(shard_names, self.namespace, config.cluster.call_timeout_s)
+        self.shards = (
+            shards if shards is not None else RayShards(shard_names, self.namespace, config.cluster.call_timeout_s)
+        )
         if embed is None and embedder_names:
             embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
         self.decider = decider if decider is not None else make_decider(config, ray_metrics.SINK)
@@ -196,7 +200,9 @@ class Coordinator:
     # -- the client API ------------------------------------------------------------------------
     async def add_many(self, trajectories: Sequence[Trajectory], vectors: np.ndarray | None = None) -> list[AddResult]:
         """Acknowledged (returned) once every trajectory of the request is committed on its shard."""
-        batch = await asyncio.to_thread(pack_trajectories, list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
+        batch = await asyncio.to_thread(
+            pack_trajectories, list(trajectories), vectors, self.dim, self.config.evolution.workflow_features
+        )
         return await self.add_batch(batch, vectors is not None)
 
     async def add_batch(self, batch: ItemBatch, embedded: bool) -> list[AddResult]:
@@ -206,8 +212,10 @@ class Coordinator:
         if not isinstance(batch, ItemBatch):
             raise TypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
         if batch.features != self.config.evolution.workflow_features:
-            raise ValueError(f"batch: packed with workflow features {batch.features!r}, the deployment uses "
-                             f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)")
+            raise ValueError(
+                f"batch: packed with workflow features {batch.features!r}, the deployment uses "
+                f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)"
+            )
         if len(batch) and batch.vecs.shape != (len(batch), self.dim):
             raise ValueError(f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}")
         if not len(batch):
@@ -221,7 +229,7 @@ class Coordinator:
                     self._space.wait_for(lambda: self._queued == 0 or self._queued + n <= limit),
                     timeout=self.config.cluster.overload_timeout_s,
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.counters["overloaded"] += 1
                 raise OverloadedError(
                     f"the coordinator's queue held {self._queued} trajectories (cluster.max_pending = {limit}) for "
@@ -313,7 +321,9 @@ class Coordinator:
         call removes what that shard still holds)."""
         await self.pause()
         try:
-            answers = await asyncio.gather(*[self.shards.call(s, method, *args) for s in range(len(self.shards))], return_exceptions=True)
+            answers = await asyncio.gather(
+                *[self.shards.call(s, method, *args) for s in range(len(self.shards))], return_exceptions=True
+            )
         finally:
             await self.resume()
         counts = [0 if isinstance(a, BaseException) else int(a) for a in answers]
@@ -385,7 +395,9 @@ class Coordinator:
                         await asyncio.sleep(min(wait, 0.002))
                     flight, pipelined = await self._front(self._take()), False
                 try:
-                    outcomes, previous = await self.ingest.back(flight.stage, previous if pipelined else None, self._overlap)
+                    outcomes, previous = await self.ingest.back(
+                        flight.stage, previous if pipelined else None, self._overlap
+                    )
                     for request, outcome in zip(flight.requests, outcomes):
                         if not request.future.done():
                             if isinstance(outcome, Exception):
@@ -425,6 +437,12 @@ class Coordinator:
     def _overlap(self) -> asyncio.Task | None:
         """Called as a batch's planning starts: begin the next micro-batch's shard lookups now,
         if one is waiting (see _batch_loop); the batch commits only once they are done."""
-        if self._next is None and self._queue and not self._paused and self.ingest.initialised and self.config.cluster.pipeline:
+        if (
+            self._next is None
+            and self._queue
+            and not self._paused
+            and self.ingest.initialised
+            and self.config.cluster.pipeline
+        ):
             self._next = asyncio.get_running_loop().create_task(self._front(self._take()))
         return self._next

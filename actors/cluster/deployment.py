@@ -13,24 +13,23 @@ import logging
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.engine.embedding import DIM as MINILM_DIM
-from lifemem_ray.engine.store.storage import MemoryStore
-
 from lifemem_ray.actors.cluster.coordinator import Coordinator
 from lifemem_ray.actors.cluster.embedder import EmbedderActor
-from lifemem_ray.core.errors import ConfigError, DeploymentExistsError, ResourcesUnavailableError
-
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.actors.cluster.shard_actor import MemoryShard
+from lifemem_ray.core.errors import ConfigError, DeploymentExistsError, ResourcesUnavailableError
+from lifemem_ray.engine.embedding import DIM as MINILM_DIM
+from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = ["COORDINATOR", "compact", "deploy", "find_coordinator", "restore", "snapshot", "stop"]
 
@@ -53,7 +52,9 @@ def find_coordinator(namespace: str) -> Any:
     try:
         return ray.get_actor(COORDINATOR, namespace=namespace)
     except ValueError:
-        raise DeploymentNotFoundError(f"no lifemem-ray deployment runs in Ray namespace {namespace!r} (start one with `lifemem-ray serve`)") from None
+        raise DeploymentNotFoundError(
+            f"no lifemem-ray deployment runs in Ray namespace {namespace!r} (start one with `lifemem-ray serve`)"
+        ) from None
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
@@ -76,8 +77,15 @@ def _placement(shards: int, saved: list[str] | None, store: Path | None = None) 
             seen = _nodes_seeing(sorted(alive), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
             for i, where in zip(missing, seen):
                 if where:  # nodes marked for shards first, the head last, then the fewest shards so far
-                    placed[i] = min(where, key=lambda node: (
-                        not alive[node].get(SHARD_RESOURCE), bool(alive[node].get("node:__internal_head__")), placed.count(node), node))
+                    placed[i] = min(
+                        where,
+                        key=lambda node: (
+                            not alive[node].get(SHARD_RESOURCE),
+                            bool(alive[node].get("node:__internal_head__")),
+                            placed.count(node),
+                            node,
+                        ),
+                    )
             missing = [i for i in missing if placed[i] not in alive]
         if missing:
             raise ShardUnavailableError(
@@ -103,7 +111,9 @@ def _nodes_seeing(nodes: list[str], paths: list[Path], timeout_s: float = 60.0) 
     """For each path, the nodes on which it exists (one zero-CPU task per node)."""
     probe = ray.remote(num_cpus=0, max_retries=0)(_files_exist)
     refs = {
-        node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote([str(p) for p in paths])
+        node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+            [str(p) for p in paths]
+        )
         for node in nodes
     }
     answers: dict[str, list[bool]] = {}
@@ -115,7 +125,9 @@ def _nodes_seeing(nodes: list[str], paths: list[Path], timeout_s: float = 60.0) 
     return [[node for node, seen in answers.items() if seen[i]] for i in range(len(paths))]
 
 
-def deploy(store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None) -> dict[str, Any]:
+def deploy(
+    store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None
+) -> dict[str, Any]:
     """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
 
     Call after ``ray.init``. An existing store keeps its shard count and node placement.
@@ -124,7 +136,9 @@ def deploy(store_dir: str | Path, config: DeploymentConfig | None = None, *, sha
     ns = config.cluster.namespace
     try:
         ray.get_actor(COORDINATOR, namespace=ns)
-        raise DeploymentExistsError(f"a lifemem-ray deployment already runs in namespace {ns!r}; stop it first (`lifemem-ray stop`)")
+        raise DeploymentExistsError(
+            f"a lifemem-ray deployment already runs in namespace {ns!r}; stop it first (`lifemem-ray stop`)"
+        )
     except ValueError:
         pass
     store = Path(store_dir).resolve()
@@ -135,14 +149,18 @@ def deploy(store_dir: str | Path, config: DeploymentConfig | None = None, *, sha
         if saved is not None:
             count = saved["shards"]
             if shards is not None and shards != count:
-                raise ConfigError(f"{store} holds {count} shards; to change the count, snapshot and restore into a new store")
+                raise ConfigError(
+                    f"{store} holds {count} shards; to change the count, snapshot and restore into a new store"
+                )
             dim = saved["dim"]
             nodes = _placement(count, saved.get("nodes"), store)
         else:
             count = shards or config.cluster.shards
             dim = dim or MINILM_DIM
             nodes = _placement(count, None)
-        routing.put_meta("deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()})
+        routing.put_meta(
+            "deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()}
+        )
         routing.put_meta("store", str(store))
         routing.put_meta("nodes", nodes)
     finally:
@@ -161,15 +179,23 @@ def deploy(store_dir: str | Path, config: DeploymentConfig | None = None, *, sha
                 **common,
             ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
         for i, name in enumerate(embedder_names):
-            ray.remote(EmbedderActor).options(name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common).remote(config.embedding)
+            ray.remote(EmbedderActor).options(
+                name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common
+            ).remote(config.embedding)
         ray.remote(Coordinator).options(name=COORDINATOR, **Coordinator.ray_options(config), **common).remote(
             str(store), config, shard_names, embedder_names, dim
         )
         coordinator = ray.get_actor(COORDINATOR, namespace=ns)
-        pings = [ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
+        pings = [ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names + embedder_names] + [
+            coordinator.ping.remote()
+        ]
         ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
         if waiting:
-            need = count * config.cluster.shard_cpus + len(embedder_names) * config.cluster.embedder_cpus + config.cluster.coordinator_cpus
+            need = (
+                count * config.cluster.shard_cpus
+                + len(embedder_names) * config.cluster.embedder_cpus
+                + config.cluster.coordinator_cpus
+            )
             raise ResourcesUnavailableError(
                 f"the deployment's actors did not start within {config.cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
                 f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: {ray.available_resources().get('CPU', 0):g} CPUs"
@@ -257,7 +283,10 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     started = time.time()
     with _ingest_paused(coordinator, "snapshot", namespace, timeout_s):
         copies = ray.get(
-            [ray.get_actor(n, namespace=namespace).snapshot.remote(str(target / f"shard-{i:02d}")) for i, n in enumerate(info["shards"])],
+            [
+                ray.get_actor(n, namespace=namespace).snapshot.remote(str(target / f"shard-{i:02d}"))
+                for i, n in enumerate(info["shards"])
+            ],
             timeout=timeout_s,
         )
         routes = ray.get(coordinator.snapshot_routing.remote(str(target / "coordinator")), timeout=timeout_s)
@@ -286,7 +315,9 @@ def compact(namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str
     info = ray.get(coordinator.deployment.remote())
     started = time.time()
     with _ingest_paused(coordinator, "compaction", namespace, timeout_s):
-        shards = ray.get([ray.get_actor(n, namespace=namespace).compact.remote() for n in info["shards"]], timeout=timeout_s)
+        shards = ray.get(
+            [ray.get_actor(n, namespace=namespace).compact.remote() for n in info["shards"]], timeout=timeout_s
+        )
     return {
         "seconds": round(time.time() - started, 3),
         "shards": shards,
@@ -295,7 +326,13 @@ def compact(namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str
     }
 
 
-def restore(snapshot_dir: str | Path, store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None) -> dict[str, Any]:
+def restore(
+    snapshot_dir: str | Path,
+    store_dir: str | Path,
+    config: DeploymentConfig | None = None,
+    *,
+    shards: int | None = None,
+) -> dict[str, Any]:
     """A new deployment in ``store_dir`` holding the snapshot's memory, on ``shards`` shards.
 
     Whole clusters move: each keeps its id, trajectories, vectors and skill, and goes to

@@ -28,8 +28,17 @@ from lifemem_ray.actors.cluster.cluster_config import ClusterConfig
 from lifemem_ray.core.metrics import LATENCY, MetricSpec, Recorder, Tag
 from lifemem_ray.llm.llm_metrics import SPECS as LLM_SPECS
 
-__all__ = ["BATCH_SIZE", "CATALOGUE", "QUEUE_DEPTH", "RECORDER", "RaySink", "enabled", "observe_batch", "set_queue_depth",
-           "set_shard_sizes"]
+__all__ = [
+    "BATCH_SIZE",
+    "CATALOGUE",
+    "QUEUE_DEPTH",
+    "RECORDER",
+    "RaySink",
+    "enabled",
+    "observe_batch",
+    "set_queue_depth",
+    "set_shard_sizes",
+]
 
 MAX_SHARDS = int(ClusterConfig.BOUNDS["shards"][1])
 BATCH_BOUNDARIES = tuple(float(2**i) for i in range(17))  # 1 .. 65,536 (cluster.batch_size's bound)
@@ -39,15 +48,30 @@ def _shard_index(value: str) -> bool:
     return value.isdigit() and int(value) < MAX_SHARDS and str(int(value)) == value
 
 
-_DEPLOYMENT = Tag("deployment", check=lambda v: 0 < len(v) <= 256 and v.isprintable(), described="a Ray namespace (1-256 printable characters)")
+_DEPLOYMENT = Tag(
+    "deployment",
+    check=lambda v: 0 < len(v) <= 256 and v.isprintable(),
+    described="a Ray namespace (1-256 printable characters)",
+)
 _SHARD = Tag("shard", check=_shard_index, described=f"a shard index 0..{MAX_SHARDS - 1}")
 
-BATCH_SIZE = MetricSpec("lifemem_coordinator_batch_size", "histogram", "Trajectories per micro-batch the coordinator planned and committed",
-                        (_DEPLOYMENT,), BATCH_BOUNDARIES)
-QUEUE_DEPTH = MetricSpec("lifemem_coordinator_queue_depth", "gauge",
-                         "Trajectories accepted by the coordinator and not yet acknowledged (queued or in a micro-batch; "
-                         "bounded by cluster.max_pending)", (_DEPLOYMENT,))
-SHARD_TRAJECTORIES = MetricSpec("lifemem_shard_trajectories", "gauge", "Trajectories stored on a shard", (_DEPLOYMENT, _SHARD))
+BATCH_SIZE = MetricSpec(
+    "lifemem_coordinator_batch_size",
+    "histogram",
+    "Trajectories per micro-batch the coordinator planned and committed",
+    (_DEPLOYMENT,),
+    BATCH_BOUNDARIES,
+)
+QUEUE_DEPTH = MetricSpec(
+    "lifemem_coordinator_queue_depth",
+    "gauge",
+    "Trajectories accepted by the coordinator and not yet acknowledged (queued or in a micro-batch; "
+    "bounded by cluster.max_pending)",
+    (_DEPLOYMENT,),
+)
+SHARD_TRAJECTORIES = MetricSpec(
+    "lifemem_shard_trajectories", "gauge", "Trajectories stored on a shard", (_DEPLOYMENT, _SHARD)
+)
 SHARD_CLUSTERS = MetricSpec("lifemem_shard_clusters", "gauge", "Live clusters on a shard", (_DEPLOYMENT, _SHARD))
 
 # Every metric recorded below the front door (the front door adds its answers: http_metrics).
@@ -68,7 +92,9 @@ class RaySink:
 
     def __init__(self) -> None:
         self._created: dict[str, Any] = {}  # spec name -> ray.util.metrics object
-        self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[MetricSpec, float]] = {}  # last value per series
+        self._gauges: dict[
+            tuple[str, tuple[tuple[str, str], ...]], tuple[MetricSpec, float]
+        ] = {}  # last value per series
         self._lock = threading.Lock()
         self._refresher: threading.Thread | None = None
 
@@ -105,7 +131,9 @@ class RaySink:
         with self._lock:
             self._gauges[(spec.name, tuple(sorted(labels.items())))] = (spec, value)
             if self._refresher is None or not self._refresher.is_alive():
-                self._refresher = threading.Thread(target=self._refresh_gauges, name="lifemem-metrics-gauges", daemon=True)
+                self._refresher = threading.Thread(
+                    target=self._refresh_gauges, name="lifemem-metrics-gauges", daemon=True
+                )
                 self._refresher.start()
 
     def _refresh_gauges(self) -> None:

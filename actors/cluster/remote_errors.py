@@ -6,7 +6,14 @@ from typing import NoReturn
 
 from lifemem_ray.core.errors import DeploymentNotFoundError, OverloadedError, ShardUnavailableError
 
-__all__ = ["DeploymentNotFoundError", "OverloadedError", "ShardUnavailableError", "actor_failures", "raise_remote", "remote_cause"]
+__all__ = [
+    "DeploymentNotFoundError",
+    "OverloadedError",
+    "ShardUnavailableError",
+    "actor_failures",
+    "raise_remote",
+    "remote_cause",
+]
 
 
 def actor_failures() -> tuple[type[BaseException], ...]:

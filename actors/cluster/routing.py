@@ -14,8 +14,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import lmdb
 
@@ -122,6 +123,8 @@ def _take_writer_lock(path: Path, wait_s: float) -> int:
                 time.sleep(0.2)
                 continue
         os.close(fd)
-        raise DeploymentExistsError(f"{path.parent}: this store is already served by a running lifemem-ray deployment "
-                                    "(its coordinator holds the store); use that deployment, or stop it first "
-                                    "(`lifemem-ray stop --namespace NS`)") from None
+        raise DeploymentExistsError(
+            f"{path.parent}: this store is already served by a running lifemem-ray deployment "
+            "(its coordinator holds the store); use that deployment, or stop it first "
+            "(`lifemem-ray stop --namespace NS`)"
+        ) from None

@@ -23,22 +23,23 @@ import math
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from lifemem_ray.actors.cluster import ray_metrics
-from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.core.tenancy import DEFAULT_TENANT
+from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
 from lifemem_ray.engine.index.vector_index import set_faiss_threads
 from lifemem_ray.engine.ingest_rules import AddResult
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.retrieval import RecordHit
-from lifemem_ray.core.tenancy import DEFAULT_TENANT
 
-__all__ = ["MemoryShard", "SHARD_OVERRIDES", "release_free_memory", "shard_namespace"]
+__all__ = ["SHARD_OVERRIDES", "MemoryShard", "release_free_memory", "shard_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,15 @@ def shard_namespace(index: int) -> int:
 
 def shard_config(config: DeploymentConfig) -> DeploymentConfig:
     """``config`` with :data:`SHARD_OVERRIDES` applied (logged where it changes a setting)."""
-    changed = [key for key, value in SHARD_OVERRIDES.items() if getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) != value]
+    changed = [
+        key
+        for key, value in SHARD_OVERRIDES.items()
+        if getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) != value
+    ]
     if changed:
-        log.info("shard: %s set to true (a shard runs maintenance and index retrains in the background)", ", ".join(changed))
+        log.info(
+            "shard: %s set to true (a shard runs maintenance and index retrains in the background)", ", ".join(changed)
+        )
     return config.replace(SHARD_OVERRIDES)
 
 
@@ -89,7 +96,9 @@ class MemoryShard:
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
         # other actors of the node (small batches per environment make that costly).
         set_faiss_threads(max(1, math.ceil(config.cluster.shard_cpus)))
-        self.memory = Memory.open(self.path, config, dim=dim, namespace=shard_namespace(index), metrics=ray_metrics.SINK)
+        self.memory = Memory.open(
+            self.path, config, dim=dim, namespace=shard_namespace(index), metrics=ray_metrics.SINK
+        )
         self.engine = self.memory.shard
         self.started = time.time()
         self.deployment = config.cluster.namespace  # the metrics' deployment tag
@@ -141,7 +150,9 @@ class MemoryShard:
         return out
 
     # -- reading -----------------------------------------------------------------------------
-    def search_records(self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+    def search_records(
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
+    ) -> list[tuple[list[RecordHit], dict[int, str]]]:
         return self.engine.search_records(envs, k, vectors, skills)
 
     def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +164,9 @@ class MemoryShard:
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         return self.engine.stats(tenant)
 
-    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
+    def clusters(
+        self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None
+    ) -> list[ClusterInfo]:
         return self.engine.clusters(env, tenant, limit)
 
     def cluster_count(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> int:

@@ -93,7 +93,11 @@ class BodyPace:
         """What the body failed to do, for the 408 answer."""
         elapsed = now - self.started
         if now >= self.started + self.timeout_s - 1e-9:
-            return (f"the request body was not complete within {self.timeout_s:g} s (http.body_timeout_s); "
-                    f"{self.bytes_received:,} bytes arrived")
-        return (f"the request body arrived too slowly: {self.bytes_received:,} bytes in {elapsed:.1f} s, below "
-                f"{self.min_rate:,} bytes/s after the first {self.grace_s:g} s (http.body_min_rate_bytes_s)")
+            return (
+                f"the request body was not complete within {self.timeout_s:g} s (http.body_timeout_s); "
+                f"{self.bytes_received:,} bytes arrived"
+            )
+        return (
+            f"the request body arrived too slowly: {self.bytes_received:,} bytes in {elapsed:.1f} s, below "
+            f"{self.min_rate:,} bytes/s after the first {self.grace_s:g} s (http.body_min_rate_bytes_s)"
+        )

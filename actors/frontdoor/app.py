@@ -31,9 +31,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-from fastapi import Depends, FastAPI, Query as Q, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi import Query as Q
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -43,21 +45,19 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match, Route
 
-from lifemem_ray.service import api_models as m
 from lifemem_ray.actors.cluster import ray_internals
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
+from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
+from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, unavailable_errors, validation_detail
+from lifemem_ray.actors.frontdoor.front_service import FrontService, ServiceMemory
 from lifemem_ray.actors.frontdoor.http_metrics import count_http
+from lifemem_ray.actors.frontdoor.operations import OPERATIONS_ACTOR, operations_actor
+from lifemem_ray.core.errors import ConfigError, LifeMemError
+from lifemem_ray.service import api_models as m
 from lifemem_ray.service.auth import KeyRing, check_bind
 from lifemem_ray.service.http_config import HttpConfig
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.core.errors import ConfigError, LifeMemError
 from lifemem_ray.service.principal import Principal, acting_as, current
-
-from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
-from lifemem_ray.actors.frontdoor.error_answers import error_detail, validation_detail
-from lifemem_ray.actors.frontdoor.error_answers import ApiError, unavailable_errors
-from lifemem_ray.actors.frontdoor.front_service import FrontService, ServiceMemory
-from lifemem_ray.actors.frontdoor.operations import OPERATIONS_ACTOR, operations_actor
 
 __all__ = ["APP_NAME", "DEPLOYMENT_NAME", "FrontDoor", "build_app", "start_http", "stop_http"]
 
@@ -92,9 +92,11 @@ class TenantBusy(HTTPException):
     """A tenant already at its share of this replica's request slots (429, before the body is read)."""
 
     def __init__(self, tenant: str, cap: int, retry_after_s: int) -> None:
-        super().__init__(429, f"tenant {tenant!r} already has {cap} requests in flight on this replica "
-                              "(http.max_ongoing_per_tenant)",
-                         headers={"Retry-After": str(retry_after_s), "Connection": "close"})
+        super().__init__(
+            429,
+            f"tenant {tenant!r} already has {cap} requests in flight on this replica (http.max_ongoing_per_tenant)",
+            headers={"Retry-After": str(retry_after_s), "Connection": "close"},
+        )
 
 
 class FrontDoor:
@@ -116,7 +118,9 @@ class FrontDoor:
             return False
         return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -138,7 +142,9 @@ class FrontDoor:
         finally:
             self._observe(scope, status[0] or 500, time.perf_counter() - started)
 
-    async def _serve(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
+    async def _serve(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise BodyTooLarge(self.max_body)
@@ -181,7 +187,7 @@ class FrontDoor:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(0.0, pace.deadline() - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 cut[0] = True
                 raise BodyTooSlow(pace.why_late(time.monotonic())) from None
             if message["type"] == "http.request":
@@ -204,7 +210,9 @@ class FrontDoor:
             route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "other")
         try:
             count_http(route, scope.get("method", ""), status)
-            if route in _TIMED and scope.get("method") == "POST" and status == 200:  # answered (a 202 is not acknowledged yet)
+            if (
+                route in _TIMED and scope.get("method") == "POST" and status == 200
+            ):  # answered (a 202 is not acknowledged yet)
                 RECORDER.observe_latency(_TIMED[route], "http", seconds)
         except Exception:  # metrics never fail a request
             log.warning("metrics failed", exc_info=True)
@@ -224,10 +232,14 @@ def build_app(service: FrontService, keyring: KeyRing) -> FastAPI:
         async with mcp.run():  # the MCP SDK's session manager, for the app's lifetime
             yield
 
-    app = FastAPI(title="lifemem-ray", version="0.1.0", lifespan=lifespan,
-                  description="Lifelong workflow memory for LLM agents: REST front door. Every route but /healthz needs "
-                              "'Authorization: Bearer <key>'.",
-                  responses={code: {"model": m.ErrorBody} for code in (401, 403, 413, 422, 503)})
+    app = FastAPI(
+        title="lifemem-ray",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Lifelong workflow memory for LLM agents: REST front door. Every route but /healthz needs "
+        "'Authorization: Bearer <key>'.",
+        responses={code: {"model": m.ErrorBody} for code in (401, 403, 413, 422, 503)},
+    )
 
     async def principal(request: Request) -> Principal:
         return request.state.principal  # FrontDoor authenticated the request before the body was read
@@ -249,7 +261,9 @@ def _mcp_app(service: FrontService) -> Any:
     from lifemem_ray.service import mcp_server
 
     memory = ServiceMemory(service)
-    return mcp_server.mcp_http(mcp_server.build_mcp_server(lambda: memory, current), max_body_bytes=service.http.max_body_bytes)
+    return mcp_server.mcp_http(
+        mcp_server.build_mcp_server(lambda: memory, current), max_body_bytes=service.http.max_body_bytes
+    )
 
 
 def _error_handlers(app: FastAPI, retry_after_s: int) -> None:
@@ -266,10 +280,18 @@ def _error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 
 def _write_routes(app: FastAPI, service: FrontService, principal: Callable[..., Awaitable[Principal]]) -> None:
-    @app.post("/v1/trajectories", response_model=m.AddAnswer, status_code=200, tags=["trajectories"],
-              responses={202: {"model": m.AddAccepted}, 409: {"model": m.ErrorBody}})
-    async def add_trajectories(body: m.AddRequest, wait: bool | None = Q(None, description="false: answer 202 at once"),
-                               who: Principal = Depends(principal)) -> Any:
+    @app.post(
+        "/v1/trajectories",
+        response_model=m.AddAnswer,
+        status_code=200,
+        tags=["trajectories"],
+        responses={202: {"model": m.AddAccepted}, 409: {"model": m.ErrorBody}},
+    )
+    async def add_trajectories(
+        body: m.AddRequest,
+        wait: bool | None = Q(None, description="false: answer 202 at once"),
+        who: Principal = Depends(principal),
+    ) -> Any:
         """Store a batch; answers per item once the memory acknowledged it (or 202 with ``wait=false``)."""
         service.require(who, "write")
         trajectories = await run_in_threadpool(service.parse_records, body.trajectories, who)
@@ -278,13 +300,22 @@ def _write_routes(app: FastAPI, service: FrontService, principal: Callable[..., 
             return JSONResponse(accepted, status_code=202)
         return {"items": await run_in_threadpool(service.add, trajectories, who)}
 
-    @app.delete("/v1/trajectories/{trajectory_id:path}", response_model=m.DeleteAnswer, tags=["trajectories"],
-                responses={404: {"model": m.ErrorBody}})
+    @app.delete(
+        "/v1/trajectories/{trajectory_id:path}",
+        response_model=m.DeleteAnswer,
+        tags=["trajectories"],
+        responses={404: {"model": m.ErrorBody}},
+    )
     async def delete_trajectory(trajectory_id: str, who: Principal = Depends(principal)) -> Any:
         """Delete one of the key's tenant's trajectories (404 when it holds no such id)."""
         if not await run_in_threadpool(service.delete, trajectory_id, who):
-            raise ApiError(404, "not_found", f"tenant {who.tenant!r} holds no trajectory {trajectory_id!r}", "trajectory_id",
-                           "check the id (POST /v1/retrieve answers ids)")
+            raise ApiError(
+                404,
+                "not_found",
+                f"tenant {who.tenant!r} holds no trajectory {trajectory_id!r}",
+                "trajectory_id",
+                "check the id (POST /v1/retrieve answers ids)",
+            )
         return {"id": trajectory_id, "deleted": True}
 
     @app.delete("/v1/tenants/{tenant}", response_model=m.PurgeAnswer, tags=["admin"])
@@ -298,29 +329,44 @@ def _read_routes(app: FastAPI, service: FrontService, principal: Callable[..., A
     async def retrieve(body: m.RetrieveRequest, who: Principal = Depends(principal)) -> Any:
         """The most similar trajectories of the key's tenant, and their clusters' skills, per query
         (``context`` and each hit's ``trajectory`` only when asked for)."""
-        results = await run_in_threadpool(service.retrieve, body.queries, body.k, body.skills, body.context, body.full, who)
+        results = await run_in_threadpool(
+            service.retrieve, body.queries, body.k, body.skills, body.context, body.full, who
+        )
         return JSONResponse({"results": results})
 
     @app.get("/v1/stats", tags=["state"])
-    async def stats(tenant: str | None = Q(None, description="admin keys: another tenant, or * for every tenant"),
-                    who: Principal = Depends(principal)) -> Any:
+    async def stats(
+        tenant: str | None = Q(None, description="admin keys: another tenant, or * for every tenant"),
+        who: Principal = Depends(principal),
+    ) -> Any:
         """Counts of the key's tenant (trajectories, clusters, per environment)."""
         return await run_in_threadpool(service.stats, who, tenant)
 
     @app.get("/v1/clusters", response_model=m.ClustersAnswer, tags=["state"])
-    async def clusters(env: str | None = Q(None, description="only clusters holding this environment"),
-                       who: Principal = Depends(principal)) -> Any:
+    async def clusters(
+        env: str | None = Q(None, description="only clusters holding this environment"),
+        who: Principal = Depends(principal),
+    ) -> Any:
         """The key's tenant's workflow clusters (description, skill, R, environments), largest first."""
         return await run_in_threadpool(service.clusters, who, env)
 
-    @app.get("/v1/operations/{operation}", response_model=m.OperationAnswer, tags=["trajectories"],
-             responses={404: {"model": m.ErrorBody}})
+    @app.get(
+        "/v1/operations/{operation}",
+        response_model=m.OperationAnswer,
+        tags=["trajectories"],
+        responses={404: {"model": m.ErrorBody}},
+    )
     async def operation(operation: str, who: Principal = Depends(principal)) -> Any:
         """The state of an add answered 202: pending, done (with the items) or failed (with the error)."""
         got = await run_in_threadpool(service.operation, operation, who)
         if got is None:
-            raise ApiError(404, "not_found", f"no operation {operation!r} for tenant {who.tenant!r} (unknown, or older than "
-                           "http.operations_ttl_s)", "operation", "check the id; send the add again if it expired (idempotent)")
+            raise ApiError(
+                404,
+                "not_found",
+                f"no operation {operation!r} for tenant {who.tenant!r} (unknown, or older than http.operations_ttl_s)",
+                "operation",
+                "check the id; send the add again if it expired (idempotent)",
+            )
         return got
 
     @app.get("/healthz", response_model=m.HealthAnswer, tags=["health"])
@@ -348,7 +394,9 @@ class FrontDoorDeployment:
         self.service.close()
 
 
-def start_http(namespace: str, config: DeploymentConfig, keyring: KeyRing, *, host: str | None = None, port: int | None = None) -> dict[str, Any]:
+def start_http(
+    namespace: str, config: DeploymentConfig, keyring: KeyRing, *, host: str | None = None, port: int | None = None
+) -> dict[str, Any]:
     """Start Serve's HTTP proxy on ``host:port`` (from ``[http]`` when not given) and the front
     door application in front of the deployment in ``namespace``. Call after ``ray.init``.
     Refuses ``auth = "none"`` on a non-loopback host before anything starts."""
@@ -360,23 +408,34 @@ def start_http(namespace: str, config: DeploymentConfig, keyring: KeyRing, *, ho
     serve.start(http_options={"host": host, "port": port})
     running = _serve_address()
     if running is not None and running != (host, port):
-        raise ConfigError(f"Ray Serve already runs on this cluster with its HTTP proxy at {running[0]}:{running[1]}, not "
-                          f"{host}:{port} (Serve's HTTP address is fixed while it runs): serve on {running[0]}:{running[1]} "
-                          "(--host/--port), or shut Serve down first (`serve shutdown`)")
+        raise ConfigError(
+            f"Ray Serve already runs on this cluster with its HTTP proxy at {running[0]}:{running[1]}, not "
+            f"{host}:{port} (Serve's HTTP address is fixed while it runs): serve on {running[0]}:{running[1]} "
+            "(--host/--port), or shut Serve down first (`serve shutdown`)"
+        )
     app = FrontDoorDeployment.options(
-        num_replicas=http.replicas, max_ongoing_requests=http.max_ongoing_requests,
+        num_replicas=http.replicas,
+        max_ongoing_requests=http.max_ongoing_requests,
         ray_actor_options={"num_cpus": http.replica_cpus},
     ).bind(namespace, config, keyring, host)
     serve.run(app, name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
-    return {"url": f"http://{host}:{port}", "app": APP_NAME, "replicas": http.replicas, "auth": keyring.mode,
-            "keys": len(keyring.entries), "namespace": namespace}
+    return {
+        "url": f"http://{host}:{port}",
+        "app": APP_NAME,
+        "replicas": http.replicas,
+        "auth": keyring.mode,
+        "keys": len(keyring.entries),
+        "namespace": namespace,
+    }
 
 
 def _serve_address() -> tuple[str, int] | None:
     """Where the running Serve's HTTP proxy listens (None where this Ray does not say)."""
     try:
         return ray_internals.serve_http_address()
-    except Exception:  # an internal of Serve that moved (tests/test_ray_internals.py says): skip the check rather than fail the start
+    except (
+        Exception
+    ):  # an internal of Serve that moved (tests/test_ray_internals.py says): skip the check rather than fail the start
         log.warning("could not read Serve's HTTP address", exc_info=True)
         return None
 

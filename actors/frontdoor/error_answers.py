@@ -28,7 +28,6 @@ import ray
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
 from lifemem_ray.core.errors import AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError
 
-
 __all__ = ["ApiError", "error_detail", "split_where", "unavailable_errors", "validation_detail"]
 
 log = logging.getLogger(__name__)
@@ -52,11 +51,24 @@ def split_where(message: str) -> tuple[str | None, str]:
 
 def unavailable_errors() -> tuple[type[BaseException], ...]:
     """What means "the memory cannot answer now, try again": 503 with Retry-After."""
-    return (ShardUnavailableError, OverloadedError, DeploymentNotFoundError, ray.exceptions.GetTimeoutError, *actor_failures())
+    return (
+        ShardUnavailableError,
+        OverloadedError,
+        DeploymentNotFoundError,
+        ray.exceptions.GetTimeoutError,
+        *actor_failures(),
+    )
 
 
-_HTTP_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large",
-               415: "unsupported_media_type", 429: "too_many_requests"}
+_HTTP_TYPES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    413: "too_large",
+    415: "unsupported_media_type",
+    429: "too_many_requests",
+}
 
 
 def _detail(type_: str, message: str, where: str | None, what_to_do: str) -> dict[str, Any]:
@@ -70,27 +82,60 @@ def error_detail(exc: BaseException, retry_after_s: int) -> tuple[int, dict[str,
     if isinstance(exc, ApiError):
         return exc.status, _detail(exc.type, str(exc), exc.where, exc.what_to_do), {}
     if isinstance(exc, AuthError):
-        return 401, _detail("unauthorized", str(exc), "Authorization", "send 'Authorization: Bearer <key>' with a valid API key"), \
-            {"WWW-Authenticate": 'Bearer realm="lifemem"'}
+        return (
+            401,
+            _detail(
+                "unauthorized", str(exc), "Authorization", "send 'Authorization: Bearer <key>' with a valid API key"
+            ),
+            {"WWW-Authenticate": 'Bearer realm="lifemem"'},
+        )
     if isinstance(exc, ForbiddenError):
         where, _ = split_where(str(exc))
         return 403, _detail("forbidden", str(exc), where, "use a key of the right tenant with the scope named"), {}
     if isinstance(exc, IdConflictError):
         where, _ = split_where(str(exc))
-        return 409, _detail("conflict", str(exc), where, "nothing of the request was stored; give the other content a new id, "
-                            "or send the stored content again"), {}
+        return (
+            409,
+            _detail(
+                "conflict",
+                str(exc),
+                where,
+                "nothing of the request was stored; give the other content a new id, or send the stored content again",
+            ),
+            {},
+        )
     if isinstance(exc, unavailable_errors()):
-        return 503, _detail("unavailable", f"{type(exc).__name__}: {exc}", None,
-                            f"retry after {retry_after_s} s; resending the same ids is safe (adds are idempotent)"), \
-            {"Retry-After": str(retry_after_s)}
+        return (
+            503,
+            _detail(
+                "unavailable",
+                f"{type(exc).__name__}: {exc}",
+                None,
+                f"retry after {retry_after_s} s; resending the same ids is safe (adds are idempotent)",
+            ),
+            {"Retry-After": str(retry_after_s)},
+        )
     if isinstance(exc, HTTPException):
         status = exc.status_code
-        return status, _detail(_HTTP_TYPES.get(status, "http_error"), str(exc.detail), None, _what_for(status)), dict(exc.headers or {})
+        return (
+            status,
+            _detail(_HTTP_TYPES.get(status, "http_error"), str(exc.detail), None, _what_for(status)),
+            dict(exc.headers or {}),
+        )
     if isinstance(exc, ValueError):  # the engine's checks (bad trajectory, tenant, k, ...): they name the field
         where, _ = split_where(str(exc))
         return 422, _detail("validation_error", str(exc), where, "fix the field named and send the request again"), {}
     log.exception("unexpected error in the front door")
-    return 500, _detail("internal", f"{type(exc).__name__}: {exc}", None, "this is a bug: report it; the replica's log has the traceback"), {}
+    return (
+        500,
+        _detail(
+            "internal",
+            f"{type(exc).__name__}: {exc}",
+            None,
+            "this is a bug: report it; the replica's log has the traceback",
+        ),
+        {},
+    )
 
 
 def _what_for(status: int) -> str:
@@ -101,7 +146,9 @@ def _what_for(status: int) -> str:
     if status == 413:
         return "send a smaller body (http.max_body_bytes): split the batch"
     if status == 408:
-        return "send the whole body at once, faster (http.body_timeout_s, http.body_min_rate_bytes_s), on a new connection"
+        return (
+            "send the whole body at once, faster (http.body_timeout_s, http.body_min_rate_bytes_s), on a new connection"
+        )
     if status == 429:
         return "wait for the tenant's other requests to finish (Retry-After), or send fewer at once"
     return "check the request against GET /openapi.json"
@@ -114,4 +161,6 @@ def validation_detail(errors: list[dict[str, Any]]) -> dict[str, Any]:
     parts = [f"{field_path(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:5]]
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     where = field_path(errors[0].get("loc", ())) if errors else None
-    return _detail("validation_error", "; ".join(parts) + more, where, "fix the field(s) named and send the request again")
+    return _detail(
+        "validation_error", "; ".join(parts) + more, where, "fix the field(s) named and send the request again"
+    )

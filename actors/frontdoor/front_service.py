@@ -15,23 +15,29 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.deployment import find_coordinator
+from lifemem_ray.actors.cluster.remote_errors import (
+    DeploymentNotFoundError,
+    ShardUnavailableError,
+    actor_failures,
+    remote_cause,
+)
+from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, split_where, unavailable_errors
+from lifemem_ray.actors.frontdoor.operations import operations_actor
 from lifemem_ray.core.errors import ForbiddenError, InvalidTrajectoryError, LifeMemError, OverloadedError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.service.principal import Principal
 
-from lifemem_ray.actors.cluster.deployment import find_coordinator
-from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures, remote_cause
-from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, split_where, unavailable_errors
-from lifemem_ray.actors.frontdoor.operations import operations_actor
-
 log = logging.getLogger(__name__)
 
 __all__ = ["ApiError", "FrontService", "ServiceMemory", "split_where", "unavailable_errors"]
+
 
 class StateLog:
     """Logs a watched state the way an operator wants to read it: a warning when it turns bad
@@ -89,12 +95,18 @@ class FrontService:
         self._lock = threading.Lock()
         self._ops: Any = None
         # Adds answered 202 are waited for here, at most max_ongoing_requests at a time per replica.
-        self._waiters = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-add")
+        self._waiters = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-add"
+        )
         self._waiting = threading.BoundedSemaphore(self.http.max_ongoing_requests)
         # Reads run here so a request can stop waiting for a shard that is restarting (503).
-        self._readers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-read")
+        self._readers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-read"
+        )
         # Deletions and purges run here so a request stops waiting after http.delete_timeout_s.
-        self._removers = concurrent.futures.ThreadPoolExecutor(max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-remove")
+        self._removers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.http.max_ongoing_requests, thread_name_prefix="lifemem-remove"
+        )
         self._health_log = StateLog(log, HEALTH_REPEAT_S)  # what /healthz found, logged on change, not per poll
 
     # -- connections ----------------------------------------------------------------------
@@ -107,7 +119,9 @@ class FrontService:
                 try:
                     self._client = MemoryClient(self.namespace, self.config)
                 except ValueError as exc:  # Ray's lookup of a named actor that is gone
-                    raise ShardUnavailableError(f"the deployment in namespace {self.namespace!r} misses an actor: {exc}") from None
+                    raise ShardUnavailableError(
+                        f"the deployment in namespace {self.namespace!r} misses an actor: {exc}"
+                    ) from None
             return self._client
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -136,11 +150,14 @@ class FrontService:
                 down = self._restarting()
                 if down:
                     future.cancel()  # still queued: never run a read already answered 503
-                    raise ShardUnavailableError(f"{', '.join(down)} restarting; what it acknowledged is stored") from None
+                    raise ShardUnavailableError(
+                        f"{', '.join(down)} restarting; what it acknowledged is stored"
+                    ) from None
                 if time.monotonic() >= deadline:
                     future.cancel()
-                    raise ShardUnavailableError(f"the shards did not answer within {self.http.read_timeout_s:g} s "
-                                                "(http.read_timeout_s)") from None
+                    raise ShardUnavailableError(
+                        f"the shards did not answer within {self.http.read_timeout_s:g} s (http.read_timeout_s)"
+                    ) from None
 
     def _restarting(self) -> list[str]:
         """Names of the deployment's actors Ray does not report alive (restarting, or dead)."""
@@ -165,20 +182,32 @@ class FrontService:
         """Each record checked by :meth:`Trajectory.from_dict` (errors name
         ``trajectories[i].<field>``), bound to the key's tenant."""
         if len(records) > self.http.max_batch_items:
-            raise ApiError(422, "validation_error", f"{len(records):,} trajectories in one request, at most "
-                           f"{self.http.max_batch_items:,} (http.max_batch_items)", "trajectories", "split the batch into smaller requests")
+            raise ApiError(
+                422,
+                "validation_error",
+                f"{len(records):,} trajectories in one request, at most "
+                f"{self.http.max_batch_items:,} (http.max_batch_items)",
+                "trajectories",
+                "split the batch into smaller requests",
+            )
         out = []
         for i, record in enumerate(records):
             at = f"trajectories[{i}]"
             try:
-                trajectory = Trajectory.from_dict(record, tenant=principal.tenant)  # a record without a tenant is the key's
+                trajectory = Trajectory.from_dict(
+                    record, tenant=principal.tenant
+                )  # a record without a tenant is the key's
             except InvalidTrajectoryError as exc:
                 where, what = split_where(str(exc))
                 where = at if where in (None, "record") else f"{at}.{where}"
-                raise ApiError(422, "validation_error", f"{where}: {what}", where, "fix this field and send the batch again") from None
+                raise ApiError(
+                    422, "validation_error", f"{where}: {what}", where, "fix this field and send the batch again"
+                ) from None
             if trajectory.tenant != principal.tenant:
-                raise ForbiddenError(f"{at}.tenant: {trajectory.tenant!r} is not the tenant of this key "
-                                     f"({principal.tenant!r}); leave 'tenant' out, the key decides it")
+                raise ForbiddenError(
+                    f"{at}.tenant: {trajectory.tenant!r} is not the tenant of this key "
+                    f"({principal.tenant!r}); leave 'tenant' out, the key decides it"
+                )
             out.append(trajectory)
         return out
 
@@ -193,19 +222,25 @@ class FrontService:
         try:
             return future.result(timeout=self.http.add_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise OverloadedError(f"the memory did not acknowledge the add within {self.http.add_timeout_s:g} s "
-                                  "(http.add_timeout_s); send the same batch again: ids make retries idempotent") from None
+            raise OverloadedError(
+                f"the memory did not acknowledge the add within {self.http.add_timeout_s:g} s "
+                "(http.add_timeout_s); send the same batch again: ids make retries idempotent"
+            ) from None
 
     def add_later(self, trajectories: list[Trajectory], principal: Principal) -> dict[str, Any]:
         """Accept now; the answer lands in the operations actor (202 + operation id)."""
         self.require(principal, "write")
         if not self._waiting.acquire(blocking=False):
-            raise OverloadedError(f"this replica already waits for {self.http.max_ongoing_requests} adds; retry later or send with wait=true")
+            raise OverloadedError(
+                f"this replica already waits for {self.http.max_ongoing_requests} adds; retry later or send with wait=true"
+            )
         try:
             ids = [t.id for t in trajectories]
             deadline = self.config.add_operation_deadline_s()  # AddFuture.result's attempts, each waited add_timeout_s
-            op = ray.get(self.operations().create.remote(principal.tenant, ids, deadline, principal.key_id),
-                         timeout=self.http.health_timeout_s)
+            op = ray.get(
+                self.operations().create.remote(principal.tenant, ids, deadline, principal.key_id),
+                timeout=self.http.health_timeout_s,
+            )
             self._waiters.submit(self._finish, op, trajectories, principal)
         except BaseException:
             self._waiting.release()
@@ -231,12 +266,18 @@ class FrontService:
         return ray.get(self.operations().get.remote(op, principal.tenant, own_only), timeout=self.http.health_timeout_s)
 
     # -- reading ---------------------------------------------------------------------------
-    def retrieve(self, queries: Sequence[Any], k: int | None, skills: bool, context: bool, full: bool,
-                 principal: Principal) -> list[dict[str, Any]]:
+    def retrieve(
+        self, queries: Sequence[Any], k: int | None, skills: bool, context: bool, full: bool, principal: Principal
+    ) -> list[dict[str, Any]]:
         self.require(principal, "read")
         if len(queries) > self.http.max_queries:
-            raise ApiError(422, "validation_error", f"{len(queries):,} queries in one request, at most {self.http.max_queries:,} "
-                           "(http.max_queries)", "queries", "send fewer queries per request")
+            raise ApiError(
+                422,
+                "validation_error",
+                f"{len(queries):,} queries in one request, at most {self.http.max_queries:,} (http.max_queries)",
+                "queries",
+                "send fewer queries per request",
+            )
         tasks, envs = [q.task for q in queries], [q.env for q in queries]
         try:
             got = self.read(lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant))
@@ -244,8 +285,15 @@ class FrontService:
             if isinstance(exc, LifeMemError) and not isinstance(exc, InvalidTrajectoryError):
                 raise
             where, what = split_where(str(exc))
-            where = re.sub(r"^tasks\[(\d+)\]", r"queries[\1].task", re.sub(r"^envs\[(\d+)\]", r"queries[\1].env", where or "")) or None
-            raise ApiError(422, "validation_error", f"{where}: {what}" if where else what, where, "fix this field and ask again") from None
+            where = (
+                re.sub(
+                    r"^tasks\[(\d+)\]", r"queries[\1].task", re.sub(r"^envs\[(\d+)\]", r"queries[\1].env", where or "")
+                )
+                or None
+            )
+            raise ApiError(
+                422, "validation_error", f"{where}: {what}" if where else what, where, "fix this field and ask again"
+            ) from None
         out = []
         for r in got:
             hits = []
@@ -271,7 +319,9 @@ class FrontService:
     def clusters(self, principal: Principal, env: str | None) -> dict[str, Any]:
         self.require(principal, "read")
         limit = self.http.max_clusters_listed
-        got = self.read(lambda c: c.clusters(env, tenant=principal.tenant, limit=limit))  # the shards send at most this many
+        got = self.read(
+            lambda c: c.clusters(env, tenant=principal.tenant, limit=limit)
+        )  # the shards send at most this many
         total = len(got) if len(got) < limit else self.read(lambda c: c.cluster_count(env, tenant=principal.tenant))
         return {"clusters": [c.to_dict() for c in got], "total": total, "truncated": total > len(got)}
 
@@ -295,8 +345,10 @@ class FrontService:
             return future.result(timeout=self.http.delete_timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()  # still queued behind others: the caller sends it again
-            raise OverloadedError(f"the removal did not finish within {self.http.delete_timeout_s:g} s (http.delete_timeout_s); "
-                                  "it goes on in the memory: send it again later (removals are idempotent)") from None
+            raise OverloadedError(
+                f"the removal did not finish within {self.http.delete_timeout_s:g} s (http.delete_timeout_s); "
+                "it goes on in the memory: send it again later (removals are idempotent)"
+            ) from None
 
     # -- health ----------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -308,9 +360,18 @@ class FrontService:
             names = ray.get(coordinator.deployment.remote(), timeout=timeout)["shards"]
         except Exception as exc:  # no deployment, or its coordinator does not answer: the answer says so
             # The route needs no key: the answer names no namespace, actor or Ray internals (the log does).
-            self._health_log.bad(type(exc).__name__, "health check: the deployment in namespace %r did not answer: %s: %s",
-                                 self.namespace, type(exc).__name__, exc)
-            detail = "no deployment is serving" if isinstance(exc, DeploymentNotFoundError) else "the coordinator did not answer"
+            self._health_log.bad(
+                type(exc).__name__,
+                "health check: the deployment in namespace %r did not answer: %s: %s",
+                self.namespace,
+                type(exc).__name__,
+                exc,
+            )
+            detail = (
+                "no deployment is serving"
+                if isinstance(exc, DeploymentNotFoundError)
+                else "the coordinator did not answer"
+            )
             return {"ok": False, "coordinator": False, "shards": [], "detail": detail}
         refs: list[Any] = [coordinator.ping.remote()]
         for name in names:
@@ -335,8 +396,18 @@ class FrontService:
             self._health_log.good("health check: the deployment in namespace %r answers again", self.namespace)
         else:
             silent = ["coordinator" if i == 0 else names[i - 1] for i, up in enumerate(alive) if not up]
-            self._health_log.bad(",".join(silent), "health check in namespace %r: no answer to the ping from %s", self.namespace, ", ".join(silent))
-        return {"ok": ok, "coordinator": alive[0], "shards": alive[1:], "detail": None if ok else "an actor did not answer the ping"}
+            self._health_log.bad(
+                ",".join(silent),
+                "health check in namespace %r: no answer to the ping from %s",
+                self.namespace,
+                ", ".join(silent),
+            )
+        return {
+            "ok": ok,
+            "coordinator": alive[0],
+            "shards": alive[1:],
+            "detail": None if ok else "an actor did not answer the ping",
+        }
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=False)
@@ -364,7 +435,9 @@ class ServiceMemory:
     def add_many(self, trajectories: Sequence[Trajectory]) -> list[Any]:
         return self.service.acknowledged(trajectories)
 
-    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None], k: int | None = None, **options: Any) -> Any:
+    def retrieve_many(
+        self, tasks: Sequence[str], envs: Sequence[str | None], k: int | None = None, **options: Any
+    ) -> Any:
         return self.service.read(lambda c: c.retrieve_many(tasks, envs, k, **options))
 
     def stats(self, tenant: str | None = None) -> Any:

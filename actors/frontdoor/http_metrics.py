@@ -26,8 +26,20 @@ OTHER_METHOD = "OTHER"  # any other method a client sent (counted, never an erro
 # Route templates of the HTTP front door. A path parameter may have any name ("{trajectory_id}"
 # counts as "{id}"); "other" is any path no route matched (404s of scanners, typos).
 ROUTES = (
-    "/healthz", "/v1/trajectories", "/v1/trajectories/{id}", "/v1/retrieve", "/v1/stats", "/v1/clusters",
-    "/v1/operations/{id}", "/v1/tenants/{id}", "/mcp", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "other",
+    "/healthz",
+    "/v1/trajectories",
+    "/v1/trajectories/{id}",
+    "/v1/retrieve",
+    "/v1/stats",
+    "/v1/clusters",
+    "/v1/operations/{id}",
+    "/v1/tenants/{id}",
+    "/mcp",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/redoc",
+    "other",
 )
 _PARAM = re.compile(r"\{[^{}/]*\}")
 
@@ -36,9 +48,16 @@ def _status(value: str) -> bool:
     return value.isdigit() and 100 <= int(value) <= 599
 
 
-HTTP_RESPONSES = MetricSpec("lifemem_http_responses_total", "counter", "HTTP answers of the front door by route template, method and status",
-                            (Tag("route", ROUTES), Tag("method", METHODS + (OTHER_METHOD,)),
-                             Tag("status", check=_status, described="an HTTP status 100..599")))
+HTTP_RESPONSES = MetricSpec(
+    "lifemem_http_responses_total",
+    "counter",
+    "HTTP answers of the front door by route template, method and status",
+    (
+        Tag("route", ROUTES),
+        Tag("method", METHODS + (OTHER_METHOD,)),
+        Tag("status", check=_status, described="an HTTP status 100..599"),
+    ),
+)
 # Every metric a deployment records, the front door's included (what the dashboard may query).
 CATALOGUE: dict[str, MetricSpec] = {**CLUSTER_CATALOGUE, HTTP_RESPONSES.name: HTTP_RESPONSES}
 

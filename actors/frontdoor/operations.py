@@ -18,14 +18,18 @@ from typing import Any
 
 import ray
 
-from lifemem_ray.service.http_config import HttpConfig
 from lifemem_ray.core.errors import OverloadedError
+from lifemem_ray.service.http_config import HttpConfig
 
 __all__ = ["OPERATIONS_ACTOR", "Operations", "operations_actor"]
 
 OPERATIONS_ACTOR = "lifemem-http-operations"
-LOST = {"type": "unavailable", "message": "the replica waiting for this add stopped before the memory answered",
-        "where": None, "what_to_do": "send the same trajectories again: ids make adds idempotent"}
+LOST = {
+    "type": "unavailable",
+    "message": "the replica waiting for this add stopped before the memory answered",
+    "where": None,
+    "what_to_do": "send the same trajectories again: ids make adds idempotent",
+}
 
 
 class Operations:
@@ -44,17 +48,31 @@ class Operations:
         now = time.time()
         self._expire(now)
         if len(ids) > self.max_items:
-            raise OverloadedError(f"{len(ids):,} trajectories in one operation, at most {self.max_items:,} (http.operations_max_items)")
+            raise OverloadedError(
+                f"{len(ids):,} trajectories in one operation, at most {self.max_items:,} (http.operations_max_items)"
+            )
         while len(self._ops) >= self.max_kept or self._items + len(ids) > self.max_items:
             done = next((k for k, v in self._ops.items() if v["status"] != "pending"), None)
             if done is None:
                 what = "http.operations_max" if len(self._ops) >= self.max_kept else "http.operations_max_items"
-                raise OverloadedError(f"{len(self._ops)} operations of {self._items:,} trajectories are pending ({what}); wait for "
-                                      "some to finish, or send with wait=true")
+                raise OverloadedError(
+                    f"{len(self._ops)} operations of {self._items:,} trajectories are pending ({what}); wait for "
+                    "some to finish, or send with wait=true"
+                )
             self._drop(done)
         op = uuid.uuid4().hex
-        self._ops[op] = {"operation": op, "tenant": tenant, "key": key_id, "status": "pending", "created": now, "finished": None,
-                         "deadline": now + deadline_s, "ids": list(ids), "items": None, "error": None}
+        self._ops[op] = {
+            "operation": op,
+            "tenant": tenant,
+            "key": key_id,
+            "status": "pending",
+            "created": now,
+            "finished": None,
+            "deadline": now + deadline_s,
+            "ids": list(ids),
+            "items": None,
+            "error": None,
+        }
         self._items += len(ids)
         return op
 
@@ -101,7 +119,16 @@ class Operations:
 def operations_actor(namespace: str, http: HttpConfig) -> Any:
     """The namespace's operations actor (created on first use with ``http``'s limits; every
     replica shares it)."""
-    return ray.remote(Operations).options(
-        name=OPERATIONS_ACTOR, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=1, max_restarts=-1,
-    ).remote(http.operations_max, http.operations_ttl_s, http.operations_max_items)
+    return (
+        ray.remote(Operations)
+        .options(
+            name=OPERATIONS_ACTOR,
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=1,
+            max_restarts=-1,
+        )
+        .remote(http.operations_max, http.operations_ttl_s, http.operations_max_items)
+    )

@@ -37,25 +37,34 @@ import random
 import re
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.core.decisions import ClusterView
-from lifemem_ray.lab.envs import Task, make_env
-from lifemem_ray.core.errors import UsageError
-from lifemem_ray.lab.experiment_config import RETRIEVING_MODES, ExperimentConfig
-from lifemem_ray.lab.lifelong import Phase, SeedResult, build_stream, learnt_rows, overlap, render_markdown, summarise, write_plots
-from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.clustering.policy import OfflinePolicy
-
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool, TaskOutcome, print_progress
+from lifemem_ray.core.decisions import ClusterView
+from lifemem_ray.core.errors import UsageError
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.engine.clustering.policy import OfflinePolicy
+from lifemem_ray.lab.envs import Task, make_env
 from lifemem_ray.lab.episode import EpisodeLimits
+from lifemem_ray.lab.experiment_config import RETRIEVING_MODES, ExperimentConfig
+from lifemem_ray.lab.lifelong import (
+    Phase,
+    SeedResult,
+    build_stream,
+    learnt_rows,
+    overlap,
+    render_markdown,
+    summarise,
+    write_plots,
+)
 
 __all__ = ["SeedTasks", "load_tasks", "run_experiment"]
 
@@ -87,17 +96,25 @@ def load_tasks(exp: ExperimentConfig, seed: int | None = None) -> SeedTasks:
                     raise ValueError(f"environment {name!r}: no test tasks for zero-shot evaluation")
                 continue
             train = env.tasks("train", limit=exp.train_tasks, seed=seed)
-            candidates = env.tasks("test", limit=None, seed=seed) if exp.dedupe_test else env.tasks("test", limit=exp.test_tasks, seed=seed)
+            candidates = (
+                env.tasks("test", limit=None, seed=seed)
+                if exp.dedupe_test
+                else env.tasks("test", limit=exp.test_tasks, seed=seed)
+            )
             test, out.overlap[name] = _pick_test(exp, env, train, candidates)
         finally:
             env.close()
         if not train or not test:
-            raise ValueError(f"environment {name!r}: {len(train)} train and {len(test)} test tasks without overlap; need both")
+            raise ValueError(
+                f"environment {name!r}: {len(train)} train and {len(test)} test tasks without overlap; need both"
+            )
         out.train[name], out.test[name] = train, test
     return out
 
 
-def _pick_test(exp: ExperimentConfig, env: Any, train: list[Task], candidates: list[Task]) -> tuple[list[Task], dict[str, Any]]:
+def _pick_test(
+    exp: ExperimentConfig, env: Any, train: list[Task], candidates: list[Task]
+) -> tuple[list[Task], dict[str, Any]]:
     """The test tasks, in the fold's order: the first ``test_tasks`` (with ``dedupe_test``,
     skipping those that repeat a training task), and the overlap counts of the configured
     first ``test_tasks``. Gold actions are asked for only as far as the search goes: a
@@ -157,7 +174,13 @@ def global_skill(trajectories: Sequence[Trajectory], config: DeploymentConfig) -
         envs: dict[str, int] = defaultdict(int)
         for t in trajectories:
             envs[t.env] += 1
-        view = ClusterView(id=0, count=len(trajectories), description="every stored trajectory", envs=dict(envs), examples=tuple(sample[:3]))
+        view = ClusterView(
+            id=0,
+            count=len(trajectories),
+            description="every stored trajectory",
+            envs=dict(envs),
+            examples=tuple(sample[:3]),
+        )
         with LLMDecider(config.llm) as decider:
             text = decider.distil(view, sample)
         if text:
@@ -219,23 +242,56 @@ class _Memory:
 class _SeedRun:
     """One seed of the protocol: memories, learning, evaluations (module docstring)."""
 
-    def __init__(self, exp: ExperimentConfig, mconf: DeploymentConfig, pool: RolloutPool, seed: int, tasks: SeedTasks,
-                 out: Path, record: Callable[[TaskOutcome], None]) -> None:
-        self.exp, self.mconf, self.pool, self.seed, self.tasks, self.out, self.record = exp, mconf, pool, seed, tasks, out, record
+    def __init__(
+        self,
+        exp: ExperimentConfig,
+        mconf: DeploymentConfig,
+        pool: RolloutPool,
+        seed: int,
+        tasks: SeedTasks,
+        out: Path,
+        record: Callable[[TaskOutcome], None],
+    ) -> None:
+        self.exp, self.mconf, self.pool, self.seed, self.tasks, self.out, self.record = (
+            exp,
+            mconf,
+            pool,
+            seed,
+            tasks,
+            out,
+            record,
+        )
         self.run_id = _slug(f"{exp.name}-s{seed}")
         self.retrieving = [m for m in exp.modes if m in RETRIEVING_MODES]
         self.failed: dict[str, int] = defaultdict(int)
         self.memory_summary: dict[str, Any] = {}
 
     # -- pieces ------------------------------------------------------------------------
-    def _spec(self, phase: str, mode: str, memory: _Memory | None, *, learn: bool = False, skill: str = "") -> EpisodeSpec:
+    def _spec(
+        self, phase: str, mode: str, memory: _Memory | None, *, learn: bool = False, skill: str = ""
+    ) -> EpisodeSpec:
         routes = tuple((env, self.exp.aliases.get(env, "")) for env in self.exp.eval_envs)
-        return EpisodeSpec(run=self.run_id, phase=phase, mode=mode, agent=self.exp.learner if learn else self.exp.agent,
-                           namespace=memory.namespace if memory is not None else None,
-                           write=learn and memory is not None, global_skill=skill, seed=self.seed, routes=routes)
+        return EpisodeSpec(
+            run=self.run_id,
+            phase=phase,
+            mode=mode,
+            agent=self.exp.learner if learn else self.exp.agent,
+            namespace=memory.namespace if memory is not None else None,
+            write=learn and memory is not None,
+            global_skill=skill,
+            seed=self.seed,
+            routes=routes,
+        )
 
-    def _evaluate(self, label: str, mode: str, memory: _Memory | None, envs: Sequence[str], tasks: dict[str, list[Task]],
-                  skill: str = "") -> dict[str, list[int]]:
+    def _evaluate(
+        self,
+        label: str,
+        mode: str,
+        memory: _Memory | None,
+        envs: Sequence[str],
+        tasks: dict[str, list[Task]],
+        skill: str = "",
+    ) -> dict[str, list[int]]:
         todo = [t for env in envs for t in tasks[env]]
         outs = self.pool.run(todo, self._spec(f"eval-{label}-{mode}", mode, memory, skill=skill), on_result=self.record)
         self.failed[mode] += sum(o.error is not None for o in outs)
@@ -243,7 +299,9 @@ class _SeedRun:
 
     def _collect(self, tasks: Sequence[Task], phase: str) -> dict[tuple[str, str], Trajectory]:
         """The learner's trajectories of ``tasks``, with no memory (task key -> trajectory)."""
-        outs = self.pool.run(tasks, self._spec(phase, "none", None, learn=True), return_trajectories=True, on_result=self.record)
+        outs = self.pool.run(
+            tasks, self._spec(phase, "none", None, learn=True), return_trajectories=True, on_result=self.record
+        )
         got = {}
         for o in outs:
             if o.trajectory is not None and o.error is None:
@@ -261,8 +319,16 @@ class _SeedRun:
         collected = self._collect(everything, "learn") if shared else {}
         groups = [tuple(self.retrieving)] if shared else [(m,) for m in self.retrieving]
         # Stores: memory/s<seed>-stream (shared by the retrieving modes) or memory/s<seed>-<mode>.
-        memories = {g: _Memory(exp, self.mconf, f"s{self.seed}-" + "-".join(g),
-                               self.out / "memory" / f"s{self.seed}-{'stream' if shared else g[0]}") for g in groups if g}
+        memories = {
+            g: _Memory(
+                exp,
+                self.mconf,
+                f"s{self.seed}-" + "-".join(g),
+                self.out / "memory" / f"s{self.seed}-{'stream' if shared else g[0]}",
+            )
+            for g in groups
+            if g
+        }
         pool_so_far: list[Trajectory] = []
         skill = ""
         none_scores: dict[str, list[int]] = {}
@@ -290,7 +356,9 @@ class _SeedRun:
             if exp.eval_envs:
                 for mode in exp.modes:
                     memory = next((m for g, m in memories.items() if mode in g), None)
-                    result.zero_shot[mode] = self._evaluate("zero-shot", mode, memory, exp.eval_envs, self.tasks.zero_shot, skill)
+                    result.zero_shot[mode] = self._evaluate(
+                        "zero-shot", mode, memory, exp.eval_envs, self.tasks.zero_shot, skill
+                    )
             if memories:
                 self.memory_summary = next(iter(memories.values())).summary()
         finally:
@@ -306,7 +374,10 @@ class _SeedRun:
         if self.exp.stream == "buffer":
             spec = dataclasses.replace(spec, write=False)
             outs = self.pool.run(phase.tasks, spec, return_trajectories=True, on_result=self.record)
-            memory.add([Trajectory.from_dict(o.trajectory) for o in outs if o.trajectory and o.error is None], self.exp.buffer_size)
+            memory.add(
+                [Trajectory.from_dict(o.trajectory) for o in outs if o.trajectory and o.error is None],
+                self.exp.buffer_size,
+            )
         else:
             self.pool.run(phase.tasks, spec, on_result=self.record)
             memory.client.maintain()
@@ -316,7 +387,9 @@ class _SeedRun:
         outs = self.pool.run(phase.tasks, spec, return_trajectories=True, on_result=self.record)
         return [Trajectory.from_dict(o.trajectory) for o in outs if o.trajectory and o.error is None]
 
-    def _self_learn(self, result: SeedResult, collected: dict[tuple[str, str], Trajectory], none_scores: dict[str, list[int]]) -> None:
+    def _self_learn(
+        self, result: SeedResult, collected: dict[tuple[str, str], Trajectory], none_scores: dict[str, list[int]]
+    ) -> None:
         """Each environment learnt alone in a fresh memory, evaluated by every mode."""
         exp = self.exp
         for env in exp.envs:
@@ -339,13 +412,17 @@ class _SeedRun:
                     else:
                         self._learn_with(group[0], memory, alone_phase)
                     for mode in group:
-                        result.self_learn[mode][env] = self._evaluate(f"self-{env}", mode, memory, [env], self.tasks.test)[env]
+                        result.self_learn[mode][env] = self._evaluate(
+                            f"self-{env}", mode, memory, [env], self.tasks.test
+                        )[env]
                 finally:
                     memory.close(keep=False)
             if "global-skills" in exp.modes:
                 pool = learnt if shared else self._learn_global(alone_phase, "")
                 skill = global_skill(pool, self.mconf)
-                result.self_learn["global-skills"][env] = self._evaluate(f"self-{env}", "global-skills", None, [env], self.tasks.test, skill)[env]
+                result.self_learn["global-skills"][env] = self._evaluate(
+                    f"self-{env}", "global-skills", None, [env], self.tasks.test, skill
+                )[env]
 
 
 def _memory_settings(exp: ExperimentConfig) -> dict[str, Any]:
@@ -375,11 +452,19 @@ def run_experiment(
     out = exp.output_dir
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    limits = EpisodeLimits(max_steps=exp.max_steps or None, step_timeout_s=exp.step_timeout_s, episode_timeout_s=exp.episode_timeout_s)
+    limits = EpisodeLimits(
+        max_steps=exp.max_steps or None, step_timeout_s=exp.step_timeout_s, episode_timeout_s=exp.episode_timeout_s
+    )
     episodes: list[dict[str, Any]] = []
 
     def record(outcome: TaskOutcome) -> None:
-        row = {"task_id": outcome.task.id, "env": outcome.task.env, "attempts": outcome.attempts, "error": outcome.error, **outcome.summary}
+        row = {
+            "task_id": outcome.task.id,
+            "env": outcome.task.env,
+            "attempts": outcome.attempts,
+            "error": outcome.error,
+            **outcome.summary,
+        }
         row["stored"] = outcome.stored
         episodes.append(row)
 
@@ -387,8 +472,16 @@ def run_experiment(
     overlaps: dict[str, dict[str, int]] = {}
     failed: dict[str, int] = defaultdict(int)
     memory: dict[str, Any] = {}
-    with RolloutPool(exp.workers, env_options=exp.env_options, config=mconf, limits=limits, seed=exp.seed,
-                     worker_cpus=exp.worker_cpus, max_attempts=exp.max_attempts, progress=progress) as pool:
+    with RolloutPool(
+        exp.workers,
+        env_options=exp.env_options,
+        config=mconf,
+        limits=limits,
+        seed=exp.seed,
+        worker_cpus=exp.worker_cpus,
+        max_attempts=exp.max_attempts,
+        progress=progress,
+    ) as pool:
         for seed in exp.seed_list:
             tasks = load_tasks(exp, seed)
             for env, counts in tasks.overlap.items():
@@ -410,8 +503,12 @@ def run_experiment(
         "memory_config": mconf.to_dict(),
         "memory_settings": settings,
         "seeds": exp.seed_list,
-        "learner": {"agent": exp.learner, "collection": "per mode: the learner reads the memory" if exp.learner_uses_memory
-                    else "collected once per seed, the same trajectories for every mode"},
+        "learner": {
+            "agent": exp.learner,
+            "collection": "per mode: the learner reads the memory"
+            if exp.learner_uses_memory
+            else "collected once per seed, the same trajectories for every mode",
+        },
         "overlap": overlaps,
         "modes": modes,
         "per_seed": [r.to_dict() for r in results],
@@ -419,7 +516,11 @@ def run_experiment(
         "memory": memory,
     }
     report["episodes"] = len(episodes)
-    report["success_by_env"] = {mode: {env: round(v, 2) for env, v in res["table"]["rows"][-1].items()} for mode, res in modes.items() if res["table"]["rows"]}
+    report["success_by_env"] = {
+        mode: {env: round(v, 2) for env, v in res["table"]["rows"][-1].items()}
+        for mode, res in modes.items()
+        if res["table"]["rows"]
+    }
     report["throughput"] = _throughput(episodes, time.perf_counter() - started)
     report["seconds"] = round(time.perf_counter() - started, 2)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -20,30 +20,28 @@ import logging
 import sys
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 
-from lifemem_ray.lab.agents import Agent, make_agent
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.lab.envs import Environment, Task, make_env
 from lifemem_ray.actors.cluster import ray_metrics
-from lifemem_ray.lab.experiment_config import MEMORY_MODES, RETRIEVING_MODES
+from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.remote_errors import actor_failures, remote_cause
+from lifemem_ray.core.errors import EnvStateError
 from lifemem_ray.engine.memory import IdConflictError
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, render_context
+from lifemem_ray.lab.agents import Agent, make_agent
+from lifemem_ray.lab.envs import Environment, Task, make_env
 from lifemem_ray.lab.episode import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
-
-from lifemem_ray.core.errors import EnvStateError
-
-from lifemem_ray.actors.cluster.remote_errors import actor_failures, remote_cause
+from lifemem_ray.lab.experiment_config import MEMORY_MODES, RETRIEVING_MODES
 
 __all__ = ["MEMORY_MODES", "EpisodeSpec", "RolloutPool", "RolloutWorker", "TaskOutcome", "print_progress"]
 
 log = logging.getLogger(__name__)
 
 VECTOR_CACHE = 4096  # task embeddings a worker keeps
-
 
 
 @dataclass(frozen=True)
@@ -136,8 +134,12 @@ class RolloutWorker:
         seed = self.seed if seed is None else seed
         agent = self._agents.get((name, seed))
         if agent is None:
-            agent = self._agents[(name, seed)] = make_agent(name, seed=seed, llm_config=self.config.llm,
-                                                                  **({"metrics": ray_metrics.SINK} if name == "react" else {}))
+            agent = self._agents[(name, seed)] = make_agent(
+                name,
+                seed=seed,
+                llm_config=self.config.llm,
+                **({"metrics": ray_metrics.SINK} if name == "react" else {}),
+            )
         return agent
 
     def _client(self, namespace: str) -> Any:
@@ -175,7 +177,9 @@ class RolloutWorker:
             return profile
         client = self._client(spec.namespace)  # type: ignore[arg-type]
         if spec.mode == "trajectory":
-            return lambda task: client.retrieve(task.instruction, None, spec.k, skills=False, vector=self._vector(client, task.instruction))
+            return lambda task: client.retrieve(
+                task.instruction, None, spec.k, skills=False, vector=self._vector(client, task.instruction)
+            )
         routes = dict(spec.routes)
 
         def same_env(task: Task) -> Retrieval:
@@ -202,22 +206,38 @@ class RolloutWorker:
             env = self._env(task.env)
             try:
                 result = run_episode(
-                    env, agent, task, retrieve=retrieve, trajectory_id=tid, limits=self.limits,
+                    env,
+                    agent,
+                    task,
+                    retrieve=retrieve,
+                    trajectory_id=tid,
+                    limits=self.limits,
                     metadata={"mode": spec.mode, "phase": spec.phase, "run": spec.run, "worker": self.worker_id},
                 )
                 break
             except (EnvHung, EpisodeTimeout) as exc:
                 last_error = exc
-                log.warning("worker %d: %s; replacing environment %s (attempt %d)", self.worker_id, exc, task.env, attempt + 1)
+                log.warning(
+                    "worker %d: %s; replacing environment %s (attempt %d)", self.worker_id, exc, task.env, attempt + 1
+                )
                 self._drop_env(task.env)
             except (ValueError, KeyError):  # bad task or agent misuse: not an environment fault
                 raise
             except Exception as exc:  # the environment broke: replace it and retry
                 last_error = exc
-                log.warning("worker %d: %s failed in %s: %s: %s; replacing it", self.worker_id, task.id, task.env, type(exc).__name__, exc)
+                log.warning(
+                    "worker %d: %s failed in %s: %s: %s; replacing it",
+                    self.worker_id,
+                    task.id,
+                    task.env,
+                    type(exc).__name__,
+                    exc,
+                )
                 self._drop_env(task.env)
         else:
-            raise EnvStateError(f"task {task.env}/{task.id} failed {self.env_retries + 1} times with a fresh environment: {last_error}")
+            raise EnvStateError(
+                f"task {task.env}/{task.id} failed {self.env_retries + 1} times with a fresh environment: {last_error}"
+            )
         ack = None
         submit_s = 0.0
         if spec.write:
@@ -230,10 +250,17 @@ class RolloutWorker:
             ack = client.add(traj, vector=vector).ref
             submit_s = time.perf_counter() - t0
         summary = result.summary()
-        summary.update(worker=self.worker_id, submit_s=round(submit_s, 6), env_restarts=self.env_restarts,
-                       memory_s=round(result.timings["memory_s"] + submit_s, 6))
-        return {"summary": summary, "ack": [ack] if ack is not None else None,
-                "trajectory": result.trajectory.to_dict() if return_trajectory else None}
+        summary.update(
+            worker=self.worker_id,
+            submit_s=round(submit_s, 6),
+            env_restarts=self.env_restarts,
+            memory_s=round(result.timings["memory_s"] + submit_s, 6),
+        )
+        return {
+            "summary": summary,
+            "ack": [ack] if ack is not None else None,
+            "trajectory": result.trajectory.to_dict() if return_trajectory else None,
+        }
 
     def close(self) -> None:
         for name in list(self._envs):
@@ -270,7 +297,7 @@ class _PoolRun:
     spec: EpisodeSpec
     return_trajectories: bool
     on_result: Callable[[TaskOutcome], None] | None
-    stats: "_Progress"
+    stats: _Progress
     deadline_s: float  # a task running longer than this on a worker is stuck: the worker is replaced
     queue: deque = field(default_factory=deque)  # (task index, attempt) still to hand out
     results: list = field(default_factory=list)  # per task: its TaskOutcome once done
@@ -319,8 +346,10 @@ class RolloutPool:
         env_options, config, limits, seed = self._args
         worker_id = self._next_id
         self._next_id += 1
-        return ray.remote(RolloutWorker).options(num_cpus=self.worker_cpus, max_restarts=0).remote(
-            worker_id, env_options, config, limits, seed
+        return (
+            ray.remote(RolloutWorker)
+            .options(num_cpus=self.worker_cpus, max_restarts=0)
+            .remote(worker_id, env_options, config, limits, seed)
         )
 
     def _replace(self, index: int) -> None:
@@ -341,8 +370,14 @@ class RolloutPool:
     ) -> list[TaskOutcome]:
         """Run every task (results in the order of ``tasks``). Tasks are handed out in
         order, so a stream's order holds up to the pool's width."""
-        st = _PoolRun(tasks, spec, return_trajectories, on_result, _Progress(len(tasks), spec.phase),
-                      deadline_s=self.limits.episode_timeout_s * 1.5 + 60.0)  # past the worker's own limits: it is stuck
+        st = _PoolRun(
+            tasks,
+            spec,
+            return_trajectories,
+            on_result,
+            _Progress(len(tasks), spec.phase),
+            deadline_s=self.limits.episode_timeout_s * 1.5 + 60.0,
+        )  # past the worker's own limits: it is stuck
         st.free = list(range(self.size))
         last_report = time.monotonic()
         while st.queue or st.inflight or st.acks:
@@ -359,12 +394,14 @@ class RolloutPool:
             self._settle_acks(st)
             now = time.monotonic()
             self._replace_stuck(st, now)
-            if self.progress is not None and (now - last_report >= self.progress_every_s or not (st.queue or st.inflight or st.acks)):
+            if self.progress is not None and (
+                now - last_report >= self.progress_every_s or not (st.queue or st.inflight or st.acks)
+            ):
                 self.progress(st.stats.snapshot())
                 last_report = now
         return [r for r in st.results if r is not None]
 
-    def _collect(self, st: "_PoolRun", ref: Any) -> None:
+    def _collect(self, st: _PoolRun, ref: Any) -> None:
         """One worker's answer: a result (waiting for the memory's acknowledgement when it
         wrote), a retry, or a failure."""
         i, attempt, w, _ = st.inflight.pop(ref)
@@ -375,15 +412,32 @@ class RolloutPool:
             log.warning("rollout worker died on task %s (attempt %d): %s", task.id, attempt, type(exc).__name__)
             self._replace(w)
             st.free.append(w)
-            self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"worker died: {type(exc).__name__}", st.stats, st.on_result)
+            self._retry_or_fail(
+                st.queue, st.results, st.tasks, i, attempt, f"worker died: {type(exc).__name__}", st.stats, st.on_result
+            )
             return
         except ray.exceptions.RayTaskError as exc:
             cause = remote_cause(exc)
             st.free.append(w)
             if isinstance(cause, (ValueError, KeyError)):  # not transient: no retry
-                self._finish(st.results, TaskOutcome(task, attempts=attempt, error=f"{type(cause).__name__}: {cause}"), i, st.stats, st.on_result)
+                self._finish(
+                    st.results,
+                    TaskOutcome(task, attempts=attempt, error=f"{type(cause).__name__}: {cause}"),
+                    i,
+                    st.stats,
+                    st.on_result,
+                )
             else:
-                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"{type(cause).__name__}: {cause}", st.stats, st.on_result)
+                self._retry_or_fail(
+                    st.queue,
+                    st.results,
+                    st.tasks,
+                    i,
+                    attempt,
+                    f"{type(cause).__name__}: {cause}",
+                    st.stats,
+                    st.on_result,
+                )
             return
         st.free.append(w)
         outcome = TaskOutcome(task, out["summary"], out["trajectory"], None, attempt)
@@ -393,7 +447,7 @@ class RolloutPool:
         else:
             self._finish(st.results, outcome, i, st.stats, st.on_result)
 
-    def _settle_acks(self, st: "_PoolRun") -> None:
+    def _settle_acks(self, st: _PoolRun) -> None:
         """Tasks whose trajectory the memory acknowledged are done; a lost acknowledgement is retried."""
         if not st.acks:
             return
@@ -409,36 +463,82 @@ class RolloutPool:
             except ray.exceptions.RayTaskError as exc:
                 cause = remote_cause(exc)
                 if not isinstance(cause, IdConflictError):
-                    self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"not stored: {type(cause).__name__}: {cause}", st.stats, st.on_result)
+                    self._retry_or_fail(
+                        st.queue,
+                        st.results,
+                        st.tasks,
+                        i,
+                        attempt,
+                        f"not stored: {type(cause).__name__}: {cause}",
+                        st.stats,
+                        st.on_result,
+                    )
                     continue
                 outcome.stored = "conflict-existing"
             except (ray.exceptions.OwnerDiedError, *actor_failures()) as exc:
                 # The worker that submitted it died before the acknowledgement: unknown
                 # whether it was stored; the retry has the same id, so at most once.
-                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"acknowledgement lost: {type(exc).__name__}", st.stats, st.on_result)
+                self._retry_or_fail(
+                    st.queue,
+                    st.results,
+                    st.tasks,
+                    i,
+                    attempt,
+                    f"acknowledgement lost: {type(exc).__name__}",
+                    st.stats,
+                    st.on_result,
+                )
                 continue
             outcome.summary["ack_s"] = round(time.monotonic() - submitted, 6)
             self._finish(st.results, outcome, i, st.stats, st.on_result)
 
-    def _replace_stuck(self, st: "_PoolRun", now: float) -> None:
+    def _replace_stuck(self, st: _PoolRun, now: float) -> None:
         for ref, (i, attempt, w, deadline) in list(st.inflight.items()):
             if now > deadline:  # hung beyond the worker's own limits: kill it
                 del st.inflight[ref]
-                log.warning("rollout worker %d stuck on task %s for %.0f s: replacing it", w, st.tasks[i].id, st.deadline_s)
+                log.warning(
+                    "rollout worker %d stuck on task %s for %.0f s: replacing it", w, st.tasks[i].id, st.deadline_s
+                )
                 self._replace(w)
                 st.free.append(w)
-                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, f"worker stuck past {st.deadline_s:.0f} s", st.stats, st.on_result)
+                self._retry_or_fail(
+                    st.queue,
+                    st.results,
+                    st.tasks,
+                    i,
+                    attempt,
+                    f"worker stuck past {st.deadline_s:.0f} s",
+                    st.stats,
+                    st.on_result,
+                )
 
-    def _retry_or_fail(self, queue: deque, results: list, tasks: Sequence[Task], i: int, attempt: int, why: str, stats: "_Progress",
-                       on_result: Callable[[TaskOutcome], None] | None) -> None:
+    def _retry_or_fail(
+        self,
+        queue: deque,
+        results: list,
+        tasks: Sequence[Task],
+        i: int,
+        attempt: int,
+        why: str,
+        stats: _Progress,
+        on_result: Callable[[TaskOutcome], None] | None,
+    ) -> None:
         if attempt < self.max_attempts:
             stats.retries += 1
             queue.appendleft((i, attempt + 1))
         else:
-            self._finish(results, TaskOutcome(tasks[i], attempts=attempt, error=f"failed {attempt} times; last: {why}"), i, stats, on_result)
+            self._finish(
+                results,
+                TaskOutcome(tasks[i], attempts=attempt, error=f"failed {attempt} times; last: {why}"),
+                i,
+                stats,
+                on_result,
+            )
 
     @staticmethod
-    def _finish(results: list, outcome: TaskOutcome, i: int, stats: "_Progress", on_result: Callable[[TaskOutcome], None] | None) -> None:
+    def _finish(
+        results: list, outcome: TaskOutcome, i: int, stats: _Progress, on_result: Callable[[TaskOutcome], None] | None
+    ) -> None:
         results[i] = outcome
         stats.add(outcome)
         if on_result is not None:
@@ -457,7 +557,7 @@ class RolloutPool:
                 pass
         self.workers = []
 
-    def __enter__(self) -> "RolloutPool":
+    def __enter__(self) -> RolloutPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -504,8 +604,11 @@ class _Progress:
 def print_progress(snapshot: dict[str, Any], stream: Any = None) -> None:
     """A one-line live report on stderr (overwritten in place on a terminal)."""
     stream = stream or sys.stderr
-    line = (f"[{snapshot['phase']}] {snapshot['episodes']}/{snapshot['total']} episodes, success {100 * snapshot['success_rate']:.0f}%, "
-            f"{snapshot['steps_per_s']:.0f} steps/s, memory p50 {snapshot['memory_p50_ms']:.1f} ms"
-            + (f", {snapshot['failed']} failed" if snapshot["failed"] else "") + (f", {snapshot['retries']} retried" if snapshot["retries"] else ""))
+    line = (
+        f"[{snapshot['phase']}] {snapshot['episodes']}/{snapshot['total']} episodes, success {100 * snapshot['success_rate']:.0f}%, "
+        f"{snapshot['steps_per_s']:.0f} steps/s, memory p50 {snapshot['memory_p50_ms']:.1f} ms"
+        + (f", {snapshot['failed']} failed" if snapshot["failed"] else "")
+        + (f", {snapshot['retries']} retried" if snapshot["retries"] else "")
+    )
     end = "\r" if stream.isatty() and snapshot["episodes"] < snapshot["total"] else "\n"
     print(line.ljust(100), end=end, file=stream, flush=True)

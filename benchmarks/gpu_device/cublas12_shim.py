@@ -17,8 +17,14 @@ import sys
 from pathlib import Path
 
 SYMBOLS = [
-    "cublasCreate_v2", "cublasDestroy_v2", "cublasGemmEx", "cublasGemmStridedBatchedEx",
-    "cublasGetMathMode", "cublasSetMathMode", "cublasSetStream_v2", "cublasSgemmEx",
+    "cublasCreate_v2",
+    "cublasDestroy_v2",
+    "cublasGemmEx",
+    "cublasGemmStridedBatchedEx",
+    "cublasGetMathMode",
+    "cublasSetMathMode",
+    "cublasSetStream_v2",
+    "cublasSgemmEx",
 ]
 
 
@@ -35,16 +41,43 @@ def build(out: Path) -> None:
         '  void *h = dlopen("libcublas.so.13", RTLD_NOW | RTLD_GLOBAL);',
         '  if (!h) { fprintf(stderr, "cublas12 shim: %s\\n", dlerror()); abort(); }',
     ]
-    c += [f'  if (!(p_{s} = dlsym(h, "{s}"))) {{ fprintf(stderr, "cublas12 shim: no {s}\\n"); abort(); }}' for s in SYMBOLS]
+    c += [
+        f'  if (!(p_{s} = dlsym(h, "{s}"))) {{ fprintf(stderr, "cublas12 shim: no {s}\\n"); abort(); }}'
+        for s in SYMBOLS
+    ]
     c.append("}")
     (out / "tramp.S").write_text("\n".join(asm) + "\n")
     (out / "shim.c").write_text("\n".join(c) + "\n")
-    (out / "cublas.map").write_text("libcublas.so.12 { global: " + " ".join(s + ";" for s in SYMBOLS) + " local: *; };\n")
+    (out / "cublas.map").write_text(
+        "libcublas.so.12 { global: " + " ".join(s + ";" for s in SYMBOLS) + " local: *; };\n"
+    )
     (out / "lt.map").write_text("libcublasLt.so.12 { global: lifemem_shim_marker; local: *; };\n")
     (out / "lt.c").write_text("int lifemem_shim_marker;\n")
     cc = ["gcc", "-shared", "-fPIC", "-O2"]
-    subprocess.run(cc + ["-o", str(out / "libcublas.so.12"), "-Wl,-soname,libcublas.so.12", f"-Wl,--version-script={out / 'cublas.map'}", str(out / "shim.c"), str(out / "tramp.S"), "-ldl"], check=True)
-    subprocess.run(cc + ["-o", str(out / "libcublasLt.so.12"), "-Wl,-soname,libcublasLt.so.12", f"-Wl,--version-script={out / 'lt.map'}", str(out / "lt.c")], check=True)
+    subprocess.run(
+        cc
+        + [
+            "-o",
+            str(out / "libcublas.so.12"),
+            "-Wl,-soname,libcublas.so.12",
+            f"-Wl,--version-script={out / 'cublas.map'}",
+            str(out / "shim.c"),
+            str(out / "tramp.S"),
+            "-ldl",
+        ],
+        check=True,
+    )
+    subprocess.run(
+        cc
+        + [
+            "-o",
+            str(out / "libcublasLt.so.12"),
+            "-Wl,-soname,libcublasLt.so.12",
+            f"-Wl,--version-script={out / 'lt.map'}",
+            str(out / "lt.c"),
+        ],
+        check=True,
+    )
 
 
 if __name__ == "__main__":

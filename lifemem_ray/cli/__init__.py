@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from lifemem_ray.cli.options import printable
 from lifemem_ray.cli.parser import build_parser
@@ -20,11 +20,12 @@ from lifemem_ray.core.model import InvalidTrajectoryError
 __all__ = ["main"]
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)
@@ -39,4 +40,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lifemem-ray {args.command}: interrupted; everything acknowledged so far is stored", file=sys.stderr)
         return 130
-

@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-
 import argparse
 from typing import Any
 
-
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.core.errors import CommandError
-from lifemem_ray.cli.ray_session import NoRayCluster, connect, stop_local_head
 from lifemem_ray.cli.options import config_from_args, emit, remote
+from lifemem_ray.cli.ray_session import NoRayCluster, connect, stop_local_head
+from lifemem_ray.core.errors import CommandError
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from lifemem_ray.actors.cluster.deployment import deploy, find_coordinator
@@ -54,10 +53,18 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
     key, entry = new_key(args.tenant, args.scopes, args.name)
     data = {"key": key, "entry": entry.to_dict()}
     scopes = ", ".join(f'"{s}"' for s in sorted(entry.scopes))
-    toml = (f'[[http.api_keys]]\nname = "{entry.name}"\nsha256 = "{entry.sha256}"\ntenant = "{entry.tenant}"\n'
-            f"scopes = [{scopes}]")
-    emit(args, data, lambda: f"key (shown once; give it to the client, store it nowhere else):\n  {key}\n\n"
-          f"add to the server's config file (or as JSON to {ENV_KEYS}):\n{toml}")
+    toml = (
+        f'[[http.api_keys]]\nname = "{entry.name}"\nsha256 = "{entry.sha256}"\ntenant = "{entry.tenant}"\n'
+        f"scopes = [{scopes}]"
+    )
+    emit(
+        args,
+        data,
+        lambda: (
+            f"key (shown once; give it to the client, store it nowhere else):\n  {key}\n\n"
+            f"add to the server's config file (or as JSON to {ENV_KEYS}):\n{toml}"
+        ),
+    )
     return 0
 
 
@@ -69,8 +76,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
         namespace = connect(args, config)
     except NoRayCluster as exc:  # no cluster answers: no deployment, front door or head of it runs to stop
         said = f"nothing to stop: {exc}"
-        emit(args, {"stopped": False, "namespace": args.namespace or config.cluster.namespace, "http": False,
-                     "ray": "no Ray cluster answers", "detail": str(exc)}, lambda: said)
+        emit(
+            args,
+            {
+                "stopped": False,
+                "namespace": args.namespace or config.cluster.namespace,
+                "http": False,
+                "ray": "no Ray cluster answers",
+                "detail": str(exc),
+            },
+            lambda: said,
+        )
         return 0
     from lifemem_ray.actors.frontdoor.app import stop_http
 
@@ -79,8 +95,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
     head = stop_local_head() if args.ray else ""
     said = f"stopped the deployment in {namespace!r}" if stopped else f"no deployment in {namespace!r}"
     said += " and its HTTP front door" if http else ""
-    emit(args, {"stopped": stopped, "namespace": namespace, "http": http, **({"ray": head} if head else {})},
-          lambda: said + (f"; {head}" if head else ""))
+    emit(
+        args,
+        {"stopped": stopped, "namespace": namespace, "http": http, **({"ray": head} if head else {})},
+        lambda: said + (f"; {head}" if head else ""),
+    )
     return 0
 
 
@@ -100,7 +119,9 @@ def cmd_compact(args: argparse.Namespace) -> int:
     slack go (:mod:`lifemem_ray.engine.compaction`, :func:`lifemem_ray.actors.cluster.deployment.compact`)."""
     config = config_from_args(args)
     if remote(args) and args.store:
-        raise CommandError("give --store DIR (a store no process has open) or --address/--namespace (a running deployment), not both")
+        raise CommandError(
+            "give --store DIR (a store no process has open) or --address/--namespace (a running deployment), not both"
+        )
     if remote(args):
         from lifemem_ray.actors.cluster.deployment import compact
 
@@ -121,5 +142,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     namespace = connect(args, config, start_local=True)
     info = restore(args.snapshot, args.store, config.replace({"cluster.namespace": namespace}), shards=args.shards)
-    emit(args, info, lambda: f"restored {info['trajectories']} trajectories in {info['clusters']} clusters onto {len(info['shards'])} shards")
+    emit(
+        args,
+        info,
+        lambda: (
+            f"restored {info['trajectories']} trajectories in {info['clusters']} clusters onto {len(info['shards'])} shards"
+        ),
+    )
     return 0

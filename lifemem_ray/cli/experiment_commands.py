@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import argparse
 import logging
 import os
-from lifemem_ray.cli.options import config_from_args, emit, set_overrides
 
+from lifemem_ray.cli.options import config_from_args, emit, set_overrides
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -48,9 +47,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     def text() -> str:
         md = (out / "report.md").read_text()
         tp = report["throughput"]
-        return (md + f"\n{tp['episodes']} episodes, {tp['steps_per_s']:.0f} steps/s, memory p50 {tp['memory_p50_ms']:.1f} ms, "
-                f"{report['seconds']:.0f} s in all.\nReport: {out / 'report.md'}, {out / 'report.json'}; plots: "
-                + ", ".join(report["plots"]))
+        return (
+            md
+            + f"\n{tp['episodes']} episodes, {tp['steps_per_s']:.0f} steps/s, memory p50 {tp['memory_p50_ms']:.1f} ms, "
+            f"{report['seconds']:.0f} s in all.\nReport: {out / 'report.md'}, {out / 'report.json'}; plots: "
+            + ", ".join(report["plots"])
+        )
 
     emit(args, report, text)
     return 0

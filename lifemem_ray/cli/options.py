@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-
 import argparse
 import json
 import re
 import sys
-from typing import Any, Callable
-
-from lifemem_ray.engine.memory_config import ConfigError
+from collections.abc import Callable
+from typing import Any
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.engine.memory_config import ConfigError
+
 
 def set_overrides(args: argparse.Namespace) -> dict[str, str]:
     overrides: dict[str, Any] = {}

@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
-
 import argparse
 from typing import Any
-from lifemem_ray.cli.store_commands import cmd_check, cmd_clusters, cmd_delete, cmd_demo, cmd_export, cmd_ingest, cmd_mcp, cmd_retrieve, cmd_stats
-from lifemem_ray.cli.deployment_commands import cmd_compact, cmd_keys_new, cmd_restore, cmd_serve, cmd_snapshot, cmd_stop
-from lifemem_ray.cli.experiment_commands import cmd_run
 
+from lifemem_ray.cli.deployment_commands import (
+    cmd_compact,
+    cmd_keys_new,
+    cmd_restore,
+    cmd_serve,
+    cmd_snapshot,
+    cmd_stop,
+)
+from lifemem_ray.cli.experiment_commands import cmd_run
+from lifemem_ray.cli.store_commands import (
+    cmd_check,
+    cmd_clusters,
+    cmd_delete,
+    cmd_demo,
+    cmd_export,
+    cmd_ingest,
+    cmd_mcp,
+    cmd_retrieve,
+    cmd_stats,
+)
 
 
 # -- parser --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lifemem-ray", description="Lifelong workflow memory for LLM agents (LifeMem).")
+    parser = argparse.ArgumentParser(
+        prog="lifemem-ray", description="Lifelong workflow memory for LLM agents (LifeMem)."
+    )
     parser.add_argument("--version", action="version", version="lifemem-ray 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common, remote, llm = shared_options()
@@ -45,21 +63,36 @@ def experiment_commands(sub: Any, common: argparse.ArgumentParser, llm: argparse
     p.add_argument("--store", metavar="DIR", help="where to build it (default: a new temporary folder)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("run", parents=[common, llm], help="run a lifelong experiment (rollout workers, OP/BwT table, plots)")
+    p = sub.add_parser(
+        "run", parents=[common, llm], help="run a lifelong experiment (rollout workers, OP/BwT table, plots)"
+    )
     p.add_argument("--address", help="Ray cluster to run on (default: a local Ray started for the run)")
     p.add_argument("--envs", nargs="+", metavar="ENV", help="environments in stream order (default: experiment.envs)")
-    p.add_argument("--eval-envs", nargs="*", metavar="ENV", help="evaluation-only environments: zero-shot transfer (default: experiment.eval_envs)")
-    p.add_argument("--modes", nargs="+", metavar="MODE",
-                   help="memory modes: none trajectory global-skills lifemem lifemem-no-skills skills-only (default: all)")
+    p.add_argument(
+        "--eval-envs",
+        nargs="*",
+        metavar="ENV",
+        help="evaluation-only environments: zero-shot transfer (default: experiment.eval_envs)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        metavar="MODE",
+        help="memory modes: none trajectory global-skills lifemem lifemem-no-skills skills-only (default: all)",
+    )
     p.add_argument("--workers", type=int, help="rollout workers")
-    p.add_argument("--seeds", type=int, help="runs with seeds seed..seed+N-1, pooled with bootstrap intervals (default: 3)")
+    p.add_argument(
+        "--seeds", type=int, help="runs with seeds seed..seed+N-1, pooled with bootstrap intervals (default: 3)"
+    )
     p.add_argument("--stream", choices=("similarity", "random", "buffer"))
     p.add_argument("--agent", help="skill-guided | exemplar | react | random | gold | noisy-gold")
     p.add_argument("--output", metavar="DIR", help="where the report goes (default: runs/<name>)")
     p.set_defaults(func=cmd_run)
 
 
-def store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:
+def store_commands(
+    sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser
+) -> None:
     p = sub.add_parser("ingest", parents=[remote, common, llm], help="add trajectories from JSONL files")
     p.add_argument("paths", nargs="+", metavar="PATH", help="JSONL files (.jsonl, .jsonl.gz, or - for stdin)")
     p.add_argument("--store", metavar="DIR", help="the store folder (or --address/--namespace for a deployment)")
@@ -93,7 +126,11 @@ def store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.A
     p.add_argument("ids", nargs="*", metavar="ID", help="trajectory ids of --tenant")
     p.add_argument("--store", metavar="DIR")
     p.add_argument("--tenant", default="default", help="whose trajectories (default: default)")
-    p.add_argument("--purge-tenant", action="store_true", help="delete every trajectory of --tenant (its clusters and skills go too)")
+    p.add_argument(
+        "--purge-tenant",
+        action="store_true",
+        help="delete every trajectory of --tenant (its clusters and skills go too)",
+    )
     p.set_defaults(func=cmd_delete)
 
     p = sub.add_parser("export", parents=[common], help="write trajectories (native JSONL) and clusters")
@@ -103,30 +140,49 @@ def store_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.A
 
     p = sub.add_parser("check", parents=[remote, common], help="verify the store's invariants")
     p.add_argument("--store", metavar="DIR")
-    p.add_argument("--deep", action="store_true",
-                   help="also recompute every record's fingerprint from its content (reads every record)")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also recompute every record's fingerprint from its content (reads every record)",
+    )
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("mcp", parents=[common, llm], help="serve the store to an agent host over MCP (stdio, no Ray)")
-    p.add_argument("--store", required=True, metavar="DIR", help="the store folder (must hold a store, unless --create)")
-    p.add_argument("--create", action="store_true", help="create the store when DIR has none (else that is an error: a mistyped path "
-                   "would serve a new empty memory)")
+    p.add_argument(
+        "--store", required=True, metavar="DIR", help="the store folder (must hold a store, unless --create)"
+    )
+    p.add_argument(
+        "--create",
+        action="store_true",
+        help="create the store when DIR has none (else that is an error: a mistyped path "
+        "would serve a new empty memory)",
+    )
     p.add_argument("--tenant", default="default", help="the tenant every call acts as (default: default)")
     p.set_defaults(func=cmd_mcp)
 
 
-def deployment_commands(sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("serve", parents=[remote, common, llm], help="start a sharded deployment on Ray (named, detached)")
+def deployment_commands(
+    sub: Any, common: argparse.ArgumentParser, remote: argparse.ArgumentParser, llm: argparse.ArgumentParser
+) -> None:
+    p = sub.add_parser(
+        "serve", parents=[remote, common, llm], help="start a sharded deployment on Ray (named, detached)"
+    )
     p.add_argument("--store", metavar="DIR", help="folder for the shards' and the coordinator's stores")
     p.add_argument("--shards", type=int, default=None, help="number of shards (default: cluster.shards)")
-    p.add_argument("--http", action="store_true", help="also serve REST and MCP on Ray Serve (without --store: in front of the running deployment)")
+    p.add_argument(
+        "--http",
+        action="store_true",
+        help="also serve REST and MCP on Ray Serve (without --store: in front of the running deployment)",
+    )
     p.add_argument("--host", default=None, help="HTTP address (default: http.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: http.port, 8000)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("keys", help="API keys of the HTTP front door")
     keys = p.add_subparsers(dest="keys_command", required=True, metavar="KEYS_COMMAND")
-    p = keys.add_parser("new", parents=[common], help="a fresh random key and its config entry (only the hash is stored)")
+    p = keys.add_parser(
+        "new", parents=[common], help="a fresh random key and its config entry (only the hash is stored)"
+    )
     p.add_argument("--tenant", required=True, help="the tenant every request of the key acts as")
     p.add_argument("--scopes", required=True, help="comma-separated: read, write, admin")
     p.add_argument("--name", help="a non-secret name for the key (default: TENANT-random)")
@@ -136,16 +192,25 @@ def deployment_commands(sub: Any, common: argparse.ArgumentParser, remote: argpa
     p.add_argument("--ray", action="store_true", help="also stop the local Ray head `serve` started (only that one)")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("snapshot", parents=[remote, common], help="consistent snapshot of every shard and the routing table")
+    p = sub.add_parser(
+        "snapshot", parents=[remote, common], help="consistent snapshot of every shard and the routing table"
+    )
     p.add_argument("out", metavar="DIR")
     p.set_defaults(func=cmd_snapshot)
 
-    p = sub.add_parser("compact", parents=[remote, common], help="rewrite a store (or every shard of a deployment) in place, "
-                       "dropping the bytes of deleted trajectories")
-    p.add_argument("--store", metavar="DIR", help="a store folder no process has open (or --address/--namespace for a deployment)")
+    p = sub.add_parser(
+        "compact",
+        parents=[remote, common],
+        help="rewrite a store (or every shard of a deployment) in place, dropping the bytes of deleted trajectories",
+    )
+    p.add_argument(
+        "--store", metavar="DIR", help="a store folder no process has open (or --address/--namespace for a deployment)"
+    )
     p.set_defaults(func=cmd_compact)
 
-    p = sub.add_parser("restore", parents=[remote, common, llm], help="a new deployment from a snapshot (any shard count)")
+    p = sub.add_parser(
+        "restore", parents=[remote, common, llm], help="a new deployment from a snapshot (any shard count)"
+    )
     p.add_argument("snapshot", metavar="SNAPSHOT_DIR")
     p.add_argument("--store", required=True, metavar="DIR", help="a new, empty folder for the restored deployment")
     p.add_argument("--shards", type=int, default=None)

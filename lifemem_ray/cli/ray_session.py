@@ -4,14 +4,12 @@ stays on, and a head this command line started is stopped by its pid, never by n
 
 from __future__ import annotations
 
-
 import argparse
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
-
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import CommandError
@@ -53,20 +51,30 @@ def connect(args: argparse.Namespace, config: DeploymentConfig, *, start_local: 
     if target.address is not None and not answers(target.address):
         if not (start_local and target.from_file):
             raise NoRayCluster(dead(target.address, target.source))
-        log.warning("%s names %s, where no Ray cluster answers (a head that is gone); starting a local head",
-                    target.source, target.address)
+        log.warning(
+            "%s names %s, where no Ray cluster answers (a head that is gone); starting a local head",
+            target.source,
+            target.address,
+        )
         start_local_head(namespace)
         return namespace
     try:
         # "auto" unless given: Ray turns its token authentication on by itself only for an address it found.
-        ray.init(address=args.address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.ERROR)
+        ray.init(
+            address=args.address or "auto",
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
     except ConnectionError:
         if target.address is not None and answers(target.address):
             raise CommandError(refused(target.address)) from None
         if not (start_local and target.address is None):
-            raise NoRayCluster(f"no Ray cluster found at {target.address or 'auto'!r}; start one (`ray start --head`) or "
-                               "run `lifemem-ray serve`") from None
+            raise NoRayCluster(
+                f"no Ray cluster found at {target.address or 'auto'!r}; start one (`ray start --head`) or "
+                "run `lifemem-ray serve`"
+            ) from None
         start_local_head(namespace)
     return namespace
 
@@ -74,10 +82,14 @@ def connect(args: argparse.Namespace, config: DeploymentConfig, *, start_local: 
 def dead(address: str, source: str) -> str:
     """Why a command cannot join ``address`` (named by ``source``), and what to do."""
     if source in ("--address", "RAY_ADDRESS"):
-        return (f"no Ray cluster answers at {address!r} (given by {source}): check the address, or start the cluster "
-                "(`ray start --head`)")
-    return (f"no Ray cluster answers at {address!r}, which Ray's address file {source} names (left by a head that "
-            "is gone): start one (`lifemem-ray serve --store DIR` starts its own), or give --address")
+        return (
+            f"no Ray cluster answers at {address!r} (given by {source}): check the address, or start the cluster "
+            "(`ray start --head`)"
+        )
+    return (
+        f"no Ray cluster answers at {address!r}, which Ray's address file {source} names (left by a head that "
+        "is gone): start one (`lifemem-ray serve --store DIR` starts its own), or give --address"
+    )
 
 
 def refused(address: str) -> str:
@@ -92,10 +104,12 @@ def refused(address: str) -> str:
         where = f"the token in {default} was not accepted"
     else:
         where = f"no token was found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or {default})"
-    return (f"the Ray cluster at {address!r} refused this client (it listens, but the handshake failed: almost always "
-            f"Ray's token authentication, and {where}); "
-            "run `ray get-auth-token` on the cluster's head node and set RAY_AUTH_TOKEN to its output (or copy it to "
-            f"{default}), then try again")
+    return (
+        f"the Ray cluster at {address!r} refused this client (it listens, but the handshake failed: almost always "
+        f"Ray's token authentication, and {where}); "
+        "run `ray get-auth-token` on the cluster's head node and set RAY_AUTH_TOKEN to its output (or copy it to "
+        f"{default}), then try again"
+    )
 
 
 def start_local_head(namespace: str) -> None:
@@ -116,21 +130,44 @@ def start_local_head(namespace: str) -> None:
     cpus = str(max(4, 2 * (os.cpu_count() or 2)))
     # Token authentication stays on: `ray start` turns it on when a token exists, so make one
     # first where none does (Ray's own command; it keeps an existing token, and prints it: not shown).
-    subprocess.run([str(Path(sys.executable).with_name("ray")), "get-auth-token", "--generate"], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False, timeout=60)
+    subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "get-auth-token", "--generate"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+        timeout=60,
+    )
     port = free_port()  # our own port, not the default 6379 another cluster of this machine may hold
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}",
-           "--include-dashboard=false", "--disable-usage-stats"]
-    head = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        f"--num-cpus={cpus}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
+    head = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + HEAD_START_S
     while True:
         if head.poll() is not None:
-            raise CommandError(f"could not start a local Ray head: `{' '.join(cmd)}` exited with code {head.returncode}")
+            raise CommandError(
+                f"could not start a local Ray head: `{' '.join(cmd)}` exited with code {head.returncode}"
+            )
         named = named_address(None).address  # `ray start` writes it once its GCS runs
         try:
             if not (named and named.endswith(f":{port}") and answers(named)):
                 raise ConnectionError(f"the new head's GCS on port {port} does not answer yet")
-            ray.init(address="auto", namespace=namespace, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(
+                address="auto",
+                namespace=namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
             break
         except ConnectionError:
             if time.monotonic() > deadline:
@@ -154,8 +191,10 @@ def stop_local_head() -> str:
     marker = session / HEAD_MARKER
     ray.shutdown()
     if not marker.exists():
-        raise CommandError("the Ray cluster was not started by `lifemem-ray serve`, so it is left running; "
-                           "stop it the way it was started (by its address or pid)")
+        raise CommandError(
+            "the Ray cluster was not started by `lifemem-ray serve`, so it is left running; "
+            "stop it the way it was started (by its address or pid)"
+        )
     pid = int(json.loads(marker.read_text())["pid"])
     try:
         os.kill(pid, signal.SIGTERM)  # ray start --block stops its Ray processes on the way out

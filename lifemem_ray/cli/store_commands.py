@@ -4,19 +4,19 @@
 
 from __future__ import annotations
 
-
 import argparse
 import tempfile
 import textwrap
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
+from typing import Any
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.cli.options import config_from_args, emit, progress, remote
+from lifemem_ray.cli.ray_session import deployment_client
 from lifemem_ray.core.errors import CommandError
 from lifemem_ray.core.tenancy import check_tenant
-from lifemem_ray.cli.ray_session import deployment_client
-from lifemem_ray.cli.options import config_from_args, emit, progress, remote
+
 
 # -- commands ------------------------------------------------------------------------------
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -81,8 +81,14 @@ def ingest_remote(args: argparse.Namespace, config: DeploymentConfig) -> int:
     return 0
 
 
-def ingest_files(args: argparse.Namespace, report: Any, stored_conflicts: Callable[[list[str], list[str]], list[bool]],
-                  store: Callable[[list], None], stored_so_far: Callable[[], int], batch_size: int) -> None:
+def ingest_files(
+    args: argparse.Namespace,
+    report: Any,
+    stored_conflicts: Callable[[list[str], list[str]], list[bool]],
+    store: Callable[[list], None],
+    stored_so_far: Callable[[], int],
+    batch_size: int,
+) -> None:
     """Every file of ``args.paths``: checked whole (:func:`~lifemem_ray.core.importers.check_file`),
     then its passing records handed to ``store`` in batches; a file with a bad record stops
     the run with FILE:LINE and what earlier files stored."""
@@ -92,11 +98,20 @@ def ingest_files(args: argparse.Namespace, report: Any, stored_conflicts: Callab
     try:
         for n, path in enumerate(args.paths):
             try:
-                checked = check_file(path, fmt=args.format, env=args.env, skip_invalid=args.skip_invalid, report=report,
-                                     stored_conflicts=stored_conflicts, tenant=args.tenant)
+                checked = check_file(
+                    path,
+                    fmt=args.format,
+                    env=args.env,
+                    skip_invalid=args.skip_invalid,
+                    report=report,
+                    stored_conflicts=stored_conflicts,
+                    tenant=args.tenant,
+                )
             except RecordError as exc:
-                raise CommandError(f"{exc}; nothing of {exc.path} was stored ({stored_so_far()} record(s) stored from "
-                                   f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out") from None
+                raise CommandError(
+                    f"{exc}; nothing of {exc.path} was stored ({stored_so_far()} record(s) stored from "
+                    f"{n} earlier file(s)); fix the record, or pass --skip-invalid to leave such records out"
+                ) from None
             try:
                 batch: list = []
                 for traj in checked.records(fmt=args.format, env=args.env, tenant=args.tenant):
@@ -119,13 +134,23 @@ def count_results(results: Sequence[Any], counts: dict[str, int]) -> None:
         counts["added" if result.status in ("added", "pending") else "duplicates"] += 1
 
 
-def emit_ingest(args: argparse.Namespace, report: Any, counts: dict[str, int], stats: dict[str, Any], where: str) -> None:
-    data = {"read": report.read, "valid": report.valid, "invalid": report.invalid, **counts,
-            "errors": [str(e) for e in report.errors], "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]}}
+def emit_ingest(
+    args: argparse.Namespace, report: Any, counts: dict[str, int], stats: dict[str, Any], where: str
+) -> None:
+    data = {
+        "read": report.read,
+        "valid": report.valid,
+        "invalid": report.invalid,
+        **counts,
+        "errors": [str(e) for e in report.errors],
+        "store": {"trajectories": stats["trajectories"], "clusters": stats["clusters"]},
+    }
 
     def text() -> str:
-        lines = [f"read {report.read} records: {counts['added']} stored, {counts['duplicates']} already present, {report.invalid} invalid",
-                 f"{where}: {stats['trajectories']} trajectories in {stats['clusters']} clusters"]
+        lines = [
+            f"read {report.read} records: {counts['added']} stored, {counts['duplicates']} already present, {report.invalid} invalid",
+            f"{where}: {stats['trajectories']} trajectories in {stats['clusters']} clusters",
+        ]
         return "\n".join(lines + [f"  skipped {e}" for e in data["errors"][:20]])
 
     emit(args, data, text)
@@ -206,8 +231,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
             lines.append(f"  {env:<20} {s['trajectories']:>8} trajectories {s['clusters']:>6} clusters")
         llm = stats.get("llm")  # the store's as a whole: not in a tenant's view
         if llm is not None:
-            lines.append(f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, "
-                         f"{llm['fallbacks']} fallbacks, {llm.get('refused_generated', 0)} generated texts refused")
+            lines.append(
+                f"llm ({llm.get('backend', 'per shard')}): {llm['calls']} calls, {llm['tokens']} tokens, "
+                f"{llm['fallbacks']} fallbacks, {llm.get('refused_generated', 0)} generated texts refused"
+            )
         return "\n".join(lines)
 
     emit(args, stats, text)
@@ -232,14 +259,22 @@ def cmd_delete(args: argparse.Namespace) -> int:
     name stored by an older version with a final newline may be given, to delete what it holds."""
     tenant = check_tenant(args.tenant, "--tenant", stored=True)
     if bool(args.ids) == bool(args.purge_tenant):
-        raise CommandError("give the trajectory ids to delete, or --purge-tenant (with --tenant) to delete everything of a tenant")
+        raise CommandError(
+            "give the trajectory ids to delete, or --purge-tenant (with --tenant) to delete everything of a tenant"
+        )
     memory = open_or_connect(args, config_from_args(args), write=True)
     try:
         removed = memory.purge_tenant(tenant) if args.purge_tenant else memory.remove(args.ids, tenant=tenant)
     finally:
         memory.close()
-    data = {"removed": removed, "tenant": tenant, **({"purged": True} if args.purge_tenant else {"asked": len(args.ids)})}
-    what = f"every trajectory of tenant {tenant!r}" if args.purge_tenant else f"{len(args.ids)} id(s) of tenant {tenant!r}"
+    data = {
+        "removed": removed,
+        "tenant": tenant,
+        **({"purged": True} if args.purge_tenant else {"asked": len(args.ids)}),
+    }
+    what = (
+        f"every trajectory of tenant {tenant!r}" if args.purge_tenant else f"{len(args.ids)} id(s) of tenant {tenant!r}"
+    )
     emit(args, data, lambda: f"deleted {removed} trajectories ({what})")
     return 0
 
@@ -260,7 +295,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with Memory.open(args.store, config_from_args(args), read_only=True) as memory:
         result = memory.export(args.out)
-    emit(args, result, lambda: f"wrote {result['trajectories']} trajectories to {args.out} and {result['clusters']} clusters to {result['clusters_path']}")
+    emit(
+        args,
+        result,
+        lambda: (
+            f"wrote {result['trajectories']} trajectories to {args.out} and {result['clusters']} clusters to {result['clusters_path']}"
+        ),
+    )
     return 0
 
 
@@ -274,9 +315,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     emit(
         args,
         report,
-        lambda: ("ok: " if report["ok"] else "PROBLEMS: ")
-        + f"{sum(p['trajectories'] for p in parts)} trajectories, {sum(p['clusters'] for p in parts)} clusters"
-        + "".join(f"\n  {problem}" for p in parts for problem in p["problems"]),
+        lambda: (
+            ("ok: " if report["ok"] else "PROBLEMS: ")
+            + f"{sum(p['trajectories'] for p in parts)} trajectories, {sum(p['clusters'] for p in parts)} clusters"
+            + "".join(f"\n  {problem}" for p in parts for problem in p["problems"])
+        ),
     )
     return 0 if report["ok"] else 1
 
@@ -285,8 +328,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     """The MCP server over stdin / stdout as one principal (the tenant, read and write), on the
     engine alone; stdout is the protocol, logs go to stderr. Closes the store on EOF or SIGTERM.
     Serves an existing store only, unless ``--create``."""
-    from lifemem_ray.service.mcp_server import run_stdio
     from lifemem_ray.engine.memory import Memory
+    from lifemem_ray.service.mcp_server import run_stdio
     from lifemem_ray.service.principal import Principal
 
     config = config_from_args(args)

@@ -7,12 +7,13 @@ and the engine falls back to the offline policy for that item.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from lifemem_ray.core.model import Trajectory
 
-__all__ = ["Assignment", "AssignRequest", "Candidate", "ClusterView", "Decider", "Groups"]
+__all__ = ["AssignRequest", "Assignment", "Candidate", "ClusterView", "Decider", "Groups"]
 
 # A grouping: one label per item (0..g-1, in the answer's order) and one description per group.
 Groups = tuple[list[int], list[str]]

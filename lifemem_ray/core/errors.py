@@ -40,8 +40,8 @@ __all__ = [
     "StoreLockedError",
     "TaskError",
     "TenantError",
-    "UsageError",
     "UnknownClusterError",
+    "UsageError",
     "VectorIndexError",
 ]
 

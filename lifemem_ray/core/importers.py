@@ -50,21 +50,21 @@ import re
 import sys
 import tempfile
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from lifemem_ray.core.model import InvalidTrajectoryError, Outcome, Step, Trajectory
 from lifemem_ray.core.tenancy import id_key
 
 __all__ = [
     "FORMATS",
+    "ROLE_MAPS",
+    "TURN_STYLES",
     "CheckedFile",
     "ImportReport",
-    "ROLE_MAPS",
     "RecordError",
-    "TURN_STYLES",
     "check_file",
     "iter_jsonl",
     "parse_record",
@@ -405,9 +405,7 @@ def _decode_line(raw: bytes, *, last_without_newline: bool) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidTrajectoryError(
-            f"not UTF-8: byte 0x{raw[exc.start]:02x} at column {exc.start + 1}"
-        ) from None
+        raise InvalidTrajectoryError(f"not UTF-8: byte 0x{raw[exc.start]:02x} at column {exc.start + 1}") from None
     if text.startswith("\ufeff"):
         text = text[1:]
     try:
@@ -421,7 +419,9 @@ def _decode_line(raw: bytes, *, last_without_newline: bool) -> Any:
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidTrajectoryError("invalid text: an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)") from None
+            raise InvalidTrajectoryError(
+                "invalid text: an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)"
+            ) from None
     return data
 
 
@@ -481,11 +481,15 @@ def _raw_records(name: str, stream: BinaryIO, close: bool) -> Iterator[tuple[int
             stream.close()
 
 
-def _parse_raw(name: str, lineno: int, raw: bytes | RecordError, fmt: str, env: str | None, tenant: str | None = None) -> Trajectory:
+def _parse_raw(
+    name: str, lineno: int, raw: bytes | RecordError, fmt: str, env: str | None, tenant: str | None = None
+) -> Trajectory:
     if isinstance(raw, RecordError):
         raise raw
     try:
-        return parse_record(_decode_line(raw, last_without_newline=not raw.endswith(b"\n")), fmt=fmt, env=env, tenant=tenant)
+        return parse_record(
+            _decode_line(raw, last_without_newline=not raw.endswith(b"\n")), fmt=fmt, env=env, tenant=tenant
+        )
     except InvalidTrajectoryError as exc:
         raise RecordError(name, lineno, str(exc)) from None
 
@@ -621,15 +625,25 @@ def _first_occurrence(name: str, lineno: int, traj: Trajectory, seen: dict[str, 
     return True
 
 
-def _check_stored(name: str, asking: list[tuple[int, Trajectory]], stored_conflicts: Callable[[list[str], list[str]], list[bool]],
-                  skip_invalid: bool, report: ImportReport, checked: CheckedFile) -> None:
+def _check_stored(
+    name: str,
+    asking: list[tuple[int, Trajectory]],
+    stored_conflicts: Callable[[list[str], list[str]], list[bool]],
+    skip_invalid: bool,
+    report: ImportReport,
+    checked: CheckedFile,
+) -> None:
     """Records whose id the memory holds with other content: a RecordError, or left out."""
     flags = stored_conflicts([id_key(t.tenant, t.id) for _, t in asking], [t.fingerprint for _, t in asking])
     for (lineno, traj), conflict in zip(asking, flags):
         if not conflict:
             continue
-        err = RecordError(name, lineno, f"id {traj.id!r} is already stored with different content "
-                                        "(give the new content a new id, or remove the stored one first)")
+        err = RecordError(
+            name,
+            lineno,
+            f"id {traj.id!r} is already stored with different content "
+            "(give the new content a new id, or remove the stored one first)",
+        )
         report.add_error(err)
         if not skip_invalid:
             raise err

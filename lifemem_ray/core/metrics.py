@@ -30,8 +30,9 @@ lifemem_ray.core.errors.MetricTagError: metric lifemem_latency_seconds: tag laye
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from lifemem_ray.core.errors import MetricTagError
 
@@ -53,7 +54,25 @@ EXPORT_PREFIX = "ray_"  # what Ray's Prometheus exporter puts before every name 
 
 LAYERS = ("client", "engine", "http")
 LATENCY_OPERATIONS = ("add", "retrieve")
-LATENCY_BOUNDARIES = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LATENCY_BOUNDARIES = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 @dataclass(frozen=True)
@@ -107,11 +126,14 @@ def exported_name(name: str) -> str:
 
 
 LATENCY = MetricSpec(
-    "lifemem_latency_seconds", "histogram",
+    "lifemem_latency_seconds",
+    "histogram",
     "Seconds an add or retrieve call took until it answered (one observation per call, a batch or one item; errors are "
     "not observed): engine = the engine's own work (Memory.add_many / retrieve_many in process; in a deployment each "
     "shard's commit and search), client = MemoryClient until the add is acknowledged, http = the REST front door",
-    (Tag("operation", LATENCY_OPERATIONS), Tag("layer", LAYERS)), LATENCY_BOUNDARIES)
+    (Tag("operation", LATENCY_OPERATIONS), Tag("layer", LAYERS)),
+    LATENCY_BOUNDARIES,
+)
 
 
 class MetricsSink(Protocol):

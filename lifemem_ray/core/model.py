@@ -11,10 +11,12 @@ import hashlib
 import math
 import re
 import unicodedata
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import msgpack
+
 from lifemem_ray.core.errors import InvalidTrajectoryError, TenantError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
 
@@ -68,12 +70,16 @@ def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
     if "\x00" in value:
         raise InvalidTrajectoryError(f"{where}: contains a NUL character")
     if len(value) > MAX_TEXT_CHARS:
-        raise InvalidTrajectoryError(f"{where}: {len(value):,} characters, more than the {MAX_TEXT_CHARS:,} a text may have")
+        raise InvalidTrajectoryError(
+            f"{where}: {len(value):,} characters, more than the {MAX_TEXT_CHARS:,} a text may have"
+        )
     if not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise InvalidTrajectoryError(f"{where}: not valid Unicode text (lone surrogate at position {exc.start})") from None
+            raise InvalidTrajectoryError(
+                f"{where}: not valid Unicode text (lone surrogate at position {exc.start})"
+            ) from None
     if not allow_empty and not value.strip():
         raise InvalidTrajectoryError(f"{where}: must not be empty")
     return value
@@ -133,7 +139,7 @@ class Step:
         return {"thought": self.thought, "action": self.action, "observation": self.observation}
 
     @classmethod
-    def trusted(cls, action: str, thought: str, observation: str) -> "Step":
+    def trusted(cls, action: str, thought: str, observation: str) -> Step:
         """A step without validation: only for what this project validated before storing."""
         step = object.__new__(cls)
         object.__setattr__(step, "action", action)
@@ -142,7 +148,7 @@ class Step:
         return step
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "step") -> "Step":
+    def from_dict(cls, data: Any, where: str = "step") -> Step:
         if not isinstance(data, Mapping):
             raise InvalidTrajectoryError(f"{where}: expected an object, got {type(data).__name__}")
         unknown = set(data) - {"thought", "action", "observation"}
@@ -181,7 +187,7 @@ class Outcome:
         return {"success": self.success, "reward": self.reward}
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "outcome") -> "Outcome":
+    def from_dict(cls, data: Any, where: str = "outcome") -> Outcome:
         if data is None:
             return cls()
         if isinstance(data, bool):
@@ -194,8 +200,14 @@ class Outcome:
         return cls(success=data.get("success"), reward=data.get("reward"))
 
 
-def content_hash(env: str, task: str, initial_observation: str, steps: tuple[Step, ...], outcome: Outcome,
-                 tenant: str = DEFAULT_TENANT) -> str:
+def content_hash(
+    env: str,
+    task: str,
+    initial_observation: str,
+    steps: tuple[Step, ...],
+    outcome: Outcome,
+    tenant: str = DEFAULT_TENANT,
+) -> str:
     """Stable id for a trajectory that came without one: same content, same id.
 
     SHA-256 over a msgpack encoding of (env, task, initial observation, steps,
@@ -203,7 +215,13 @@ def content_hash(env: str, task: str, initial_observation: str, steps: tuple[Ste
     fingerprints are those of stores written before tenants); metadata is left out, so
     annotating a trajectory keeps its id.
     """
-    parts: list[Any] = [env, task, initial_observation, [[s.thought, s.action, s.observation] for s in steps], [outcome.success, outcome.reward]]
+    parts: list[Any] = [
+        env,
+        task,
+        initial_observation,
+        [[s.thought, s.action, s.observation] for s in steps],
+        [outcome.success, outcome.reward],
+    ]
     if tenant != DEFAULT_TENANT:
         parts.append(tenant)
     canonical = msgpack.packb(parts, use_bin_type=True)
@@ -246,7 +264,9 @@ class Trajectory:
         if not steps:
             raise InvalidTrajectoryError("steps: a trajectory needs at least one step")
         if len(steps) > MAX_STEPS:
-            raise InvalidTrajectoryError(f"steps: {len(steps):,} steps, more than the {MAX_STEPS:,} a trajectory may have")
+            raise InvalidTrajectoryError(
+                f"steps: {len(steps):,} steps, more than the {MAX_STEPS:,} a trajectory may have"
+            )
         for i, step in enumerate(steps):
             if not isinstance(step, Step):
                 raise InvalidTrajectoryError(f"steps[{i}]: expected a Step, got {type(step).__name__}")
@@ -272,16 +292,33 @@ class Trajectory:
 
     @classmethod
     def trusted(
-        cls, *, env: str, task: str, steps: tuple[Step, ...], outcome: Outcome, id: str, initial_observation: str,
-        metadata: dict[str, Any], fingerprint: str = "", tenant: str = DEFAULT_TENANT,
-    ) -> "Trajectory":
+        cls,
+        *,
+        env: str,
+        task: str,
+        steps: tuple[Step, ...],
+        outcome: Outcome,
+        id: str,
+        initial_observation: str,
+        metadata: dict[str, Any],
+        fingerprint: str = "",
+        tenant: str = DEFAULT_TENANT,
+    ) -> Trajectory:
         """A trajectory without validation: only for records this project validated before
         storing them. Decoding retrieved records is retrieval's hot path; re-checking every
         string of every step there cost more than the search."""
         traj = object.__new__(cls)
-        for name, value in (("env", env), ("task", task), ("steps", steps), ("outcome", outcome), ("id", id),
-                            ("initial_observation", initial_observation), ("metadata", metadata), ("_fingerprint", fingerprint),
-                            ("tenant", tenant)):
+        for name, value in (
+            ("env", env),
+            ("task", task),
+            ("steps", steps),
+            ("outcome", outcome),
+            ("id", id),
+            ("initial_observation", initial_observation),
+            ("metadata", metadata),
+            ("_fingerprint", fingerprint),
+            ("tenant", tenant),
+        ):
             object.__setattr__(traj, name, value)
         return traj
 
@@ -314,7 +351,7 @@ class Trajectory:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, *, env: str | None = None, tenant: str | None = None) -> "Trajectory":
+    def from_dict(cls, data: Any, *, env: str | None = None, tenant: str | None = None) -> Trajectory:
         """Build from the native JSON form; ``env`` fills in a missing ``env`` field, ``tenant``
         a missing ``tenant`` (the default tenant when neither is given)."""
         if not isinstance(data, Mapping):
@@ -380,13 +417,17 @@ def _render_parts(query_text: str, steps: Iterable[Sequence[str]], success: bool
         if action := action.strip():
             lines.append(action if action[0] in "TtAaOo" and match(action) else f"Action {i}: {action}")
         if observation := observation.strip():
-            lines.append(observation if observation[0] in "TtAaOo" and match(observation) else f"Observation {i}: {observation}")
+            lines.append(
+                observation if observation[0] in "TtAaOo" and match(observation) else f"Observation {i}: {observation}"
+            )
         yield "\n".join(lines)
     if success is not None:
         yield f"Outcome: {'success' if success else 'failure'}"
 
 
-def render_text(query_text: str, steps: Iterable[Sequence[str]], success: bool | None, max_chars: int | None = None) -> str:
+def render_text(
+    query_text: str, steps: Iterable[Sequence[str]], success: bool | None, max_chars: int | None = None
+) -> str:
     """:meth:`Trajectory.render` from plain fields: steps as (thought, action, observation).
     Retrieval renders stored records through this without building Step objects."""
     out: list[str] = []

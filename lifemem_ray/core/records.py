@@ -15,13 +15,13 @@ trajectory record         map: id, env, task, io (initial observation), steps
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import msgpack
 
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, id_key
+
 
 def pack(obj: Any) -> bytes:
     """A plain value (meta entries, log entries, maintenance flags) as msgpack."""
@@ -57,8 +57,20 @@ class StoredFields:
     """A trajectory record's fields by name, without building the Trajectory (retrieval
     renders thousands of them a second). ``steps``: [thought, action, observation] lists."""
 
-    __slots__ = ("id", "env", "task", "initial_observation", "steps", "success", "reward", "metadata", "fingerprint", "tokens", "added",
-                 "tenant")
+    __slots__ = (
+        "added",
+        "env",
+        "fingerprint",
+        "id",
+        "initial_observation",
+        "metadata",
+        "reward",
+        "steps",
+        "success",
+        "task",
+        "tenant",
+        "tokens",
+    )
 
     def __init__(self, d: dict[str, Any]) -> None:
         self.id: str = d["id"]

@@ -33,8 +33,9 @@ import json
 import math
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from lifemem_ray.core.errors import ConfigError
 
@@ -123,12 +124,19 @@ class Settings:
         """Set ``section.key`` from ``source`` (named in errors), checked and bounded."""
         section_name, _, key = dotted.partition(".")
         if section_name not in self.sections() or not key:
-            raise ConfigError(f"{source}: unknown setting '{dotted}' (use section.key; sections: {', '.join(self.sections())})")
+            raise ConfigError(
+                f"{source}: unknown setting '{dotted}' (use section.key; sections: {', '.join(self.sections())})"
+            )
         set_key(getattr(self, section_name), key, value, source)
 
     @classmethod
-    def load(cls: type[S], path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None,
-             overrides: Mapping[str, Any] | None = None) -> S:
+    def load(
+        cls: type[S],
+        path: str | os.PathLike[str] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> S:
         """Defaults, then the TOML file (its tables, or the same under ``[memory.*]``), then
         ``LIFEMEM_*`` variables, then overrides."""
         config = cls()
@@ -169,12 +177,17 @@ def apply_environ(section: Section, environ: Mapping[str, str] | None = None) ->
     prefix = f"LIFEMEM_{section.NAME.upper()}_"
     fields = {f.name for f in dataclasses.fields(section)}  # type: ignore[arg-type]
     for name, value in env.items():
-        if name.startswith(prefix) and name[len(prefix):].lower() in fields:
-            set_key(section, name[len(prefix):].lower(), value, name)
+        if name.startswith(prefix) and name[len(prefix) :].lower() in fields:
+            set_key(section, name[len(prefix) :].lower(), value, name)
 
 
-def load_section(section: T, path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None,
-                 overrides: Mapping[str, Any] | None = None) -> T:
+def load_section(
+    section: T,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> T:
     """One section alone: defaults < the file's ``[NAME]`` table < ``LIFEMEM_NAME_*`` <
     overrides (keys without the section's name); bounded, then validated."""
     if path is not None:
@@ -265,7 +278,9 @@ def _list(value: Any, where: str) -> list[Any]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: expected a JSON list, got text that is not JSON ({exc.msg} at {exc.pos})") from None
+                raise ConfigError(
+                    f"{where}: expected a JSON list, got text that is not JSON ({exc.msg} at {exc.pos})"
+                ) from None
         else:  # a comma-separated list of names (LIFEMEM_EXPERIMENT_ENVS=twx-coin,sql)
             value = [v.strip() for v in text.split(",") if v.strip()]
     if not isinstance(value, list):

@@ -26,13 +26,27 @@ of one tenant never reaches another's vectors, and clusters never mix tenants.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from lifemem_ray.core.errors import TenantError
 
 __all__ = [
-    "DEFAULT_TENANT", "SEP", "caller_id", "check_tenant", "display_envs", "id_key", "is_name", "is_pool", "pool", "record_tenant",
-    "scope", "scope_tenant", "search_targets", "split_scope", "tenant_prefix",
+    "DEFAULT_TENANT",
+    "SEP",
+    "caller_id",
+    "check_tenant",
+    "display_envs",
+    "id_key",
+    "is_name",
+    "is_pool",
+    "pool",
+    "record_tenant",
+    "scope",
+    "scope_tenant",
+    "search_targets",
+    "split_scope",
+    "tenant_prefix",
 ]
 
 DEFAULT_TENANT = "default"
@@ -62,8 +76,10 @@ def check_tenant(value: Any, where: str = "tenant", *, stored: bool = False) -> 
     if not isinstance(value, str):
         raise TenantError(f"{where}: expected a tenant name (a string), got {type(value).__name__}")
     if not is_name(value) and not (stored and value.endswith("\n") and is_name(value[:-1])):
-        raise TenantError(f"{where}: {value[:80]!r} is not a tenant name (1-64 characters: letters, digits, '_', '.', '-', "
-                          "starting with a letter or digit)")
+        raise TenantError(
+            f"{where}: {value[:80]!r} is not a tenant name (1-64 characters: letters, digits, '_', '.', '-', "
+            "starting with a letter or digit)"
+        )
     return value
 
 
@@ -96,7 +112,6 @@ def split_scope(key: str) -> tuple[str, str]:
 def scope_tenant(key: str) -> str:
     """The tenant of a scope or id key."""
     return key.partition(SEP)[0] if SEP in key else DEFAULT_TENANT
-
 
 
 def caller_id(key: str) -> str:

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.clustering.clusters import check_against_members
 from lifemem_ray.core.errors import InvalidTrajectoryError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
-from lifemem_ray.engine.store.storage import unpack_u64
-from lifemem_ray.core.tenancy import check_tenant, DEFAULT_TENANT, display_envs, id_key, scope_tenant, split_scope
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, display_envs, id_key, scope_tenant, split_scope
+from lifemem_ray.engine.clustering.clusters import check_against_members
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.store.storage import unpack_u64
 
 __all__ = ["Audit"]
 
@@ -80,7 +80,12 @@ class Audit:
         }
         if tenant is not None:  # a tenant's view holds its own figures only: nothing of the store or of other tenants
             return {"tenant": tenant, **mine}
-        return {"path": str(s.path), **mine, "per_tenant": dict(sorted(per_tenant.items())), **_store_figures(s, counters, usage, todo)}
+        return {
+            "path": str(s.path),
+            **mine,
+            "per_tenant": dict(sorted(per_tenant.items())),
+            **_store_figures(s, counters, usage, todo),
+        }
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Check every invariant against a recomputation from the stored trajectories; ``deep``:
@@ -111,7 +116,9 @@ class Audit:
                     if stored is None:
                         problems.append(f"id index: {tid!r} points at vid {vid}, which holds no trajectory")
                     elif id_key(stored[0].tenant, stored[0].id) != tid:
-                        problems.append(f"id index: {tid!r} points at vid {vid}, which holds trajectory {stored[0].id!r}")
+                        problems.append(
+                            f"id index: {tid!r} points at vid {vid}, which holds trajectory {stored[0].id!r}"
+                        )
             pending = set(store.get_meta("pending", txn) or [])
             sums: dict[int, list[Any]] = {}
             stored_ids: dict[int, list[int]] = {}
@@ -141,11 +148,21 @@ class Audit:
                 if record is None or not record.live:
                     problems.append(f"trajectories point at cluster {cid}, which is not live")
             names = {code: name for name, code in store.env_codes(txn).items()}
-            problems.extend(index_problems({names.get(code, f"env code {code}"): vids for code, vids in stored_ids.items()}, s.index.ids()))
+            problems.extend(
+                index_problems(
+                    {names.get(code, f"env code {code}"): vids for code, vids in stored_ids.items()}, s.index.ids()
+                )
+            )
         if n_index != n_traj:
             problems.append(f"index holds {n_index} vectors, the store {n_traj} trajectories")
-        return {"ok": not problems, "trajectories": n_traj, "clusters": live, "pending": len(pending), "problems": problems,
-                **({"deep": True} if deep else {})}
+        return {
+            "ok": not problems,
+            "trajectories": n_traj,
+            "clusters": live,
+            "pending": len(pending),
+            "problems": problems,
+            **({"deep": True} if deep else {}),
+        }
 
 
 def index_problems(stored: dict[str, list[int]], indexed: dict[str, np.ndarray], shown: int = 5) -> list[str]:
@@ -160,7 +177,10 @@ def index_problems(stored: dict[str, list[int]], indexed: dict[str, np.ndarray],
     for env in sorted(set(stored) | set(indexed)):
         want = set(stored.get(env, ()))
         have = set(np.asarray(indexed.get(env, np.empty(0, dtype=np.int64))).tolist())
-        for what, ids in (("lacks {n} stored trajectory vid(s)", want - have), ("holds {n} id(s) no stored trajectory of it has", have - want)):
+        for what, ids in (
+            ("lacks {n} stored trajectory vid(s)", want - have),
+            ("holds {n} id(s) no stored trajectory of it has", have - want),
+        ):
             if ids:
                 named = ", ".join(str(i) for i in sorted(ids)[:shown]) + (", ..." if len(ids) > shown else "")
                 problems.append(f"index of env {env}: {what.format(n=len(ids))} ({named})")
@@ -170,14 +190,23 @@ def index_problems(stored: dict[str, list[int]], indexed: dict[str, np.ndarray],
 def _fingerprint_problems(vid: int, traj: Trajectory, stored_fp: str) -> list[str]:
     """The record's content hashed again (and validated) against the fingerprint stored with it."""
     try:
-        fresh = Trajectory(env=traj.env, task=traj.task, steps=tuple(Step(s.action, s.thought, s.observation) for s in traj.steps),
-                           outcome=Outcome(success=traj.outcome.success, reward=traj.outcome.reward), id=traj.id,
-                           initial_observation=traj.initial_observation, metadata=traj.metadata, tenant=traj.tenant)
+        fresh = Trajectory(
+            env=traj.env,
+            task=traj.task,
+            steps=tuple(Step(s.action, s.thought, s.observation) for s in traj.steps),
+            outcome=Outcome(success=traj.outcome.success, reward=traj.outcome.reward),
+            id=traj.id,
+            initial_observation=traj.initial_observation,
+            metadata=traj.metadata,
+            tenant=traj.tenant,
+        )
     except (InvalidTrajectoryError, TypeError, ValueError) as exc:
         return [f"trajectory {traj.id!r} (vid {vid}): its stored content is not a valid trajectory: {exc}"]
     if fresh.fingerprint != stored_fp:
-        return [f"trajectory {traj.id!r} (vid {vid}): its content does not match its stored fingerprint "
-                f"({stored_fp[:16]}... stored, {fresh.fingerprint[:16]}... recomputed): the record was changed outside the engine"]
+        return [
+            f"trajectory {traj.id!r} (vid {vid}): its content does not match its stored fingerprint "
+            f"({stored_fp[:16]}... stored, {fresh.fingerprint[:16]}... recomputed): the record was changed outside the engine"
+        ]
     return []
 
 

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.errors import StoreError, StoreLockedError
+from lifemem_ray.engine.memory_config import MemoryConfig
 
 __all__ = ["compact_store"]
 
@@ -30,13 +30,17 @@ def compact_store(path: str | os.PathLike[str], config: MemoryConfig | None = No
     if not (path / "data.mdb").is_file():
         shards = sorted(p.parent.name for p in path.glob("shard-*/data.mdb"))
         if shards:
-            raise StoreError(f"{path}: a deployment's folder (shards {', '.join(shards)}); compact the running deployment "
-                             f"(`lifemem-ray compact --namespace NS`), or, stopped, each shard's folder (`--store {path / shards[0]}`)")
+            raise StoreError(
+                f"{path}: a deployment's folder (shards {', '.join(shards)}); compact the running deployment "
+                f"(`lifemem-ray compact --namespace NS`), or, stopped, each shard's folder (`--store {path / shards[0]}`)"
+            )
         raise StoreError(f"{path}: no memory store here (data.mdb missing); name the folder `lifemem-ray ingest` wrote")
     try:
         with Memory.open(path, config or MemoryConfig()) as memory:
             return memory.shard.compact()
     except StoreLockedError as exc:
         who = str(exc).split(";")[0]  # where and who, without the advice for other commands
-        raise StoreLockedError(f"{who}; compaction needs the store to itself: stop that process first, or compact a "
-                               "running deployment with `lifemem-ray compact --namespace NS`") from None
+        raise StoreLockedError(
+            f"{who}; compaction needs the store to itself: stop that process first, or compact a "
+            "running deployment with `lifemem-ray compact --namespace NS`"
+        ) from None

@@ -27,17 +27,24 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.clustering.clusters import ClusterRecord, example_task, needs_skill_after_removal, scrub_text, unfold_member
-from lifemem_ray.core.tenancy import check_tenant, DEFAULT_TENANT, display_envs, id_key
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, display_envs, id_key
+from lifemem_ray.engine.clustering.clusters import (
+    ClusterRecord,
+    example_task,
+    needs_skill_after_removal,
+    scrub_text,
+    unfold_member,
+)
 from lifemem_ray.engine.clustering.workflow import workflow_summary
 from lifemem_ray.engine.state import EngineState
 
-__all__ = ["Deletion", "PURGE_CHUNK"]
+__all__ = ["PURGE_CHUNK", "Deletion"]
 
 log = logging.getLogger("lifemem_ray.engine.memory")
 
@@ -119,7 +126,9 @@ class Deletion:
                 s.store.put_meta(txn, "pending", pending)
             if rows:
                 # The removal's own entries name no id: the trajectory's earlier ones were blanked with it.
-                s.store.append_log(txn, [{"vid": r.vid, "id": "", "cluster": r.cluster, "op": op, "t": now} for r in rows])
+                s.store.append_log(
+                    txn, [{"vid": r.vid, "id": "", "cluster": r.cluster, "op": op, "t": now} for r in rows]
+                )
                 s.add_counters(txn, {"removed": len(rows)})
             if finish is not None:
                 finish(txn)
@@ -167,8 +176,19 @@ class Deletion:
                 vecs = store.vectors(txn, vid)
                 if brief is None or vecs is None:
                     raise _damaged(self.s, key, vid)
-                rows.append(_Row(vid, key, brief.env, brief.success, list(brief.tokens), brief.task, vecs[1].copy(), vecs[2].copy(),
-                                 store.cluster_of(txn, vid)))
+                rows.append(
+                    _Row(
+                        vid,
+                        key,
+                        brief.env,
+                        brief.success,
+                        list(brief.tokens),
+                        brief.task,
+                        vecs[1].copy(),
+                        vecs[2].copy(),
+                        store.cluster_of(txn, vid),
+                    )
+                )
         return rows
 
     def _redescribe(self, touched: dict[int, ClusterRecord], rows: list[_Row], removed: set[int]) -> None:
@@ -182,9 +202,17 @@ class Deletion:
                     continue
                 example = example_task(record)
                 if example in gone:
-                    example = next((b.task for v in s.store.members(txn, record.id) if v not in removed
-                                    and (b := s.store.brief(txn, v)) is not None), "")
-                record.description = s.policy.describe(record.count, display_envs(record.envs), record.flows, example, record.skill)
+                    example = next(
+                        (
+                            b.task
+                            for v in s.store.members(txn, record.id)
+                            if v not in removed and (b := s.store.brief(txn, v)) is not None
+                        ),
+                        "",
+                    )
+                record.description = s.policy.describe(
+                    record.count, display_envs(record.envs), record.flows, example, record.skill
+                )
 
     # -- a whole tenant ------------------------------------------------------------------------
     def purge_tenant(self, tenant: str) -> int:
@@ -224,7 +252,9 @@ class Deletion:
 
                 def finish(txn: Any) -> None:  # the last removal's transaction; the intent is cleared in it
                     _forget_tombstones(s, txn, tenant)  # reads every cluster, rewrites only ones not yet scrubbed
-                    s.store.redact_log(txn, tenant, start=log_from)  # the entries since the chunked pass, this removal's own too
+                    s.store.redact_log(
+                        txn, tenant, start=log_from
+                    )  # the entries since the chunked pass, this removal's own too
                     s.store.forget_env_names(txn, tenant)  # none of its trajectories is left to name them
                     left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
                     s.store.put_meta(txn, "purging", left)
@@ -241,8 +271,12 @@ class Deletion:
         while True:
             with s.lock:
                 _, next_start, end = s.store.write(
-                    lambda txn: (*s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK), s.store.get_meta("next_log", txn) or 0),
-                    changed=lambda got: got[0] > 0)
+                    lambda txn: (
+                        *s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK),
+                        s.store.get_meta("next_log", txn) or 0,
+                    ),
+                    changed=lambda got: got[0] > 0,
+                )
             if next_start is None:
                 return int(end)
             start = next_start
@@ -253,8 +287,10 @@ class Deletion:
         after = -1
         while True:
             with s.lock:
-                _, after = s.store.write(lambda txn: _forget_tombstones(s, txn, tenant, after=after, limit=PURGE_LOG_CHUNK),
-                                         changed=lambda got: got[0] > 0)
+                _, after = s.store.write(
+                    lambda txn: _forget_tombstones(s, txn, tenant, after=after, limit=PURGE_LOG_CHUNK),
+                    changed=lambda got: got[0] > 0,
+                )
             if after is None:
                 return
 
@@ -271,7 +307,9 @@ class Deletion:
         return total
 
 
-def _forget_tombstones(s: EngineState, txn: Any, tenant: str, after: int = -1, limit: int | None = None) -> tuple[int, int | None]:
+def _forget_tombstones(
+    s: EngineState, txn: Any, tenant: str, after: int = -1, limit: int | None = None
+) -> tuple[int, int | None]:
     """Of ``tenant``'s clusters that are no longer live (split, merged, retired) only numbers
     stay: no words, no environment names. Clusters with ids above ``after``, at most ``limit``
     read; returns how many were rewritten and the last id read when it stopped at the limit,
@@ -292,4 +330,6 @@ def _forget_tombstones(s: EngineState, txn: Any, tenant: str, after: int = -1, l
 def _damaged(s: EngineState, key: str, vid: int) -> Exception:
     from lifemem_ray.core.errors import StoreError
 
-    return StoreError(f"{s.path}: trajectory {key!r} (vid {vid}) has no stored brief or vectors; run `lifemem-ray check`")
+    return StoreError(
+        f"{s.path}: trajectory {key!r} (vid {vid}) has no stored brief or vectors; run `lifemem-ray check`"
+    )

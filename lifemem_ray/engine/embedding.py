@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import EmbeddingConfig
 from lifemem_ray.core.errors import EmbeddingError
+from lifemem_ray.engine.memory_config import EmbeddingConfig
 
 __all__ = ["Embedder", "EmbeddingError", "MiniLMEmbedder", "default_model_path"]
 

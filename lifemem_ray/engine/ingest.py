@@ -9,21 +9,45 @@ init_size`` trajectories), items are stored and indexed but left unclustered (``
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.clustering.clusters import ClusterRecord, add_member, cosine_to_sum, example_task, needs_description, needs_skill, new_cluster_record
 from lifemem_ray.core.errors import InvalidTrajectoryError, StoreError, UnknownClusterError
-from lifemem_ray.engine.clustering.evolution import BatchItem, CandidateArrays, CandidateSet, ItemBatch, Placement, scope_sums
-from lifemem_ray.engine.ingest_rules import AddResult, IdClasses, classify_ids, make_planner, plan_counters, refuse_conflicts, unit_rows
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.clustering.steps import featurize
-from lifemem_ray.engine.store.storage import MemoryStore
-from lifemem_ray.engine.clustering.workflow import workflow_summary
 from lifemem_ray.core.tenancy import display_envs, id_key, is_name, pool, scope_tenant
+from lifemem_ray.engine.clustering.clusters import (
+    ClusterRecord,
+    add_member,
+    cosine_to_sum,
+    example_task,
+    needs_description,
+    needs_skill,
+    new_cluster_record,
+)
+from lifemem_ray.engine.clustering.evolution import (
+    BatchItem,
+    CandidateArrays,
+    CandidateSet,
+    ItemBatch,
+    Placement,
+    scope_sums,
+)
+from lifemem_ray.engine.clustering.steps import featurize
+from lifemem_ray.engine.clustering.workflow import workflow_summary
+from lifemem_ray.engine.ingest_rules import (
+    AddResult,
+    IdClasses,
+    classify_ids,
+    make_planner,
+    plan_counters,
+    refuse_conflicts,
+    unit_rows,
+)
 from lifemem_ray.engine.search import search_index
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = ["Ingest", "check_trajectories", "known_ids", "pack_trajectories", "prepare_items", "stored_lookup"]
 
@@ -37,11 +61,15 @@ class Ingest:
         """One transaction's worth of :meth:`Memory.add_many` (results name id keys, see
         :func:`lifemem_ray.core.tenancy.id_key`)."""
         with self.s.lock:
-            classes = self.check_ids([id_key(t.tenant, t.id) for t in trajectories], [t.fingerprint for t in trajectories])
+            classes = self.check_ids(
+                [id_key(t.tenant, t.id) for t in trajectories], [t.fingerprint for t in trajectories]
+            )
             placed = None
             if classes.fresh:
                 fresh = classes.fresh
-                placed = self.place(self.prepare([trajectories[i] for i in fresh], None if vectors is None else vectors[fresh]))
+                placed = self.place(
+                    self.prepare([trajectories[i] for i in fresh], None if vectors is None else vectors[fresh])
+                )
             return classes.complete(placed)
 
     def add_items(self, items: list[BatchItem]) -> list[AddResult]:
@@ -82,8 +110,13 @@ class Ingest:
             init_count = len(s.pending) + need
         found = self.candidates(items[init_count:])
         planner = make_planner(found.clusters, s.policy, s.config, s.dim, WORKFLOW_DIM, s.decider)
-        plan = planner.plan(items, [[]] * init_count + found.neighbours, init_count=init_count,
-                            extra=[[]] * init_count + [[c for c, _ in row] for row in found.extra], scopes=found.scopes)
+        plan = planner.plan(
+            items,
+            [[]] * init_count + found.neighbours,
+            init_count=init_count,
+            extra=[[]] * init_count + [[c for c, _ in row] for row in found.extra],
+            scopes=found.scopes,
+        )
         return self.commit(items, plan.placements, initialise=bool(init_count), counters=plan_counters(plan))
 
     def candidates(self, items: Sequence[BatchItem]) -> CandidateSet:
@@ -92,9 +125,13 @@ class Ingest:
         ``evolution.neighbour_scope``); plus the state of every cluster named."""
         if not items:
             return CandidateSet(neighbours=[], extra=[], clusters={})
-        return self.candidate_arrays(np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items]).to_set()
+        return self.candidate_arrays(
+            np.stack([it.vec for it in items]), np.stack([it.wvec for it in items]), [it.env for it in items]
+        ).to_set()
 
-    def candidate_arrays(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
+    def candidate_arrays(
+        self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]
+    ) -> CandidateArrays:
         """:meth:`candidates` from the vectors alone, as arrays (what a shard sends the coordinator)."""
         s = self.s
         evo = s.config.evolution
@@ -105,12 +142,20 @@ class Ingest:
         with s.lock:
             if n and evo.centroid_candidates:
                 combined = s.centroids.query(queries, np.asarray(workflow_vectors, dtype=np.float32))
-                extra_ids, extra_scores = s.centroids.search(combined, evo.centroid_candidates, [scope_tenant(e) for e in envs])
+                extra_ids, extra_scores = s.centroids.search(
+                    combined, evo.centroid_candidates, [scope_tenant(e) for e in envs]
+                )
             if n and (evo.neighbour_scope == "env" or len(s.index)):
                 # "global": every environment of the item's tenant (never another tenant's)
                 targets = envs if evo.neighbour_scope == "env" else [pool(scope_tenant(e)) for e in envs]
-                scores, vids = search_index(s.index, queries, targets, evo.top_k, nprobe_fraction=s.config.index.candidate_nprobe_fraction,
-                                            max_codes=s.config.index.candidate_max_codes)
+                scores, vids = search_index(
+                    s.index,
+                    queries,
+                    targets,
+                    evo.top_k,
+                    nprobe_fraction=s.config.index.candidate_nprobe_fraction,
+                    max_codes=s.config.index.candidate_max_codes,
+                )
             else:
                 scores, vids = np.zeros((n, 0), np.float32), np.zeros((n, 0), dtype=np.int64)
             ids = self._clusters_of(vids)
@@ -146,7 +191,9 @@ class Ingest:
                 traj, extra = got
                 _, vec, wvec = vecs
                 tokens = list(extra["tokens"])
-                items.append(BatchItem.of(traj, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), vid=vid, stored=True))
+                items.append(
+                    BatchItem.of(traj, vec.copy(), wvec.copy(), tokens, workflow_summary(tokens), vid=vid, stored=True)
+                )
         return items
 
     def commit_pending(self, items: list[BatchItem]) -> list[AddResult]:
@@ -167,8 +214,14 @@ class Ingest:
         return [AddResult(it.id, "pending", None) for it in items]
 
     # -- committing --------------------------------------------------------------------------
-    def commit(self, items: list[BatchItem], placements: Sequence[Placement], *, initialise: bool = False,
-               counters: dict[str, int] | None = None) -> list[AddResult]:
+    def commit(
+        self,
+        items: list[BatchItem],
+        placements: Sequence[Placement],
+        *,
+        initialise: bool = False,
+        counters: dict[str, int] | None = None,
+    ) -> list[AddResult]:
         """Store decided placements in one transaction and return once it is durable.
 
         A placement names a live cluster, or a negative id: items with the same negative id
@@ -187,11 +240,15 @@ def resolve_target(s: EngineState, cid: int, item: BatchItem) -> int:
         record = s.stored_cluster(cid)
         if record is None or not record.split_into or seen > 32:
             raise UnknownClusterError(f"{s.path}: cluster {cid} is not stored here")
-        parts = [s.clusters[c] for c in record.split_into if c in s.clusters] or [s.stored_cluster(c) for c in record.split_into]
+        parts = [s.clusters[c] for c in record.split_into if c in s.clusters] or [
+            s.stored_cluster(c) for c in record.split_into
+        ]
         parts = [p for p in parts if p is not None]
         if not parts:
             raise UnknownClusterError(f"{s.path}: cluster {cid} was split and none of its parts is live")
-        cid = max(parts, key=lambda r: s.policy.score(cosine_to_sum(item.vec, r.tsum), cosine_to_sum(item.wvec, r.wsum))).id
+        cid = max(
+            parts, key=lambda r: s.policy.score(cosine_to_sum(item.vec, r.tsum), cosine_to_sum(item.wvec, r.wsum))
+        ).id
         seen += 1
     return cid
 
@@ -201,8 +258,14 @@ class _Commit:
     the authoritative live state), written in one transaction with the items, the log, the
     maintenance they call for and the counters; then the live view follows."""
 
-    def __init__(self, s: EngineState, items: list[BatchItem], placements: Sequence[Placement], initialise: bool,
-                 counters: dict[str, int] | None) -> None:
+    def __init__(
+        self,
+        s: EngineState,
+        items: list[BatchItem],
+        placements: Sequence[Placement],
+        initialise: bool,
+        counters: dict[str, int] | None,
+    ) -> None:
         self.s, self.items, self.placements, self.initialise, self.counters = s, items, placements, initialise, counters
         self.now = time.time()
         self.targets = [resolve_target(s, p.cluster, it) for it, p in zip(items, placements)]
@@ -214,7 +277,9 @@ class _Commit:
             if record is None:
                 base = s.clusters.get(cid)
                 born = "init" if placements[i].op == "init" else "new"
-                record = base.copy() if base is not None else new_cluster_record(cid, s.dim, WORKFLOW_DIM, born, self.now)
+                record = (
+                    base.copy() if base is not None else new_cluster_record(cid, s.dim, WORKFLOW_DIM, born, self.now)
+                )
                 self.work[cid] = record
             add_member(record, it, self.now)
         self.fresh = [it for it in items if not it.stored]
@@ -251,7 +316,9 @@ class _Commit:
             s.pending = []
             s.initialised = True
         s.index_add(self.fresh)
-        return [AddResult(it.id, "added", real.get(cid, cid)) for it, cid in zip(self.items, self.targets) if not it.stored]
+        return [
+            AddResult(it.id, "added", real.get(cid, cid)) for it, cid in zip(self.items, self.targets) if not it.stored
+        ]
 
     def _write_cluster(self, txn: Any, cid: int, state: ClusterRecord, real: dict[int, int]) -> ClusterRecord:
         s = self.s
@@ -265,12 +332,20 @@ class _Commit:
             # Offline descriptions are cheap: refreshed on every change. description_n
             # only schedules LLM descriptions, so it is left alone here.
             example = self.items[founder].query if cid < 0 else example_task(record)
-            record.description = s.policy.describe(record.count, display_envs(record.envs), record.flows, example, record.skill)
+            record.description = s.policy.describe(
+                record.count, display_envs(record.envs), record.flows, example, record.skill
+            )
             record.description_by = "offline"
         s.store.put_cluster(txn, record)
         evo, llm = s.config.evolution, s.config.llm
-        s.store.add_todo(txn, record.id, split=s.needs_split(record), skill=needs_skill(record, evo, llm, s.llm_mode),
-                         describe=s.llm_mode and needs_description(record, evo, llm), merge=evo.merge_ratio > 0)
+        s.store.add_todo(
+            txn,
+            record.id,
+            split=s.needs_split(record),
+            skill=needs_skill(record, evo, llm, s.llm_mode),
+            describe=s.llm_mode and needs_description(record, evo, llm),
+            merge=evo.merge_ratio > 0,
+        )
         return record
 
     def _write_items(self, txn: Any, real: dict[int, int]) -> None:
@@ -283,7 +358,17 @@ class _Commit:
             else:
                 s.store.put_item(txn, it, s.store.env_code(txn, it.env), real_id)
             op = "new" if (cid < 0 and self.founders[cid] == i and p.op == "join") else p.op
-            entries.append({"vid": it.vid, "id": it.id, "cluster": real_id, "op": op, "by": p.by, "score": round(p.score, 4), "t": self.now})
+            entries.append(
+                {
+                    "vid": it.vid,
+                    "id": it.id,
+                    "cluster": real_id,
+                    "op": op,
+                    "by": p.by,
+                    "score": round(p.score, 4),
+                    "t": self.now,
+                }
+            )
         s.store.append_log(txn, entries)
 
 
@@ -315,11 +400,15 @@ def check_trajectories(trajectories: Sequence[Any]) -> None:
         if not isinstance(traj, Trajectory):
             raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
         if not is_name(traj.tenant):
-            raise InvalidTrajectoryError(f"trajectories[{i}].tenant: {traj.tenant[:80]!r} is not a tenant name (1-64 "
-                                         "characters: letters, digits, '_', '.', '-', starting with a letter or digit)")
+            raise InvalidTrajectoryError(
+                f"trajectories[{i}].tenant: {traj.tenant[:80]!r} is not a tenant name (1-64 "
+                "characters: letters, digits, '_', '.', '-', starting with a letter or digit)"
+            )
 
 
-def prepare_items(trajectories: Sequence[Trajectory], vectors: Any, dim: int, features: str = "roles") -> list[BatchItem]:
+def prepare_items(
+    trajectories: Sequence[Trajectory], vectors: Any, dim: int, features: str = "roles"
+) -> list[BatchItem]:
     """Batch items from trajectories and their task vectors (validated, normalised), with the
     workflow featurizer ``features`` (``evolution.workflow_features``)."""
     return _featurized(trajectories, unit_rows(vectors, len(trajectories), dim, "vectors"), features)
@@ -339,5 +428,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory], vectors: Any, dim: int
     Without ``vectors`` the task vectors are zeros, to be embedded where a model is
     (the coordinator's embedder actors)."""
     check_trajectories(trajectories)
-    vecs = np.zeros((len(trajectories), dim), np.float32) if vectors is None else unit_rows(vectors, len(trajectories), dim, "vectors")
+    vecs = (
+        np.zeros((len(trajectories), dim), np.float32)
+        if vectors is None
+        else unit_rows(vectors, len(trajectories), dim, "vectors")
+    )
     return ItemBatch.of(_featurized(trajectories, vecs, features), features)

@@ -23,14 +23,25 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from lifemem_ray.core.errors import IdConflictError
 
-__all__ = ["AddResult", "IdClasses", "caller_results", "classify_ids", "make_decider", "make_planner", "plan_counters", "refuse_conflicts", "unit_rows"]
+__all__ = [
+    "AddResult",
+    "IdClasses",
+    "caller_results",
+    "classify_ids",
+    "make_decider",
+    "make_planner",
+    "plan_counters",
+    "refuse_conflicts",
+    "unit_rows",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +75,9 @@ class IdClasses:
         """Every position's result once the fresh ones are ``placed`` (in ``fresh`` order;
         without it they read ``pending``): an in-request repeat reports its first occurrence."""
         out = list(self.results)
-        for i, result in zip(self.fresh, placed if placed is not None else [AddResult(self.ids[i], "pending", None) for i in self.fresh]):
+        for i, result in zip(
+            self.fresh, placed if placed is not None else [AddResult(self.ids[i], "pending", None) for i in self.fresh]
+        ):
             out[i] = result
         for i, tid in enumerate(self.ids):
             if out[i] is None:
@@ -81,16 +94,22 @@ def caller_results(results: Sequence[AddResult]) -> list[AddResult]:
     return [AddResult(caller_id(r.id), r.status, r.cluster_id) if SEP in r.id else r for r in results]
 
 
-def classify_ids(ids: Sequence[str], fingerprints: Sequence[str], stored: Sequence[tuple[str, int | None] | None]) -> IdClasses:
+def classify_ids(
+    ids: Sequence[str], fingerprints: Sequence[str], stored: Sequence[tuple[str, int | None] | None]
+) -> IdClasses:
     """Classify a request's ids. ``stored[i]``: the (fingerprint, cluster id) a store holds for
     ``ids[i]``, or None when no store holds it."""
     if not len(ids) == len(fingerprints) == len(stored):
-        raise ValueError(f"classify_ids: {len(ids)} ids, {len(fingerprints)} fingerprints, {len(stored)} lookups; need one of each per id")
+        raise ValueError(
+            f"classify_ids: {len(ids)} ids, {len(fingerprints)} fingerprints, {len(stored)} lookups; need one of each per id"
+        )
     out = IdClasses(list(ids), [None] * len(ids), [], {})
     for i, (tid, fp, got) in enumerate(zip(ids, fingerprints, stored)):
         if tid in out.first:
             if fingerprints[out.first[tid]] != fp:
-                out.conflicts.append((i, f"trajectory id {_named(tid)} is repeated in this request with different content"))
+                out.conflicts.append(
+                    (i, f"trajectory id {_named(tid)} is repeated in this request with different content")
+                )
             continue
         out.first[tid] = i
         if got is None:
@@ -118,8 +137,10 @@ def refuse_conflicts(classes: IdClasses, where: str = "") -> None:
         return
     shown = "; ".join(why for _, why in classes.conflicts[:5])
     more = f" (and {len(classes.conflicts) - 5} more)" if len(classes.conflicts) > 5 else ""
-    raise IdConflictError(f"{where + ': ' if where else ''}{shown}{more}; nothing of this request was stored "
-                          "(give the new content a new id, or remove the stored trajectory first)")
+    raise IdConflictError(
+        f"{where + ': ' if where else ''}{shown}{more}; nothing of this request was stored "
+        "(give the new content a new id, or remove the stored trajectory first)"
+    )
 
 
 def unit_rows(vectors: Any, n: int, dim: int, what: str = "vectors") -> np.ndarray:

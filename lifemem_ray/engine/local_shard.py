@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
-from lifemem_ray.engine.ingest_rules import AddResult
-from lifemem_ray.engine.retrieval import RecordHit
-from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.ingest import known_ids
+from lifemem_ray.engine.ingest_rules import AddResult
 from lifemem_ray.engine.parts import EngineParts
+from lifemem_ray.engine.retrieval import RecordHit
 
 __all__ = ["EngineShard"]
 
@@ -38,8 +39,10 @@ class EngineShard:
         ``evolution.workflow_features`` differs from this store's)."""
         own = self._state.features
         if features != own:
-            raise ValueError(f"{self._state.path}: items carry {features!r} workflow vectors, this store holds {own!r} ones; "
-                             f"set evolution.workflow_features = {own!r} where the trajectories are packed")
+            raise ValueError(
+                f"{self._state.path}: items carry {features!r} workflow vectors, this store holds {own!r} ones; "
+                f"set evolution.workflow_features = {own!r} where the trajectories are packed"
+            )
 
     def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
         """Per id: its stored result (duplicate, or conflict for other content), or None when new here."""
@@ -48,8 +51,9 @@ class EngineShard:
     def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
         return self._ingest.candidate_arrays(vectors, workflow_vectors, envs)
 
-    def commit(self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
-               ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
+    def commit(
+        self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
+    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
         """Store the coordinator's decisions; return the results and the states of the clusters
         they went to. Idempotent: items already here are reported, not stored again (the
         coordinator refused conflicts before deciding; one that raced in is reported)."""
@@ -60,7 +64,9 @@ class EngineShard:
         classes = self._ingest.check_ids(batch.ids, batch.fingerprints, refuse=False)
         placed = None
         if classes.fresh:
-            placed = self._ingest.commit([items[i] for i in classes.fresh], [placements[i] for i in classes.fresh], counters=counters)
+            placed = self._ingest.commit(
+                [items[i] for i in classes.fresh], [placements[i] for i in classes.fresh], counters=counters
+            )
         self._state.schedule()  # maintenance (splits, skills) for what just changed
         done = classes.complete(placed)
         self._state.metrics.observe_latency("add", "engine", time.perf_counter() - started)
@@ -83,7 +89,9 @@ class EngineShard:
             return {cid: s.clusters[cid].copy() for cid in set(cluster_ids) if cid in s.clusters}
 
     # -- reading -----------------------------------------------------------------------------
-    def search_records(self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+    def search_records(
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
+    ) -> list[tuple[list[RecordHit], dict[int, str]]]:
         started = time.perf_counter()
         out = self._search.search_records(vectors, envs, k, skills=skills)
         self._state.metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
@@ -101,7 +109,9 @@ class EngineShard:
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         return self._parts.audit.stats(tenant)
 
-    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
+    def clusters(
+        self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None
+    ) -> list[ClusterInfo]:
         return self._parts.reads.clusters(env, tenant, limit)
 
     def cluster_count(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> int:

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.clustering.clusters import ClusterRecord, example_task
 from lifemem_ray.core.decisions import ClusterView
 from lifemem_ray.core.errors import MaintenanceError
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.restructure import Restructure
 from lifemem_ray.core.tenancy import display_envs
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, example_task
+from lifemem_ray.engine.restructure import Restructure
 from lifemem_ray.engine.state import EngineState
 
 __all__ = ["Maintenance"]
@@ -128,8 +128,9 @@ class Maintenance:
                     break
             return done
 
-    def _restructure_round(self, flag: str, attempt: Any, done: int, max_ops: int | None,
-                           cleared: list[tuple[int, tuple[str, ...]]]) -> tuple[int, bool]:
+    def _restructure_round(
+        self, flag: str, attempt: Any, done: int, max_ops: int | None, cleared: list[tuple[int, tuple[str, ...]]]
+    ) -> tuple[int, bool]:
         """Try every cluster queued for ``flag`` (split or merge); returns the count of work
         done so far and whether the thread was asked to stop. A cluster where nothing happened
         has the flag cleared (with the round's other clearances)."""
@@ -150,7 +151,9 @@ class Maintenance:
         if self.s.decider is None or len(work) <= 1:
             results = [self._update_one(cid, flags) for cid, flags in work]
         else:
-            with ThreadPoolExecutor(max_workers=self.s.config.llm.concurrency, thread_name_prefix="lifemem-distil") as pool:
+            with ThreadPoolExecutor(
+                max_workers=self.s.config.llm.concurrency, thread_name_prefix="lifemem-distil"
+            ) as pool:
                 results = list(pool.map(lambda wf: self._update_one(*wf), work))
         return [r for r in results if r is not None]
 
@@ -172,8 +175,12 @@ class Maintenance:
             skill = text or s.policy.distil(trajs)
             fields.update(skill=skill, skill_by=by, skill_n=count)
             if record.description_by != "llm":  # the offline description names the procedure's steps
-                fields.update(description=s.policy.describe(count, display_envs(record.envs), record.flows, example_task(record), skill),
-                              description_by="offline")
+                fields.update(
+                    description=s.policy.describe(
+                        count, display_envs(record.envs), record.flows, example_task(record), skill
+                    ),
+                    description_by="offline",
+                )
             names.append("skill")
         if flags.get("describe"):
             if s.decider is not None:
@@ -245,4 +252,11 @@ class Maintenance:
         record = self.s.clusters.get(cid)
         if record is None:
             return None
-        return ClusterView(id=cid, count=record.count, description=record.description, skill=record.skill, envs=display_envs(record.envs), examples=examples)
+        return ClusterView(
+            id=cid,
+            count=record.count,
+            description=record.description,
+            skill=record.skill,
+            envs=display_envs(record.envs),
+            examples=examples,
+        )

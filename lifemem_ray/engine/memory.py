@@ -32,30 +32,40 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
-from lifemem_ray.core.metrics import MetricsSink
-from lifemem_ray.engine.clustering.clusters import ClusterInfo
-from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.decisions import Decider
-from lifemem_ray.engine.embedding import Embedder
-from lifemem_ray.engine.ingest import check_trajectories, known_ids, pack_trajectories, prepare_items
-from lifemem_ray.engine.local_shard import EngineShard
-from lifemem_ray.engine.parts import EngineParts
-from lifemem_ray.engine.state import WORKFLOW_DIM
-from lifemem_ray.engine.clustering.evolution import BatchItem
 from lifemem_ray.core.errors import IdConflictError, MaintenanceError, StoreError, UnknownClusterError
-from lifemem_ray.engine.index.vector_index import VectorIndex
-from lifemem_ray.engine.ingest_rules import AddResult, caller_results, unit_rows
+from lifemem_ray.core.metrics import MetricsSink
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
+from lifemem_ray.engine.clustering.clusters import ClusterInfo
+from lifemem_ray.engine.clustering.evolution import BatchItem
+from lifemem_ray.engine.embedding import Embedder
+from lifemem_ray.engine.index.vector_index import VectorIndex
+from lifemem_ray.engine.ingest import check_trajectories, known_ids, pack_trajectories, prepare_items
+from lifemem_ray.engine.ingest_rules import AddResult, caller_results, unit_rows
+from lifemem_ray.engine.local_shard import EngineShard
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.parts import EngineParts
+from lifemem_ray.engine.retrieval import Retrieval
+from lifemem_ray.engine.state import WORKFLOW_DIM
 from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = [
-    "AddResult", "ClusterInfo", "IdConflictError", "MaintenanceError", "Memory", "StoreError", "UnknownClusterError", "WORKFLOW_DIM",
-    "known_ids", "pack_trajectories", "prepare_items",
+    "WORKFLOW_DIM",
+    "AddResult",
+    "ClusterInfo",
+    "IdConflictError",
+    "MaintenanceError",
+    "Memory",
+    "StoreError",
+    "UnknownClusterError",
+    "known_ids",
+    "pack_trajectories",
+    "prepare_items",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,12 +86,22 @@ class Memory:
         namespace: int = 0,
         metrics: MetricsSink | None = None,
     ) -> None:
-        self._parts = EngineParts.open(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only,
-                                       namespace=namespace, metrics=metrics)
+        self._parts = EngineParts.open(
+            path,
+            config,
+            embedder=embedder,
+            decider=decider,
+            dim=dim,
+            read_only=read_only,
+            namespace=namespace,
+            metrics=metrics,
+        )
         self._state = self._parts.state
         self._ingest, self._search, self._reads = self._parts.ingest, self._parts.search, self._parts.reads
         self._maintenance = self._parts.maintenance
-        self.shard = EngineShard(self._parts)  # the shard protocol over the same parts: what a coordinator or sharded client calls
+        self.shard = EngineShard(
+            self._parts
+        )  # the shard protocol over the same parts: what a coordinator or sharded client calls
 
     @classmethod
     def open(
@@ -95,7 +115,7 @@ class Memory:
         read_only: bool = False,
         namespace: int = 0,
         metrics: MetricsSink | None = None,
-    ) -> "Memory":
+    ) -> Memory:
         """Open (or create) the memory in ``path``.
 
         ``dim`` sets the vector size of a new store fed with precomputed vectors;
@@ -104,8 +124,16 @@ class Memory:
         ``metrics``: where the engine records its latency and its LLM calls (none: nowhere; a
         Ray shard gives the sink of :mod:`lifemem_ray.actors.cluster.ray_metrics`).
         """
-        return cls(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only, namespace=namespace,
-                   metrics=metrics)
+        return cls(
+            path,
+            config,
+            embedder=embedder,
+            decider=decider,
+            dim=dim,
+            read_only=read_only,
+            namespace=namespace,
+            metrics=metrics,
+        )
 
     # -- what it is ------------------------------------------------------------------------
     @property
@@ -208,7 +236,14 @@ class Memory:
         purge a crash interrupts is completed at the next writable open."""
         return self._parts.deletion.purge_tenant(tenant)
 
-    def absorb(self, source: str | Path, cluster_ids: Sequence[int] | None = None, *, include_pending: bool = False, chunk: int = 2000) -> dict[str, int]:
+    def absorb(
+        self,
+        source: str | Path,
+        cluster_ids: Sequence[int] | None = None,
+        *,
+        include_pending: bool = False,
+        chunk: int = 2000,
+    ) -> dict[str, int]:
         """Copy whole clusters from another store folder (a snapshot), keeping every id.
 
         Used to restore a snapshot into a deployment with another shard count: each
@@ -244,8 +279,15 @@ class Memory:
 
         ``env=None`` searches every environment of the tenant (the unstructured-pool baseline
         the lifelong experiments compare against); ``skills=False`` leaves skills out."""
-        return self.retrieve_many([task], [env], k, vectors=None if vector is None else [vector], token_budget=token_budget, skills=skills,
-                                  tenant=tenant)[0]
+        return self.retrieve_many(
+            [task],
+            [env],
+            k,
+            vectors=None if vector is None else [vector],
+            token_budget=token_budget,
+            skills=skills,
+            tenant=tenant,
+        )[0]
 
     def retrieve_many(
         self,
@@ -261,7 +303,9 @@ class Memory:
         """Many queries of one tenant in one embedding call and one batched index search
         (``None`` envs: every environment of the tenant)."""
         started = time.monotonic()
-        out = self._search.retrieve_many(tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant)
+        out = self._search.retrieve_many(
+            tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant
+        )
         self._state.metrics.observe_latency("retrieve", "engine", time.monotonic() - started)
         return out
 
@@ -273,7 +317,9 @@ class Memory:
     def cluster_of(self, trajectory_id: str, tenant: str = DEFAULT_TENANT) -> int | None:
         return self._reads.cluster_of(trajectory_id, tenant)
 
-    def clusters(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
+    def clusters(
+        self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT, limit: int | None = None
+    ) -> list[ClusterInfo]:
         """``tenant``'s live clusters, largest first; with ``env``, those holding trajectories of
         it (``tenant=None``: every tenant's, for administration); with ``limit``, only that many
         (the largest)."""
@@ -311,7 +357,7 @@ class Memory:
         """Stop background work, save the index as a fresh cache, close the store; idempotent."""
         self._parts.close()
 
-    def __enter__(self) -> "Memory":
+    def __enter__(self) -> Memory:
         return self
 
     def __exit__(self, *exc: object) -> None:

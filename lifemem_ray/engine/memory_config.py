@@ -54,7 +54,6 @@ class EvolutionConfig(Section):
         "max_provisional_candidates": (1, 4_096),
     }
 
-
     init_size: int = 5  # trajectories partitioned at initialisation
     top_k: int = 4  # neighbours whose clusters become candidates
     neighbour_scope: str = "env"  # env: top-k neighbours in the trajectory's environment; global: over all environments
@@ -119,7 +118,6 @@ class PolicyConfig(Section):
         "density_ratio": (0.0, 1.0),
     }
 
-
     join_threshold: float = 0.6  # combined similarity needed to join a cluster (the floor when density_ratio > 0)
     workflow_weight: float = 0.6  # weight of action-workflow similarity vs text similarity
     confident_margin: float = 0.15  # with an LLM: offline decisions this clear skip the call
@@ -175,12 +173,13 @@ class IndexConfig(Section):
         "retrain_nice": (0, 19),
     }
 
-
     exact_max: int = 2048
     nlist: int = 0  # 0: chosen from the size (about 4 * sqrt(n))
     nprobe: int = 0  # 0: calibrated to reach target_recall at (re)training
     target_recall: float = 0.97
-    calibration_k: int = 4  # nprobe is calibrated on recall@calibration_k: the k searches use (retrieval.k, evolution.top_k)
+    calibration_k: int = (
+        4  # nprobe is calibrated on recall@calibration_k: the k searches use (retrieval.k, evolution.top_k)
+    )
     # Share of the calibrated nprobe the evolution's neighbour search uses: it needs the
     # clusters of the nearest trajectories, not exact neighbours (retrieval uses all of it).
     candidate_nprobe_fraction: float = 0.5

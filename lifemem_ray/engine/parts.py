@@ -42,15 +42,40 @@ class EngineParts:
     maintenance: Maintenance
 
     @classmethod
-    def open(cls, path: str | Path, config: MemoryConfig | None = None, *, embedder: Embedder | None = None,
-             decider: Decider | None = None, dim: int | None = None, read_only: bool = False, namespace: int = 0,
-             metrics: MetricsSink | None = None) -> "EngineParts":
+    def open(
+        cls,
+        path: str | Path,
+        config: MemoryConfig | None = None,
+        *,
+        embedder: Embedder | None = None,
+        decider: Decider | None = None,
+        dim: int | None = None,
+        read_only: bool = False,
+        namespace: int = 0,
+        metrics: MetricsSink | None = None,
+    ) -> EngineParts:
         """Open the store and build the parts; a purge a crash interrupted is finished first,
         then background maintenance starts (when configured)."""
-        state = EngineState(path, config, embedder=embedder, decider=decider, dim=dim, read_only=read_only, namespace=namespace,
-                            metrics=metrics)
-        parts = cls(state, Ingest(state), Search(state), Reads(state), Transfer(state), Deletion(state), Audit(state),
-                    Maintenance(state))
+        state = EngineState(
+            path,
+            config,
+            embedder=embedder,
+            decider=decider,
+            dim=dim,
+            read_only=read_only,
+            namespace=namespace,
+            metrics=metrics,
+        )
+        parts = cls(
+            state,
+            Ingest(state),
+            Search(state),
+            Reads(state),
+            Transfer(state),
+            Deletion(state),
+            Audit(state),
+            Maintenance(state),
+        )
         try:
             parts.deletion.resume()
         except BaseException:

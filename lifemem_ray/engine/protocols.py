@@ -10,15 +10,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, TypedDict, runtime_checkable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from lifemem_ray.core.model import Trajectory
     from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
     from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
     from lifemem_ray.engine.ingest_rules import AddResult
-    from lifemem_ray.core.model import Trajectory
     from lifemem_ray.engine.retrieval import RecordHit, Retrieval
 
 __all__ = ["MemoryAPI", "MemoryStats", "ShardProtocol"]
@@ -47,15 +48,33 @@ class MemoryAPI(Protocol):
     (:mod:`lifemem_ray.core.tenancy`; a trajectory carries its own): a tenant never sees another's
     trajectories, clusters or skills."""
 
-    def add(self, trajectory: "Trajectory", vector: Any = None) -> Any: ...
+    def add(self, trajectory: Trajectory, vector: Any = None) -> Any: ...
 
-    def add_many(self, trajectories: Sequence["Trajectory"], vectors: Any = None) -> Any: ...
+    def add_many(self, trajectories: Sequence[Trajectory], vectors: Any = None) -> Any: ...
 
-    def retrieve(self, task: str, env: str | None, k: int | None = None, *, vector: Any = None, token_budget: int | None = None,
-                 skills: bool = True, tenant: str = "default") -> "Retrieval": ...
+    def retrieve(
+        self,
+        task: str,
+        env: str | None,
+        k: int | None = None,
+        *,
+        vector: Any = None,
+        token_budget: int | None = None,
+        skills: bool = True,
+        tenant: str = "default",
+    ) -> Retrieval: ...
 
-    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None] | str, k: int | None = None, *, vectors: Any = None,
-                      token_budget: int | None = None, skills: bool = True, tenant: str = "default") -> list["Retrieval"]: ...
+    def retrieve_many(
+        self,
+        tasks: Sequence[str],
+        envs: Sequence[str | None] | str,
+        k: int | None = None,
+        *,
+        vectors: Any = None,
+        token_budget: int | None = None,
+        skills: bool = True,
+        tenant: str = "default",
+    ) -> list[Retrieval]: ...
 
     def remove(self, ids: Sequence[str], *, tenant: str = "default") -> int:
         """Delete the tenant's trajectories of these ids; how many were stored (idempotent)."""
@@ -67,7 +86,9 @@ class MemoryAPI(Protocol):
 
     def stats(self, tenant: str | None = None) -> MemoryStats: ...
 
-    def clusters(self, env: str | None = None, *, tenant: str | None = "default", limit: int | None = None) -> list["ClusterInfo"]: ...
+    def clusters(
+        self, env: str | None = None, *, tenant: str | None = "default", limit: int | None = None
+    ) -> list[ClusterInfo]: ...
 
     def cluster_count(self, env: str | None = None, *, tenant: str | None = "default") -> int: ...
 
@@ -83,17 +104,19 @@ class ShardProtocol(Protocol):
     """One store as a coordinator or sharded client sees it. Every call is safe to retry:
     a commit skips trajectories already stored."""
 
-    def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list["AddResult | None"]: ...
+    def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]: ...
 
-    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> "CandidateArrays": ...
+    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays: ...
 
-    def commit(self, batch: "ItemBatch", placements: list["Placement"], counters: dict[str, int] | None = None
-               ) -> tuple[list["AddResult"], dict[int, "ClusterRecord"]]: ...
+    def commit(
+        self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
+    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]: ...
 
-    def add_items(self, batch: "ItemBatch") -> list["AddResult"]: ...
+    def add_items(self, batch: ItemBatch) -> list[AddResult]: ...
 
-    def search_records(self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
-                       ) -> list[tuple[list["RecordHit"], dict[int, str]]]: ...
+    def search_records(
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
+    ) -> list[tuple[list[RecordHit], dict[int, str]]]: ...
 
     def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
@@ -101,7 +124,9 @@ class ShardProtocol(Protocol):
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]: ...
 
-    def clusters(self, env: str | None = None, tenant: str | None = "default", limit: int | None = None) -> list["ClusterInfo"]: ...
+    def clusters(
+        self, env: str | None = None, tenant: str | None = "default", limit: int | None = None
+    ) -> list[ClusterInfo]: ...
 
     def cluster_count(self, env: str | None = None, tenant: str | None = "default") -> int: ...
 

@@ -34,7 +34,9 @@ class Reads:
             vid = store.lookup_id(txn, id_key(check_tenant(tenant, "tenant"), trajectory_id))
             return None if vid is None else store.cluster_of(txn, vid)
 
-    def clusters(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None) -> list[ClusterInfo]:
+    def clusters(
+        self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None
+    ) -> list[ClusterInfo]:
         """``tenant``'s live clusters, largest first; with ``env``, those holding trajectories of
         it (``tenant=None``: every tenant's, for administration); with ``limit``, only that many
         (the largest)."""

@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.clustering.clusters import ClusterRecord, fold_member, merged, needs_description, new_cluster_record, scrub_text
-from lifemem_ray.engine.store.codec import Brief
 from lifemem_ray.core.decisions import ClusterView
-from lifemem_ray.engine.clustering.workflow import workflow_summary
 from lifemem_ray.core.tenancy import display_envs
+from lifemem_ray.engine.clustering.clusters import (
+    ClusterRecord,
+    fold_member,
+    merged,
+    needs_description,
+    new_cluster_record,
+    scrub_text,
+)
+from lifemem_ray.engine.clustering.workflow import workflow_summary
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.store.codec import Brief
 
 __all__ = ["Restructure"]
 
@@ -27,7 +35,9 @@ log = logging.getLogger("lifemem_ray.engine.memory")
 
 
 class Restructure:
-    def __init__(self, state: EngineState, view: Callable[[int], ClusterView | None], stopping: Callable[[], bool]) -> None:
+    def __init__(
+        self, state: EngineState, view: Callable[[int], ClusterView | None], stopping: Callable[[], bool]
+    ) -> None:
         self.s = state
         self.view = view
         self.stopping = stopping
@@ -81,8 +91,15 @@ class Restructure:
                     labels, descriptions = answer
                 by = "llm" if labels is not None else "fallback"
             if labels is None:
-                labels = s.policy.split(wv, tau=evo.split_mrl_threshold, min_size=evo.split_min_size, max_parts=evo.split_max_parts, seed=cid,
-                                        cut=evo.split_cut, min_silhouette=evo.split_min_silhouette)
+                labels = s.policy.split(
+                    wv,
+                    tau=evo.split_mrl_threshold,
+                    min_size=evo.split_min_size,
+                    max_parts=evo.split_max_parts,
+                    seed=cid,
+                    cut=evo.split_cut,
+                    min_silhouette=evo.split_min_silhouette,
+                )
             with s.lock:
                 parent = s.clusters.get(cid)
                 if parent is None:
@@ -110,7 +127,9 @@ class Restructure:
         s.store.write(write)
         s.clusters[parent.id] = parent
 
-    def _llm_split(self, cid: int, tv: np.ndarray, wv: np.ndarray, vids: list[int]) -> tuple[np.ndarray, list[str]] | None:
+    def _llm_split(
+        self, cid: int, tv: np.ndarray, wv: np.ndarray, vids: list[int]
+    ) -> tuple[np.ndarray, list[str]] | None:
         """The LLM groups a sample of members (and describes each group); the rest follow
         their nearest group."""
         s = self.s
@@ -137,8 +156,17 @@ class Restructure:
         labels[sample] = [labels_of.index(g) for g in answer]
         return labels, [described[g] if 0 <= g < len(described) else "" for g in labels_of]
 
-    def _commit_split(self, parent: ClusterRecord, vids: list[int], tv: np.ndarray, wv: np.ndarray, briefs: list[Brief],
-                      labels: np.ndarray, by: str, descriptions: list[str] | None = None) -> None:
+    def _commit_split(
+        self,
+        parent: ClusterRecord,
+        vids: list[int],
+        tv: np.ndarray,
+        wv: np.ndarray,
+        briefs: list[Brief],
+        labels: np.ndarray,
+        by: str,
+        descriptions: list[str] | None = None,
+    ) -> None:
         """Replace ``parent`` by one child per label; a child's description is the LLM's for
         its group when given (``descriptions[i]`` for the i-th label in sorted order)."""
         s = self.s
@@ -167,12 +195,28 @@ class Restructure:
                     child.description = s.policy.describe(child.count, display_envs(child.envs), child.flows, example)
                     child.description_by = "offline"
                 s.store.put_cluster(txn, child)
-                s.store.add_todo(txn, child_id, skill=True, split=s.needs_split(child), describe=s.llm_mode and child.description_by != "llm")
+                s.store.add_todo(
+                    txn,
+                    child_id,
+                    skill=True,
+                    split=s.needs_split(child),
+                    describe=s.llm_mode and child.description_by != "llm",
+                )
             entries = []
             for n, vid in enumerate(vids):
                 child_id = ids[parts.index(int(labels[n]))]
                 s.store.set_cluster_of(txn, vid, child_id, previous=parent.id)
-                entries.append({"vid": vid, "id": briefs[n].id, "cluster": child_id, "from": parent.id, "op": "split", "by": by, "t": now})
+                entries.append(
+                    {
+                        "vid": vid,
+                        "id": briefs[n].id,
+                        "cluster": child_id,
+                        "from": parent.id,
+                        "op": "split",
+                        "by": by,
+                        "t": now,
+                    }
+                )
             tomb = scrub_text(parent.copy())
             tomb.split_into = list(ids)
             tomb.updated = now
@@ -187,7 +231,9 @@ class Restructure:
             s.clusters[child.id] = child
         s.centroids.remove([parent.id])
         s.centroids.update(children)
-        log.info("split cluster %d (n=%d, R=%.3f) into %s", parent.id, parent.count, parent.mrl, [c.count for c in children])
+        log.info(
+            "split cluster %d (n=%d, R=%.3f) into %s", parent.id, parent.count, parent.mrl, [c.count for c in children]
+        )
 
     # -- merges ------------------------------------------------------------------------------
     def try_merge(self, cid: int) -> bool:
@@ -206,8 +252,12 @@ class Restructure:
                 other = s.clusters.get(int(other_id))
                 if other is None or other.id == cid or set(other.envs) != set(record.envs):
                     continue
-                if s.policy.should_merge(record, other, ratio=evo.merge_ratio, tau=evo.split_mrl_threshold, max_size=evo.split_min_size):
-                    keep, gone = (record, other) if (record.count, -record.id) >= (other.count, -other.id) else (other, record)
+                if s.policy.should_merge(
+                    record, other, ratio=evo.merge_ratio, tau=evo.split_mrl_threshold, max_size=evo.split_min_size
+                ):
+                    keep, gone = (
+                        (record, other) if (record.count, -record.id) >= (other.count, -other.id) else (other, record)
+                    )
                     self._commit_merge(keep, gone)
                     return True
         return False
@@ -227,12 +277,28 @@ class Restructure:
             for vid in s.store.members(txn, gone.id):
                 s.store.set_cluster_of(txn, vid, keep.id, previous=gone.id)
                 brief = s.store.brief(txn, vid)
-                entries.append({"vid": vid, "id": brief.id if brief else "", "cluster": keep.id, "from": gone.id, "op": "merge", "by": "offline", "t": now})
+                entries.append(
+                    {
+                        "vid": vid,
+                        "id": brief.id if brief else "",
+                        "cluster": keep.id,
+                        "from": gone.id,
+                        "op": "merge",
+                        "by": "offline",
+                        "t": now,
+                    }
+                )
             s.store.put_cluster(txn, heir)
             s.store.put_cluster(txn, tomb)
             s.store.clear_todo(txn, gone.id)
-            s.store.add_todo(txn, keep.id, skill=True, merge=True, split=s.needs_split(heir),
-                             describe=s.llm_mode and needs_description(heir, s.config.evolution, s.config.llm))
+            s.store.add_todo(
+                txn,
+                keep.id,
+                skill=True,
+                merge=True,
+                split=s.needs_split(heir),
+                describe=s.llm_mode and needs_description(heir, s.config.evolution, s.config.llm),
+            )
             s.store.append_log(txn, entries)
             s.add_counters(txn, {"merges": 1})
 

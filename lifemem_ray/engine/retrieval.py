@@ -13,19 +13,31 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
+from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory, env_name_problem, render_text
 from lifemem_ray.core.records import StoredFields, fields_to_trajectory, record_fields
 from lifemem_ray.engine.memory_config import RetrievalConfig
-from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory, env_name_problem, render_text
 
 # One search hit as a store returns it: (score, cluster id, the stored record's bytes).
 RecordHit = tuple[float, "int | None", bytes]
 
 __all__ = [
-    "MAX_QUERIES", "MAX_QUERY_HITS", "MAX_TASK_CHARS", "RecordHit", "RetrievedSkill", "check_retrieve_args", "RetrievedTrajectory", "Retrieval", "assemble", "estimate_tokens", "outcome_label", "paused_gc",
+    "MAX_QUERIES",
+    "MAX_QUERY_HITS",
+    "MAX_TASK_CHARS",
+    "RecordHit",
+    "Retrieval",
+    "RetrievedSkill",
+    "RetrievedTrajectory",
+    "assemble",
+    "check_retrieve_args",
+    "estimate_tokens",
+    "outcome_label",
+    "paused_gc",
     "render_context",
 ]
 
@@ -41,7 +53,9 @@ MAX_QUERIES = 100_000
 MAX_QUERY_HITS = 1 << 22
 
 
-def check_retrieve_args(tasks: Any, envs: Any, k: Any, token_budget: Any, defaults: Any) -> tuple[list[str], list[Any], int, int]:
+def check_retrieve_args(
+    tasks: Any, envs: Any, k: Any, token_budget: Any, defaults: Any
+) -> tuple[list[str], list[Any], int, int]:
     """The arguments of a retrieve call checked, one message per mistake at every entry point
     (the engine, ``MemoryClient``, the CLI): ``(tasks, envs, k, token budget)``; ``defaults``
     (a :class:`~lifemem_ray.engine.memory_config.RetrievalConfig`) fills in ``k`` and the budget when None.
@@ -51,7 +65,9 @@ def check_retrieve_args(tasks: Any, envs: Any, k: Any, token_budget: Any, defaul
     if len(envs) != len(tasks):
         raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
     if len(tasks) > MAX_QUERIES:
-        raise ValueError(f"tasks: {len(tasks):,} queries in one call, at most {MAX_QUERIES:,}; split them into several calls")
+        raise ValueError(
+            f"tasks: {len(tasks):,} queries in one call, at most {MAX_QUERIES:,}; split them into several calls"
+        )
     for i, (task, env) in enumerate(zip(tasks, envs)):
         if not isinstance(task, str) or not task.strip():
             raise ValueError(f"tasks[{i}]: expected a non-empty string")
@@ -65,8 +81,10 @@ def check_retrieve_args(tasks: Any, envs: Any, k: Any, token_budget: Any, defaul
     if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
         raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
     if len(tasks) * k > MAX_QUERY_HITS:
-        raise ValueError(f"k: {len(tasks):,} queries x k = {k} ask for {len(tasks) * k:,} results in one call, at most "
-                         f"{MAX_QUERY_HITS:,}; send fewer queries per call")
+        raise ValueError(
+            f"k: {len(tasks):,} queries x k = {k} ask for {len(tasks) * k:,} results in one call, at most "
+            f"{MAX_QUERY_HITS:,}; send fewer queries per call"
+        )
     budget = defaults.token_budget if token_budget is None else token_budget
     low, high = RetrievalConfig.BOUNDS["token_budget"]
     if isinstance(budget, bool) or not isinstance(budget, int) or not low <= budget <= high:
@@ -85,11 +103,19 @@ class RetrievedTrajectory:
     are built only for those that ask. Only the record's bytes are kept (no containers for
     the garbage collector to traverse while results are held)."""
 
-    __slots__ = ("id", "env", "task", "score", "cluster_id", "_trajectory", "_record", "_fields")
+    __slots__ = ("_fields", "_record", "_trajectory", "cluster_id", "env", "id", "score", "task")
 
     def __init__(
-        self, id: str, env: str, task: str, score: float, cluster_id: int | None,
-        trajectory: Trajectory | None = None, *, record: bytes | None = None, fields: StoredFields | None = None,
+        self,
+        id: str,
+        env: str,
+        task: str,
+        score: float,
+        cluster_id: int | None,
+        trajectory: Trajectory | None = None,
+        *,
+        record: bytes | None = None,
+        fields: StoredFields | None = None,
     ) -> None:
         if (trajectory is None) == (record is None):
             raise TypeError("RetrievedTrajectory needs a trajectory or a stored record (one of them)")
@@ -125,7 +151,13 @@ class RetrievedTrajectory:
         if not isinstance(other, RetrievedTrajectory):
             return NotImplemented
         return (self.id, self.env, self.task, self.score, self.cluster_id, self.trajectory) == (
-            other.id, other.env, other.task, other.score, other.cluster_id, other.trajectory)
+            other.id,
+            other.env,
+            other.task,
+            other.score,
+            other.cluster_id,
+            other.trajectory,
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -133,7 +165,13 @@ class RetrievedTrajectory:
         return f"RetrievedTrajectory(id={self.id!r}, env={self.env!r}, score={self.score:.4f}, cluster_id={self.cluster_id!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "env": self.env, "task": self.task, "score": round(self.score, 6), "cluster_id": self.cluster_id}
+        return {
+            "id": self.id,
+            "env": self.env,
+            "task": self.task,
+            "score": round(self.score, 6),
+            "cluster_id": self.cluster_id,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +206,9 @@ def outcome_label(success: bool | None) -> str:
     return "outcome unknown" if success is None else "succeeded" if success else "failed"
 
 
-def render_context(trajectories: list[RetrievedTrajectory], skills: list[RetrievedSkill], budget: int) -> tuple[str, int]:
+def render_context(
+    trajectories: list[RetrievedTrajectory], skills: list[RetrievedSkill], budget: int
+) -> tuple[str, int]:
     """The prompt block for an agent, at most ``budget`` estimated tokens."""
     parts: list[str] = []
     used = 0
@@ -230,12 +270,19 @@ def assemble(
     for score, cid, raw in best:
         f = record_fields(raw)
         trajectories.append(RetrievedTrajectory(f.id, f.env, f.task, float(score), cid, record=raw, fields=f))
-        if cid is not None and cid in skill_texts and len(skills) < max_skills and all(s.cluster_id != cid for s in skills):
+        if (
+            cid is not None
+            and cid in skill_texts
+            and len(skills) < max_skills
+            and all(s.cluster_id != cid for s in skills)
+        ):
             skills.append(RetrievedSkill(cid, skill_texts[cid], float(score)))
     context, tokens = render_context(trajectories, skills, budget)
     for hit in trajectories:
         hit._fields = None  # decoded again on demand: the bytes alone stay with the result
-    return Retrieval(task=task, env=env, trajectories=trajectories, skills=skills, context=context, tokens=tokens, budget=budget)
+    return Retrieval(
+        task=task, env=env, trajectories=trajectories, skills=skills, context=context, tokens=tokens, budget=budget
+    )
 
 
 @contextmanager

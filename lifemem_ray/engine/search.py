@@ -3,15 +3,24 @@ scores of each query's top-k, then the stored records of the winners across shar
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
 from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import unit_rows
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
 from lifemem_ray.engine.memory_config import RetrievalConfig
-from lifemem_ray.engine.retrieval import MAX_QUERIES, MAX_QUERY_HITS, RecordHit, Retrieval, assemble, check_retrieve_args, paused_gc
+from lifemem_ray.engine.retrieval import (
+    MAX_QUERIES,
+    MAX_QUERY_HITS,
+    RecordHit,
+    Retrieval,
+    assemble,
+    check_retrieve_args,
+    paused_gc,
+)
 from lifemem_ray.engine.state import EngineState
 
 __all__ = ["Search", "search_index"]
@@ -21,9 +30,17 @@ class Search:
     def __init__(self, state: EngineState) -> None:
         self.s = state
 
-    def retrieve_many(self, tasks: Sequence[str], envs: Sequence[str | None] | str, k: int | None = None, *,
-                      vectors: Any = None, token_budget: int | None = None, skills: bool = True,
-                      tenant: str = DEFAULT_TENANT) -> list[Retrieval]:
+    def retrieve_many(
+        self,
+        tasks: Sequence[str],
+        envs: Sequence[str | None] | str,
+        k: int | None = None,
+        *,
+        vectors: Any = None,
+        token_budget: int | None = None,
+        skills: bool = True,
+        tenant: str = DEFAULT_TENANT,
+    ) -> list[Retrieval]:
         """Many queries of ``tenant`` in one embedding call and one batched index search
         (``None`` envs: every environment of the tenant)."""
         self.s.check_open()
@@ -36,9 +53,14 @@ class Search:
             vectors = self.s.embedder.embed(tasks)
         found = self.search_records(vectors, targets, k, skills=skills)
         with paused_gc():
-            return [assemble(task, env, hits, texts, k, retrieval.max_skills, budget) for task, env, (hits, texts) in zip(tasks, envs, found)]
+            return [
+                assemble(task, env, hits, texts, k, retrieval.max_skills, budget)
+                for task, env, (hits, texts) in zip(tasks, envs, found)
+            ]
 
-    def search_records(self, vectors: Any, envs: Sequence[str], k: int, *, skills: bool = True) -> list[tuple[list[RecordHit], dict[int, str]]]:
+    def search_records(
+        self, vectors: Any, envs: Sequence[str], k: int, *, skills: bool = True
+    ) -> list[tuple[list[RecordHit], dict[int, str]]]:
         """Per query: the top-k hits as (score, cluster id, stored record bytes) and the skills
         of their clusters. What a shard returns to a client that merges several shards: the
         records travel undecoded and only the merged winners are decoded."""
@@ -67,16 +89,22 @@ class Search:
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
         low, high = RetrievalConfig.BOUNDS["k"]
         if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
-            raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
+            raise ValueError(
+                f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
+            )
         if len(envs) > MAX_QUERIES or len(envs) * k > MAX_QUERY_HITS:
-            raise ValueError(f"vectors: {len(envs):,} queries x k = {k} in one call, at most {MAX_QUERIES:,} queries and "
-                             f"{MAX_QUERY_HITS:,} results; send fewer queries per call")
+            raise ValueError(
+                f"vectors: {len(envs):,} queries x k = {k} in one call, at most {MAX_QUERIES:,} queries and "
+                f"{MAX_QUERY_HITS:,} results; send fewer queries per call"
+            )
         self.s.refresh()
         if not envs:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
         return search_index(self.s.index, queries, envs, k)
 
-    def hit_records(self, ids: Any, *, skills: bool = True) -> tuple[list[tuple[int | None, bytes] | None], dict[int, str]]:
+    def hit_records(
+        self, ids: Any, *, skills: bool = True
+    ) -> tuple[list[tuple[int | None, bytes] | None], dict[int, str]]:
         """Per id: ``(cluster id, stored record bytes)``, or None where it is not stored (padding,
         or removed since it was found); and the skill texts of those clusters (non-empty only)."""
         s = self.s
@@ -102,8 +130,15 @@ class Search:
         return out, texts
 
 
-def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str], k: int, *,
-                   nprobe_fraction: float = 1.0, max_codes: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def search_index(
+    index: VectorIndex,
+    queries: np.ndarray,
+    targets: Sequence[str],
+    k: int,
+    *,
+    nprobe_fraction: float = 1.0,
+    max_codes: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Top-k per query within its target: a scope (:func:`lifemem_ray.core.tenancy.scope`) or a
     tenant's pool (:func:`lifemem_ray.core.tenancy.pool`: every scope of that tenant). There is no
     "every tenant" target: a search is always some tenant's. ``nprobe_fraction`` and
@@ -111,21 +146,30 @@ def search_index(index: VectorIndex, queries: np.ndarray, targets: Sequence[str]
     targets = list(targets)
     for i, t in enumerate(targets):
         if not isinstance(t, str):
-            raise ValueError(f"targets[{i}]: {t!r} is not a search target; give a scope (tenancy.scope) or a tenant's "
-                             "pool (tenancy.pool, for every environment of one tenant)")
+            raise ValueError(
+                f"targets[{i}]: {t!r} is not a search target; give a scope (tenancy.scope) or a tenant's "
+                "pool (tenancy.pool, for every environment of one tenant)"
+            )
     scoped = [i for i, t in enumerate(targets) if not is_pool(t)]
     if len(scoped) == len(targets):
         return index.search_envs(queries, k, targets, nprobe_fraction=nprobe_fraction, max_codes=max_codes)
     scores = np.full((len(targets), k), -np.inf, dtype=np.float32)
     ids = np.full((len(targets), k), -1, dtype=np.int64)
     if scoped:
-        scores[scoped], ids[scoped] = index.search_envs(queries[scoped], k, [targets[i] for i in scoped],  # type: ignore[misc]
-                                                        nprobe_fraction=nprobe_fraction, max_codes=max_codes)
+        scores[scoped], ids[scoped] = index.search_envs(
+            queries[scoped],
+            k,
+            [targets[i] for i in scoped],  # type: ignore[misc]
+            nprobe_fraction=nprobe_fraction,
+            max_codes=max_codes,
+        )
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(targets):
         if is_pool(t):
             groups.setdefault(t, []).append(i)
     for target, rows in groups.items():
         tenant = target[:-1]
-        scores[rows], ids[rows] = index.search(queries[rows], k, among=lambda name, tenant=tenant: scope_tenant(name) == tenant)
+        scores[rows], ids[rows] = index.search(
+            queries[rows], k, among=lambda name, tenant=tenant: scope_tenant(name) == tenant
+        )
     return scores, ids

@@ -7,26 +7,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from lifemem_ray.engine.clustering.centroids import ClusterCentroids
-from lifemem_ray.engine.clustering.clusters import ClusterRecord, fold_member, needs_split
-from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.decisions import Decider
-from lifemem_ray.engine.embedding import DIM as MINILM_DIM, Embedder
 from lifemem_ray.core.errors import StoreError
 from lifemem_ray.core.metrics import MetricsSink, Recorder
-from lifemem_ray.engine.index.vector_index import VectorIndex
-from lifemem_ray.engine.ingest_rules import make_decider
-from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, migrate_features, stored_features
+from lifemem_ray.engine.clustering.centroids import ClusterCentroids
+from lifemem_ray.engine.clustering.clusters import ClusterRecord, fold_member, needs_split
 from lifemem_ray.engine.clustering.policy import OfflinePolicy
 from lifemem_ray.engine.clustering.steps import FEATURES_VERSION, features_id
+from lifemem_ray.engine.embedding import DIM as MINILM_DIM
+from lifemem_ray.engine.embedding import Embedder
+from lifemem_ray.engine.index.vector_index import VectorIndex
+from lifemem_ray.engine.ingest_rules import make_decider
+from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, migrate_features, stored_features
 from lifemem_ray.engine.store.storage import MemoryStore
 
-__all__ = ["EngineState", "MINILM_NAME", "WORKFLOW_DIM"]
+__all__ = ["MINILM_NAME", "WORKFLOW_DIM", "EngineState"]
 
 log = logging.getLogger("lifemem_ray.engine.memory")
 
@@ -39,8 +41,18 @@ class EngineState:
     ``initialised`` and the index against concurrent ingest and maintenance; the live
     view changes only after the transaction that made the change has committed."""
 
-    def __init__(self, path: str | Path, config: MemoryConfig | None, *, embedder: Embedder | None, decider: Decider | None,
-                 dim: int | None, read_only: bool, namespace: int, metrics: MetricsSink | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        config: MemoryConfig | None,
+        *,
+        embedder: Embedder | None,
+        decider: Decider | None,
+        dim: int | None,
+        read_only: bool,
+        namespace: int,
+        metrics: MetricsSink | None = None,
+    ) -> None:
         self.config = (config or MemoryConfig()).validate()
         self.metrics = Recorder(metrics)  # the engine's latency and its LLM decider's calls go to the injected sink
         self.path = Path(path)
@@ -51,7 +63,9 @@ class EngineState:
         self.policy = OfflinePolicy(self.config.policy)
         self.lock = threading.RLock()
         self.closed = False
-        self.shrunk: dict[int, int] = {}  # cluster id -> removals from it in this session (maintenance drops stale samples)
+        self.shrunk: dict[
+            int, int
+        ] = {}  # cluster id -> removals from it in this session (maintenance drops stale samples)
         self.schedule: Callable[[], None] = lambda: None  # set by the maintenance part: run or wake it after a change
         try:
             self.decider = decider if decider is not None else make_decider(self.config, metrics)
@@ -71,8 +85,17 @@ class EngineState:
             dim = MINILM_DIM
             embedder_name = embedder_name or f"{MINILM_NAME}@{self.config.embedding.max_tokens}"
         store = self.config.store
-        return MemoryStore(self.path, dim=dim, workflow_dim=WORKFLOW_DIM, embedder=embedder_name, read_only=read_only,
-                           namespace=namespace, map_size_mb=store.map_size_mb, max_map_size_gb=store.max_map_size_gb, sync=store.sync)
+        return MemoryStore(
+            self.path,
+            dim=dim,
+            workflow_dim=WORKFLOW_DIM,
+            embedder=embedder_name,
+            read_only=read_only,
+            namespace=namespace,
+            map_size_mb=store.map_size_mb,
+            max_map_size_gb=store.max_map_size_gb,
+            sync=store.sync,
+        )
 
     def _open_features(self) -> str:
         """The workflow featurizer of this store: the config's (``evolution.workflow_features``).
@@ -87,12 +110,21 @@ class EngineState:
             empty = self.store.count_trajectories(txn) == 0
         stored_kind, _, version = stored.rpartition("-v")
         if not version.isdigit() or int(version) > FEATURES_VERSION:
-            raise StoreError(f"{self.path}: workflow features {stored!r} come from a newer version of lifemem-ray (this one writes {target!r}); upgrade it")
+            raise StoreError(
+                f"{self.path}: workflow features {stored!r} come from a newer version of lifemem-ray (this one writes {target!r}); upgrade it"
+            )
         if stored_kind != kind and stored != LEGACY_FEATURES and not empty:
-            raise StoreError(f"{self.path}: the store's workflow features are {stored!r}, but evolution.workflow_features is {kind!r}; "
-                             f"set evolution.workflow_features = {stored_kind!r} to open it, or export it and ingest it into a new store")
+            raise StoreError(
+                f"{self.path}: the store's workflow features are {stored!r}, but evolution.workflow_features is {kind!r}; "
+                f"set evolution.workflow_features = {stored_kind!r} to open it, or export it and ingest it into a new store"
+            )
         if self.read_only:
-            log.warning("%s: workflow features %s are older than %s; searches are unaffected, and a writable open migrates them", self.path, stored, target)
+            log.warning(
+                "%s: workflow features %s are older than %s; searches are unaffected, and a writable open migrates them",
+                self.path,
+                stored,
+                target,
+            )
             return kind
         if empty:
             self.store.write(lambda txn: self.store.put_meta(txn, "workflow_features", target))
@@ -149,8 +181,12 @@ class EngineState:
         self.check_open()
         with self.lock:
             if self.store.generation() != self.generation:
-                log.info("%s: the store moved on (generation %d -> %d); reloading the read-only view",
-                         self.path, self.generation, self.store.generation())
+                log.info(
+                    "%s: the store moved on (generation %d -> %d); reloading the read-only view",
+                    self.path,
+                    self.generation,
+                    self.store.generation(),
+                )
                 self.load()
 
     def save_index(self) -> None:
@@ -168,7 +204,9 @@ class EngineState:
 
                 embedder = MiniLMEmbedder(self.config.embedding)
                 if embedder.dim != self.dim:
-                    raise StoreError(f"{self.path}: the store holds {self.dim}-dimensional vectors; the embedding model gives {embedder.dim}")
+                    raise StoreError(
+                        f"{self.path}: the store holds {self.dim}-dimensional vectors; the embedding model gives {embedder.dim}"
+                    )
                 self._embedder = embedder
             return self._embedder
 
@@ -200,7 +238,9 @@ class EngineState:
         for it in items:
             by_env.setdefault(it.env, []).append(it)
         for env, group in by_env.items():
-            self.index.add(env, np.asarray([it.vid for it in group], dtype=np.int64), np.stack([it.vec for it in group]))
+            self.index.add(
+                env, np.asarray([it.vid for it in group], dtype=np.int64), np.stack([it.vec for it in group])
+            )
 
     def add_counters(self, txn: Any, counts: dict[str, int]) -> None:
         """Add to the store's ``counters`` (stats) inside the caller's transaction."""

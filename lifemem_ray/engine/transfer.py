@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.core.errors import StoreError
-from lifemem_ray.engine.store.storage import ID_SEQ_BITS, MemoryStore, RawItem
 from lifemem_ray.core.tenancy import scope_tenant
+from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
+from lifemem_ray.engine.store.storage import ID_SEQ_BITS, MemoryStore, RawItem
 
 __all__ = ["Transfer"]
 
@@ -24,7 +25,14 @@ class Transfer:
         self.s = state
 
     # -- absorb ------------------------------------------------------------------------------
-    def absorb(self, source: str | Path, cluster_ids: Sequence[int] | None = None, *, include_pending: bool = False, chunk: int = 2000) -> dict[str, int]:
+    def absorb(
+        self,
+        source: str | Path,
+        cluster_ids: Sequence[int] | None = None,
+        *,
+        include_pending: bool = False,
+        chunk: int = 2000,
+    ) -> dict[str, int]:
         """Copy whole clusters from another store folder (a snapshot), keeping every id.
 
         Used to restore a snapshot into a deployment with another shard count: each
@@ -35,7 +43,9 @@ class Transfer:
         src = MemoryStore(source, read_only=True)
         try:
             if src.dim != s.dim or src.workflow_dim != WORKFLOW_DIM:
-                raise StoreError(f"{source}: vectors of {src.dim}/{src.workflow_dim} dimensions cannot join a store of {s.dim}/{WORKFLOW_DIM}")
+                raise StoreError(
+                    f"{source}: vectors of {src.dim}/{src.workflow_dim} dimensions cannot join a store of {s.dim}/{WORKFLOW_DIM}"
+                )
             records, pending, initialised, counters = self._source_clusters(src, source, cluster_ids, include_pending)
             moved = {"clusters": 0, "trajectories": 0, "skipped": 0}
             with s.lock:
@@ -54,8 +64,9 @@ class Transfer:
         return moved
 
     @staticmethod
-    def _source_clusters(src: MemoryStore, source: Any, cluster_ids: Sequence[int] | None, include_pending: bool) -> tuple[
-            list[tuple[ClusterRecord, list[int]]], list[int], bool, dict[str, Any]]:
+    def _source_clusters(
+        src: MemoryStore, source: Any, cluster_ids: Sequence[int] | None, include_pending: bool
+    ) -> tuple[list[tuple[ClusterRecord, list[int]]], list[int], bool, dict[str, Any]]:
         with src.read() as stxn:
             wanted = list(cluster_ids) if cluster_ids is not None else [r.id for r in src.iter_clusters(stxn) if r.live]
             # A snapshot taken between two transactions of a tenant purge holds part of that
@@ -70,7 +81,9 @@ class Transfer:
                     records.append((record, src.members(stxn, cid)))
             pending = list(src.get_meta("pending", stxn) or []) if include_pending else []
             if purging:
-                pending = [v for v in pending if (b := src.brief(stxn, v)) is not None and scope_tenant(b.env) not in purging]
+                pending = [
+                    v for v in pending if (b := src.brief(stxn, v)) is not None and scope_tenant(b.env) not in purging
+                ]
             return records, pending, bool(src.get_meta("initialised", stxn)), src.get_meta("counters", stxn, {}) or {}
 
     def _copy_items(self, src: MemoryStore, source: Any, part: list[tuple[int | None, int]]) -> int:
@@ -98,8 +111,15 @@ class Transfer:
 
         return store.write(write)
 
-    def _finish_absorb(self, source: Any, records: list[tuple[ClusterRecord, list[int]]], pending: list[int], initialised: bool,
-                       counters: dict[str, Any], top_vid: int) -> None:
+    def _finish_absorb(
+        self,
+        source: Any,
+        records: list[tuple[ClusterRecord, list[int]]],
+        pending: list[int],
+        initialised: bool,
+        counters: dict[str, Any],
+        top_vid: int,
+    ) -> None:
         s = self.s
         now = time.time()
 
@@ -109,12 +129,17 @@ class Transfer:
                 if not record.skill:
                     s.store.add_todo(txn, record.id, skill=True)
             if pending:
-                s.store.put_meta(txn, "pending", list(dict.fromkeys((s.store.get_meta("pending", txn) or []) + pending)))
+                s.store.put_meta(
+                    txn, "pending", list(dict.fromkeys((s.store.get_meta("pending", txn) or []) + pending))
+                )
             if initialised and not pending:
                 s.store.put_meta(txn, "initialised", True)
             s.store.advance_sequences(txn, top_vid, max([r.id & _SEQ_MASK for r, _ in records], default=0))
             s.add_counters(txn, {"splits": int(counters.get("splits", 0))})
-            s.store.append_log(txn, [{"cluster": r.id, "op": "absorb", "from": str(source), "n": r.count, "t": now} for r, _ in records])
+            s.store.append_log(
+                txn,
+                [{"cluster": r.id, "op": "absorb", "from": str(source), "n": r.count, "t": now} for r, _ in records],
+            )
 
         s.store.write(finish)
 

@@ -5,7 +5,7 @@ memory's own prompts (:mod:`lifemem_ray.llm.prompts`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.memory_config import RetrievalConfig
@@ -82,7 +82,9 @@ def _examples_section(exemplars: Sequence[Trajectory], budget: int) -> str:
     return lead + "\n".join(blocks) if blocks else ""
 
 
-def memory_sections(skills: Sequence[str], exemplars: Sequence[Trajectory], token_budget: int = DEFAULT_MEMORY_TOKENS) -> list[str]:
+def memory_sections(
+    skills: Sequence[str], exemplars: Sequence[Trajectory], token_budget: int = DEFAULT_MEMORY_TOKENS
+) -> list[str]:
     """The guidance (skills) and example (exemplars) sections of an act prompt, together
     within ``token_budget`` estimated tokens: skills first, exemplars in what is left."""
     budget = max(0, token_budget) * CHARS_PER_TOKEN

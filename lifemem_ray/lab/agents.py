@@ -27,18 +27,30 @@ import abc
 import hashlib
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from lifemem_ray.lab.envs.base import Task
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.engine.clustering.steps import AbstractStep, abstract_step, goal_words
 from lifemem_ray.engine.clustering.workflow import canonical_token
+from lifemem_ray.engine.retrieval import Retrieval
+from lifemem_ray.lab.envs.base import Task
 
 __all__ = [
-    "AGENTS", "Agent", "AgentStep", "ExemplarAgent", "GoldAgent", "NoisyGoldAgent", "RandomAgent", "ReActAgent",
-    "SkillGuidedAgent", "SkillStep", "make_agent", "parse_procedure", "step_match",
+    "AGENTS",
+    "Agent",
+    "AgentStep",
+    "ExemplarAgent",
+    "GoldAgent",
+    "NoisyGoldAgent",
+    "RandomAgent",
+    "ReActAgent",
+    "SkillGuidedAgent",
+    "SkillStep",
+    "make_agent",
+    "parse_procedure",
+    "step_match",
 ]
 
 
@@ -61,7 +73,14 @@ class Agent(abc.ABC):
     uses_gold = False  # the runner passes env.gold_actions(task) to start()
 
     @abc.abstractmethod
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         """Begin an episode: the task, the first observation and what the memory returned."""
 
     @abc.abstractmethod
@@ -101,7 +120,14 @@ class RandomAgent(Agent):
         self._rng = random.Random(seed)
         self._last: str | None = None
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         self._rng = random.Random(task_seed(self.seed, task))
         self._last = None
 
@@ -135,8 +161,15 @@ class ExemplarAgent(RandomAgent):
 
     name = "exemplar"
 
-    def __init__(self, seed: int = 0, *, min_match: float = 0.5, lookahead: int = 3, failed_weight: float = 0.25,
-                 state_match: float = 0.6) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        *,
+        min_match: float = 0.5,
+        lookahead: int = 3,
+        failed_weight: float = 0.25,
+        state_match: float = 0.6,
+    ) -> None:
         super().__init__(seed)
         self.state_match = state_match
         if not 0.0 < min_match <= 1.0:
@@ -149,7 +182,14 @@ class ExemplarAgent(RandomAgent):
         self.imitated = 0
         self.explored = 0
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         super().start(task, observation, info, memory, gold)
         self._exemplars = []
         if memory is not None:
@@ -240,14 +280,18 @@ MIN_SKILL_WEIGHT = 0.01  # a skill retrieved with score <= 0 still guides, barel
 _ANGLE = re.compile(r"<([^<>\n]{1,40})>")
 _NAMED_ROLE = re.compile(
     r"\b(?:the|an?)\s+(?:\w+\s+)?(?:object|item|place|thing|location|target|value|room|container)s?\s+"
-    r"(?:named|given|mentioned)\s+in\s+the\s+(?:goal|task|instruction)\b", re.I)
+    r"(?:named|given|mentioned)\s+in\s+the\s+(?:goal|task|instruction)\b",
+    re.I,
+)
 _ANY_ROLE = re.compile(
     r"\b(?:the|an?|any)\s+(?:(?:right|next|correct|matching|relevant|required|target|other|same)\s+)?"
-    r"(?:object|item|place|thing|location|container)s?\b", re.I)
+    r"(?:object|item|place|thing|location|container)s?\b",
+    re.I,
+)
 _SENTINEL = {"goal": "slotgoal", "any": "slotany", "dir": "slotdir", "num": "slotnum"}
 _SENTINEL_KIND = {word: kind for kind, word in _SENTINEL.items()}
 _SAMPLE = {"slotdir": "north", "slotnum": "1"}  # what a placeholder stands for when the step's token is read
-_FILLER = frozenset("a an the or".split())
+_FILLER = frozenset(["a", "an", "the", "or"])
 # How a procedure step and a valid action are compared (see SkillGuidedAgent).
 CATEGORY_WEIGHT, FRAME_WEIGHT, SLOT_WEIGHT = 0.2, 0.3, 0.5
 _SLOT_SCORE = {"any": 0.5, "dir": 0.5, "num": 0.5}  # a placeholder is weaker evidence than a literal
@@ -271,6 +315,7 @@ class SkillStep:
 
 def _placeholders(text: str) -> str:
     """``text`` with its role placeholders replaced by sentinel words."""
+
     def angle(m: re.Match[str]) -> str:
         inner = m.group(1).lower()
         if "goal" in inner or "task" in inner:
@@ -311,8 +356,15 @@ def parse_step(text: str) -> SkillStep | None:
     parsed = abstract_step(marked, frozenset())  # no goal: the step's own words stay literals
     fixed = {w for w in _WORD.findall(parsed.frame) if w not in _SENTINEL_KIND}
     words = _words(marked) - _FILLER - set(_SENTINEL_KIND)
-    return SkillStep(text, token, parsed.frame, category, tuple(_slot_kind(r) for r in parsed.roles),
-                     frozenset(words - fixed), frozenset(words))
+    return SkillStep(
+        text,
+        token,
+        parsed.frame,
+        category,
+        tuple(_slot_kind(r) for r in parsed.roles),
+        frozenset(words - fixed),
+        frozenset(words),
+    )
 
 
 def parse_procedure(text: str) -> tuple[SkillStep, ...]:
@@ -329,7 +381,11 @@ def parse_procedure(text: str) -> tuple[SkillStep, ...]:
     lines = text.splitlines()[: 4 * MAX_PROCEDURE_STEPS]
     found = [m.group(1) for m in map(_NUMBERED.match, lines) if m]
     if not found:
-        found = [m.group(1) for m in map(_BULLET.match, lines) if m and len(_placeholders(m.group(1)).split()) <= MAX_BULLET_WORDS]
+        found = [
+            m.group(1)
+            for m in map(_BULLET.match, lines)
+            if m and len(_placeholders(m.group(1)).split()) <= MAX_BULLET_WORDS
+        ]
     steps = (parse_step(line) for line in found[:MAX_PROCEDURE_STEPS])
     return tuple(s for s in steps if s is not None)
 
@@ -369,7 +425,10 @@ def step_match(action: _Action, step: SkillStep, seen: frozenset[str] = frozense
     if not step.kinds or len(step.kinds) != len(action.step.roles):
         return score + SLOT_WEIGHT
     phrases = action.step.phrases or ("",) * len(step.kinds)
-    fits = [_slot_fit(kind, role, phrase, step.words, seen) for kind, role, phrase in zip(step.kinds, action.step.roles, phrases)]
+    fits = [
+        _slot_fit(kind, role, phrase, step.words, seen)
+        for kind, role, phrase in zip(step.kinds, action.step.roles, phrases)
+    ]
     return score + SLOT_WEIGHT * sum(fits) / len(fits)
 
 
@@ -418,8 +477,16 @@ class SkillGuidedAgent(ExemplarAgent):
 
     name = "skill-guided"
 
-    def __init__(self, seed: int = 0, *, skill_match: float = 0.2, skill_lookahead: int = 3, decay: float = 0.8,
-                 repeat: float = 0.8, **exemplar_options: Any) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        *,
+        skill_match: float = 0.2,
+        skill_lookahead: int = 3,
+        decay: float = 0.8,
+        repeat: float = 0.8,
+        **exemplar_options: Any,
+    ) -> None:
         super().__init__(seed, **exemplar_options)
         if not 0.0 < skill_match <= 1.0:
             raise ValueError(f"SkillGuidedAgent: skill_match must be in (0, 1], got {skill_match!r}")
@@ -434,7 +501,14 @@ class SkillGuidedAgent(ExemplarAgent):
         self._uses: dict[str, int] = {}
         self.guided = 0
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         super().start(task, observation, info, memory, gold)
         self._goal = goal_words(info.get("instruction") or task.instruction)
         self._skills = []
@@ -484,7 +558,11 @@ class SkillGuidedAgent(ExemplarAgent):
     def _follow_skills(self, info: dict[str, Any], state: int) -> AgentStep | None:
         valid = info.get("valid_actions")
         if not valid:  # free-form environment: the current step of the best-weighted skill, as written
-            live = [(weight, -i) for i, ((steps, weight), pos) in enumerate(zip(self._skills, self._spos)) if pos < len(steps)]
+            live = [
+                (weight, -i)
+                for i, ((steps, weight), pos) in enumerate(zip(self._skills, self._spos))
+                if pos < len(steps)
+            ]
             if not live:
                 return None
             i = -max(live)[1]
@@ -531,7 +609,14 @@ class GoldAgent(Agent):
         self._plan: list[str] = []
         self._i = 0
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         if not gold:
             raise ValueError(f"{self.name} agent: environment {task.env!r} has no gold actions for task {task.id!r}")
         self._plan = list(gold)
@@ -558,7 +643,14 @@ class NoisyGoldAgent(GoldAgent):
         self.epsilon = epsilon
         self._rng = random.Random(seed)
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         super().start(task, observation, info, memory, gold)
         self._rng = random.Random(task_seed(self.seed, task))
 
@@ -588,8 +680,16 @@ class ReActAgent(Agent):
 
     name = "react"
 
-    def __init__(self, llm_config: Any, *, seed: int = 0, client: Any = None, history_chars: int = 12000,
-                 token_budget: int | None = None, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        llm_config: Any,
+        *,
+        seed: int = 0,
+        client: Any = None,
+        history_chars: int = 12000,
+        token_budget: int | None = None,
+        metrics: Any = None,
+    ) -> None:
         from lifemem_ray.llm.transport import LLMClient
 
         if token_budget is not None and token_budget < 0:
@@ -608,7 +708,14 @@ class ReActAgent(Agent):
         self.invalid = 0
         self.calls = 0
 
-    def start(self, task: Task, observation: str, info: dict[str, Any], memory: Retrieval | None, gold: list[str] | None = None) -> None:
+    def start(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
         from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS
 
         self._instruction = info.get("instruction") or task.instruction
@@ -625,16 +732,24 @@ class ReActAgent(Agent):
         self.invalid = self.calls = 0
 
     def act(self, observation: str, info: dict[str, Any]) -> AgentStep:
-        from lifemem_ray.llm.answers import schema_errors
         from lifemem_ray.lab.agent_prompts import ACT_MAX_CHARS, act_prompt
+        from lifemem_ray.llm.answers import schema_errors
 
         if self._pending is not None:
             self._history.append((self._pending, observation))
         valid: Sequence[str] | None = info.get("valid_actions")
         # The latest action's result is the current observation: shown once, in full.
         shown = self._history[:-1] + [(self._history[-1][0], "")] if self._history else []
-        prompt = act_prompt(self._instruction, self._skills, self._exemplars, shown, observation, valid,
-                            token_budget=self._budget, char_budget=self.history_chars)
+        prompt = act_prompt(
+            self._instruction,
+            self._skills,
+            self._exemplars,
+            shown,
+            observation,
+            valid,
+            token_budget=self._budget,
+            char_budget=self.history_chars,
+        )
         by_key = {" ".join(a.lower().split()): a for a in valid} if valid else {}
 
         def check(data: dict[str, Any]) -> tuple[AgentStep | None, list[str]]:
@@ -668,8 +783,12 @@ class ReActAgent(Agent):
 
 
 AGENTS = {
-    "exemplar": ExemplarAgent, "skill-guided": SkillGuidedAgent, "random": RandomAgent, "gold": GoldAgent,
-    "noisy-gold": NoisyGoldAgent, "react": ReActAgent,
+    "exemplar": ExemplarAgent,
+    "skill-guided": SkillGuidedAgent,
+    "random": RandomAgent,
+    "gold": GoldAgent,
+    "noisy-gold": NoisyGoldAgent,
+    "react": ReActAgent,
 }
 
 

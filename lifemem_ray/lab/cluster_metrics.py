@@ -34,8 +34,16 @@ import numpy as np
 
 from lifemem_ray.engine.clustering.policy import spherical_kmeans
 
-__all__ = ["bootstrap_weights", "equal_k_baseline", "partition_scores", "pure_partition_nmi", "purity", "sequence_distance",
-           "refine_partition", "weighted_scores"]
+__all__ = [
+    "bootstrap_weights",
+    "equal_k_baseline",
+    "partition_scores",
+    "pure_partition_nmi",
+    "purity",
+    "refine_partition",
+    "sequence_distance",
+    "weighted_scores",
+]
 
 
 def purity(clusters: np.ndarray, labels: np.ndarray) -> float:
@@ -112,7 +120,9 @@ def weighted_scores(clusters: np.ndarray, labels: np.ndarray, weights: np.ndarra
     mean_h = (hc + hy) / 2
     # scikit-learn's conventions: one cluster and one label agree perfectly; otherwise no
     # entropy means no information.
-    nmi = np.where((hc == 0) & (hy == 0), 1.0, np.where(mean_h > 0, np.maximum(mi, 0.0) / np.where(mean_h > 0, mean_h, 1.0), 0.0))
+    nmi = np.where(
+        (hc == 0) & (hy == 0), 1.0, np.where(mean_h > 0, np.maximum(mi, 0.0) / np.where(mean_h > 0, mean_h, 1.0), 0.0)
+    )
     return {"purity": purity_, "nmi": np.minimum(nmi, 1.0)}
 
 
@@ -209,5 +219,7 @@ def sequence_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
 def _check(clusters: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     clusters, labels = np.asarray(clusters), np.asarray(labels)
     if clusters.shape != labels.shape or clusters.ndim != 1:
-        raise ValueError(f"clusters and labels: expected two 1-d arrays of one length, got {clusters.shape} and {labels.shape}")
+        raise ValueError(
+            f"clusters and labels: expected two 1-d arrays of one length, got {clusters.shape} and {labels.shape}"
+        )
     return clusters, labels

@@ -39,9 +39,10 @@ import multiprocessing.connection
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from lifemem_ray.core.model import Trajectory
 
@@ -118,8 +119,19 @@ def default_sources(scale: float = 1.0) -> list[Source]:
     sources: list[Source] = []
     for kind in _scienceworld_kinds():
         # Every variation of the fold, shuffled by the source's seed; the first ``limit`` are played.
-        sources.append(Source("scienceworld", "scienceworld", {"task_names": [kind], "max_steps": 300,
-                                                               "variations_per_task_train": None, "variations_per_task_test": None}, limit=n(20)))
+        sources.append(
+            Source(
+                "scienceworld",
+                "scienceworld",
+                {
+                    "task_names": [kind],
+                    "max_steps": 300,
+                    "variations_per_task_train": None,
+                    "variations_per_task_test": None,
+                },
+                limit=n(20),
+            )
+        )
     for game in VARIANTS:
         sources.append(Source("twx", f"twx-{game}", {"n_train": n(200), "n_test": n(200)}, limit=n(200)))
     sources.append(Source("alfworld", "alfworld", {}, limit=n(190)))
@@ -269,7 +281,9 @@ def _run_jobs(
             _handle(msg, jobs, running, remaining, done, result, progress)
         now = time.monotonic()
         for j, run in list(running.items()):
-            overdue = run.position is not None and now - run.heard > timeout_s + 30  # the worker's own limit did not fire
+            overdue = (
+                run.position is not None and now - run.heard > timeout_s + 30
+            )  # the worker's own limit did not fire
             if j not in ended and not overdue:
                 continue
             if overdue:
@@ -279,7 +293,8 @@ def _run_jobs(
             del running[j]
             if remaining[j] is None:  # it never listed its tasks
                 result.unavailable[run.job.source.adapter] = (
-                    f"the worker process exited with code {run.proc.exitcode} before it listed its tasks")
+                    f"the worker process exited with code {run.proc.exitcode} before it listed its tasks"
+                )
                 continue
             if run.position is not None:  # killed, or crashed, in the middle of an episode
                 why = f"episode over {timeout_s:g} s" if overdue else f"worker crashed (exit code {run.proc.exitcode})"
@@ -300,8 +315,15 @@ class _Running:
     position: int | None = None  # the task position of the episode it is playing (None: between episodes)
 
 
-def _handle(msg: tuple, jobs: list[_Job], running: dict[int, _Running], remaining: dict, done: dict,
-            result: GenerationResult, progress: Callable[[int], None] | None) -> None:
+def _handle(
+    msg: tuple,
+    jobs: list[_Job],
+    running: dict[int, _Running],
+    remaining: dict,
+    done: dict,
+    result: GenerationResult,
+    progress: Callable[[int], None] | None,
+) -> None:
     kind, j = msg[0], msg[1]
     run = running.get(j)
     if run is not None:
@@ -335,7 +357,7 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
     write end of this worker's pipe; ``send`` returns once the message is in the pipe)."""
     from lifemem_ray.lab.agents import make_agent
     from lifemem_ray.lab.envs import make_env
-    from lifemem_ray.lab.episode import EpisodeLimits, EpisodeTimeout, EnvHung, run_episode
+    from lifemem_ray.lab.episode import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode
 
     source = job.source
     split = FOLDS[job.fold]
@@ -353,7 +375,9 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
         task = tasks[position]
         messages.send(("start", j, position))
         try:
-            episode = run_episode(env, agent, task, trajectory_id=f"{job.fold}/{source.adapter}/{task.id}", limits=limits)
+            episode = run_episode(
+                env, agent, task, trajectory_id=f"{job.fold}/{source.adapter}/{task.id}", limits=limits
+            )
         except (EpisodeTimeout, EnvHung):
             # A helper thread may still run inside the environment (a planner, a hung call), and
             # closing it could block: leave at once; the parent goes on in a fresh process.
@@ -363,7 +387,12 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
             messages.send(("skip", j, position, f"{type(exc).__name__}"))
             continue
         traj = episode.trajectory
-        meta = {**traj.metadata, "labels": _labels(source, dict(traj.metadata)), "source_env": source.adapter, "fold": job.fold}
+        meta = {
+            **traj.metadata,
+            "labels": _labels(source, dict(traj.metadata)),
+            "source_env": source.adapter,
+            "fold": job.fold,
+        }
         meta.pop("timings", None)
         labelled = dataclasses.replace(traj, env=source.env, metadata=meta)
         messages.send(("done", j, position, labelled.to_dict()))

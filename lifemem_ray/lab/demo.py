@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import textwrap
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.core.importers import iter_jsonl, write_jsonl
 from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.lab.synthetic import generate
 
 __all__ = ["DEMO_ENVS", "demo_path", "run_demo", "write_demo_set"]

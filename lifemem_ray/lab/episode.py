@@ -12,14 +12,15 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from lifemem_ray.lab.agents import Agent
-from lifemem_ray.lab.envs.base import Environment, StepResult, Task
+from lifemem_ray.core.errors import EnvHung, EpisodeTimeout
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.retrieval import Retrieval
-from lifemem_ray.core.errors import EnvHung, EpisodeTimeout
+from lifemem_ray.lab.agents import Agent
+from lifemem_ray.lab.envs.base import Environment, StepResult, Task
 
 __all__ = ["EnvHung", "EpisodeLimits", "EpisodeResult", "EpisodeTimeout", "run_episode", "trajectory_id"]
 
@@ -134,7 +135,13 @@ def run_episode(
         last = episode.env_call(env.step, decision.action, what=f"step {len(steps) + 1}")
         reward += float(last.reward or 0.0)
         current, info = last.observation, last.info
-        steps.append(Step(action=decision.action or "(empty)", thought=decision.thought, observation=current[:MAX_OBSERVATION_CHARS]))
+        steps.append(
+            Step(
+                action=decision.action or "(empty)",
+                thought=decision.thought,
+                observation=current[:MAX_OBSERVATION_CHARS],
+            )
+        )
         if last.done:
             break
     success = bool(last is not None and last.info.get("success"))
@@ -164,7 +171,9 @@ class _Episode:
         self.spent = {"agent": 0.0, "env": 0.0, "memory": 0.0}
 
     def _timeout(self, where: str = "") -> EpisodeTimeout:
-        return EpisodeTimeout(f"task {self.task.env}/{self.task.id}: episode exceeded {self.limits.episode_timeout_s:g} s{where}")
+        return EpisodeTimeout(
+            f"task {self.task.env}/{self.task.id}: episode exceeded {self.limits.episode_timeout_s:g} s{where}"
+        )
 
     def check_deadline(self) -> None:
         if time.perf_counter() > self.deadline:
@@ -183,7 +192,9 @@ class _Episode:
             raise self._timeout()
         t0 = time.perf_counter()
         try:
-            return self.guard.call(fn, *args, timeout=min(self.limits.step_timeout_s, left), what=f"{self.task.env}/{self.task.id}: {what}")
+            return self.guard.call(
+                fn, *args, timeout=min(self.limits.step_timeout_s, left), what=f"{self.task.env}/{self.task.id}: {what}"
+            )
         except EnvHung:
             if left < self.limits.step_timeout_s:  # the episode's time ran out first (the env is abandoned too)
                 raise self._timeout(f" (in {what})") from None
@@ -199,19 +210,29 @@ class _Episode:
         left = self.deadline - time.perf_counter()
         t0 = time.perf_counter()
         try:
-            return self.guard.call(self.env.gold_actions, self.task, timeout=max(left, 0.001), what=f"{self.task.env}/{self.task.id}: gold_actions")
+            return self.guard.call(
+                self.env.gold_actions,
+                self.task,
+                timeout=max(left, 0.001),
+                what=f"{self.task.env}/{self.task.id}: gold_actions",
+            )
         except EnvHung:
             raise self._timeout(" (in gold_actions)") from None
         finally:
             self.spent["env"] += time.perf_counter() - t0
 
     def timings(self) -> dict[str, float]:
-        return {"agent_s": self.spent["agent"], "env_s": self.spent["env"], "memory_s": self.spent["memory"],
-                "total_s": time.perf_counter() - self.started}
+        return {
+            "agent_s": self.spent["agent"],
+            "env_s": self.spent["env"],
+            "memory_s": self.spent["memory"],
+            "total_s": time.perf_counter() - self.started,
+        }
 
 
-def _episode_metadata(task: Task, agent: Agent, last: StepResult | None, timings: dict[str, float],
-                      extra: dict[str, Any] | None) -> dict[str, Any]:
+def _episode_metadata(
+    task: Task, agent: Agent, last: StepResult | None, timings: dict[str, float], extra: dict[str, Any] | None
+) -> dict[str, Any]:
     meta = {
         "task_id": task.id,
         "split": task.split,

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.settings import Section, load_section
 
-__all__ = ["BOOTSTRAP_DEFAULT", "ExperimentConfig", "MEMORY_AGENTS", "MEMORY_MODES", "RETRIEVING_MODES", "STREAMS"]
+__all__ = ["BOOTSTRAP_DEFAULT", "MEMORY_AGENTS", "MEMORY_MODES", "RETRIEVING_MODES", "STREAMS", "ExperimentConfig"]
 
 STREAMS = ("similarity", "random", "buffer")
 # none: no memory (ReAct). trajectory: top-k over the whole pool, no skills (Synapse-like).
@@ -40,9 +41,18 @@ class ExperimentConfig(Section):
 
     NAME = "experiment"
     BOUNDS = {
-        "train_tasks": (1, 10_000), "test_tasks": (1, 10_000), "buffer_size": (1, 10_000), "workers": (1, 256),
-        "shards": (1, 64), "max_attempts": (1, 10), "seeds": (1, 100), "bootstrap": (0, 100_000), "max_steps": (0, 10_000),
-        "seed": (0, 2**31 - 1), "step_timeout_s": (0.001, 3_600.0), "episode_timeout_s": (0.001, 86_400.0),
+        "train_tasks": (1, 10_000),
+        "test_tasks": (1, 10_000),
+        "buffer_size": (1, 10_000),
+        "workers": (1, 256),
+        "shards": (1, 64),
+        "max_attempts": (1, 10),
+        "seeds": (1, 100),
+        "bootstrap": (0, 100_000),
+        "max_steps": (0, 10_000),
+        "seed": (0, 2**31 - 1),
+        "step_timeout_s": (0.001, 3_600.0),
+        "episode_timeout_s": (0.001, 86_400.0),
         "worker_cpus": (0.0, 64.0),
     }
 
@@ -74,12 +84,14 @@ class ExperimentConfig(Section):
     output: str = ""  # default: runs/<name>
     # The coin games get 8 rooms (the package default of 4 is solved by exploring alone); the
     # test folds list 60 seeds so that tasks dropped for overlap are replaced.
-    env_options: dict[str, dict[str, Any]] = field(default_factory=lambda: {
-        "twx-coin": {"numLocations": 8, "n_test": 60},
-        "twx-arithmetic": {"n_test": 60},
-        "twx-mapreader": {"n_test": 60},
-        "twx-coin-doors": {"adapter": "twx-coin", "includeDoors": 1, "numLocations": 8, "n_test": 60},
-    })
+    env_options: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {
+            "twx-coin": {"numLocations": 8, "n_test": 60},
+            "twx-arithmetic": {"n_test": 60},
+            "twx-mapreader": {"n_test": 60},
+            "twx-coin-doors": {"adapter": "twx-coin", "includeDoors": 1, "numLocations": 8, "n_test": 60},
+        }
+    )
     # Memory settings of this experiment ("section.key" -> value), applied over the memory config.
     memory: dict[str, Any] = field(default_factory=lambda: {"evolution.split_min_size": 10})
 
@@ -93,8 +105,10 @@ class ExperimentConfig(Section):
             raise ConfigError(f"experiment.envs / eval_envs: repeated names in {every}")
         for env, target in self.aliases.items():
             if env not in self.eval_envs or target not in self.envs:
-                raise ConfigError(f"experiment.aliases.{env} = {target!r}: an alias maps an evaluation-only environment "
-                                  f"(eval_envs: {self.eval_envs}) to a trained one (envs: {self.envs})")
+                raise ConfigError(
+                    f"experiment.aliases.{env} = {target!r}: an alias maps an evaluation-only environment "
+                    f"(eval_envs: {self.eval_envs}) to a trained one (envs: {self.envs})"
+                )
         if self.stream not in STREAMS:
             raise ConfigError(f"experiment.stream: must be one of {', '.join(STREAMS)}; got {self.stream!r}")
         if not self.modes or any(m not in MEMORY_MODES for m in self.modes) or len(set(self.modes)) != len(self.modes):
@@ -133,8 +147,13 @@ class ExperimentConfig(Section):
         return dataclasses.asdict(self)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None,
-             overrides: Mapping[str, Any] | None = None) -> "ExperimentConfig":
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> ExperimentConfig:
         """Defaults < the file's ``[experiment]`` table < ``LIFEMEM_EXPERIMENT_*`` < overrides
         (keys without ``experiment.``), as every section is loaded (:func:`load_section`)."""
         return load_section(cls(), path, environ=environ, overrides=overrides)

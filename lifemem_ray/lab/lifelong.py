@@ -34,13 +34,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from lifemem_ray.lab.experiment_config import (BOOTSTRAP_DEFAULT, MEMORY_AGENTS, MEMORY_MODES, RETRIEVING_MODES, STREAMS,
-                                               ExperimentConfig)
 from lifemem_ray.lab.envs.base import Task
+from lifemem_ray.lab.experiment_config import (
+    BOOTSTRAP_DEFAULT,
+    MEMORY_AGENTS,
+    MEMORY_MODES,
+    RETRIEVING_MODES,
+    STREAMS,
+    ExperimentConfig,
+)
 
 __all__ = [
     "MEMORY_AGENTS",
@@ -76,7 +83,9 @@ class Phase:
     evaluate: tuple[str, ...]
 
 
-def build_stream(kind: str, train: Mapping[str, Sequence[Task]], env_order: Sequence[str], seed: int = 0) -> list[Phase]:
+def build_stream(
+    kind: str, train: Mapping[str, Sequence[Task]], env_order: Sequence[str], seed: int = 0
+) -> list[Phase]:
     """The learning phases of a stream (``buffer`` has the random order; batching is the runner's)."""
     if kind not in STREAMS:
         raise ValueError(f"stream: must be one of {', '.join(STREAMS)}; got {kind!r}")
@@ -94,7 +103,7 @@ def build_stream(kind: str, train: Mapping[str, Sequence[Task]], env_order: Sequ
     bounds = [round(len(everything) * k / n) for k in range(n + 1)]
     phases, seen = [], []
     for j in range(n):
-        chunk = everything[bounds[j]: bounds[j + 1]]
+        chunk = everything[bounds[j] : bounds[j + 1]]
         for t in chunk:
             if t.env not in seen:
                 seen.append(t.env)
@@ -161,7 +170,9 @@ def metrics(table: ScoreTable, learnt: Mapping[str, int] | None = None) -> dict[
     return {"op": op, "bwt": bwt, "bwt_terms": len(terms), "bwt_undefined": undefined}
 
 
-def transfer_events(table: ScoreTable, band: float = UNCHANGED_BAND, learnt: Mapping[str, int] | None = None) -> dict[str, int]:
+def transfer_events(
+    table: ScoreTable, band: float = UNCHANGED_BAND, learnt: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Each later score of an environment against its score right after it was learnt."""
     counts = {"improved": 0, "unchanged": 0, "degraded": 0}
     for env in table.envs:
@@ -169,7 +180,7 @@ def transfer_events(table: ScoreTable, band: float = UNCHANGED_BAND, learnt: Map
         if j is None or env not in table.rows[j]:
             continue
         base = table.rows[j][env]
-        for row in table.rows[j + 1:]:
+        for row in table.rows[j + 1 :]:
             if env not in row:
                 continue
             delta = row[env] - base
@@ -180,7 +191,9 @@ def transfer_events(table: ScoreTable, band: float = UNCHANGED_BAND, learnt: Map
 # -- train/test overlap -------------------------------------------------------------------
 
 
-def overlap(train: Sequence[Task], test: Sequence[Task], gold: Mapping[str, Sequence[str] | None]) -> dict[str, list[str]]:
+def overlap(
+    train: Sequence[Task], test: Sequence[Task], gold: Mapping[str, Sequence[str] | None]
+) -> dict[str, list[str]]:
     """Test tasks that repeat a training task: ``gold`` (the same gold action sequence, so
     replaying a training run solves it) and ``goal`` (the same goal text). ``gold`` maps a
     task id to its gold actions (None: unknown). An environment whose training goals are all
@@ -240,8 +253,12 @@ def _pool(results: Sequence[SeedResult], pick: Any, draws: Mapping[tuple[int, st
     return {env: 100.0 * sums[env] / counts[env] for env in sums}
 
 
-def _statistics(results: Sequence[SeedResult], modes: Sequence[str], envs: Sequence[str],
-                draws: Mapping[tuple[int, str], Any] | None) -> dict[str, dict[str, Any]]:
+def _statistics(
+    results: Sequence[SeedResult],
+    modes: Sequence[str],
+    envs: Sequence[str],
+    draws: Mapping[tuple[int, str], Any] | None,
+) -> dict[str, dict[str, Any]]:
     """Every mode's pooled table, OP, BwT and zero-shot scores (on one draw)."""
     first = results[0]
     out: dict[str, dict[str, Any]] = {}
@@ -255,12 +272,20 @@ def _statistics(results: Sequence[SeedResult], modes: Sequence[str], envs: Seque
     if "none" in out:
         for mode in modes:
             base = out["none"]["zero_shot"]
-            out[mode]["zero_shot_gain"] = {env: v - base[env] for env, v in out[mode]["zero_shot"].items() if env in base}
+            out[mode]["zero_shot_gain"] = {
+                env: v - base[env] for env, v in out[mode]["zero_shot"].items() if env in base
+            }
     return out
 
 
-def summarise(results: Sequence[SeedResult], modes: Sequence[str], envs: Sequence[str], *, bootstrap: int = BOOTSTRAP_DEFAULT,
-              seed: int = 0) -> dict[str, dict[str, Any]]:
+def summarise(
+    results: Sequence[SeedResult],
+    modes: Sequence[str],
+    envs: Sequence[str],
+    *,
+    bootstrap: int = BOOTSTRAP_DEFAULT,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
     """Per mode: the pooled table (``table``), ``metrics`` (OP, BwT), ``transfer`` events,
     ``zero_shot`` and ``zero_shot_gain`` (over none), and ``ci``: a [low, high] 95% interval
     for every cell, OP, BwT and zero-shot figure (None where a draw left it undefined too
@@ -342,20 +367,32 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     cfg = report["config"]
     lines = [f"# Lifelong experiment `{cfg['name']}`", ""]
     learner = report.get("learner", {})
-    lines.append(f"Stream **{cfg['stream']}**; agent **{cfg['agent']}**; learning agent **{learner.get('agent', cfg['learn_agent'])}** "
-                 f"({learner.get('collection', '')}); {cfg['train_tasks']} train / {cfg['test_tasks']} test tasks per environment; "
-                 f"seeds {', '.join(str(s) for s in report.get('seeds', [cfg['seed']]))}; cells are success rates (%) pooled "
-                 f"over the seeds, with a 95% bootstrap interval over test tasks ({cfg.get('bootstrap', 0)} resamples).")
+    lines.append(
+        f"Stream **{cfg['stream']}**; agent **{cfg['agent']}**; learning agent **{learner.get('agent', cfg['learn_agent'])}** "
+        f"({learner.get('collection', '')}); {cfg['train_tasks']} train / {cfg['test_tasks']} test tasks per environment; "
+        f"seeds {', '.join(str(s) for s in report.get('seeds', [cfg['seed']]))}; cells are success rates (%) pooled "
+        f"over the seeds, with a 95% bootstrap interval over test tasks ({cfg.get('bootstrap', 0)} resamples)."
+    )
     if report.get("memory_settings"):
-        lines.append("Memory settings of this run: " + ", ".join(f"`{k} = {v}`" for k, v in report["memory_settings"].items()) + ".")
+        lines.append(
+            "Memory settings of this run: "
+            + ", ".join(f"`{k} = {v}`" for k, v in report["memory_settings"].items())
+            + "."
+        )
     ov = report.get("overlap") or {}
     if ov:
-        parts = [f"{env}: {v['gold']} same gold actions, {v['goal']} same goal" + (" (one goal template)" if v.get("one_template") else "")
-                 + (f", {v['dropped']} dropped" if v.get("dropped") else "") for env, v in ov.items()]
+        parts = [
+            f"{env}: {v['gold']} same gold actions, {v['goal']} same goal"
+            + (" (one goal template)" if v.get("one_template") else "")
+            + (f", {v['dropped']} dropped" if v.get("dropped") else "")
+            for env, v in ov.items()
+        ]
         lines.append("Train/test overlap (test tasks repeating a training task): " + "; ".join(parts) + ".")
     lines.append("")
     zero_envs = list(cfg.get("eval_envs") or [])
-    head = "| mode | OP | BwT (%) | improved | unchanged | degraded |" + "".join(f" zero-shot {e} (gain vs none) |" for e in zero_envs)
+    head = "| mode | OP | BwT (%) | improved | unchanged | degraded |" + "".join(
+        f" zero-shot {e} (gain vs none) |" for e in zero_envs
+    )
     lines.append(head)
     lines.append("|---|---:|---:|---:|---:|---:|" + "---:|" * len(zero_envs))
     for mode, res in report["modes"].items():
@@ -374,16 +411,26 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append("| after learning | " + " | ".join(envs) + " |")
         lines.append("|---|" + "---:|" * len(envs))
         for j, (label, row) in enumerate(zip(table["labels"], table["rows"])):
-            lines.append(f"| {label} | " + " | ".join(_cell(row[e], ci.get(f"row/{j}/{e}")) if e in row else "" for e in envs) + " |")
+            lines.append(
+                f"| {label} | "
+                + " | ".join(_cell(row[e], ci.get(f"row/{j}/{e}")) if e in row else "" for e in envs)
+                + " |"
+            )
         if table["self_learn"]:
-            lines.append("| *self-learn* | " + " | ".join(_cell(table["self_learn"].get(e), ci.get(f"self/{e}")) for e in envs) + " |")
+            lines.append(
+                "| *self-learn* | "
+                + " | ".join(_cell(table["self_learn"].get(e), ci.get(f"self/{e}")) for e in envs)
+                + " |"
+            )
         lines.append("")
     if report.get("memory"):
         lines.append("## Memory at the end (the stream's memory, last seed)")
         lines.append("")
         mem = report["memory"]
-        lines.append(f"{mem.get('trajectories', 0)} trajectories in {mem.get('clusters', 0)} clusters "
-                     f"({mem.get('mixed_env_clusters', 0)} with several environments), {mem.get('splits', 0)} splits.")
+        lines.append(
+            f"{mem.get('trajectories', 0)} trajectories in {mem.get('clusters', 0)} clusters "
+            f"({mem.get('mixed_env_clusters', 0)} with several environments), {mem.get('splits', 0)} splits."
+        )
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -401,7 +448,9 @@ def write_plots(report: Mapping[str, Any], directory: str | Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     modes = report["modes"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.0 * len(modes), 3.8), squeeze=False, gridspec_kw={"wspace": 0.55})
+    fig, axes = plt.subplots(
+        1, len(modes), figsize=(5.0 * len(modes), 3.8), squeeze=False, gridspec_kw={"wspace": 0.55}
+    )
     for ax, (mode, res) in zip(axes[0], modes.items()):
         table = res["table"]
         envs, rows = table["envs"], table["rows"]
@@ -417,7 +466,9 @@ def write_plots(report: Mapping[str, Any], directory: str | Path) -> list[Path]:
         im = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis")
         for (j, i), value in np.ndenumerate(grid):
             if not np.isnan(value):
-                ax.text(i, j, f"{value:.0f}", ha="center", va="center", color="white" if value < 60 else "black", fontsize=8)
+                ax.text(
+                    i, j, f"{value:.0f}", ha="center", va="center", color="white" if value < 60 else "black", fontsize=8
+                )
         ax.set_xticks(range(len(envs)), envs, rotation=45, ha="right", fontsize=7)
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         m = res["metrics"]

@@ -11,18 +11,30 @@ import functools
 import json
 import logging
 import re
-from typing import Any, Sequence, TypeVar
-
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import jsonschema
 
 from lifemem_ray.core.decisions import Assignment, AssignRequest
-from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.errors import AnswerError, GeneratedTextRefused
+from lifemem_ray.core.model import Trajectory
 from lifemem_ray.llm.prompts import DESCRIPTION_MAX_CHARS, GROUP_LABEL_MAX_CHARS, MEMORY_OPERATIONS, SKILL_MAX_CHARS
 from lifemem_ray.llm.provenance import Provenance, from_trajectories, refusal
 
-__all__ = ["AnswerError", "Checked", "RefusalProblem", "check_assign", "check_description", "check_groups", "check_skill", "clean_text", "extract_json", "schema_errors", "snippet"]
+__all__ = [
+    "AnswerError",
+    "Checked",
+    "RefusalProblem",
+    "check_assign",
+    "check_description",
+    "check_groups",
+    "check_skill",
+    "clean_text",
+    "extract_json",
+    "schema_errors",
+    "snippet",
+]
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +216,9 @@ def check_assign(
 ) -> Checked[dict[int, Assignment | None]]:
     """Per-item validation: a bad item costs only that item, the others are kept. A new
     cluster's description must draw on that item's own trajectory (its provenance)."""
-    top = schema_errors(data, {"type": "object", "required": ["assignments"],
-                               "properties": {"assignments": {"type": "array"}}})
+    top = schema_errors(
+        data, {"type": "object", "required": ["assignments"], "properties": {"assignments": {"type": "array"}}}
+    )
     if top:
         return None, top
     item_schema = schema["properties"]["assignments"]["items"]
@@ -259,7 +272,9 @@ def _one_assignment(entry: dict[str, Any], request: AssignRequest) -> Assignment
     return Assignment(cluster_id=None, new_group=label, description=description)
 
 
-def check_groups(data: dict[str, Any], members: Sequence[Trajectory], schema: dict[str, Any]) -> Checked[tuple[list[int], list[str]]]:
+def check_groups(
+    data: dict[str, Any], members: Sequence[Trajectory], schema: dict[str, Any]
+) -> Checked[tuple[list[int], list[str]]]:
     """Groups must cover keys 0..n-1 (``members``' positions) exactly once; labels are the
     groups' answer order. A group's description must draw on that group's own members."""
     errors = schema_errors(data, schema)
@@ -274,9 +289,12 @@ def check_groups(data: dict[str, Any], members: Sequence[Trajectory], schema: di
                     raise AnswerError(f"trajectory key {key} is in more than one group")
                 labels[key] = g
             mine = [members[key] for key in group["items"]]
-            source = from_trajectories(mine, f"group {g}'s {count_phrase(len(mine), 'member trajectory', 'member trajectories')}")
-            descriptions.append(clean_text(group["description"], f"groups[{g}].description", DESCRIPTION_MAX_CHARS,
-                                           provenance=source))
+            source = from_trajectories(
+                mine, f"group {g}'s {count_phrase(len(mine), 'member trajectory', 'member trajectories')}"
+            )
+            descriptions.append(
+                clean_text(group["description"], f"groups[{g}].description", DESCRIPTION_MAX_CHARS, provenance=source)
+            )
     except AnswerError as exc:
         return None, [_problem(exc)]
     missing = [k for k, label in enumerate(labels) if label is None]
@@ -296,15 +314,24 @@ def check_description(data: dict[str, Any], schema: dict[str, Any], source: Prov
         return None, [_problem(exc)]
 
 
-def check_skill(data: dict[str, Any], schema: dict[str, Any], forbidden: Sequence[str], source: Provenance) -> Checked[str]:
+def check_skill(
+    data: dict[str, Any], schema: dict[str, Any], forbidden: Sequence[str], source: Provenance
+) -> Checked[str]:
     """A skill drawing on ``source`` (the member trajectories it was distilled from), naming
     none of ``forbidden`` (environment names, ids)."""
     errors = schema_errors(data, schema)
     if errors:
         return None, errors
     try:
-        text = clean_text(data["skill"], "skill", SKILL_MAX_CHARS, one_line=False, min_chars=20,
-                          forbidden=forbidden, provenance=source)
+        text = clean_text(
+            data["skill"],
+            "skill",
+            SKILL_MAX_CHARS,
+            one_line=False,
+            min_chars=20,
+            forbidden=forbidden,
+            provenance=source,
+        )
     except AnswerError as exc:
         return None, [_problem(exc)]
     return text, []

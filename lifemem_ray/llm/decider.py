@@ -12,16 +12,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-
-from lifemem_ray.llm import lexicon
-from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import Assignment, AssignRequest, ClusterView, Groups
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.llm.prompts import MEMORY_OPERATIONS, assign_prompt, describe_prompt, distil_prompt, partition_prompt, split_prompt
-from lifemem_ray.llm.provenance import from_trajectories
+from lifemem_ray.llm import lexicon
 from lifemem_ray.llm.answers import check_assign, check_description, check_groups, check_skill, count_phrase
+from lifemem_ray.llm.llm_config import LLMConfig
+from lifemem_ray.llm.prompts import (
+    MEMORY_OPERATIONS,
+    assign_prompt,
+    describe_prompt,
+    distil_prompt,
+    partition_prompt,
+    split_prompt,
+)
+from lifemem_ray.llm.provenance import from_trajectories
 from lifemem_ray.llm.transport import LLMClient
 
 __all__ = ["LLMDecider"]
@@ -50,8 +57,14 @@ class LLMDecider:
 
     name = "llm"
 
-    def __init__(self, config: LLMConfig, client: LLMClient | None = None, *,
-                 prompt_char_budget: int | None = None, **client_options: Any) -> None:
+    def __init__(
+        self,
+        config: LLMConfig,
+        client: LLMClient | None = None,
+        *,
+        prompt_char_budget: int | None = None,
+        **client_options: Any,
+    ) -> None:
         """``client_options`` go to :class:`LLMClient` when no client is given.
         ``prompt_char_budget`` caps the trajectory text of one multi-trajectory prompt
         (default: ``llm.prompt_char_budget``)."""
@@ -84,7 +97,9 @@ class LLMDecider:
     async def _assign(self, requests: Sequence[AssignRequest]) -> list[Assignment | None]:
         keys = [r.key for r in requests]
         if len(set(keys)) != len(keys):
-            raise ValueError(f"LLMDecider.assign: duplicate request keys {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+            raise ValueError(
+                f"LLMDecider.assign: duplicate request keys {sorted(k for k in set(keys) if keys.count(k) > 1)}"
+            )
         if not requests:
             return []
         size = self.config.items_per_call
@@ -122,7 +137,9 @@ class LLMDecider:
         if not trajectories:
             return [], []
         prompt = partition_prompt(trajectories, self.config.max_item_chars, self.prompt_char_budget)
-        return self.client.request(prompt, self.strong_model, lambda data: check_groups(data, trajectories, prompt.schema))
+        return self.client.request(
+            prompt, self.strong_model, lambda data: check_groups(data, trajectories, prompt.schema)
+        )
 
     def split(self, cluster: ClusterView, members: Sequence[Trajectory], max_parts: int) -> Groups | None:
         """Child labels per member (0.. in answer order, at least 2 groups) and their descriptions."""
@@ -136,17 +153,24 @@ class LLMDecider:
         description shown beside them is generated text, not evidence)."""
         prompt = describe_prompt(cluster, self.config.max_item_chars, self.prompt_char_budget)
         source = from_trajectories(
-            cluster.examples, f"the cluster's {count_phrase(len(cluster.examples), 'example trajectory', 'example trajectories')}")
+            cluster.examples,
+            f"the cluster's {count_phrase(len(cluster.examples), 'example trajectory', 'example trajectories')}",
+        )
         return self.client.request(prompt, self.model, lambda data: check_description(data, prompt.schema, source))
 
     def distil(self, cluster: ClusterView, members: Sequence[Trajectory]) -> str | None:
         """A skill for the cluster, drawing on ``members`` (the sample it is distilled from)."""
         prompt = distil_prompt(cluster, members, self.config.max_item_chars, self.prompt_char_budget)
-        forbidden = sorted({e for e in [t.env for t in members] + list(cluster.envs) if len(e) >= 4}
-                           | {t.id for t in members if len(t.id) >= 6})
+        forbidden = sorted(
+            {e for e in [t.env for t in members] + list(cluster.envs) if len(e) >= 4}
+            | {t.id for t in members if len(t.id) >= 6}
+        )
         source = from_trajectories(
-            members, f"the cluster's {count_phrase(len(members), 'member trajectory', 'member trajectories')}")
-        return self.client.request(prompt, self.strong_model, lambda data: check_skill(data, prompt.schema, forbidden, source))
+            members, f"the cluster's {count_phrase(len(members), 'member trajectory', 'member trajectories')}"
+        )
+        return self.client.request(
+            prompt, self.strong_model, lambda data: check_skill(data, prompt.schema, forbidden, source)
+        )
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -157,7 +181,7 @@ class LLMDecider:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "LLMDecider":
+    def __enter__(self) -> LLMDecider:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,7 +38,31 @@ __all__ = ["MODERN_WORDS", "SOURCES", "entries", "is_word", "size", "stems"]
 SOURCES = ("web2", "gcide")  # word lists of the english-words package
 MIN_COMPOUND_PART = 3  # letters of each half of a two-word compound ("workflow" = work + flow)
 MODERN_WORDS = frozenset(
-    "ack api apis app apps url urls json html csv pdf sql etc vs eg ie info ui faq wifi email emails inbox".split()
+    [
+        "ack",
+        "api",
+        "apis",
+        "app",
+        "apps",
+        "url",
+        "urls",
+        "json",
+        "html",
+        "csv",
+        "pdf",
+        "sql",
+        "etc",
+        "vs",
+        "eg",
+        "ie",
+        "info",
+        "ui",
+        "faq",
+        "wifi",
+        "email",
+        "emails",
+        "inbox",
+    ]
 )
 
 _lock = threading.Lock()

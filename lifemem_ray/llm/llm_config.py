@@ -30,7 +30,6 @@ class LLMConfig(Section):
         "retry_after_max_s": (0.0, 3_600.0),
     }
 
-
     backend: str = "offline"  # offline | openai
     base_url: str = ""  # e.g. http://127.0.0.1:8000/v1; empty: OPENAI_BASE_URL or api.openai.com
     api_key: str = ""  # empty: OPENAI_API_KEY, else a placeholder for local servers
@@ -54,7 +53,15 @@ class LLMConfig(Section):
     def validate(self) -> None:
         choice(self, "backend", ("offline", "openai"))
         choice(self, "response_format", ("json_object", "json_schema", "none"))
-        positive(self, "timeout_s", "concurrency", "items_per_call", "max_item_chars", "max_answer_tokens", "min_cluster_size")
+        positive(
+            self,
+            "timeout_s",
+            "concurrency",
+            "items_per_call",
+            "max_item_chars",
+            "max_answer_tokens",
+            "min_cluster_size",
+        )
         if self.max_retries < 0:
             raise ConfigError("llm.max_retries: must be >= 0")
         in_range(self, "temperature", 0.0, 2.0)

@@ -15,22 +15,38 @@ from __future__ import annotations
 from lifemem_ray.core.metrics import MetricSpec, MetricsSink, Recorder, Tag
 from lifemem_ray.llm.prompts import MEMORY_OPERATIONS, OPERATIONS
 
-__all__ = ["LLM_CALLS", "LLM_FALLBACKS", "LLM_REFUSALS", "LLM_TOKENS", "LLMMetrics", "SPECS"]
+__all__ = ["LLM_CALLS", "LLM_FALLBACKS", "LLM_REFUSALS", "LLM_TOKENS", "SPECS", "LLMMetrics"]
 
 TOKEN_KINDS = ("completion", "prompt")
 
-LLM_CALLS = MetricSpec("lifemem_llm_calls_total", "counter", "LLM calls (one prompt each, however many attempts) by operation",
-                       (Tag("operation", OPERATIONS),))
-LLM_TOKENS = MetricSpec("lifemem_llm_tokens_total", "counter",
-                        "LLM tokens by operation and kind (prompt, completion; estimated as characters / 4 where the server "
-                        "reports no usage)", (Tag("operation", OPERATIONS), Tag("kind", TOKEN_KINDS)))
-LLM_FALLBACKS = MetricSpec("lifemem_llm_fallbacks_total", "counter",
-                           "Decisions the offline policy made because the LLM's answer failed or was refused: items for "
-                           "assign, one per call for partition, split, describe and distil", (Tag("operation", MEMORY_OPERATIONS),))
-LLM_REFUSALS = MetricSpec("lifemem_llm_refusals_total", "counter",
-                          "Generated texts (cluster descriptions, skills) refused by the provenance rule: a token that is not "
-                          "plain prose and occurs in none of the trajectories the text was generated from, or an instruction "
-                          "aimed at the operator (the offline text stands in)", (Tag("operation", MEMORY_OPERATIONS),))
+LLM_CALLS = MetricSpec(
+    "lifemem_llm_calls_total",
+    "counter",
+    "LLM calls (one prompt each, however many attempts) by operation",
+    (Tag("operation", OPERATIONS),),
+)
+LLM_TOKENS = MetricSpec(
+    "lifemem_llm_tokens_total",
+    "counter",
+    "LLM tokens by operation and kind (prompt, completion; estimated as characters / 4 where the server "
+    "reports no usage)",
+    (Tag("operation", OPERATIONS), Tag("kind", TOKEN_KINDS)),
+)
+LLM_FALLBACKS = MetricSpec(
+    "lifemem_llm_fallbacks_total",
+    "counter",
+    "Decisions the offline policy made because the LLM's answer failed or was refused: items for "
+    "assign, one per call for partition, split, describe and distil",
+    (Tag("operation", MEMORY_OPERATIONS),),
+)
+LLM_REFUSALS = MetricSpec(
+    "lifemem_llm_refusals_total",
+    "counter",
+    "Generated texts (cluster descriptions, skills) refused by the provenance rule: a token that is not "
+    "plain prose and occurs in none of the trajectories the text was generated from, or an instruction "
+    "aimed at the operator (the offline text stands in)",
+    (Tag("operation", MEMORY_OPERATIONS),),
+)
 SPECS = (LLM_CALLS, LLM_TOKENS, LLM_FALLBACKS, LLM_REFUSALS)
 
 

@@ -20,7 +20,8 @@ import dataclasses
 import html
 import json
 import re
-from typing import Any, Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from lifemem_ray.core.decisions import AssignRequest, ClusterView
 from lifemem_ray.core.model import Step, Trajectory
@@ -30,19 +31,19 @@ __all__ = [
     "GROUP_LABEL_MAX_CHARS",
     "MEMORY_OPERATIONS",
     "OPERATIONS",
-    "Prompt",
     "SKILL_MAX_CHARS",
     "SYSTEM_PROMPT",
+    "Prompt",
     "assign_prompt",
     "cut_text",
     "describe_prompt",
     "distil_prompt",
     "neutralise",
     "one_line",
-    "render_trajectory",
-    "xml_attr",
     "partition_prompt",
+    "render_trajectory",
     "split_prompt",
+    "xml_attr",
 ]
 
 MEMORY_OPERATIONS = ("assign", "partition", "describe", "split", "distil")
@@ -59,8 +60,19 @@ DEFAULT_PROMPT_CHAR_BUDGET = 16000  # trajectory text per multi-trajectory promp
 
 # Tag names that structure our prompts; tag-like text using them inside data is neutralised.
 _RESERVED_TAGS = (
-    "trajectory", "item", "cluster", "clusters", "example", "examples", "member", "data", "instructions",
-    "task", "skill", "guidance", "observation",
+    "trajectory",
+    "item",
+    "cluster",
+    "clusters",
+    "example",
+    "examples",
+    "member",
+    "data",
+    "instructions",
+    "task",
+    "skill",
+    "guidance",
+    "observation",
 )
 _TAG_LIKE = re.compile(r"<(\s*/?\s*(?:" + "|".join(_RESERVED_TAGS) + r")\b)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -139,7 +151,8 @@ def render_trajectory(traj: Trajectory, max_chars: int) -> str:
     fixed = len(traj.query_text) + 30 + sum(len(s.action) + 45 for s in traj.steps)  # labels, newlines, outcome
     cap = max(24, (max_chars - fixed) // (2 * n))
     steps = tuple(
-        Step(action=s.action, thought=cut_text(s.thought, cap), observation=cut_text(s.observation, cap)) for s in traj.steps
+        Step(action=s.action, thought=cut_text(s.thought, cap), observation=cut_text(s.observation, cap))
+        for s in traj.steps
     )
     return dataclasses.replace(traj, steps=steps).render(max_chars)
 
@@ -196,8 +209,12 @@ def _groups_schema(keys: Sequence[int], min_groups: int, max_groups: int) -> dic
                     "properties": {
                         # maxItems: grammar-constrained decoding (llama.cpp) otherwise can repeat keys
                         # until the answer is cut at max_tokens.
-                        "items": {"type": "array", "minItems": 1, "maxItems": len(keys),
-                                  "items": {"type": "integer", "enum": list(keys)}},
+                        "items": {
+                            "type": "array",
+                            "minItems": 1,
+                            "maxItems": len(keys),
+                            "items": {"type": "integer", "enum": list(keys)},
+                        },
                         "description": _text(DESCRIPTION_MAX_CHARS),
                     },
                     "required": ["items", "description"],
@@ -319,11 +336,15 @@ def describe_prompt(cluster: ClusterView, max_item_chars: int, char_budget: int 
     instructions = (
         "Write one sentence describing the workflow shared by the example trajectories of this cluster: "
         "the procedure they follow, in general terms that would also fit other environments. Do not name "
-        "environments, websites, products, ids or URLs. Start with a verb, e.g. \"Search a catalogue, "
+        'environments, websites, products, ids or URLs. Start with a verb, e.g. "Search a catalogue, '
         'filter the results by the required attributes, then select and purchase the matching item."'
     )
     answer_format = '{"description": "<one sentence>"}'
-    schema = {"type": "object", "properties": {"description": _text(DESCRIPTION_MAX_CHARS)}, "required": ["description"]}
+    schema = {
+        "type": "object",
+        "properties": {"description": _text(DESCRIPTION_MAX_CHARS)},
+        "required": ["description"],
+    }
     return Prompt("describe", _messages("describe", instructions, answer_format, data), schema)
 
 
@@ -378,7 +399,7 @@ def distil_prompt(
     envs = sorted({t.env for t in members} | set(cluster.envs))
     instructions = (
         "Distil the workflow shared by these trajectories into a reusable skill that transfers to other "
-        "environments: 3 to 8 short imperative rules, one per line, each starting with \"- \", covering the "
+        'environments: 3 to 8 short imperative rules, one per line, each starting with "- ", covering the '
         "order of steps, preconditions, checks before acting and mistakes seen in failed trajectories. "
         f"Do not mention environment names ({neutralise(json.dumps(envs, ensure_ascii=False))}), websites, products, "
         "ids, URLs or literal values copied from the trajectories."

@@ -49,8 +49,8 @@ import sys
 import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 
-from lifemem_ray.llm import lexicon
 from lifemem_ray.core.model import Trajectory
+from lifemem_ray.llm import lexicon
 
 __all__ = [
     "OPERATOR_PHRASES",
@@ -87,7 +87,7 @@ OPERATOR_WORDS = frozenset(
 )
 # Punctuation spelled out ("evil dot com", "slash etc slash passwd"): words that make an
 # address out of plain words, so they need provenance too.
-SPELLED_PUNCTUATION = frozenset("dot slash backslash colon".split())
+SPELLED_PUNCTUATION = frozenset(["dot", "slash", "backslash", "colon"])
 # Two-word operator terms whose words are plain on their own ("environment", "key").
 OPERATOR_PHRASES = (
     re.compile(r"\b(?:environment|env)[ _-]?var(?:iable)?s?\b", re.IGNORECASE),
@@ -175,7 +175,9 @@ _NUMBER = re.compile(
     r"|\d+(?:[-/:x]\d+)+"  # 3-8, 1/2, 10:30, 1920x1080
 )
 _ABBREVIATION = re.compile(r"(?:[^\W\d_]\.)+[^\W\d_]")  # e.g, i.e, U.S (the last dot was stripped)
-_COMMAND = re.compile(r"[|;&$<>\\*%^!?~]|^-{1,2}[^\W\d]|_|[^\W_]\.[^\W_]|[a-z][A-Z]|[A-Z]{2,}[a-z]{2,}")  # ... camelCase identifiers
+_COMMAND = re.compile(
+    r"[|;&$<>\\*%^!?~]|^-{1,2}[^\W\d]|_|[^\W_]\.[^\W_]|[a-z][A-Z]|[A-Z]{2,}[a-z]{2,}"
+)  # ... camelCase identifiers
 _WORD = re.compile(r"[^\W\d_]+(?:-[^\W\d_]+)*")
 
 
@@ -245,12 +247,18 @@ OPERATOR_INSTRUCTIONS = (
     re.compile(rf"\b{_DISCLOSE}{_NEAR}\b{_ANY_SECRET}", re.IGNORECASE),
     re.compile(rf"\b{_ENTER}{_NEAR}(?<![\w$]){_STRONG_SECRET}", re.IGNORECASE),
     # the operator's (administrator's, system's ...) secrets, or "your API key"
-    re.compile(rf"\b(?:operator|administrator|admin|sysadmin|developer|owner|host|server|system|machine|root)(?:'s|s'|\u2019s)\s+"
-               rf"(?:[\w-]+\s+){{0,2}}{_ANY_SECRET}|\byour\s+(?:own\s+)?{_STRONG_SECRET}", re.IGNORECASE),
+    re.compile(
+        rf"\b(?:operator|administrator|admin|sysadmin|developer|owner|host|server|system|machine|root)(?:'s|s'|\u2019s)\s+"
+        rf"(?:[\w-]+\s+){{0,2}}{_ANY_SECRET}|\byour\s+(?:own\s+)?{_STRONG_SECRET}",
+        re.IGNORECASE,
+    ),
     # overriding instructions
-    re.compile(r"\b(?:ignore|disregard|forget|override|bypass)\b[^.\n]{0,30}?\b(?:previous|prior|above|earlier|all|any|your|system|the)\b"
-               r"[^.\n]{0,20}?\b(?:instructions?|rules?|prompts?|guidelines?|guardrails?|polic(?:y|ies))\b"
-               r"|\b(?:system|developer)[ -](?:prompt|message)s?\b|\bdeveloper mode\b|\bjailbr[eo]ak\w*", re.IGNORECASE),
+    re.compile(
+        r"\b(?:ignore|disregard|forget|override|bypass)\b[^.\n]{0,30}?\b(?:previous|prior|above|earlier|all|any|your|system|the)\b"
+        r"[^.\n]{0,20}?\b(?:instructions?|rules?|prompts?|guidelines?|guardrails?|polic(?:y|ies))\b"
+        r"|\b(?:system|developer)[ -](?:prompt|message)s?\b|\bdeveloper mode\b|\bjailbr[eo]ak\w*",
+        re.IGNORECASE,
+    ),
 )
 
 
@@ -344,7 +352,12 @@ def refusal(text: str, provenance: Provenance) -> str | None:
     return f"{token!r} is {kind} and occurs in none of {provenance.source}{more}"
 
 
-_SEVERITY = {kind: rank for rank, kind in enumerate((LINK, ADDRESS, PATH, COMMAND, MIXED, OPERATOR, "an operator-level term", SPELLED, UNKNOWN))}
+_SEVERITY = {
+    kind: rank
+    for rank, kind in enumerate(
+        (LINK, ADDRESS, PATH, COMMAND, MIXED, OPERATOR, "an operator-level term", SPELLED, UNKNOWN)
+    )
+}
 
 
 def _plural(n: int, noun: str) -> str:

@@ -18,17 +18,18 @@ import os
 import random
 import threading
 import time
-from typing import Any, Awaitable, Callable, Coroutine, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import openai
 
-from lifemem_ray.core.metrics import MetricsSink
-from lifemem_ray.llm.llm_metrics import LLMMetrics
-from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.errors import AnswerError, UsageError
-from lifemem_ray.llm.prompts import MEMORY_OPERATIONS, OPERATIONS, Prompt
+from lifemem_ray.core.metrics import MetricsSink
 from lifemem_ray.llm.answers import Checked, RefusalProblem, extract_json, snippet
+from lifemem_ray.llm.llm_config import LLMConfig
+from lifemem_ray.llm.llm_metrics import LLMMetrics
+from lifemem_ray.llm.prompts import MEMORY_OPERATIONS, OPERATIONS, Prompt
 
 __all__ = ["LLMClient", "merge_usage", "usage_refusals", "usage_totals"]
 
@@ -170,7 +171,9 @@ class LLMClient:
         api_key = config.api_key or os.environ.get("OPENAI_API_KEY") or ""
         if not api_key:
             if self._openai_host:
-                log.warning("LLMClient: no API key (llm.api_key or OPENAI_API_KEY) for %s; calls will fail", self.base_url)
+                log.warning(
+                    "LLMClient: no API key (llm.api_key or OPENAI_API_KEY) for %s; calls will fail", self.base_url
+                )
             api_key = PLACEHOLDER_API_KEY
         self.send_schema = (not self._openai_host) if send_schema is None else send_schema
         self.backoff_base_s = backoff_base_s
@@ -234,7 +237,9 @@ class LLMClient:
             value, problems = None, [str(exc)]
         if problems:
             self._count(op, invalid=1)
-            log.warning("LLM %s (%s): invalid answer: %s; answer: %s", op, model, "; ".join(problems[:5]), snippet(content))
+            log.warning(
+                "LLM %s (%s): invalid answer: %s; answer: %s", op, model, "; ".join(problems[:5]), snippet(content)
+            )
         refused = sum(isinstance(p, RefusalProblem) for p in problems)
         if refused:
             self._count(op, refused_generated=refused)
@@ -263,11 +268,19 @@ class LLMClient:
                 if adjustment is not None:
                     self._dropped.setdefault(model, set()).add(adjustment)
                     self._count(op, adjusted=1)
-                    log.warning("LLM %s (%s): server rejected a parameter (HTTP %d: %s); retrying with %s",
-                                op, model, exc.status_code, snippet(exc.message, 200), adjustment)
+                    log.warning(
+                        "LLM %s (%s): server rejected a parameter (HTTP %d: %s); retrying with %s",
+                        op,
+                        model,
+                        exc.status_code,
+                        snippet(exc.message, 200),
+                        adjustment,
+                    )
                     continue
                 if exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500:
-                    failure = _Transient(f"HTTP {exc.status_code}: {snippet(exc.message, 200)}", _retry_after(exc.response))
+                    failure = _Transient(
+                        f"HTTP {exc.status_code}: {snippet(exc.message, 200)}", _retry_after(exc.response)
+                    )
                 else:
                     failure = f"HTTP {exc.status_code}: {snippet(exc.message, 200)} (not retried)"
             except openai.APIError as exc:  # e.g. a 200 whose body is not a chat completion
@@ -280,8 +293,15 @@ class LLMClient:
                 log.warning("LLM %s (%s): giving up after %d attempts: %s", op, model, attempt, failure.reason)
                 return None
             delay = self._delay(attempt, failure.retry_after)
-            log.info("LLM %s (%s): %s; retry %d/%d in %.2f s",
-                     op, model, failure.reason, attempt, self.config.max_retries, delay)
+            log.info(
+                "LLM %s (%s): %s; retry %d/%d in %.2f s",
+                op,
+                model,
+                failure.reason,
+                attempt,
+                self.config.max_retries,
+                delay,
+            )
             self._count(op, retries=1)
             await asyncio.sleep(delay)
 
@@ -301,9 +321,12 @@ class LLMClient:
             self._count(op, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, tokens_estimated=1)
         self.metrics.count_tokens(op, prompt_tokens, completion_tokens)
         if choices and getattr(choices[0], "finish_reason", None) == "length":
-            log.warning("LLM %s: answer cut at llm.max_answer_tokens=%d (reasoning models spend part of it on "
-                        "hidden reasoning; raise it if answers come back empty or truncated)",
-                        op, self.config.max_answer_tokens)
+            log.warning(
+                "LLM %s: answer cut at llm.max_answer_tokens=%d (reasoning models spend part of it on "
+                "hidden reasoning; raise it if answers come back empty or truncated)",
+                op,
+                self.config.max_answer_tokens,
+            )
         return content
 
     def _params(self, prompt: Prompt, model: str) -> dict[str, Any]:
@@ -410,7 +433,7 @@ class LLMClient:
         await asyncio.gather(*others, return_exceptions=True)
         await self._client.close()
 
-    def __enter__(self) -> "LLMClient":
+    def __enter__(self) -> LLMClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,11 +10,13 @@ the schema here documents them. Every error answer has one shape, :class:`ErrorB
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 __all__ = [
+    "TRAJECTORY_SCHEMA",
     "AddAccepted",
     "AddAnswer",
     "AddItem",
@@ -30,7 +32,6 @@ __all__ = [
     "QueryAnswer",
     "RetrieveAnswer",
     "RetrieveRequest",
-    "TRAJECTORY_SCHEMA",
     "field_path",
 ]
 
@@ -39,7 +40,7 @@ TRAJECTORY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "title": "Trajectory",
     "description": "A finished task in the native record form. 'tenant' may be left out (the key's tenant); naming "
-                   "another tenant is refused. An id makes retries idempotent (without one, a content hash is the id).",
+    "another tenant is refused. An id makes retries idempotent (without one, a content hash is the id).",
     "required": ["env", "task", "steps"],
     "additionalProperties": False,
     "properties": {
@@ -47,12 +48,30 @@ TRAJECTORY_SCHEMA: dict[str, Any] = {
         "env": {"type": "string", "maxLength": 128},
         "task": {"type": "string"},
         "initial_observation": {"type": "string"},
-        "steps": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"thought": {"type": "string"}, "action": {"type": "string"}, "observation": {"type": "string"}}}},
-        "outcome": {"anyOf": [{"type": "null"}, {"type": "boolean"}, {
-            "type": "object", "additionalProperties": False,
-            "properties": {"success": {"type": ["boolean", "null"]}, "reward": {"type": ["number", "null"]}}}]},
+        "steps": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "thought": {"type": "string"},
+                    "action": {"type": "string"},
+                    "observation": {"type": "string"},
+                },
+            },
+        },
+        "outcome": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "boolean"},
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"success": {"type": ["boolean", "null"]}, "reward": {"type": ["number", "null"]}},
+                },
+            ]
+        },
         "metadata": {"type": ["object", "null"]},
         "tenant": {"type": "string"},
     },
@@ -74,9 +93,13 @@ class _Request(BaseModel):
 
 # -- errors ---------------------------------------------------------------------------------
 class ErrorDetail(_Strict):
-    type: str = Field(description="validation_error, unauthorized, forbidden, not_found, conflict, too_large, unavailable, ...")
+    type: str = Field(
+        description="validation_error, unauthorized, forbidden, not_found, conflict, too_large, unavailable, ..."
+    )
     message: str
-    where: str | None = Field(None, description="the field path or place the error is about, e.g. trajectories[3].steps[0].action")
+    where: str | None = Field(
+        None, description="the field path or place the error is about, e.g. trajectories[3].steps[0].action"
+    )
     what_to_do: str
 
 
@@ -86,13 +109,19 @@ class ErrorBody(_Strict):
 
 # -- adding ---------------------------------------------------------------------------------
 class AddRequest(_Request):
-    trajectories: list[TrajectoryRecord] = Field(description="a batch of trajectory records (at most http.max_batch_items)")
-    wait: bool = Field(True, description="false: answer 202 with an operation id at once (poll GET /v1/operations/{id})")
+    trajectories: list[TrajectoryRecord] = Field(
+        description="a batch of trajectory records (at most http.max_batch_items)"
+    )
+    wait: bool = Field(
+        True, description="false: answer 202 with an operation id at once (poll GET /v1/operations/{id})"
+    )
 
 
 class AddItem(_Strict):
     id: str
-    status: str = Field(description="added | duplicate (stored before with the same content) | pending (stored, clustered later)")
+    status: str = Field(
+        description="added | duplicate (stored before with the same content) | pending (stored, clustered later)"
+    )
     cluster_id: int | None = None
 
 

@@ -25,15 +25,26 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from lifemem_ray.core.errors import AuthError, ConfigError
-from lifemem_ray.service.principal import SCOPES, Principal
 from lifemem_ray.core.tenancy import check_tenant, is_name
+from lifemem_ray.service.principal import SCOPES, Principal
 
-__all__ = ["ENV_KEYS", "KEY_PREFIX", "KeyEntry", "KeyRing", "check_bind", "hash_key", "is_loopback", "new_key", "parse_key_entries"]
+__all__ = [
+    "ENV_KEYS",
+    "KEY_PREFIX",
+    "KeyEntry",
+    "KeyRing",
+    "check_bind",
+    "hash_key",
+    "is_loopback",
+    "new_key",
+    "parse_key_entries",
+]
 
 ENV_KEYS = "LIFEMEM_API_KEYS"  # JSON list of key entries, or the path of a JSON file holding one
 KEY_PREFIX = "lmk_"  # marks a lifemem key (secret scanners and people recognise it)
@@ -81,7 +92,9 @@ def parse_key_entries(raw: Any, where: str) -> list[KeyEntry]:
     """Key entries checked: each ``{name, sha256, tenant, scopes}``, names and hashes unique.
     Raises :class:`ConfigError` naming the entry and field (``http.api_keys[2].sha256``)."""
     if not isinstance(raw, (list, tuple)):
-        raise ConfigError(f"{where}: expected a list of {{name, sha256, tenant, scopes}} entries, got {type(raw).__name__}")
+        raise ConfigError(
+            f"{where}: expected a list of {{name, sha256, tenant, scopes}} entries, got {type(raw).__name__}"
+        )
     out: list[KeyEntry] = []
     for i, item in enumerate(raw):
         at = f"{where}[{i}]"
@@ -97,8 +110,10 @@ def parse_key_entries(raw: Any, where: str) -> list[KeyEntry]:
         if not is_name(name):
             raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '_', '.', '-', got {name!r}")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest.lower()):
-            raise ConfigError(f"{at}.sha256: expected the 64 hex digits of the key's SHA-256 (`lifemem-ray keys new` prints it), "
-                              "never the key itself")
+            raise ConfigError(
+                f"{at}.sha256: expected the 64 hex digits of the key's SHA-256 (`lifemem-ray keys new` prints it), "
+                "never the key itself"
+            )
         try:
             tenant = check_tenant(item.get("tenant"), f"{at}.tenant")
         except ValueError as exc:
@@ -127,11 +142,15 @@ def entries_from_environ(environ: Mapping[str, str] | None = None) -> list[KeyEn
         try:
             raw = path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"{ENV_KEYS}: neither a JSON list nor a readable file: {path}: {exc.strerror or exc}") from None
+            raise ConfigError(
+                f"{ENV_KEYS}: neither a JSON list nor a readable file: {path}: {exc.strerror or exc}"
+            ) from None
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}); expected a list of key entries") from None
+        raise ConfigError(
+            f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}); expected a list of key entries"
+        ) from None
     return parse_key_entries(data, where)
 
 
@@ -143,22 +162,24 @@ class KeyRing:
     mode: str = "keys"  # keys | none
 
     @classmethod
-    def from_entries(cls, entries: Sequence[Any], mode: str = "keys") -> "KeyRing":
+    def from_entries(cls, entries: Sequence[Any], mode: str = "keys") -> KeyRing:
         if mode not in ("keys", "none"):
             raise ConfigError(f"http.auth: must be 'keys' or 'none', got {mode!r}")
         checked = parse_key_entries(list(entries), "api keys")
         return cls(tuple(checked), mode)
 
     @classmethod
-    def from_config(cls, http: Any, environ: Mapping[str, str] | None = None) -> "KeyRing":
+    def from_config(cls, http: Any, environ: Mapping[str, str] | None = None) -> KeyRing:
         """The keys of ``[http] api_keys`` plus those of ``LIFEMEM_API_KEYS`` (``http``: an
         :class:`~lifemem_ray.service.http_config.HttpConfig`). With ``auth = "keys"`` and no key at all,
         :class:`ConfigError` says how to make one: a server nobody can use is a mistake."""
         entries = parse_key_entries(http.api_keys, "http.api_keys") + entries_from_environ(environ)
         if http.auth == "keys" and not entries:
-            raise ConfigError("http.auth = 'keys' but no API key is configured: make one with `lifemem-ray keys new --tenant T "
-                              f"--scopes read,write` and put its entry in [http] api_keys or {ENV_KEYS}; or set "
-                              "http.auth = 'none' for a server without authentication (loopback only)")
+            raise ConfigError(
+                "http.auth = 'keys' but no API key is configured: make one with `lifemem-ray keys new --tenant T "
+                f"--scopes read,write` and put its entry in [http] api_keys or {ENV_KEYS}; or set "
+                "http.auth = 'none' for a server without authentication (loopback only)"
+            )
         return cls.from_entries(entries, http.auth)
 
     def authenticate(self, authorization: str | None) -> Principal:
@@ -208,6 +229,8 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, mode: str) -> None:
     """Refuse to serve without authentication on anything but loopback."""
     if mode == "none" and not is_loopback(host):
-        raise ConfigError(f"http.auth = 'none' serves every request as the default tenant with every scope, so it binds to "
-                          f"loopback only (127.0.0.1, ::1, localhost), not {host!r}; configure API keys (`lifemem-ray keys "
-                          "new`) to serve on other addresses")
+        raise ConfigError(
+            f"http.auth = 'none' serves every request as the default tenant with every scope, so it binds to "
+            f"loopback only (127.0.0.1, ::1, localhost), not {host!r}; configure API keys (`lifemem-ray keys "
+            "new`) to serve on other addresses"
+        )

@@ -41,13 +41,14 @@ class HttpConfig(Section):
         "operations_max_items": (1_000, 100_000_000),
     }
 
-
     host: str = "127.0.0.1"  # where Serve's HTTP proxy listens
     port: int = 8000
     # keys: every request needs ``Authorization: Bearer <key>`` of api_keys (or LIFEMEM_API_KEYS);
     # none: every request acts as the default tenant with every scope (loopback hosts only).
     auth: str = "keys"
-    api_keys: list = field(default_factory=list)  # [{name, sha256, tenant, scopes}]: hashes only (`lifemem-ray keys new`)
+    api_keys: list = field(
+        default_factory=list
+    )  # [{name, sha256, tenant, scopes}]: hashes only (`lifemem-ray keys new`)
     replicas: int = 1  # Serve replicas of the ingress (any replica answers any request)
     replica_cpus: float = 0.1  # CPU reserved per replica
     max_ongoing_requests: int = 32  # per replica; Serve queues the rest
@@ -67,7 +68,9 @@ class HttpConfig(Section):
     max_clusters_listed: int = 10_000  # clusters per GET /v1/clusters answer
     add_timeout_s: float = 300.0  # a waiting add not acknowledged by then answers 503 (its ids stay idempotent)
     read_timeout_s: float = 30.0  # retrieve, stats, clusters: shards not answering by then answer 503
-    delete_timeout_s: float = 300.0  # a deletion or purge not finished by then answers 503 (it goes on; sending it again is safe)
+    delete_timeout_s: float = (
+        300.0  # a deletion or purge not finished by then answers 503 (it goes on; sending it again is safe)
+    )
     restart_probe_s: float = 0.25  # a read not answered by then checks whether a shard is restarting (then 503 at once)
     retry_after_s: int = 2  # Retry-After of 503 answers
     health_timeout_s: float = 5.0  # /healthz waits this long for the coordinator and shards
@@ -80,6 +83,8 @@ class HttpConfig(Section):
         if not self.host.strip():
             raise ConfigError("http.host: must not be empty")
         if self.max_ongoing_per_tenant > self.max_ongoing_requests:
-            raise ConfigError(f"http.max_ongoing_per_tenant: {self.max_ongoing_per_tenant} is above http.max_ongoing_requests "
-                              f"({self.max_ongoing_requests}): one tenant could take every request slot of a replica; lower it")
+            raise ConfigError(
+                f"http.max_ongoing_per_tenant: {self.max_ongoing_per_tenant} is above http.max_ongoing_requests "
+                f"({self.max_ongoing_requests}): one tenant could take every request slot of a replica; lower it"
+            )
         parse_key_entries(self.api_keys, "http.api_keys")

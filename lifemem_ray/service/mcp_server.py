@@ -54,8 +54,9 @@ import logging
 import os
 import signal
 import stat
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncContextManager, AsyncIterator, Callable, Iterator, Literal, Sequence
+from typing import Annotated, Any, AsyncContextManager, Literal
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -69,10 +70,17 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from lifemem_ray.core.errors import AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError, ShardUnavailableError
+from lifemem_ray.core.errors import (
+    AuthError,
+    ForbiddenError,
+    IdConflictError,
+    LifeMemError,
+    OverloadedError,
+    ShardUnavailableError,
+)
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.service.principal import Principal
 from lifemem_ray.engine.retrieval import RetrievedTrajectory
+from lifemem_ray.service.principal import Principal
 
 __all__ = ["McpHttp", "build_mcp_server", "mcp_http", "run_stdio", "streamable_http_app"]
 
@@ -111,7 +119,8 @@ class AddAnswer(BaseModel):
     id: str = Field(description="the trajectory's id: the one given, or a content hash")
     status: Literal["added", "duplicate", "pending"] = Field(
         description="added; duplicate (this id is stored with the same content); pending (stored, "
-                    "clustered once the memory holds enough trajectories)")
+        "clustered once the memory holds enough trajectories)"
+    )
     cluster_id: int | None = Field(description="the workflow cluster it joined (null while pending)")
     tenant: str = Field(description="the tenant it is stored under (the caller's key's)")
 
@@ -167,8 +176,10 @@ def _problem(exc: BaseException) -> ToolError:
     if isinstance(exc, IdConflictError):
         return ToolError(f"id conflict: {exc}; send the record under another id, or without one (a content hash)")
     if isinstance(exc, (OverloadedError, ShardUnavailableError)):
-        return ToolError(f"the memory is busy or a part of it is restarting ({exc}); what it acknowledged is kept: "
-                         "retry in a few seconds")
+        return ToolError(
+            f"the memory is busy or a part of it is restarting ({exc}); what it acknowledged is kept: "
+            "retry in a few seconds"
+        )
     if isinstance(exc, ValueError):  # InvalidTrajectoryError, TenantError, argument checks: the caller's to fix
         return ToolError(f"invalid argument: {exc}; correct it and call again")
     return ToolError(f"{type(exc).__name__}: {exc}")
@@ -195,13 +206,23 @@ class _Tools:
     def add_trajectory(
         self,
         task: Annotated[str, Field(description="the goal the agent was given")],
-        env: Annotated[str, Field(description="the environment or application, e.g. 'webshop' (at most 128 characters)")],
+        env: Annotated[
+            str, Field(description="the environment or application, e.g. 'webshop' (at most 128 characters)")
+        ],
         steps: Annotated[list[StepRecord], Field(description="the turns in order; each needs an action or a thought")],
-        outcome: Annotated[OutcomeRecord | StrictBool | None,
-                           Field(description="success true/false/null and an optional reward, or just true/false")] = None,
-        id: Annotated[str | StrictInt | None,
-                      Field(description="your id for the run (a string or an integer): makes a retry idempotent (default: a content hash)")] = None,
-        initial_observation: Annotated[str, Field(description="what the environment showed before the first action")] = "",
+        outcome: Annotated[
+            OutcomeRecord | StrictBool | None,
+            Field(description="success true/false/null and an optional reward, or just true/false"),
+        ] = None,
+        id: Annotated[
+            str | StrictInt | None,
+            Field(
+                description="your id for the run (a string or an integer): makes a retry idempotent (default: a content hash)"
+            ),
+        ] = None,
+        initial_observation: Annotated[
+            str, Field(description="what the environment showed before the first action")
+        ] = "",
         metadata: Annotated[dict[str, Any] | None, Field(description="free JSON kept with the record")] = None,
     ) -> AddAnswer:
         """Store one finished run of a task (a trajectory) in the memory, for later retrieval.
@@ -210,8 +231,13 @@ class _Tools:
         answers 'duplicate'; the same id with other content is refused."""
         principal = self._acting("write")
         record: dict[str, Any] = {
-            "env": env, "task": task, "steps": [s.model_dump() for s in steps], "initial_observation": initial_observation,
-            "outcome": outcome.model_dump() if isinstance(outcome, OutcomeRecord) else outcome, "metadata": metadata, "tenant": principal.tenant,
+            "env": env,
+            "task": task,
+            "steps": [s.model_dump() for s in steps],
+            "initial_observation": initial_observation,
+            "outcome": outcome.model_dump() if isinstance(outcome, OutcomeRecord) else outcome,
+            "metadata": metadata,
+            "tenant": principal.tenant,
         }
         if id is not None:
             record["id"] = id
@@ -225,10 +251,16 @@ class _Tools:
     def retrieve_experience(
         self,
         task: Annotated[str, Field(description="the task about to be attempted")],
-        env: Annotated[str | None, Field(description="the environment to search; null searches every environment")] = None,
-        k: Annotated[StrictInt | None, Field(description="how many trajectories, an integer (default: the memory's retrieval.k)")] = None,
-        token_budget: Annotated[StrictInt | None,
-                                Field(description="token budget of the context block, an integer (default: retrieval.token_budget)")] = None,
+        env: Annotated[
+            str | None, Field(description="the environment to search; null searches every environment")
+        ] = None,
+        k: Annotated[
+            StrictInt | None, Field(description="how many trajectories, an integer (default: the memory's retrieval.k)")
+        ] = None,
+        token_budget: Annotated[
+            StrictInt | None,
+            Field(description="token budget of the context block, an integer (default: retrieval.token_budget)"),
+        ] = None,
     ) -> RetrieveAnswer:
         """Earlier runs of tasks like this one (succeeded and failed), and the skills distilled
         from their workflows: read them before acting. Reads only; changes nothing."""
@@ -239,10 +271,13 @@ class _Tools:
         except (LifeMemError, ValueError) as exc:
             raise _problem(exc) from None
         return RetrieveAnswer(
-            task=task, env=env, k=k if k is not None else backend.config.retrieval.k,
+            task=task,
+            env=env,
+            k=k if k is not None else backend.config.retrieval.k,
             trajectories=[_record(hit) for hit in got.trajectories],
             skills=[SkillRecord(cluster_id=s.cluster_id, text=s.text) for s in got.skills],
-            context=got.context, tokens=got.tokens,
+            context=got.context,
+            tokens=got.tokens,
         )
 
     def memory_stats(self) -> StatsAnswer:
@@ -252,19 +287,31 @@ class _Tools:
             stats = self._backend().stats(tenant=principal.tenant)
         except LifeMemError as exc:
             raise _problem(exc) from None
-        per_env = {env: EnvCounts(trajectories=int(c.get("trajectories", 0)), clusters=int(c.get("clusters", 0)))
-                   for env, c in (stats.get("per_env") or {}).items()}
-        return StatsAnswer(tenant=principal.tenant, trajectories=int(stats.get("trajectories", 0)),
-                           clusters=int(stats.get("clusters", 0)), pending=int(stats.get("pending", 0)), per_env=per_env)
+        per_env = {
+            env: EnvCounts(trajectories=int(c.get("trajectories", 0)), clusters=int(c.get("clusters", 0)))
+            for env, c in (stats.get("per_env") or {}).items()
+        }
+        return StatsAnswer(
+            tenant=principal.tenant,
+            trajectories=int(stats.get("trajectories", 0)),
+            clusters=int(stats.get("clusters", 0)),
+            pending=int(stats.get("pending", 0)),
+            per_env=per_env,
+        )
 
 
 def _record(hit: RetrievedTrajectory) -> RetrievedRecord:
     t = hit.trajectory
     return RetrievedRecord(
-        id=hit.id, env=hit.env, task=t.task, initial_observation=t.initial_observation,
+        id=hit.id,
+        env=hit.env,
+        task=t.task,
+        initial_observation=t.initial_observation,
         steps=[StepRecord(thought=s.thought, action=s.action, observation=s.observation) for s in t.steps],
-        outcome=OutcomeRecord(success=t.outcome.success, reward=t.outcome.reward), metadata=dict(t.metadata),
-        score=float(hit.score), cluster_id=hit.cluster_id,
+        outcome=OutcomeRecord(success=t.outcome.success, reward=t.outcome.reward),
+        metadata=dict(t.metadata),
+        score=float(hit.score),
+        cluster_id=hit.cluster_id,
     )
 
 
@@ -274,13 +321,26 @@ def build_mcp_server(backend_factory: Callable[[], Any], principal_provider: Cal
     ``Memory`` or the Ray ``MemoryClient``), acting as ``principal_provider()`` on every call."""
     server = MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, log_level="WARNING")
     tools = _Tools(backend_factory, principal_provider)
-    server.add_tool(tools.add_trajectory, name="add_trajectory", title="Add a trajectory",
-                    annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
-                                                open_world_hint=False))
-    server.add_tool(tools.retrieve_experience, name="retrieve_experience", title="Retrieve experience",
-                    annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
-    server.add_tool(tools.memory_stats, name="memory_stats", title="Memory statistics",
-                    annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
+    server.add_tool(
+        tools.add_trajectory,
+        name="add_trajectory",
+        title="Add a trajectory",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        ),
+    )
+    server.add_tool(
+        tools.retrieve_experience,
+        name="retrieve_experience",
+        title="Retrieve experience",
+        annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
+    )
+    server.add_tool(
+        tools.memory_stats,
+        name="memory_stats",
+        title="Memory statistics",
+        annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
+    )
     return server
 
 
@@ -300,21 +360,34 @@ class McpHttp:
         return self.session_manager.run()
 
 
-def mcp_http(server: MCPServer, *, json_response: bool = True, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
-             transport_security: TransportSecuritySettings | None = None) -> McpHttp:
+def mcp_http(
+    server: MCPServer,
+    *,
+    json_response: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+    transport_security: TransportSecuritySettings | None = None,
+) -> McpHttp:
     """The stateless Streamable HTTP handler of ``server``: a fresh transport per request, no
     session ids, so a request may land on any replica. ``transport_security`` turns on the SDK's
     Host / Origin checks (worth it where the endpoint runs without keys on loopback)."""
     manager = StreamableHTTPSessionManager(
         app=server._lowlevel_server,  # the SDK's own streamable_http_app passes the same object
-        json_response=json_response, stateless=True, security_settings=transport_security,
+        json_response=json_response,
+        stateless=True,
+        security_settings=transport_security,
         max_request_body_size=max_body_bytes,
     )
     return McpHttp(server, manager, StreamableHTTPASGIApp(manager))
 
 
-def streamable_http_app(server: MCPServer, *, path: str = "/mcp", middleware: Sequence[Middleware] = (),
-                        json_response: bool = True, transport_security: TransportSecuritySettings | None = None) -> Starlette:
+def streamable_http_app(
+    server: MCPServer,
+    *,
+    path: str = "/mcp",
+    middleware: Sequence[Middleware] = (),
+    json_response: bool = True,
+    transport_security: TransportSecuritySettings | None = None,
+) -> Starlette:
     """A Starlette app serving ``server`` at ``path`` (stateless, JSON answers), its session
     manager run by the app's lifespan; ``middleware`` (outermost first) authenticates."""
     handle = mcp_http(server, json_response=json_response, transport_security=transport_security)
@@ -353,7 +426,7 @@ async def _stdin_lines(fd: int) -> AsyncIterator[str]:
         while (end := buffer.find(b"\n")) >= 0:
             line = bytes(buffer[: end + 1])
             del buffer[: end + 1]
-            yield "{\"message too long\"}\n" if overlong else line.decode("utf-8", errors="replace")
+            yield '{"message too long"}\n' if overlong else line.decode("utf-8", errors="replace")
             overlong = False
         if len(buffer) > STDIO_MAX_LINE_BYTES:
             buffer.clear()
@@ -395,6 +468,7 @@ def run_stdio(memory: Any, principal: Principal) -> None:
 
     async def serve(stdin_fd: int | None) -> None:
         async with anyio.create_task_group() as tg:
+
             async def stop_on_signal() -> None:
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from lifemem_ray.core.errors import AuthError, ForbiddenError
 
@@ -34,14 +34,17 @@ class Principal:
     def allows(self, scope: str) -> bool:
         return scope in self.scopes or "admin" in self.scopes
 
-    def require(self, scope: str, what: str = "") -> "Principal":
+    def require(self, scope: str, what: str = "") -> Principal:
         """This principal if its key has ``scope``, else :class:`ForbiddenError` naming the key,
         the scope and (``what``) the operation. The one scope check of REST, MCP and the rest."""
         if scope not in SCOPES:
             raise ValueError(f"scope: {scope!r} is not one of {SCOPES}")
         if not self.allows(scope):
-            raise ForbiddenError(f"key {self.key_id or '(unnamed)'} of tenant {self.tenant!r} lacks the {scope!r} scope"
-                                 + (f" needed for {what}" if what else "") + "; use a key with that scope")
+            raise ForbiddenError(
+                f"key {self.key_id or '(unnamed)'} of tenant {self.tenant!r} lacks the {scope!r} scope"
+                + (f" needed for {what}" if what else "")
+                + "; use a key with that scope"
+            )
         return self
 
 

@@ -62,7 +62,9 @@ def test_tasks_fixed_partition(env):
         again.close()
     assert env.tasks("train", limit=5) == train[:5]
     shuffled = env.tasks("test", seed=3)
-    assert shuffled == env.tasks("test", seed=3) != test and sorted(t.id for t in shuffled) == sorted(t.id for t in test)
+    assert shuffled == env.tasks("test", seed=3) != test and sorted(t.id for t in shuffled) == sorted(
+        t.id for t in test
+    )
     with pytest.raises(ValueError, match="split"):
         env.tasks("valid_seen")
 
@@ -89,7 +91,9 @@ def test_reset_invalid_actions_and_max_steps(env):
         env.reset(Task(env="twx-coin", id="x", instruction="y", payload=task.payload))
 
 
-@pytest.mark.parametrize("task_type", ["pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep"])
+@pytest.mark.parametrize(
+    "task_type", ["pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep"]
+)
 def test_gold_replay_succeeds(env, task_type):
     argv = list(sys.argv)
     task = _smallest(env, task_type)[0]
@@ -101,7 +105,10 @@ def test_gold_replay_succeeds(env, task_type):
         result = env.step(action)
         if result.done:
             break
-    assert result is not None and result.done and result.info["success"] is True and result.reward == 1.0, (task.id, gold)
+    assert result is not None and result.done and result.info["success"] is True and result.reward == 1.0, (
+        task.id,
+        gold,
+    )
     assert sys.argv == argv  # fast-downward's translator rewrites sys.argv; the adapter restores it
 
 
@@ -126,7 +133,7 @@ def test_put_aliases(env):
     assert put.startswith("put ") and " in/on " in put
     for action in moves:
         env.step(action)
-    obj, recep = put[len("put "):].split(" in/on ")
+    obj, recep = put[len("put ") :].split(" in/on ")
     r = env.step(f"Put {obj} on {recep}.")
     assert r.done and r.info["success"] is True
 

@@ -62,7 +62,10 @@ def test_gold_replay_succeeds_in_every_category() -> None:
             env.reset(task)
             for action in env.gold_actions(task):
                 result = env.step(action)
-            assert result.done and result.info["success"] is True and result.reward == 1.0, (task.id, result.info.get("failure"))
+            assert result.done and result.info["success"] is True and result.reward == 1.0, (
+                task.id,
+                result.info.get("failure"),
+            )
     finally:
         env.close()
 
@@ -97,7 +100,11 @@ def test_turn_step_limit_force_terminates() -> None:
         env.reset(env.tasks("test", limit=1)[0])
         assert not env.step("pwd()").done and not env.step("pwd()").done
         last = env.step("pwd()")
-        assert last.done and last.info["success"] is False and last.info["failure"]["error_type"] == "multi_turn:force_terminated"
+        assert (
+            last.done
+            and last.info["success"] is False
+            and last.info["failure"]["error_type"] == "multi_turn:force_terminated"
+        )
         assert env.step("finish_turn").done  # after the end: still done, no crash
     finally:
         env.close()

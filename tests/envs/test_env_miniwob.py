@@ -54,14 +54,36 @@ def test_parse_action_grammar():
 
 
 def test_render_dom_labels_checkboxes_and_skips_layout():
-    dom = {"tag": "BODY", "ref": 1, "children": [{"tag": "DIV", "ref": 2, "children": [
-        {"tag": "LABEL", "ref": 3, "children": [{"tag": "INPUT_checkbox", "ref": 4, "value": True, "children": []}, {"tag": "t", "ref": -1, "text": "red", "children": []}]},
-        {"tag": "t", "ref": -2, "text": "loose words", "children": []},
-        {"tag": "BUTTON", "ref": 5, "text": "Submit", "children": []},
-        {"tag": "INPUT_text", "ref": 6, "value": "ab", "focused": True, "children": []},
-    ]}]}
+    dom = {
+        "tag": "BODY",
+        "ref": 1,
+        "children": [
+            {
+                "tag": "DIV",
+                "ref": 2,
+                "children": [
+                    {
+                        "tag": "LABEL",
+                        "ref": 3,
+                        "children": [
+                            {"tag": "INPUT_checkbox", "ref": 4, "value": True, "children": []},
+                            {"tag": "t", "ref": -1, "text": "red", "children": []},
+                        ],
+                    },
+                    {"tag": "t", "ref": -2, "text": "loose words", "children": []},
+                    {"tag": "BUTTON", "ref": 5, "text": "Submit", "children": []},
+                    {"tag": "INPUT_text", "ref": 6, "value": "ab", "focused": True, "children": []},
+                ],
+            }
+        ],
+    }
     lines, elements = render_dom(dom)
-    assert lines == ['[4] input_checkbox (checked) "red"', 'text "loose words"', '[5] button "Submit"', '[6] input_text value="ab" (focused)']
+    assert lines == [
+        '[4] input_checkbox (checked) "red"',
+        'text "loose words"',
+        '[5] button "Submit"',
+        '[6] input_text value="ab" (focused)',
+    ]
     assert [e["ref"] for e in elements] == [4, 5, 6]
 
 
@@ -129,7 +151,12 @@ def test_gold_actions_reach_success(env):
         env.reset(task)
         for action in gold:
             result = env.step(action)
-        assert result.done and result.info["success"] is True and result.reward > 0, (task.id, task.instruction, gold, result.observation)
+        assert result.done and result.info["success"] is True and result.reward > 0, (
+            task.id,
+            task.instruction,
+            gold,
+            result.observation,
+        )
 
 
 def test_gold_of_another_task_keeps_the_running_episode(env):

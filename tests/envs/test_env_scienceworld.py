@@ -10,7 +10,9 @@ import pytest
 
 pytest.importorskip("scienceworld", reason="scienceworld is not installed (pip install scienceworld)")
 if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
-    pytest.skip("no Java runtime for ScienceWorld (apt-get install -y openjdk-17-jre-headless)", allow_module_level=True)
+    pytest.skip(
+        "no Java runtime for ScienceWorld (apt-get install -y openjdk-17-jre-headless)", allow_module_level=True
+    )
 
 from lifemem_ray.lab.envs import EnvUnavailable, Task, TaskError, make_env
 from lifemem_ray.lab.envs.scienceworld import ScienceWorldEnv
@@ -29,7 +31,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def env():
-    e = ScienceWorldEnv(task_names=KINDS, variations_per_task_train=2, variations_per_task_test=1, list_valid_actions=False)
+    e = ScienceWorldEnv(
+        task_names=KINDS, variations_per_task_train=2, variations_per_task_test=1, list_valid_actions=False
+    )
     try:
         yield e
     finally:
@@ -48,7 +52,9 @@ def test_tasks_deterministic_and_split(env):
     assert max(t.payload["variation"] for t in train) < min(t.payload["variation"] for t in test)
     assert env.tasks("train") == train
     shuffled = env.tasks("train", seed=3)
-    assert shuffled == env.tasks("train", seed=3) and sorted(shuffled, key=lambda t: t.id) == sorted(train, key=lambda t: t.id)
+    assert shuffled == env.tasks("train", seed=3) and sorted(shuffled, key=lambda t: t.id) == sorted(
+        train, key=lambda t: t.id
+    )
     assert env.tasks("train", limit=2) == train[:2]
     assert "find-non-living-thing-train-0" in ids
     with pytest.raises(ValueError, match="split"):
@@ -130,7 +136,9 @@ def test_bad_tasks_raise_task_error(env):
     with pytest.raises(TaskError, match="task_name"):
         env.reset(Task(env="scienceworld", id="x", instruction="x", payload={"task_name": "fly", "variation": 0}))
     with pytest.raises(TaskError, match="variation"):
-        env.reset(Task(env="scienceworld", id="x", instruction="x", payload={"task_name": "find-plant", "variation": "0"}))
+        env.reset(
+            Task(env="scienceworld", id="x", instruction="x", payload={"task_name": "find-plant", "variation": "0"})
+        )
     with pytest.raises(ValueError, match="unknown task name"):
         ScienceWorldEnv(task_names=["fly-to-the-moon"])
 

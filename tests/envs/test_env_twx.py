@@ -46,7 +46,9 @@ def test_tasks_deterministic_and_split(coin):
     with pytest.raises(ValueError, match="split"):
         coin.tasks("dev")
     with TextWorldExpressEnv("coin", n_train=6, n_test=4) as again:
-        assert [(t.id, t.instruction, t.payload) for t in again.tasks("train")] == [(t.id, t.instruction, t.payload) for t in train]
+        assert [(t.id, t.instruction, t.payload) for t in again.tasks("train")] == [
+            (t.id, t.instruction, t.payload) for t in train
+        ]
 
 
 def test_reset_gives_instruction_and_valid_actions(coin):
@@ -80,7 +82,9 @@ def test_bad_tasks_and_params_rejected(coin):
     with pytest.raises(TaskError, match="seed"):
         coin.reset(Task(env="twx-coin", id="x", instruction="y", payload={**task.payload, "seed": "3"}))
     with pytest.raises(TaskError, match="numLocations"):
-        coin.reset(Task(env="twx-coin", id="x", instruction="y", payload={**task.payload, "params": {"numLocations": 99}}))
+        coin.reset(
+            Task(env="twx-coin", id="x", instruction="y", payload={**task.payload, "params": {"numLocations": 99}})
+        )
     with pytest.raises(ValueError, match="variant"):
         TextWorldExpressEnv("nosuchgame")
 

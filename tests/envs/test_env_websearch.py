@@ -16,25 +16,51 @@ HOTPOT = SHARED / "data" / "hotpotqa" / "distractor-dev-100.jsonl"
 
 TINY = [
     {
-        "id": "q1", "question": "Which city is the Glass Museum of the founder of Acme Widgets in?", "answer": "Springfield",
-        "type": "bridge", "level": "easy", "supporting_facts": [["Acme Widgets", 1], ["Jane Roe (inventor)", 0]],
+        "id": "q1",
+        "question": "Which city is the Glass Museum of the founder of Acme Widgets in?",
+        "answer": "Springfield",
+        "type": "bridge",
+        "level": "easy",
+        "supporting_facts": [["Acme Widgets", 1], ["Jane Roe (inventor)", 0]],
         "context": [
-            ["Acme Widgets", ["Acme Widgets is a maker of widgets.", " It was founded by Jane Roe in 1950.", " Acme sells widgets worldwide."]],
+            [
+                "Acme Widgets",
+                [
+                    "Acme Widgets is a maker of widgets.",
+                    " It was founded by Jane Roe in 1950.",
+                    " Acme sells widgets worldwide.",
+                ],
+            ],
             ["Jane Roe (inventor)", ["Jane Roe founded the Glass Museum in Springfield.", " She died in 1999."]],
             ["Springfield Zoo", ["The Springfield Zoo houses 300 animals."]],
         ],
     },
     {
-        "id": "q2", "question": "Are Acme Widgets and Beta Gadgets both widget makers?", "answer": "no",
-        "type": "comparison", "level": "medium", "supporting_facts": [["Acme Widgets", 0], ["Beta Gadgets", 0]],
+        "id": "q2",
+        "question": "Are Acme Widgets and Beta Gadgets both widget makers?",
+        "answer": "no",
+        "type": "comparison",
+        "level": "medium",
+        "supporting_facts": [["Acme Widgets", 0], ["Beta Gadgets", 0]],
         "context": [
-            ["Acme Widgets", ["Acme Widgets is a maker of widgets.", " It was founded by Jane Roe in 1950.", " Acme sells widgets worldwide."]],
+            [
+                "Acme Widgets",
+                [
+                    "Acme Widgets is a maker of widgets.",
+                    " It was founded by Jane Roe in 1950.",
+                    " Acme sells widgets worldwide.",
+                ],
+            ],
             ["Beta Gadgets", ["Beta Gadgets makes gadgets, not widgets."]],
         ],
     },
     {
-        "id": "q3", "question": "How many animals live in the Springfield Zoo?", "answer": "300",
-        "type": "bridge", "level": "hard", "supporting_facts": [["Springfield Zoo", 0]],
+        "id": "q3",
+        "question": "How many animals live in the Springfield Zoo?",
+        "answer": "300",
+        "type": "bridge",
+        "level": "hard",
+        "supporting_facts": [["Springfield Zoo", 0]],
         "context": [["Springfield Zoo", ["The Springfield Zoo houses 300 animals."]], ["Cats", ["Cats are animals."]]],
     },
 ]

@@ -12,7 +12,7 @@ clusters than trajectories, so an exact matrix product is cheap.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -31,7 +31,9 @@ class ClusterCentroids:
         self._ids = np.empty(0, dtype=np.int64)
         self._matrix = np.empty((0, self.dim), dtype=np.float32)
         self._tenant_codes: dict[str, int] = {}  # tenant -> small int, for masking rows by tenant
-        self._tenants = np.empty(0, dtype=np.int32)  # per row: its cluster's tenant code (a cluster never changes tenant)
+        self._tenants = np.empty(
+            0, dtype=np.int32
+        )  # per row: its cluster's tenant code (a cluster never changes tenant)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -82,7 +84,9 @@ class ClusterCentroids:
     def query(self, vectors: np.ndarray, workflow_vectors: np.ndarray) -> np.ndarray:
         return np.hstack([self._a * workflow_vectors, self._b * vectors]).astype(np.float32)
 
-    def search(self, queries: np.ndarray, m: int, tenants: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, m: int, tenants: Sequence[str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The ``m`` best-scoring clusters per query (see :meth:`query`), best first, as
         (ids, scores) arrays of shape (n, min(m, clusters)). With ``tenants`` (one per query)
         only clusters of the query's tenant compete (so another tenant's never take a place);

@@ -26,9 +26,24 @@ if TYPE_CHECKING:
     from lifemem_ray.llm.llm_config import LLMConfig
 
 __all__ = [
-    "MAX_FLOWS", "OTHER_FLOW", "ClusterInfo", "ClusterRecord", "add_member", "check_against_members", "check_listing_limit", "cosine_to_sum",
-    "example_task", "fold_member",
-    "merged", "needs_description", "needs_skill", "needs_skill_after_removal", "needs_split", "new_cluster_record", "scrub_text", "unfold_member",
+    "MAX_FLOWS",
+    "OTHER_FLOW",
+    "ClusterInfo",
+    "ClusterRecord",
+    "add_member",
+    "check_against_members",
+    "check_listing_limit",
+    "cosine_to_sum",
+    "example_task",
+    "fold_member",
+    "merged",
+    "needs_description",
+    "needs_skill",
+    "needs_skill_after_removal",
+    "needs_split",
+    "new_cluster_record",
+    "scrub_text",
+    "unfold_member",
 ]
 
 MAX_FLOWS = 24  # distinct workflow summaries kept per cluster (the rest count as OTHER_FLOW)
@@ -78,7 +93,7 @@ class ClusterRecord:
         """Mean resultant length R of the members' workflow vectors."""
         return float(np.linalg.norm(self.wsum) / self.count) if self.count else 0.0
 
-    def copy(self) -> "ClusterRecord":
+    def copy(self) -> ClusterRecord:
         return ClusterRecord(
             **{
                 **self.__dict__,
@@ -101,11 +116,20 @@ def scrub_text(record: ClusterRecord) -> ClusterRecord:
 
 
 def new_cluster_record(cluster_id: int, dim: int, wdim: int, born: str, now: float) -> ClusterRecord:
-    return ClusterRecord(id=cluster_id, count=0, tsum=np.zeros(dim, dtype=np.float64), wsum=np.zeros(wdim, dtype=np.float64),
-                         born=born, created=now, updated=now)
+    return ClusterRecord(
+        id=cluster_id,
+        count=0,
+        tsum=np.zeros(dim, dtype=np.float64),
+        wsum=np.zeros(wdim, dtype=np.float64),
+        born=born,
+        created=now,
+        updated=now,
+    )
 
 
-def fold_member(record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: str, success: bool | None, flow: str, now: float) -> None:
+def fold_member(
+    record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: str, success: bool | None, flow: str, now: float
+) -> None:
     """Add one member to a cluster's running state (sums, counts, profiles)."""
     record.count += 1
     record.tsum += vec
@@ -124,7 +148,9 @@ def fold_member(record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: s
     record.updated = now
 
 
-def unfold_member(record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: str, success: bool | None, flow: str, now: float) -> None:
+def unfold_member(
+    record: ClusterRecord, vec: np.ndarray, wvec: np.ndarray, env: str, success: bool | None, flow: str, now: float
+) -> None:
     """The inverse of :func:`fold_member`: take one member out of the running state."""
     record.count -= 1
     record.tsum -= vec
@@ -179,7 +205,9 @@ def cosine_to_sum(vec: np.ndarray, total: np.ndarray) -> float:
     return float(vec @ total) / norm if norm > 0 else 0.0
 
 
-def check_against_members(record: ClusterRecord, members: int, count: int, tsum: np.ndarray, wsum: np.ndarray) -> list[str]:
+def check_against_members(
+    record: ClusterRecord, members: int, count: int, tsum: np.ndarray, wsum: np.ndarray
+) -> list[str]:
     """The invariant of a live cluster: its count equals its member list (``members``) and the
     recount of the stored vectors assigned to it (``count``, summing to ``tsum`` / ``wsum``);
     its running sums equal those sums, and its R the R they give. Problems found, as text."""
@@ -195,12 +223,16 @@ def check_against_members(record: ClusterRecord, members: int, count: int, tsum:
 
 
 # -- when a cluster needs maintenance ----------------------------------------------------------
-def needs_split(record: ClusterRecord, evo: "EvolutionConfig") -> bool:
+def needs_split(record: ClusterRecord, evo: EvolutionConfig) -> bool:
     """The paper's split rule: n > L and R < tau (and not refused at this size before)."""
-    return record.count > evo.split_min_size and record.mrl < evo.split_mrl_threshold and record.count >= record.no_split_until
+    return (
+        record.count > evo.split_min_size
+        and record.mrl < evo.split_mrl_threshold
+        and record.count >= record.no_split_until
+    )
 
 
-def needs_skill(record: ClusterRecord, evo: "EvolutionConfig", llm: "LLMConfig", llm_mode: bool) -> bool:
+def needs_skill(record: ClusterRecord, evo: EvolutionConfig, llm: LLMConfig, llm_mode: bool) -> bool:
     """Every cluster has a skill from its creation on. With an LLM, a cluster gets an LLM
     skill once it has ``llm.min_cluster_size`` members, then again each time it has grown
     by ``evolution.skill_refresh_growth`` (the paper's budget: few, well-fed calls)."""
@@ -211,7 +243,7 @@ def needs_skill(record: ClusterRecord, evo: "EvolutionConfig", llm: "LLMConfig",
     return record.count >= record.skill_n * (1.0 + evo.skill_refresh_growth)
 
 
-def needs_skill_after_removal(record: ClusterRecord, evo: "EvolutionConfig") -> bool:
+def needs_skill_after_removal(record: ClusterRecord, evo: EvolutionConfig) -> bool:
     """After members were removed: distil again once the cluster has shrunk as much as growth
     would call for (its skill was distilled at ``skill_n`` members; it now has at most
     ``skill_n / (1 + evolution.skill_refresh_growth)``), so a skill does not keep describing
@@ -219,10 +251,12 @@ def needs_skill_after_removal(record: ClusterRecord, evo: "EvolutionConfig") -> 
     return record.count > 0 and record.skill_n > 0 and record.count * (1.0 + evo.skill_refresh_growth) <= record.skill_n
 
 
-def needs_description(record: ClusterRecord, evo: "EvolutionConfig", llm: "LLMConfig") -> bool:
+def needs_description(record: ClusterRecord, evo: EvolutionConfig, llm: LLMConfig) -> bool:
     """With an LLM: describe a cluster once it has ``llm.min_cluster_size`` members, then
     each time it has grown by ``description_refresh_growth`` since the last attempt."""
-    return record.count >= max(float(llm.min_cluster_size), record.description_n * (1.0 + evo.description_refresh_growth))
+    return record.count >= max(
+        float(llm.min_cluster_size), record.description_n * (1.0 + evo.description_refresh_growth)
+    )
 
 
 def example_task(record: ClusterRecord) -> str:
@@ -255,13 +289,35 @@ class ClusterInfo:
     tenant: str = DEFAULT_TENANT  # whose members these are; ``envs`` names the environments without it
 
     @classmethod
-    def of(cls, record: ClusterRecord) -> "ClusterInfo":
+    def of(cls, record: ClusterRecord) -> ClusterInfo:
         top = dict(sorted(record.flows.items(), key=lambda kv: -kv[1])[:5])
-        return cls(id=record.id, count=record.count, envs=display_envs(record.envs), description=record.description, skill=record.skill,
-                   mrl=round(record.mrl, 6), born=record.born, parent=record.parent, successes=record.successes,
-                   failures=record.failures, flows=top, tenant=record.tenant or DEFAULT_TENANT)
+        return cls(
+            id=record.id,
+            count=record.count,
+            envs=display_envs(record.envs),
+            description=record.description,
+            skill=record.skill,
+            mrl=round(record.mrl, 6),
+            born=record.born,
+            parent=record.parent,
+            successes=record.successes,
+            failures=record.failures,
+            flows=top,
+            tenant=record.tenant or DEFAULT_TENANT,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "count": self.count, "envs": self.envs, "description": self.description, "skill": self.skill,
-                "mrl": self.mrl, "born": self.born, "parent": self.parent, "successes": self.successes, "failures": self.failures,
-                "flows": self.flows, "tenant": self.tenant}
+        return {
+            "id": self.id,
+            "count": self.count,
+            "envs": self.envs,
+            "description": self.description,
+            "skill": self.skill,
+            "mrl": self.mrl,
+            "born": self.born,
+            "parent": self.parent,
+            "successes": self.successes,
+            "failures": self.failures,
+            "flows": self.flows,
+            "tenant": self.tenant,
+        }

@@ -14,22 +14,33 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import EvolutionConfig
-
-from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.core.decisions import AssignRequest, Candidate, ClusterView, Decider
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.clustering.policy import OfflinePolicy
-from lifemem_ray.engine.clustering.clusters import MAX_FLOWS, ClusterRecord, add_member, fold_member, new_cluster_record
 from lifemem_ray.core.tenancy import display_envs, id_key, scope, scope_tenant
+from lifemem_ray.engine.clustering.clusters import MAX_FLOWS, ClusterRecord, add_member, fold_member, new_cluster_record
+from lifemem_ray.engine.clustering.policy import OfflinePolicy
+from lifemem_ray.engine.memory_config import EvolutionConfig
+from lifemem_ray.llm.llm_config import LLMConfig
 
-__all__ = ["MAX_FLOWS", "MAX_PROVISIONAL_CANDIDATES", "BatchItem", "ItemBatch", "BatchPlan", "BatchPlanner", "CandidateArrays", "CandidateSet", "Placement",
-           "add_member", "fold_member", "new_cluster_record"]
+__all__ = [
+    "MAX_FLOWS",
+    "MAX_PROVISIONAL_CANDIDATES",
+    "BatchItem",
+    "BatchPlan",
+    "BatchPlanner",
+    "CandidateArrays",
+    "CandidateSet",
+    "ItemBatch",
+    "Placement",
+    "add_member",
+    "fold_member",
+    "new_cluster_record",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +80,17 @@ class BatchItem:
         return self._traj
 
     @classmethod
-    def of(cls, traj: Trajectory, vec: np.ndarray, wvec: np.ndarray, tokens: list[str], flow: str, *, vid: int = 0, stored: bool = False) -> "BatchItem":
+    def of(
+        cls,
+        traj: Trajectory,
+        vec: np.ndarray,
+        wvec: np.ndarray,
+        tokens: list[str],
+        flow: str,
+        *,
+        vid: int = 0,
+        stored: bool = False,
+    ) -> BatchItem:
         from lifemem_ray.core.records import encode_trajectory
 
         return cls(
@@ -110,7 +131,7 @@ class ItemBatch:
         return len(self.ids)
 
     @classmethod
-    def of(cls, items: Sequence[BatchItem], features: str) -> "ItemBatch":
+    def of(cls, items: Sequence[BatchItem], features: str) -> ItemBatch:
         return cls(
             ids=[it.id for it in items],
             envs=[it.env for it in items],
@@ -129,11 +150,20 @@ class ItemBatch:
         return [
             BatchItem(i, e, q, s, f, r, v, w, t, fl)
             for i, e, q, s, f, r, v, w, t, fl in zip(
-                self.ids, self.envs, self.queries, self.successes, self.fingerprints, self.records, self.vecs, self.wvecs, self.tokens, self.flows
+                self.ids,
+                self.envs,
+                self.queries,
+                self.successes,
+                self.fingerprints,
+                self.records,
+                self.vecs,
+                self.wvecs,
+                self.tokens,
+                self.flows,
             )
         ]
 
-    def select(self, positions: Sequence[int]) -> "ItemBatch":
+    def select(self, positions: Sequence[int]) -> ItemBatch:
         pos = list(positions)
         return ItemBatch(
             ids=[self.ids[i] for i in pos],
@@ -167,7 +197,7 @@ class CandidateSet:
     neighbours: list[list[tuple[int, float]]]
     extra: list[list[tuple[int, float]]]
     clusters: dict[int, ClusterRecord]
-    scopes: dict[str, "ScopeSums"] = field(default_factory=dict)  # the batch's environments' running sums
+    scopes: dict[str, ScopeSums] = field(default_factory=dict)  # the batch's environments' running sums
 
 
 @dataclass
@@ -180,12 +210,12 @@ class ScopeSums:
     tsum: np.ndarray  # (dim,) float64 sum of the members' unit text vectors
     wsum: np.ndarray  # (wdim,) float64 sum of their unit workflow vectors
 
-    def add(self, other: "ScopeSums") -> None:
+    def add(self, other: ScopeSums) -> None:
         self.count += other.count
         self.tsum = self.tsum + other.tsum
         self.wsum = self.wsum + other.wsum
 
-    def copy(self) -> "ScopeSums":
+    def copy(self) -> ScopeSums:
         return ScopeSums(self.count, self.tsum.copy(), self.wsum.copy())
 
 
@@ -229,7 +259,7 @@ class CandidateArrays:
         )
 
     @staticmethod
-    def merge(parts: Sequence["CandidateArrays"], k: int, m: int) -> CandidateSet:
+    def merge(parts: Sequence[CandidateArrays], k: int, m: int) -> CandidateSet:
         """The global top-k neighbours and top-m clusters over several stores' candidates
         (stable: equal scores keep the stores' order)."""
         clusters: dict[int, ClusterRecord] = {}
@@ -242,7 +272,9 @@ class CandidateArrays:
                 else:
                     scopes[env] = sums.copy()
         return CandidateSet(
-            neighbours=_rows(*_top(np.hstack([p.neighbour_ids for p in parts]), np.hstack([p.neighbour_scores for p in parts]), k)),
+            neighbours=_rows(
+                *_top(np.hstack([p.neighbour_ids for p in parts]), np.hstack([p.neighbour_scores for p in parts]), k)
+            ),
             extra=_rows(*_top(np.hstack([p.extra_ids for p in parts]), np.hstack([p.extra_scores for p in parts]), m)),
             clusters=clusters,
             scopes=scopes,
@@ -278,7 +310,9 @@ def top_k_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return top, np.take_along_axis(scores, top, 1)
 
 
-def _earlier_neighbours(vecs: np.ndarray, k: int, w: int, groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _earlier_neighbours(
+    vecs: np.ndarray, k: int, w: int, groups: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """For each item, its k most similar items among the ``w`` before it
     (``evolution.in_batch_window``; index -1 where there are fewer) of the same group
     (``groups``: a code per item: the environment's scope, or the tenant), so another
@@ -333,7 +367,9 @@ class _PlanState:
     candidates_of: list[list[Candidate]] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
     norms: _SumNorms = field(default_factory=lambda: _SumNorms())
-    scopes: dict[str, ScopeSums] = field(default_factory=dict)  # the environments' sums, with this batch's items placed so far
+    scopes: dict[str, ScopeSums] = field(
+        default_factory=dict
+    )  # the environments' sums, with this batch's items placed so far
 
 
 class BatchPlanner:
@@ -397,22 +433,41 @@ class BatchPlanner:
                     ids.append(-(label + 1))
         for i, item in enumerate(items):
             if init_labels is not None and i < init_count:
-                plan.placements.append(Placement(cluster=-(init_labels[i] + 1), op="init", by="llm",
-                                                 description=init_descriptions[init_labels[i]] or None))
+                plan.placements.append(
+                    Placement(
+                        cluster=-(init_labels[i] + 1),
+                        op="init",
+                        by="llm",
+                        description=init_descriptions[init_labels[i]] or None,
+                    )
+                )
                 state.candidates_of.append([])
                 state.margins.append(1.0)
                 self._apply(plan.clusters, plan.placements[i].cluster, item, now, born="init")
                 self._count_in_scope(state, item)
                 continue
-            hits = self._hits(i, item, state, [] if i < init_count else neighbours[i], near,
-                              extra[i] if extra is not None and i >= init_count else ())
+            hits = self._hits(
+                i,
+                item,
+                state,
+                [] if i < init_count else neighbours[i],
+                near,
+                extra[i] if extra is not None and i >= init_count else (),
+            )
             self._place_one(i, item, hits, vec64[i], wvec64[i], state, init_count, now)
         if self.decider is not None and n > init_count:
             self._ask_decider(plan, items, state.candidates_of, state.margins, init_count)
         return plan
 
-    def _hits(self, i: int, item: BatchItem, state: "_PlanState", stored: Sequence[tuple[int, float]],
-              near: tuple[list[list[float]], list[list[int]]], extra: Sequence[int]) -> dict[int, int]:
+    def _hits(
+        self,
+        i: int,
+        item: BatchItem,
+        state: _PlanState,
+        stored: Sequence[tuple[int, float]],
+        near: tuple[list[list[float]], list[list[int]]],
+        extra: Sequence[int],
+    ) -> dict[int, int]:
         """Item i's candidate clusters, each with its number of top-k neighbours in it: the
         top-k among its stored neighbours and the earlier items of this batch, the ``extra``
         clusters, and the clusters opened earlier in this batch in its environment (not in
@@ -428,12 +483,21 @@ class BatchPlanner:
             hits[cid] = hits.get(cid, 0) + 1
         for cid in extra:
             hits.setdefault(cid, 0)
-        for cid in state.provisional_by_env.get(item.env, ())[-self.config.max_provisional_candidates:]:
+        for cid in state.provisional_by_env.get(item.env, ())[-self.config.max_provisional_candidates :]:
             hits.setdefault(cid, 0)
         return hits
 
-    def _place_one(self, i: int, item: BatchItem, hits: dict[int, int], vec64: np.ndarray, wvec64: np.ndarray,
-                   state: "_PlanState", init_count: int, now: float) -> None:
+    def _place_one(
+        self,
+        i: int,
+        item: BatchItem,
+        hits: dict[int, int],
+        vec64: np.ndarray,
+        wvec64: np.ndarray,
+        state: _PlanState,
+        init_count: int,
+        now: float,
+    ) -> None:
         """Score item i against its candidates and join the best one that passes, or open a
         new (provisional) cluster."""
         work = state.plan.clusters
@@ -441,7 +505,11 @@ class BatchPlanner:
         thresholds: list[float] = []
         tenant = scope_tenant(item.env)
         env = state.scopes.get(item.env) if self.policy.config.env_contrast > 0 else None
-        env_norms = (env.count, math.sqrt(float(env.tsum @ env.tsum)), math.sqrt(float(env.wsum @ env.wsum))) if env is not None else None
+        env_norms = (
+            (env.count, math.sqrt(float(env.tsum @ env.tsum)), math.sqrt(float(env.wsum @ env.wsum)))
+            if env is not None
+            else None
+        )
         for cid in hits:
             record = work.get(cid) or self.live.get(cid)
             if record is None or record.count == 0 or record.tenant != tenant:
@@ -458,7 +526,9 @@ class BatchPlanner:
         if self.decider is not None:
             for score, cid, ts, ws in scored:
                 record = work.get(cid) or self.live[cid]
-                view = ClusterView(id=cid, count=record.count, description=record.description, envs=display_envs(record.envs))
+                view = ClusterView(
+                    id=cid, count=record.count, description=record.description, envs=display_envs(record.envs)
+                )
                 candidates.append(Candidate(view, score, ts, ws, hits[cid]))
         choice, margin = self.policy.decide([x[0] for x in scored], thresholds)
         by = "fallback" if i < init_count and self.decider is not None and init_count >= 2 else "offline"
@@ -477,7 +547,7 @@ class BatchPlanner:
         self._apply(work, cid, item, now, born="init" if i < init_count else "new")
         self._count_in_scope(state, item)
 
-    def _count_in_scope(self, state: "_PlanState", item: BatchItem) -> None:
+    def _count_in_scope(self, state: _PlanState, item: BatchItem) -> None:
         """Add a placed item to its environment's sums (later items of the batch see it); only
         the environment contrast reads them."""
         if self.policy.config.env_contrast <= 0:
@@ -568,7 +638,9 @@ class BatchPlanner:
                     placements[i] = Placement(cluster=answer.cluster_id, op="join", by="llm", score=placements[i].score)
                     continue
                 if placements[i].op == "new" and not answer.new_group:
-                    placements[i] = Placement(cluster=placements[i].cluster, op="new", by="llm", description=answer.description)
+                    placements[i] = Placement(
+                        cluster=placements[i].cluster, op="new", by="llm", description=answer.description
+                    )
                     continue
                 key = (scope_tenant(items[i].env), answer.new_group or f"item-{i}")  # a new group never spans tenants
                 if key not in groups:
@@ -588,4 +660,6 @@ class BatchPlanner:
             envs=candidate.cluster.envs,
             examples=(items[founder].traj,),
         )
-        return Candidate(view, candidate.score, candidate.text_similarity, candidate.workflow_similarity, candidate.neighbour_hits)
+        return Candidate(
+            view, candidate.score, candidate.text_similarity, candidate.workflow_similarity, candidate.neighbour_hits
+        )

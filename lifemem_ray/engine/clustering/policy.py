@@ -18,13 +18,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lifemem_ray.engine.memory_config import PolicyConfig
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.skills import distil_procedure
+from lifemem_ray.engine.memory_config import PolicyConfig
 
 if TYPE_CHECKING:
     from lifemem_ray.engine.clustering.clusters import ClusterRecord
@@ -111,8 +112,9 @@ class OfflinePolicy:
         w = self.config.workflow_weight
         return min(1.0, max(0.0, w * workflow_similarity + (1.0 - w) * text_similarity))
 
-    def threshold(self, count: int, text_norm: float, workflow_norm: float,
-                  env: tuple[int, float, float] | None = None) -> float:
+    def threshold(
+        self, count: int, text_norm: float, workflow_norm: float, env: tuple[int, float, float] | None = None
+    ) -> float:
         """The score a trajectory needs to join a cluster of ``count`` members whose running sums
         have these norms. ``policy.density_ratio`` = 0: ``policy.join_threshold`` for every
         cluster. Else the threshold adapts to the cluster's density: ``density_ratio`` times its
@@ -160,7 +162,7 @@ class OfflinePolicy:
         return None, margin
 
     # -- merge -----------------------------------------------------------------------------
-    def should_merge(self, a: "ClusterRecord", b: "ClusterRecord", *, ratio: float, tau: float, max_size: int) -> bool:
+    def should_merge(self, a: ClusterRecord, b: ClusterRecord, *, ratio: float, tau: float, max_size: int) -> bool:
         """Whether two clusters have converged on one workflow: their members resemble each
         other across the two (mean cross cosine over the combined vectors) at least ``ratio``
         times as much as within the tighter one, and the merged cluster would not meet the split
@@ -177,8 +179,17 @@ class OfflinePolicy:
         return cross >= ratio * reference
 
     # -- split -----------------------------------------------------------------------------
-    def split(self, vectors: np.ndarray, *, tau: float, min_size: int, max_parts: int, seed: int,
-              cut: str = "silhouette", min_silhouette: float = 0.25) -> np.ndarray | None:
+    def split(
+        self,
+        vectors: np.ndarray,
+        *,
+        tau: float,
+        min_size: int,
+        max_parts: int,
+        seed: int,
+        cut: str = "silhouette",
+        min_silhouette: float = 0.25,
+    ) -> np.ndarray | None:
         """Labels 0..p-1 of a finer partition of the members' vectors, or None when they are
         all one vector, or (``cut = "silhouette"``) when no number of parts reaches a mean
         silhouette of ``min_silhouette``: nothing to split on."""
@@ -202,7 +213,9 @@ class OfflinePolicy:
         return None if best is None else _relabel(best[1])
 
     @staticmethod
-    def _split_by_silhouette(vectors: np.ndarray, *, max_parts: int, seed: int, min_silhouette: float) -> np.ndarray | None:
+    def _split_by_silhouette(
+        vectors: np.ndarray, *, max_parts: int, seed: int, min_silhouette: float
+    ) -> np.ndarray | None:
         """The k-means partition (2..max_parts parts) with the best mean silhouette, if it
         reaches ``min_silhouette``."""
         x = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
@@ -219,7 +232,9 @@ class OfflinePolicy:
         return _relabel(best[1])
 
     # -- descriptions and skills -----------------------------------------------------------
-    def describe(self, count: int, envs: dict[str, int], flows: dict[str, int], example_task: str, skill: str = "") -> str:
+    def describe(
+        self, count: int, envs: dict[str, int], flows: dict[str, int], example_task: str, skill: str = ""
+    ) -> str:
         """One line: the cluster's procedure (the first steps of its offline skill, else its most
         common action sequence), where it occurs, and an example goal."""
         steps = skill_step_texts(skill)
@@ -255,9 +270,11 @@ def _mean_resultant(count: int, text_norm: float, workflow_norm: float, w: float
     return min(1.0, math.sqrt(w * workflow_norm * workflow_norm + (1.0 - w) * text_norm * text_norm) / count)
 
 
-def _mean_pairwise(record: "ClusterRecord", w: float) -> float:
+def _mean_pairwise(record: ClusterRecord, w: float) -> float:
     """Mean cosine between two distinct members, over the combined vectors, from the sums alone."""
-    return _pairwise_from_norms(record.count, math.sqrt(float(record.tsum @ record.tsum)), math.sqrt(float(record.wsum @ record.wsum)), w)
+    return _pairwise_from_norms(
+        record.count, math.sqrt(float(record.tsum @ record.tsum)), math.sqrt(float(record.wsum @ record.wsum)), w
+    )
 
 
 def _pairwise_from_norms(count: int, text_norm: float, workflow_norm: float, w: float) -> float:

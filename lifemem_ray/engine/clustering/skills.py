@@ -54,10 +54,20 @@ _SQL_WORDS = {
     "limit": "LIMIT", "distinct": "DISTINCT", "subquery": "a subquery", "count": "COUNT(...)",
     "sum": "SUM(...)", "avg": "AVG(...)", "minmax": "MIN/MAX(...)",
 }  # fmt: skip
-_PLACE_WORDS = frozenset("to from in into onto in/on inside".split())  # before a second slot: a place
+_PLACE_WORDS = frozenset(["to", "from", "in", "into", "onto", "in/on", "inside"])  # before a second slot: a place
 _GENERIC = {"NAVIGATE": "the next place", "MANIPULATE": "the object", "SELECT": "the right item", "INSPECT": "the item"}
-_CALL_ROLE = {"goal": "<from the goal>", "id": "<id>", "number": "<number>", "flag": "<true/false>", "list": "<list>",
-              "object": "<object>", "lit": "<value>", "none": "<value>", "expr": "<value>", "dir": "<direction>"}
+_CALL_ROLE = {
+    "goal": "<from the goal>",
+    "id": "<id>",
+    "number": "<number>",
+    "flag": "<true/false>",
+    "list": "<list>",
+    "object": "<object>",
+    "lit": "<value>",
+    "none": "<value>",
+    "expr": "<value>",
+    "dir": "<direction>",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +99,21 @@ def distil_procedure(members: Sequence[Trajectory]) -> str:
 
 def mine_procedure(members: Sequence[Trajectory]) -> Procedure:
     """The procedure of these members (see the module docstring)."""
-    seqs = [_occurrences(abstract_steps([s.action for s in m.steps[:MAX_STEPS_PER_RUN]], m.query_text)) for m in members]
+    seqs = [
+        _occurrences(abstract_steps([s.action for s in m.steps[:MAX_STEPS_PER_RUN]], m.query_text)) for m in members
+    ]
     ok = [i for i, m in enumerate(members) if m.outcome.success is True]
     ko = [i for i, m in enumerate(members) if m.outcome.success is False]
     basis = ok or list(range(len(members)))
     kept = _common_items(seqs, basis)
-    steps = tuple(ProcedureStep(_render_step([seqs[i][item] for i in basis if item in seqs[i]]), _category(item, seqs, basis),
-                                round(sum(item in seqs[i] for i in basis) / len(basis), 2)) for item in kept)
+    steps = tuple(
+        ProcedureStep(
+            _render_step([seqs[i][item] for i in basis if item in seqs[i]]),
+            _category(item, seqs, basis),
+            round(sum(item in seqs[i] for i in basis) / len(basis), 2),
+        )
+        for item in kept
+    )
     lengths = sorted(len(m.steps) for m in members)
     return Procedure(
         steps=steps,
@@ -170,9 +188,18 @@ def _render_step(instances: list[tuple[float, AbstractStep]]) -> str:
         return f"Operation: {kind[4:].upper()}" + (f" with {extra}" if extra else "")
     if "(" in first.frame and first.frame.endswith(")"):
         names = first.phrases
-        roles = [Counter(s.roles[j].split(":", 1)[0] for s in steps if j < len(s.roles)).most_common(1)[0][0] for j in range(len(names))]
-        return f"{first.token}(" + ", ".join(f"{n}={_CALL_ROLE.get(r, '<value>')}" if n != "_" else _CALL_ROLE.get(r, "<value>")
-                                            for n, r in zip(names, roles)) + ")"
+        roles = [
+            Counter(s.roles[j].split(":", 1)[0] for s in steps if j < len(s.roles)).most_common(1)[0][0]
+            for j in range(len(names))
+        ]
+        return (
+            f"{first.token}("
+            + ", ".join(
+                f"{n}={_CALL_ROLE.get(r, '<value>')}" if n != "_" else _CALL_ROLE.get(r, "<value>")
+                for n, r in zip(names, roles)
+            )
+            + ")"
+        )
     if first.frame.endswith("[_]"):
         return f"{first.frame[:-3].split(':', 1)[0]}[{_slot(steps, 0, category, False)}]"
     if "_" not in first.frame.split():
@@ -213,8 +240,11 @@ def _slot(steps: list[AbstractStep], j: int, category: str, place: bool) -> str:
 
 
 def _readable(frame: str) -> str:
-    return {"respond": "reply to the user with the outcome.", "answer": "Answer: give the final answer",
-            "think": "think about what is still missing"}.get(frame, frame)
+    return {
+        "respond": "reply to the user with the outcome.",
+        "answer": "Answer: give the final answer",
+        "think": "think about what is still missing",
+    }.get(frame, frame)
 
 
 def _ending(seqs: list[dict], ok: list[int]) -> tuple[str, ...]:
@@ -226,18 +256,22 @@ def _ending(seqs: list[dict], ok: list[int]) -> tuple[str, ...]:
     tail, count = Counter(tail_of.values()).most_common(1)[0]
     if count < MIN_SUPPORT * len(ok):
         return ()
-    runs = [ordered[i][-len(tail):] for i in ok if tail_of[i] == tail]
+    runs = [ordered[i][-len(tail) :] for i in ok if tail_of[i] == tail]
     return tuple(_render_step([run[k] for run in runs]) for k in range(len(tail)))
 
 
-def _usual_failure(seqs: list[dict], members: Sequence[Trajectory], ok: list[int], ko: list[int], kept: list[Item]) -> str:
+def _usual_failure(
+    seqs: list[dict], members: Sequence[Trajectory], ok: list[int], ko: list[int], kept: list[Item]
+) -> str:
     if not ko:
         return ""
     if ok:
         usual = statistics.median(len(members[i].steps) for i in ok)
         long_runs = sum(len(members[i].steps) >= 1.5 * usual + 2 for i in ko)
         if long_runs >= MIN_SUPPORT * len(ko):
-            return f"{long_runs} of {len(ko)} failed runs went on past {round(1.5 * usual + 2)} actions without finishing"
+            return (
+                f"{long_runs} of {len(ko)} failed runs went on past {round(1.5 * usual + 2)} actions without finishing"
+            )
     kept_set = set(kept)
     deviations: Counter = Counter()
     examples: dict[str, list[tuple[float, AbstractStep]]] = defaultdict(list)

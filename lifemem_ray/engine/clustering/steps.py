@@ -39,7 +39,14 @@ from functools import lru_cache
 import numpy as np
 
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.engine.clustering.workflow import DEFAULT_DIM, MAX_ACTION_CHARS, action_tokens, hashed_vector, step_tokens, workflow_features
+from lifemem_ray.engine.clustering.workflow import (
+    DEFAULT_DIM,
+    MAX_ACTION_CHARS,
+    action_tokens,
+    hashed_vector,
+    step_tokens,
+    workflow_features,
+)
 
 __all__ = [
     "FEATURES_VERSION",
@@ -47,8 +54,8 @@ __all__ = [
     "AbstractStep",
     "abstract_step",
     "abstract_steps",
-    "featurize",
     "features_id",
+    "featurize",
     "goal_words",
     "step_features",
 ]
@@ -64,11 +71,60 @@ MAX_GOAL_CHARS = 2000
 
 # Words with a digit (ids, numbers) first; anchored at a word's start, so a long word costs linear time.
 _WORD = re.compile(r"(?<![\w#])#?[A-Za-z_]*\d[\w#.-]*|[a-z]+(?:/[a-z]+)?", re.I)
-_ARTICLES = frozenset("a an the some any this that my your its".split())
-_PARTICLES = frozenset("up down around at on off out over".split())
-_PREPOSITIONS = frozenset("to on in into onto from with at in/on inside under for".split())
-DIRECTIONS = frozenset("north south east west up down northeast northwest southeast southwest left right forward backward n s e w".split())
-_STOP = frozenset("a an the of to in on and or is are be it its your you task that this with for from at as by".split())
+_ARTICLES = frozenset(["a", "an", "the", "some", "any", "this", "that", "my", "your", "its"])
+_PARTICLES = frozenset(["up", "down", "around", "at", "on", "off", "out", "over"])
+_PREPOSITIONS = frozenset(["to", "on", "in", "into", "onto", "from", "with", "at", "in/on", "inside", "under", "for"])
+DIRECTIONS = frozenset(
+    [
+        "north",
+        "south",
+        "east",
+        "west",
+        "up",
+        "down",
+        "northeast",
+        "northwest",
+        "southeast",
+        "southwest",
+        "left",
+        "right",
+        "forward",
+        "backward",
+        "n",
+        "s",
+        "e",
+        "w",
+    ]
+)
+_STOP = frozenset(
+    [
+        "a",
+        "an",
+        "the",
+        "of",
+        "to",
+        "in",
+        "on",
+        "and",
+        "or",
+        "is",
+        "are",
+        "be",
+        "it",
+        "its",
+        "your",
+        "you",
+        "task",
+        "that",
+        "this",
+        "with",
+        "for",
+        "from",
+        "at",
+        "as",
+        "by",
+    ]
+)
 _ID = re.compile(r"^#?\w*\d[\w#.-]*$")
 _NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
 _BRACKET = re.compile(r"^\s*(?:Action\s*\d*\s*:\s*)?([A-Za-z_]\w{0,47})\[(.*)\]\s*$", re.S)
@@ -230,7 +286,11 @@ def _phrase_words(phrase: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[
 
 
 def _literal(phrase: str) -> str:
-    words = [w.lower()[:MAX_WORD_CHARS] for w in _WORD.findall(phrase[:200]) if w.lower() not in _ARTICLES and not _NUMBER.match(w)]
+    words = [
+        w.lower()[:MAX_WORD_CHARS]
+        for w in _WORD.findall(phrase[:200])
+        if w.lower() not in _ARTICLES and not _NUMBER.match(w)
+    ]
     return " ".join(words[-MAX_LITERAL_WORDS:])
 
 

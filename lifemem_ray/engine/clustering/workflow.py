@@ -142,11 +142,63 @@ _CLICK_SUFFIX = {
 }  # fmt: skip
 _ACKS = frozenset({"ok", "okay", "sure", "understood", "got it", "yes", "alright", "noted", "ok sure"})
 _MOVE_VERBS = frozenset({"move", "go", "walk", "run", "head", "travel"})
-_DIRECTIONS = frozenset("north south east west up down northeast northwest southeast southwest left right forward backward".split())
+_DIRECTIONS = frozenset(
+    [
+        "north",
+        "south",
+        "east",
+        "west",
+        "up",
+        "down",
+        "northeast",
+        "northwest",
+        "southeast",
+        "southwest",
+        "left",
+        "right",
+        "forward",
+        "backward",
+    ]
+)
 _DOOR = re.compile(r"\b(?:door|gate|doorway|hatch)\b", re.I)
 _PROSE_STARTS = frozenset(
-    "i i'm i've i'll i'd we we've we'll you your the this that these it it's here there thank thanks sorry "
-    "hello hi dear unfortunately great please based according since as to in my our".split()
+    [
+        "i",
+        "i'm",
+        "i've",
+        "i'll",
+        "i'd",
+        "we",
+        "we've",
+        "we'll",
+        "you",
+        "your",
+        "the",
+        "this",
+        "that",
+        "these",
+        "it",
+        "it's",
+        "here",
+        "there",
+        "thank",
+        "thanks",
+        "sorry",
+        "hello",
+        "hi",
+        "dear",
+        "unfortunately",
+        "great",
+        "please",
+        "based",
+        "according",
+        "since",
+        "as",
+        "to",
+        "in",
+        "my",
+        "our",
+    ]
 )
 
 
@@ -247,12 +299,7 @@ def _plain_token(s: str) -> str:
     if len(words) <= 3 and short in _ACKS:
         return "ack"
     first = words[0].lower()
-    if (
-        len(words) > 12
-        or stripped[-1] in ".!?"
-        or "\n" in stripped
-        or first.strip(",.:;!?\"'*") in _PROSE_STARTS
-    ):
+    if len(words) > 12 or stripped[-1] in ".!?" or "\n" in stripped or first.strip(",.:;!?\"'*") in _PROSE_STARTS:
         return "respond"
     m = _LETTERS.search(first)
     if not m:

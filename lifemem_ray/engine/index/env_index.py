@@ -5,7 +5,6 @@ and FAISS's thread settings."""
 
 from __future__ import annotations
 
-
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -180,8 +179,11 @@ def export_ids(e: EnvIndex) -> np.ndarray:
     if e.kind == "flat":
         return faiss.vector_to_array(e.index.id_map).astype(np.int64, copy=False)
     invlists = e.index.invlists
-    parts = [faiss.rev_swig_ptr(invlists.get_ids(lst), invlists.list_size(lst)).copy()
-             for lst in range(invlists.nlist) if invlists.list_size(lst)]
+    parts = [
+        faiss.rev_swig_ptr(invlists.get_ids(lst), invlists.list_size(lst)).copy()
+        for lst in range(invlists.nlist)
+        if invlists.list_size(lst)
+    ]
     return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.empty(0, dtype=np.int64)
 
 

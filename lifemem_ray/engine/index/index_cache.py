@@ -16,9 +16,10 @@ import logging
 import os
 import uuid
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import faiss
 import numpy as np
@@ -45,8 +46,16 @@ class CachedIndex:
     calibration: Any
 
 
-def write_cache(envs: Mapping[str, EnvIndex], directory: str | Path, *, dim: int, count: int, stamp: int, identity: str,
-                calibration: Any) -> None:
+def write_cache(
+    envs: Mapping[str, EnvIndex],
+    directory: str | Path,
+    *,
+    dim: int,
+    count: int,
+    stamp: int,
+    identity: str,
+    calibration: Any,
+) -> None:
     """Write ``envs`` as the cache in ``directory`` (see the module). A failed write (a full
     disk) removes what it wrote and raises :class:`IndexSaveError` saying where and why."""
     if isinstance(stamp, bool) or not isinstance(stamp, (int, np.integer)):
@@ -61,12 +70,22 @@ def write_cache(envs: Mapping[str, EnvIndex], directory: str | Path, *, dim: int
             with contextlib.suppress(OSError):
                 path.unlink()
         why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        raise IndexSaveError(f"{directory}: could not save the index cache: {why}; the store is intact "
-                             "(the cache is rebuilt from it when needed); free space and close the store again") from exc
+        raise IndexSaveError(
+            f"{directory}: could not save the index cache: {why}; the store is intact "
+            "(the cache is rebuilt from it when needed); free space and close the store again"
+        ) from exc
 
 
-def _write_files(envs: Mapping[str, EnvIndex], directory: Path, dim: int, count: int, stamp: int, identity: str,
-                 calibration: Any, written: list[Path]) -> None:
+def _write_files(
+    envs: Mapping[str, EnvIndex],
+    directory: Path,
+    dim: int,
+    count: int,
+    stamp: int,
+    identity: str,
+    calibration: Any,
+    written: list[Path],
+) -> None:
     token = uuid.uuid4().hex[:12]
     entries = []
     for i, (name, e) in enumerate(sorted(envs.items())):
@@ -77,8 +96,21 @@ def _write_files(envs: Mapping[str, EnvIndex], directory: Path, dim: int, count:
         _crc, size = _fsync_crc(tmp)
         os.replace(tmp, directory / fname)
         written.append(directory / fname)
-        entries.append({"name": name, "file": fname, "count": e.ntotal, "kind": e.kind, "nlist": e.nlist, "nprobe": e.nprobe,
-                        "trained_size": e.trained_size, "recall": e.recall, "max_codes": e.max_codes, "bytes": size, "crc32": _crc})
+        entries.append(
+            {
+                "name": name,
+                "file": fname,
+                "count": e.ntotal,
+                "kind": e.kind,
+                "nlist": e.nlist,
+                "nprobe": e.nprobe,
+                "trained_size": e.trained_size,
+                "recall": e.recall,
+                "max_codes": e.max_codes,
+                "bytes": size,
+                "crc32": _crc,
+            }
+        )
     manifest = {
         "format": _FORMAT,
         "dim": dim,
@@ -131,7 +163,9 @@ def _read(directory: Path, manifest: dict[str, Any], dim: int, identity: str | N
     if isinstance(stamp, bool) or not isinstance(stamp, int):
         raise ValueError(f"stamp {stamp!r} is not an integer")
     if identity is not None and manifest.get("identity", "") != identity:
-        raise ValueError(f"written for another store or other contents ({manifest.get('identity', '')!r}, this store: {identity!r})")
+        raise ValueError(
+            f"written for another store or other contents ({manifest.get('identity', '')!r}, this store: {identity!r})"
+        )
     envs: dict[str, EnvIndex] = {}
     ids: dict[str, np.ndarray] = {}
     seen: set[int] = set()
@@ -160,8 +194,15 @@ def _read_env(directory: Path, entry: dict[str, Any], dim: int) -> EnvIndex:
     crc_now, size = _crc(path)
     if size != entry["bytes"] or crc_now != entry["crc32"]:
         raise ValueError(f"file {entry['file']!r} is truncated or damaged")
-    e = EnvIndex(index=faiss.read_index(str(path)), kind=entry["kind"], nlist=int(entry["nlist"]), nprobe=int(entry["nprobe"]),
-                 trained_size=int(entry["trained_size"]), recall=entry.get("recall"), max_codes=int(entry.get("max_codes", 0)))
+    e = EnvIndex(
+        index=faiss.read_index(str(path)),
+        kind=entry["kind"],
+        nlist=int(entry["nlist"]),
+        nprobe=int(entry["nprobe"]),
+        trained_size=int(entry["trained_size"]),
+        recall=entry.get("recall"),
+        max_codes=int(entry.get("max_codes", 0)),
+    )
     _check_loaded(e, dim)
     if e.ntotal != entry["count"] or e.ntotal == 0:
         raise ValueError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")

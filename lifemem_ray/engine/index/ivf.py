@@ -7,21 +7,20 @@ background thread that does it."""
 from __future__ import annotations
 
 import logging
-
-
 import math
 import os
 import sys
 import threading
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import faiss
 import numpy as np
 
+from lifemem_ray.core.errors import IndexBuildError
 from lifemem_ray.engine.index.env_index import EnvIndex, export
 from lifemem_ray.engine.memory_config import IndexConfig
-from lifemem_ray.core.errors import IndexBuildError
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +46,21 @@ SEED = 20240611  # sampling and k-means are seeded: rebuilds are reproducible
 
 def calibration_settings(config: IndexConfig) -> dict[str, Any]:
     """What an IVF env's nprobe and scan cap are calibrated for (a saved cache records it)."""
-    return {"k": config.calibration_k, "target_recall": config.target_recall, "search_max_codes": config.search_max_codes, "nprobe": config.nprobe}
+    return {
+        "k": config.calibration_k,
+        "target_recall": config.target_recall,
+        "search_max_codes": config.search_max_codes,
+        "nprobe": config.nprobe,
+    }
 
 
-def calibrate_env(config: IndexConfig, e: EnvIndex, ids: np.ndarray | None = None, vectors: np.ndarray | None = None,
-                   rng: np.random.Generator | None = None) -> None:
+def calibrate_env(
+    config: IndexConfig,
+    e: EnvIndex,
+    ids: np.ndarray | None = None,
+    vectors: np.ndarray | None = None,
+    rng: np.random.Generator | None = None,
+) -> None:
     """Set an IVF env's nprobe and scan cap to the cheapest reaching target_recall.
 
     Caps are tried from 1/16 of ``search_max_codes`` up to all of it (a smaller cap
@@ -136,8 +145,14 @@ def _without_empty_lists(ivf: Any, vectors: np.ndarray) -> tuple[Any, np.ndarray
 
 
 def calibrate(
-    ivf: Any, ids: np.ndarray, vectors: np.ndarray, nlist: int, target: float, rng: np.random.Generator,
-    caps: Sequence[int] = (0,), k: int = 4,
+    ivf: Any,
+    ids: np.ndarray,
+    vectors: np.ndarray,
+    nlist: int,
+    target: float,
+    rng: np.random.Generator,
+    caps: Sequence[int] = (0,),
+    k: int = 4,
 ) -> tuple[int, float, int]:
     """``(nprobe, recall, cap)``: the smallest nprobe in 1, 2, 4, ..., nlist reaching ``target``
     recall@k on stored vectors as queries, scanning at most ``cap`` vectors per query (0: no

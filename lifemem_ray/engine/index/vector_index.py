@@ -26,20 +26,41 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import faiss
 import numpy as np
 from faiss.contrib.ivf_tools import add_preassigned
 
 from lifemem_ray.core.errors import VectorIndexError
-from lifemem_ray.engine.index.env_index import (PAD_ID, PAD_SCORE, EnvIndex, apply_faiss_threads, as_ids, as_k, as_matrix, check_env,
-                                                export, export_ids, flat_search, merge, padding, set_faiss_threads)
+from lifemem_ray.engine.index.env_index import (
+    PAD_ID,
+    PAD_SCORE,
+    EnvIndex,
+    apply_faiss_threads,
+    as_ids,
+    as_k,
+    as_matrix,
+    check_env,
+    export,
+    export_ids,
+    flat_search,
+    merge,
+    padding,
+    set_faiss_threads,
+)
 from lifemem_ray.engine.index.index_cache import read_cache, write_cache
-from lifemem_ray.engine.index.ivf import SEED, calibrate_env, calibration_settings, lower_thread_priority, retrain_at, trained_ivf
+from lifemem_ray.engine.index.ivf import (
+    SEED,
+    calibrate_env,
+    calibration_settings,
+    lower_thread_priority,
+    retrain_at,
+    trained_ivf,
+)
 from lifemem_ray.engine.memory_config import IndexConfig
-
 
 __all__ = ["PAD_ID", "PAD_SCORE", "VectorIndex", "VectorIndexError", "set_faiss_threads"]
 
@@ -110,7 +131,9 @@ class VectorIndex:
             if e is None:
                 self._envs[env] = self._build(ids, vectors)
                 self._dirty.add(env)
-            elif (e.kind == "flat" and total > self.config.exact_max) or (retrain and not self.config.background_retrain):
+            elif (e.kind == "flat" and total > self.config.exact_max) or (
+                retrain and not self.config.background_retrain
+            ):
                 old_ids, old_vecs = export(e)
                 self._envs[env] = self._build(np.concatenate([old_ids, ids]), np.concatenate([old_vecs, vectors]))
                 self._dirty.add(env)
@@ -135,7 +158,7 @@ class VectorIndex:
             lower_thread_priority(self.config.retrain_nice)
             try:
                 fresh = self._build(ids, vecs)
-            except BaseException as exc:  # noqa: BLE001 - reported by wait_retrains / the next add
+            except BaseException as exc:
                 log.exception("index: background retrain of %r failed", env)
                 with self._lock:
                     self._retrain_error = exc
@@ -170,7 +193,12 @@ class VectorIndex:
             if len(gone):
                 fresh.index.remove_ids(faiss.IDSelectorArray(len(gone), faiss.swig_ptr(gone)))
             if fresh.ntotal != current.ntotal:  # cannot happen: keep the index that is complete
-                log.warning("index: retrain of %r holds %d vectors, the live index %d; keeping the live one", env, fresh.ntotal, current.ntotal)
+                log.warning(
+                    "index: retrain of %r holds %d vectors, the live index %d; keeping the live one",
+                    env,
+                    fresh.ntotal,
+                    current.ntotal,
+                )
                 return
             self._envs[env] = fresh
             self._dirty.add(env)
@@ -226,7 +254,9 @@ class VectorIndex:
 
     # ------------------------------------------------------------------ search
 
-    def search(self, queries: np.ndarray, k: int, env: str | None = None, *, among: Callable[[str], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, env: str | None = None, *, among: Callable[[str], bool] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k by inner product: within ``env`` if given, else across the envs ``among`` accepts (default: all).
 
         Returns ``(scores float32 (q, k), ids int64 (q, k))``, best first. Restricted to
@@ -245,7 +275,11 @@ class VectorIndex:
                 if e is None or len(queries) == 0:
                     return padding(len(queries), k)
                 return self._search_env(env, e, queries, k)
-            parts = [self._search_env(name, e, queries, k) for name, e in self._envs.items() if (among is None or among(name)) and len(queries)]
+            parts = [
+                self._search_env(name, e, queries, k)
+                for name, e in self._envs.items()
+                if (among is None or among(name)) and len(queries)
+            ]
             if not parts:
                 return padding(len(queries), k)
         return merge(parts, k)
@@ -300,7 +334,9 @@ class VectorIndex:
             scores, ids = flat_search(e, queries, want)
         elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or codes):
             nprobe = max(1, int(round(e.nprobe * nprobe_fraction)))
-            scores, ids = searcher.search(queries, want, params=faiss.SearchParametersIVF(nprobe=nprobe, max_codes=codes))
+            scores, ids = searcher.search(
+                queries, want, params=faiss.SearchParametersIVF(nprobe=nprobe, max_codes=codes)
+            )
         else:
             scores, ids = searcher.search(queries, want)
         if e.kind == "ivf":
@@ -387,13 +423,20 @@ class VectorIndex:
         Not safe against two processes saving into the same directory at once.
         """
         with self._lock:
-            write_cache(self._envs, directory, dim=self.dim, count=len(self._where), stamp=stamp, identity=identity,
-                        calibration=calibration_settings(self.config))
+            write_cache(
+                self._envs,
+                directory,
+                dim=self.dim,
+                count=len(self._where),
+                stamp=stamp,
+                identity=identity,
+                calibration=calibration_settings(self.config),
+            )
 
     @classmethod
     def load(
         cls, directory: str | Path, dim: int, config: IndexConfig | None = None, *, identity: str | None = None
-    ) -> tuple["VectorIndex", int] | None:
+    ) -> tuple[VectorIndex, int] | None:
         """``(index, stamp)`` from a directory written by :meth:`save`, or None.
 
         None (with a logged warning) when the cache is missing, unreadable, corrupt, of
@@ -409,7 +452,12 @@ class VectorIndex:
                 e.nprobe = e.index.nprobe = min(index.config.nprobe, e.nlist)
                 e.max_codes = 0
             elif e.kind == "ivf" and cached.calibration != calibration_settings(index.config):
-                log.info("index: %s was calibrated for %s; calibrating for %s", name, cached.calibration, calibration_settings(index.config))
+                log.info(
+                    "index: %s was calibrated for %s; calibrating for %s",
+                    name,
+                    cached.calibration,
+                    calibration_settings(index.config),
+                )
                 calibrate_env(index.config, e)
             index._where.update(dict.fromkeys(cached.ids[name].tolist(), name))
             index._envs[name] = e
@@ -428,7 +476,13 @@ class VectorIndex:
         nlist = ivf.nlist
         vectors, ids = np.ascontiguousarray(vectors, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64)
         add_preassigned(ivf, vectors, lists, ids)  # the assignment is already known: not searched twice
-        e = EnvIndex(index=ivf, kind="ivf", nlist=nlist, nprobe=min(self.config.nprobe, nlist) if self.config.nprobe else nlist, trained_size=n)
+        e = EnvIndex(
+            index=ivf,
+            kind="ivf",
+            nlist=nlist,
+            nprobe=min(self.config.nprobe, nlist) if self.config.nprobe else nlist,
+            trained_size=n,
+        )
         if self.config.nprobe:
             ivf.nprobe = e.nprobe
         else:

@@ -27,15 +27,38 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lifemem_ray.core.records import (
+    StoredFields,
+    decode_trajectory,
+    encode_trajectory,
+    fields_to_trajectory,
+    pack,
+    record_fields,
+    record_fingerprint,
+    record_id,
+    unpack,
+)
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
-from lifemem_ray.core.records import (StoredFields, decode_trajectory, encode_trajectory, fields_to_trajectory, pack, record_fields,
-                                      record_fingerprint, record_id, unpack)
-
 
 __all__ = [
-    "Brief", "StoredFields", "decode_brief", "decode_cluster", "decode_trajectory", "decode_vectors", "encode_brief", "encode_cluster",
-    "encode_trajectory", "encode_vectors", "fields_to_trajectory", "pack", "pack_u64", "record_fields", "record_fingerprint",
-    "record_id", "unpack", "unpack_u64",
+    "Brief",
+    "StoredFields",
+    "decode_brief",
+    "decode_cluster",
+    "decode_trajectory",
+    "decode_vectors",
+    "encode_brief",
+    "encode_cluster",
+    "encode_trajectory",
+    "encode_vectors",
+    "fields_to_trajectory",
+    "pack",
+    "pack_u64",
+    "record_fields",
+    "record_fingerprint",
+    "record_id",
+    "unpack",
+    "unpack_u64",
 ]
 
 
@@ -99,29 +122,31 @@ def decode_vectors(data: bytes, dim: int, workflow_dim: int) -> tuple[int, np.nd
 
 # -- cluster records ----------------------------------------------------------------------
 def encode_cluster(r: ClusterRecord) -> bytes:
-    return pack({
-        "id": r.id,
-        "n": r.count,
-        "ts": r.tsum.astype(np.float64).tobytes(),
-        "ws": r.wsum.astype(np.float64).tobytes(),
-        "envs": r.envs,
-        "flows": r.flows,
-        "ok": r.successes,
-        "ko": r.failures,
-        "d": r.description,
-        "db": r.description_by,
-        "dn": r.description_n,
-        "s": r.skill,
-        "sb": r.skill_by,
-        "sn": r.skill_n,
-        "v": r.version,
-        "born": r.born,
-        "parent": r.parent,
-        "c": r.created,
-        "u": r.updated,
-        "split_into": r.split_into,
-        "nsu": r.no_split_until,
-    })
+    return pack(
+        {
+            "id": r.id,
+            "n": r.count,
+            "ts": r.tsum.astype(np.float64).tobytes(),
+            "ws": r.wsum.astype(np.float64).tobytes(),
+            "envs": r.envs,
+            "flows": r.flows,
+            "ok": r.successes,
+            "ko": r.failures,
+            "d": r.description,
+            "db": r.description_by,
+            "dn": r.description_n,
+            "s": r.skill,
+            "sb": r.skill_by,
+            "sn": r.skill_n,
+            "v": r.version,
+            "born": r.born,
+            "parent": r.parent,
+            "c": r.created,
+            "u": r.updated,
+            "split_into": r.split_into,
+            "nsu": r.no_split_until,
+        }
+    )
 
 
 def decode_cluster(data: bytes) -> ClusterRecord:

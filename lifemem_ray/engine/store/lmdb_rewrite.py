@@ -30,16 +30,24 @@ import errno
 import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import lmdb
 
 from lifemem_ray.core.errors import StoreError, StoreLockedError
 
-__all__ = ["COMPACT_STAGING", "REWRITE_TXN_BYTES", "Rewrite", "fsync_dir", "remove_staging", "replace_data_file", "write_fresh_copy"]
+__all__ = [
+    "COMPACT_STAGING",
+    "REWRITE_TXN_BYTES",
+    "Rewrite",
+    "fsync_dir",
+    "remove_staging",
+    "replace_data_file",
+    "write_fresh_copy",
+]
 
 REWRITE_TXN_BYTES = 32 << 20  # key and value bytes per write transaction of a copy: bounded memory and transactions
 COMPACT_STAGING = "compacting"  # the folder inside a store where `compact` writes the copy before swapping it in
@@ -67,10 +75,22 @@ def write_fresh_copy(source: lmdb.Environment, txn: lmdb.Transaction, target: st
     with txn.cursor() as main:
         plain = sum(1 for _ in main.iternext(keys=True, values=False)) - len(names)
     if plain:
-        raise StoreError(f"{source.path()}: its main database holds {plain} records that are not named databases; "
-                         "a record-by-record copy would drop them (this is not a lifemem-ray store)")
-    env = lmdb.open(str(target), map_size=source.info()["map_size"], max_dbs=len(names) + 2, subdir=True, lock=False,
-                    sync=False, metasync=False, writemap=False, meminit=True, readahead=False)
+        raise StoreError(
+            f"{source.path()}: its main database holds {plain} records that are not named databases; "
+            "a record-by-record copy would drop them (this is not a lifemem-ray store)"
+        )
+    env = lmdb.open(
+        str(target),
+        map_size=source.info()["map_size"],
+        max_dbs=len(names) + 2,
+        subdir=True,
+        lock=False,
+        sync=False,
+        metasync=False,
+        writemap=False,
+        meminit=True,
+        readahead=False,
+    )
     records = 0
     try:
         for name in names:
@@ -103,12 +123,13 @@ def _put_chunk(env: lmdb.Environment, db: object, chunk: list[tuple[bytes, bytes
     is doubled and the chunk written again (the aborted transaction left nothing)."""
     while chunk:
         try:
-            with env.begin(write=True, db=db) as wtxn:
-                with wtxn.cursor() as cursor:
-                    _, added = cursor.putmulti(chunk, overwrite=False, append=True)
+            with env.begin(write=True, db=db) as wtxn, wtxn.cursor() as cursor:
+                _, added = cursor.putmulti(chunk, overwrite=False, append=True)
             if added != len(chunk):
-                raise StoreError(f"{env.path()}: the copy took {added} of {len(chunk)} records (keys out of order?); "
-                                 "remove the folder and copy again")
+                raise StoreError(
+                    f"{env.path()}: the copy took {added} of {len(chunk)} records (keys out of order?); "
+                    "remove the folder and copy again"
+                )
             return added
         except lmdb.MapFullError:
             env.set_mapsize(env.info()["map_size"] * 2)
@@ -163,8 +184,10 @@ def _no_other_opener(lock_file: Path) -> Iterator[None]:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
-                raise StoreLockedError(f"{lock_file.parent}: the store is open in another process (a read-only view, "
-                                       "`lifemem-ray retrieve`/`stats`, or a deployment's shard); close it and compact again") from None
+                raise StoreLockedError(
+                    f"{lock_file.parent}: the store is open in another process (a read-only view, "
+                    "`lifemem-ray retrieve`/`stats`, or a deployment's shard); close it and compact again"
+                ) from None
             raise
         yield
     finally:

@@ -20,14 +20,15 @@ A crash before step 3 leaves the old featurizer recorded; the next open starts a
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
-from lifemem_ray.engine.store.storage import MemoryStore
 from lifemem_ray.engine.clustering.steps import featurize
 from lifemem_ray.engine.clustering.workflow import workflow_summary
+from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = ["LEGACY_FEATURES", "migrate_features", "stored_features"]
 
@@ -55,7 +56,13 @@ def migrate_features(
     engine's own rule) and ``needs_split`` says when the paper's split rule holds."""
     with store.read() as txn:
         vids = [vid for vid, _, _ in store.iter_trajectories(txn)]
-    log.warning("%s: recomputing the workflow vectors of %d trajectories (%s -> %s)", store.path, len(vids), stored_features(store), target)
+    log.warning(
+        "%s: recomputing the workflow vectors of %d trajectories (%s -> %s)",
+        store.path,
+        len(vids),
+        stored_features(store),
+        target,
+    )
     for start in range(0, len(vids), CHUNK):
         chunk = vids[start : start + CHUNK]
         with store.read() as txn:

@@ -42,21 +42,29 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
 
-from lifemem_ray.engine.store import codec
-from lifemem_ray.engine.clustering.clusters import ClusterRecord
-from lifemem_ray.engine.store.codec import Brief, decode_trajectory as record_to_trajectory, pack_u64, unpack_u64
 from lifemem_ray.core.errors import StoreError, StoreLockedError
 from lifemem_ray.core.model import Trajectory
+from lifemem_ray.engine.clustering.clusters import ClusterRecord
+from lifemem_ray.engine.store import codec
+from lifemem_ray.engine.store.codec import Brief, pack_u64, unpack_u64
+from lifemem_ray.engine.store.codec import decode_trajectory as record_to_trajectory
 from lifemem_ray.engine.store.lmdb_check import problem_of_data_file
-from lifemem_ray.engine.store.lmdb_rewrite import COMPACT_STAGING, Rewrite, remove_staging, replace_data_file, write_fresh_copy
+from lifemem_ray.engine.store.lmdb_rewrite import (
+    COMPACT_STAGING,
+    Rewrite,
+    remove_staging,
+    replace_data_file,
+    write_fresh_copy,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -192,7 +200,9 @@ class _Environment:
         except lmdb.Error as exc:
             self._release_writer_lock()
             if "already open in this process" in str(exc):
-                raise StoreError(f"{self.path}: the store is already open in this process; share that Memory instead") from None
+                raise StoreError(
+                    f"{self.path}: the store is already open in this process; share that Memory instead"
+                ) from None
             raise StoreError(f"{self.path}: cannot open the LMDB environment: {exc}") from None
         if not 0 <= namespace <= MAX_NAMESPACE:
             raise StoreError(f"namespace: must be within [0, {MAX_NAMESPACE}], got {namespace}")
@@ -260,7 +270,9 @@ class _Environment:
                 self._lock_file = None
 
     # -- schema ----------------------------------------------------------------------------
-    def _check_or_init_schema(self, dim: int | None, workflow_dim: int | None, embedder: str | None, namespace: int) -> None:
+    def _check_or_init_schema(
+        self, dim: int | None, workflow_dim: int | None, embedder: str | None, namespace: int
+    ) -> None:
         with self.read() as txn:
             schema = txn.get(b"schema", db=self.db["meta"])
             meta = {k.decode(): _unpackb(v) for k, v in txn.cursor(db=self.db["meta"])}
@@ -296,11 +308,15 @@ class _Environment:
             with self.read() as txn:
                 meta = {k.decode(): _unpackb(v) for k, v in txn.cursor(db=self.db["meta"])}
         elif meta.get("schema") != SCHEMA_VERSION:
-            raise StoreError(f"{self.path}: schema version {meta.get('schema')} is not {SCHEMA_VERSION}, which this version reads")
+            raise StoreError(
+                f"{self.path}: schema version {meta.get('schema')} is not {SCHEMA_VERSION}, which this version reads"
+            )
         if dim is not None and meta["dim"] != dim:
             raise StoreError(f"{self.path}: the store holds {meta['dim']}-dimensional vectors, not {dim}")
         if workflow_dim is not None and meta["workflow_dim"] != workflow_dim:
-            raise StoreError(f"{self.path}: the store's workflow vectors have {meta['workflow_dim']} dimensions, not {workflow_dim}")
+            raise StoreError(
+                f"{self.path}: the store's workflow vectors have {meta['workflow_dim']} dimensions, not {workflow_dim}"
+            )
         if embedder and meta["embedder"] and meta["embedder"] != embedder:
             raise StoreError(f"{self.path}: the store was built with embedder {meta['embedder']!r}, not {embedder!r}")
         self.dim = int(meta["dim"])
@@ -347,12 +363,11 @@ class _Environment:
         with self._write_lock:
             while True:
                 try:
-                    with self._gate.reading():
-                        with self.env.begin(write=True) as txn:
-                            result = fn(txn)
-                            if changed is None or changed(result):
-                                gen = txn.get(b"generation", db=self.db["meta"])
-                                txn.put(b"generation", _packb((_unpackb(gen) if gen else 0) + 1), db=self.db["meta"])
+                    with self._gate.reading(), self.env.begin(write=True) as txn:
+                        result = fn(txn)
+                        if changed is None or changed(result):
+                            gen = txn.get(b"generation", db=self.db["meta"])
+                            txn.put(b"generation", _packb((_unpackb(gen) if gen else 0) + 1), db=self.db["meta"])
                     return result
                 except lmdb.MapFullError:
                     self._grow()
@@ -454,7 +469,7 @@ class _Environment:
             self.env = None  # type: ignore[assignment]
         self._release_writer_lock()
 
-    def __enter__(self) -> "MemoryStore":
+    def __enter__(self) -> MemoryStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -483,7 +498,11 @@ class MemoryStore(_Environment):
         how many."""
         from lifemem_ray.core.tenancy import SEP, scope_tenant
 
-        names = [(k, v) for k, v in txn.cursor(db=self.db["envs"]) if not k.startswith(SEP.encode()) and scope_tenant(k.decode()) == tenant]
+        names = [
+            (k, v)
+            for k, v in txn.cursor(db=self.db["envs"])
+            if not k.startswith(SEP.encode()) and scope_tenant(k.decode()) == tenant
+        ]
         for key, value in names:
             txn.delete(key, db=self.db["envs"])
             txn.put(f"{SEP}purged{SEP}{codec.unpack_u32(value)}".encode(), value, db=self.db["envs"])
@@ -556,7 +575,11 @@ class MemoryStore(_Environment):
         txn.put(key, item.record, db=self.db["traj"])
         txn.put(item.id.encode("utf-8"), key, db=self.db["tid"])
         txn.put(key, self.pack_vectors(env_code, item.vec, item.wvec), db=self.db["vec"])
-        txn.put(key, codec.encode_brief(Brief(item.tokens, item.success, item.env, item.query, item.id)), db=self.db["brief"])
+        txn.put(
+            key,
+            codec.encode_brief(Brief(item.tokens, item.success, item.env, item.query, item.id)),
+            db=self.db["brief"],
+        )
         if cluster_id is not None:
             self.set_cluster_of(txn, item.vid, cluster_id)
 
@@ -737,8 +760,11 @@ class MemoryStore(_Environment):
             at = start
             start, indexed, blanked = self.write(lambda txn: self._index_log_chunk(txn, at), changed=lambda _: False)
             totals = [totals[0] + indexed, totals[1] + blanked]
-        _log.info("%s: the assignment log is indexed by trajectory (%d entries indexed, %d ids of removed trajectories blanked)",
-                  self.path, *totals)
+        _log.info(
+            "%s: the assignment log is indexed by trajectory (%d entries indexed, %d ids of removed trajectories blanked)",
+            self.path,
+            *totals,
+        )
 
     def _index_log_chunk(self, txn: lmdb.Transaction, start: int) -> tuple[int | None, int, int]:
         """One transaction of :meth:`_index_log_of_older_store`: where the next starts (None:
@@ -770,7 +796,9 @@ class MemoryStore(_Environment):
             self.put_meta(txn, "log_by_vid_from", next_start)
         return next_start, indexed, len(changed) - indexed
 
-    def redact_log(self, txn: lmdb.Transaction, tenant: str, start: int = 0, limit: int | None = None) -> tuple[int, int | None]:
+    def redact_log(
+        self, txn: lmdb.Transaction, tenant: str, start: int = 0, limit: int | None = None
+    ) -> tuple[int, int | None]:
         """Blank the ``id`` of every log entry naming one of ``tenant``'s id keys (a purged
         tenant's), keeping the entry's numbers and operation, from sequence number ``start``
         on, at most ``limit`` entries read. Returns how many were blanked and where to go on

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvUnavailable, Environment, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["ENVIRONMENTS", "EnvUnavailable", "Environment", "StepResult", "Task", "TaskError", "make_env", "register"]
 
@@ -44,7 +45,9 @@ def make_env(name: str, **options: Any) -> Environment:
 
 
 # The adapters that ship with the package (each imports its environment package lazily).
-register("twx-*", "lifemem_ray.lab.envs.twx:TextWorldExpressEnv")  # variant: coin, cookingworld, twc, mapreader, sorting, ...
+register(
+    "twx-*", "lifemem_ray.lab.envs.twx:TextWorldExpressEnv"
+)  # variant: coin, cookingworld, twc, mapreader, sorting, ...
 register("alfworld", "lifemem_ray.lab.envs.alfworld:AlfWorldEnv")
 register("scienceworld", "lifemem_ray.lab.envs.scienceworld:ScienceWorldEnv")
 register("tau2-*", "lifemem_ray.lab.envs.tau2:Tau2Env")  # variant: retail, airline

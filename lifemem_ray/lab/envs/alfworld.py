@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["TASK_TYPES", "TEST_SOURCES", "TRAIN_SOURCES", "AlfWorldEnv"]
 
@@ -55,7 +55,10 @@ def _default_data_dir() -> Path | None:
     if os.environ.get("ALFWORLD_DATA"):
         return Path(os.environ["ALFWORLD_DATA"])
     shared = os.environ.get("LIFEMEM_SHARED_DIR")
-    for base in ([Path(shared)] if shared else []) + [Path(__file__).resolve().parents[4] / "shared", Path("/work/shared")]:
+    for base in ([Path(shared)] if shared else []) + [
+        Path(__file__).resolve().parents[4] / "shared",
+        Path("/work/shared"),
+    ]:
         if (base / "data" / "alfworld" / "json_2.1.1").is_dir():
             return base / "data" / "alfworld"
     return None
@@ -92,13 +95,15 @@ def _index(root: Path) -> tuple[list[dict[str, str]], list[str]]:
                 if goal is None or task_type not in TASK_TYPES:
                     skipped.append(f"{rel}: no goal text or unknown task type {task_type!r}")
                     continue
-                games.append({
-                    "rel": rel,
-                    "source": source,
-                    "task_type": task_type,
-                    "instruction": goal.group(1).strip(),
-                    "id": f"{source}/{task_dir}/{path.parent.name}",
-                })
+                games.append(
+                    {
+                        "rel": rel,
+                        "source": source,
+                        "task_type": task_type,
+                        "instruction": goal.group(1).strip(),
+                        "id": f"{source}/{task_dir}/{path.parent.name}",
+                    }
+                )
         _INDEX[root] = (games, skipped)
         return games, skipped
 
@@ -315,7 +320,9 @@ class AlfWorldEnv(Environment):
             return self._engine.reset()
         except Exception as exc:
             self._loaded, self._done = None, True  # the engine's state is unknown now
-            raise TaskError(f"alfworld: the engine cannot load game {self.data_dir / rel}: {type(exc).__name__}: {exc}") from exc
+            raise TaskError(
+                f"alfworld: the engine cannot load game {self.data_dir / rel}: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             sys.argv = argv  # belt and braces: the translator rewrites sys.argv
             self._infos.extras = []
@@ -327,7 +334,9 @@ class AlfWorldEnv(Environment):
             raise TaskError(f"AlfWorldEnv: task {task.id!r} belongs to environment {task.env!r}, not 'alfworld'")
         rel = task.payload.get("game_file")
         if not isinstance(rel, str) or not rel.endswith(_GAME) or ".." in Path(rel).parts or Path(rel).is_absolute():
-            raise TaskError(f"AlfWorldEnv: task {task.id!r} payload.game_file must be a path under the data folder ending in {_GAME}, got {rel!r}")
+            raise TaskError(
+                f"AlfWorldEnv: task {task.id!r} payload.game_file must be a path under the data folder ending in {_GAME}, got {rel!r}"
+            )
         if not (self.data_dir / rel).is_file():
             raise TaskError(f"AlfWorldEnv: task {task.id!r}: game file {self.data_dir / rel} not found")
         return rel
@@ -338,7 +347,12 @@ class AlfWorldEnv(Environment):
         self._task, self._history, self._done = task, [], False
         self._admissible = list(state["admissible_commands"])
         observation = str(state.feedback).replace(_BANNER, "").strip()
-        return observation, {"instruction": task.instruction, "valid_actions": list(self._admissible), "success": None, "task_type": task.metadata.get("task_type")}
+        return observation, {
+            "instruction": task.instruction,
+            "valid_actions": list(self._admissible),
+            "success": None,
+            "task_type": task.metadata.get("task_type"),
+        }
 
     def _normalise(self, action: Any) -> str:
         """One line, lower case, no trailing period; ``put X in Y``/``move X to Y`` -> ``put X in/on Y``."""
@@ -357,7 +371,12 @@ class AlfWorldEnv(Environment):
             raise EnvStateError("AlfWorldEnv: step() before reset()")
         info: dict[str, Any] = {"instruction": self._task.instruction}
         if self._done:
-            return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {**info, "valid_actions": [], "success": None})
+            return StepResult(
+                "The episode is over; call reset() for a new task.",
+                0.0,
+                True,
+                {**info, "valid_actions": [], "success": None},
+            )
         command = self._normalise(action)[:500]
         self._history.append(command)
         if command in self._admissible:

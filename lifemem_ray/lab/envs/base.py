@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from typing import Any
+
 from lifemem_ray.core.errors import EnvStateError, EnvUnavailable, TaskError
 
 __all__ = ["EnvStateError", "EnvUnavailable", "Environment", "StepResult", "Task", "TaskError"]
@@ -67,7 +68,7 @@ class Environment(abc.ABC):
     def close(self) -> None:
         """Free processes and files; safe to call twice."""
 
-    def __enter__(self) -> "Environment":
+    def __enter__(self) -> Environment:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.calls import literal_arg
 
 __all__ = ["BfclEnv"]
@@ -49,7 +49,11 @@ END_TURN = ("finish_turn", "end_turn")
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*|\s*```$")
 _FORBIDDEN = ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run")  # BFCL's executor refuses these
 # MathAPI calls that an LLM can make run for hours (big-int power, mpmath at 10^9 digits).
-_NUMERIC_LIMITS = {"power": ("exponent", 10_000), "logarithm": ("precision", 1_000), "square_root": ("precision", 1_000)}
+_NUMERIC_LIMITS = {
+    "power": ("exponent", 10_000),
+    "logarithm": ("precision", 1_000),
+    "square_root": ("precision", 1_000),
+}
 _ADDED_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"  # BFCL's wording
 
 _DATA_CACHE: dict[str, Any] = {}
@@ -98,11 +102,16 @@ def _category_entries(category: str) -> dict[str, dict[str, Any]]:
     lib = _bfcl()
     if category not in lib["entries"]:
         questions = _read_jsonl(lib["data_dir"] / f"BFCL_v4_{category}.json")
-        answers = {a["id"]: a["ground_truth"] for a in _read_jsonl(lib["data_dir"] / "possible_answer" / f"BFCL_v4_{category}.json")}
+        answers = {
+            a["id"]: a["ground_truth"]
+            for a in _read_jsonl(lib["data_dir"] / "possible_answer" / f"BFCL_v4_{category}.json")
+        }
         entries = {}
         for entry in questions:
             if entry["id"] not in answers:
-                raise EnvUnavailable(f"BFCL {category}: no ground truth for {entry['id']} in possible_answer; reinstall with: {INSTALL}")
+                raise EnvUnavailable(
+                    f"BFCL {category}: no ground truth for {entry['id']} in possible_answer; reinstall with: {INSTALL}"
+                )
             entries[entry["id"]] = {**entry, "ground_truth": answers[entry["id"]]}
         lib["entries"][category] = entries
     return lib["entries"][category]
@@ -182,7 +191,9 @@ def _parse_calls(text: str) -> list[Call]:
                     raise ValueError
                 kwargs[kw.arg] = literal_arg(kw.value)
         except (ValueError, TypeError, SyntaxError, RecursionError):
-            raise ValueError(f"arguments of {name} must be literal values (strings, numbers, lists, dicts, True/False/None)") from None
+            raise ValueError(
+                f"arguments of {name} must be literal values (strings, numbers, lists, dicts, True/False/None)"
+            ) from None
         calls.append((name, args, kwargs, ast.get_source_segment(text, node) or name))
     return calls
 
@@ -200,10 +211,14 @@ class _World:
             try:
                 module = importlib.import_module(lib["class_paths"][class_name])
             except ImportError as exc:
-                raise EnvUnavailable(f"BFCL class {class_name} needs a package that is missing ({exc}); install bfcl-eval's dependencies for it") from exc
+                raise EnvUnavailable(
+                    f"BFCL class {class_name} needs a package that is missing ({exc}); install bfcl-eval's dependencies for it"
+                ) from exc
             instance = getattr(module, class_name)()
             if class_name not in lib["stateless"]:
-                instance._load_scenario(copy.deepcopy(entry["initial_config"].get(class_name, {})), long_context=long_context)
+                instance._load_scenario(
+                    copy.deepcopy(entry["initial_config"].get(class_name, {})), long_context=long_context
+                )
             self.instances[class_name] = instance
             for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
                 if not name.startswith("_"):
@@ -267,7 +282,9 @@ class BfclEnv(Environment):
             categories = (categories,)
         unknown = [c for c in categories if c not in CATEGORIES]
         if unknown or not categories:
-            raise ValueError(f"BfclEnv: unknown categories {unknown or list(categories)}; expected some of {', '.join(CATEGORIES)}")
+            raise ValueError(
+                f"BfclEnv: unknown categories {unknown or list(categories)}; expected some of {', '.join(CATEGORIES)}"
+            )
         if not isinstance(max_steps_per_turn, int) or max_steps_per_turn < 2:
             raise ValueError(f"BfclEnv: max_steps_per_turn must be an integer >= 2, got {max_steps_per_turn!r}")
         if not 0.0 <= float(train_fraction) <= 1.0:
@@ -277,7 +294,9 @@ class BfclEnv(Environment):
         self.train_fraction = float(train_fraction)
         self.seed = seed
         self._entries = {cat: _category_entries(cat) for cat in self.categories}
-        self.max_steps = max_steps_per_turn * max(len(e["question"]) for c in self._entries.values() for e in c.values())
+        self.max_steps = max_steps_per_turn * max(
+            len(e["question"]) for c in self._entries.values() for e in c.values()
+        )
         self._train: dict[str, set[str]] = {}
         for cat, entries in self._entries.items():
             ranked = sorted(entries, key=lambda i: hashlib.sha256(f"{self.seed}:{i}".encode()).hexdigest())
@@ -326,7 +345,9 @@ class BfclEnv(Environment):
         payload = task.payload if isinstance(task.payload, dict) else {}
         cat, entry_id = payload.get("category"), payload.get("entry_id")
         if cat not in self._entries or entry_id not in self._entries[cat]:
-            raise TaskError(f"BfclEnv.reset: task {task.id!r}: payload category/entry_id {cat!r}/{entry_id!r} not in the loaded categories {list(self.categories)}")
+            raise TaskError(
+                f"BfclEnv.reset: task {task.id!r}: payload category/entry_id {cat!r}/{entry_id!r} not in the loaded categories {list(self.categories)}"
+            )
         return cat, self._entries[cat][entry_id]
 
     # ---- episode -----------------------------------------------------------------------
@@ -358,13 +379,21 @@ class BfclEnv(Environment):
         self._turn_steps = 0
         self._turn_calls = 0
         self._steps = 0
-        self._results: list[str] = []  # every execution result of the agent so far (BFCL's all_turn_model_execution_results)
+        self._results: list[
+            str
+        ] = []  # every execution result of the agent so far (BFCL's all_turn_model_execution_results)
         self._failure: dict[str, Any] | None = None
         self._responses: list[str] = []
         self._done = False
         self.max_steps = self.max_steps_per_turn * len(entry["question"])
         obs = self._turn_text(entry, 0, [])
-        return obs, {"instruction": task.instruction, "valid_actions": self.valid_actions(), "success": None, "tools": self.tool_docs(), "turn": 0}
+        return obs, {
+            "instruction": task.instruction,
+            "valid_actions": self.valid_actions(),
+            "success": None,
+            "tools": self.tool_docs(),
+            "turn": 0,
+        }
 
     def _available(self) -> list[str]:
         held = self._held_back(self._entry, self._turn)
@@ -385,7 +414,9 @@ class BfclEnv(Environment):
         if self._task is None:
             raise EnvStateError("BfclEnv.step: call reset(task) first")
         if self._done:
-            return StepResult("The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True))
+            return StepResult(
+                "The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True)
+            )
         self._steps += 1
         self._turn_steps += 1
         end_turn, observation = False, ""
@@ -395,9 +426,12 @@ class BfclEnv(Environment):
             try:
                 calls = _parse_calls(action)
             except ValueError as exc:
-                calls, observation = [], (
-                    f"Error: could not parse the action {action[:200]!r}: {exc}. Write calls like cd(folder='document'), "
-                    "a list [f(a=1), g()], finish_turn, or respond('message to the user')."
+                calls, observation = (
+                    [],
+                    (
+                        f"Error: could not parse the action {action[:200]!r}: {exc}. Write calls like cd(folder='document'), "
+                        "a list [f(a=1), g()], finish_turn, or respond('message to the user')."
+                    ),
                 )
             if calls and calls[0][0] in END_TURN + ("respond",):
                 if len(calls) > 1:
@@ -413,7 +447,10 @@ class BfclEnv(Environment):
         if end_turn:
             return self._end_turn()
         if self._turn_steps >= self.max_steps_per_turn:
-            self._fail("multi_turn:force_terminated", f"turn {self._turn} ran past {self.max_steps_per_turn} actions without finish_turn")
+            self._fail(
+                "multi_turn:force_terminated",
+                f"turn {self._turn} ran past {self.max_steps_per_turn} actions without finish_turn",
+            )
             self._done = True
             observation += f"\n[The conversation was ended: turn {self._turn + 1} used {self.max_steps_per_turn} actions without finish_turn.]"
             return StepResult(observation.strip(), 0.0, True, self._info(final=True))
@@ -426,7 +463,9 @@ class BfclEnv(Environment):
             if name in _FORBIDDEN:
                 result = f"Error during execution: Function call {name} is not allowed."
             elif name not in self._world.methods:
-                result = f"Error during execution: name {name!r} is not defined; available: {', '.join(self._available())}"
+                result = (
+                    f"Error during execution: name {name!r} is not defined; available: {', '.join(self._available())}"
+                )
             else:
                 result = self._world.execute(name, args, kwargs)
             self._results.append(result)
@@ -446,7 +485,9 @@ class BfclEnv(Environment):
         gold_results = [self._gold_world.run_source(src) for src in gold_calls]
         if gold_calls and self._failure is None:
             if self._turn_calls == 0:
-                self._fail("multi_turn:empty_turn_model_response", f"Model response list is empty for turn {self._turn}")
+                self._fail(
+                    "multi_turn:empty_turn_model_response", f"Model response list is empty for turn {self._turn}"
+                )
             else:
                 state = lib["state_checker"](self._world.instances, self._gold_world.instances)
                 if not state["valid"]:
@@ -454,7 +495,11 @@ class BfclEnv(Environment):
                 else:
                     response = lib["response_checker"](self._results, gold_results, self._turn)
                     if not response["valid"]:
-                        self._fail(response["error_type"], response["error_message"], {"missing_items": response["details"]["missing_items"]})
+                        self._fail(
+                            response["error_type"],
+                            response["error_message"],
+                            {"missing_items": response["details"]["missing_items"]},
+                        )
         before = set(self._available())
         self._turn += 1
         self._turn_steps = 0
@@ -469,10 +514,19 @@ class BfclEnv(Environment):
         return StepResult(self._turn_text(self._entry, self._turn, added), 0.0, False, info)
 
     def _info(self, final: bool) -> dict[str, Any]:
-        info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": self.valid_actions(), "success": None, "steps": self._steps}
+        info: dict[str, Any] = {
+            "instruction": self._task.instruction,
+            "valid_actions": self.valid_actions(),
+            "success": None,
+            "steps": self._steps,
+        }
         if final:
             info["success"] = self._failure is None
-            info["score"] = float(self._turn) / len(self._entry["question"]) if self._failure is None else float(self._failure["turn"]) / len(self._entry["question"])
+            info["score"] = (
+                float(self._turn) / len(self._entry["question"])
+                if self._failure is None
+                else float(self._failure["turn"]) / len(self._entry["question"])
+            )
             if self._failure is not None:
                 info["failure"] = self._failure
         return info
@@ -487,7 +541,7 @@ class BfclEnv(Environment):
                 out.extend(calls)
             else:
                 size = -(-len(calls) // room)
-                out.extend(f"[{', '.join(calls[i:i + size])}]" for i in range(0, len(calls), size))
+                out.extend(f"[{', '.join(calls[i : i + size])}]" for i in range(0, len(calls), size))
             out.append("finish_turn")
         return out
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lifemem_ray.lab.envs import make_env
 from lifemem_ray.lab.envs.base import Environment, StepResult, Task
@@ -26,8 +27,16 @@ __all__ = ["FaultyEnv"]
 
 
 class FaultyEnv(Environment):
-    def __init__(self, inner: str, marker_dir: str, hang_on: Sequence[str] = (), crash_on: Sequence[str] = (),
-                 fail_on: Sequence[str] = (), hang_s: float = 3600.0, inner_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        inner: str,
+        marker_dir: str,
+        hang_on: Sequence[str] = (),
+        crash_on: Sequence[str] = (),
+        fail_on: Sequence[str] = (),
+        hang_s: float = 3600.0,
+        inner_options: dict[str, Any] | None = None,
+    ) -> None:
         self.inner = make_env(inner, **(inner_options or {}))
         self.name = self.inner.name
         self.max_steps = self.inner.max_steps

@@ -11,7 +11,8 @@ import contextlib
 import os
 import subprocess
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["gateway_process", "java_options", "stop_simulator"]
 

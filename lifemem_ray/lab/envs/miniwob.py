@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["DEFAULT_TASK_NAMES", "GOLD_TASKS", "MiniWobEnv", "parse_action", "render_dom"]
 
@@ -47,10 +47,29 @@ DEFAULT_TASK_NAMES: tuple[str, ...] = (
 _SPLITS = ("train", "test")
 _NO_TIMEOUT_MS = 24 * 3600 * 1000  # MiniWoB ends an episode after 10 s by default
 _INTERACTIVE = {"button", "a", "label", "select", "option", "textarea", "li"}
-_TEXT_INPUTS = {"input_text", "input_password", "input_email", "input_number", "input_search", "input_tel", "input_url", "textarea"}
+_TEXT_INPUTS = {
+    "input_text",
+    "input_password",
+    "input_email",
+    "input_number",
+    "input_search",
+    "input_tel",
+    "input_url",
+    "textarea",
+}
 _KEYS = {
-    "enter": "\ue007", "tab": "\ue004", "backspace": "\ue003", "escape": "\ue00c", "space": " ", "delete": "\ue017",
-    "arrowup": "\ue013", "arrowdown": "\ue015", "arrowleft": "\ue012", "arrowright": "\ue014", "home": "\ue011", "end": "\ue010",
+    "enter": "\ue007",
+    "tab": "\ue004",
+    "backspace": "\ue003",
+    "escape": "\ue00c",
+    "space": " ",
+    "delete": "\ue017",
+    "arrowup": "\ue013",
+    "arrowdown": "\ue015",
+    "arrowleft": "\ue012",
+    "arrowright": "\ue014",
+    "home": "\ue011",
+    "end": "\ue010",
 }
 _MAX_TEXT = 200
 _ACTION_HELP = 'Actions: click [ref] | type [ref] "text" | press <key> (Enter, Tab, Backspace, Escape, Space, Delete, arrows, Home, End).'
@@ -133,7 +152,14 @@ def render_dom(root: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
             # A <label> around a checkbox shows as the checkbox's text, not as an element of its own.
             if tag != "label" or not any(str(c.get("tag", "")).lower().startswith("input_") for c in children):
                 lines.append(" ".join(parts))
-                elements.append({"ref": ref, "tag": tag, "text": label if (label and is_input) else text, "id": node.get("id") or ""})
+                elements.append(
+                    {
+                        "ref": ref,
+                        "tag": tag,
+                        "text": label if (label and is_input) else text,
+                        "id": node.get("id") or "",
+                    }
+                )
         own_label = ""
         if tag == "label":
             own_label = " ".join(_own_text(c) for c in children if str(c.get("tag", "")).lower() == "t")
@@ -205,7 +231,11 @@ def _gold_login(fields: dict[str, str], elements: list[dict[str, Any]]) -> list[
     login = _submit(elements, "login")
     if not (user and password and login) or "username" not in fields or "password" not in fields:
         return None
-    return [f"type [{user['ref']}] {_quote(fields['username'])}", f"type [{password['ref']}] {_quote(fields['password'])}", f"click [{login['ref']}]"]
+    return [
+        f"type [{user['ref']}] {_quote(fields['username'])}",
+        f"type [{password['ref']}] {_quote(fields['password'])}",
+        f"click [{login['ref']}]",
+    ]
 
 
 def _gold_focus(fields: dict[str, str], elements: list[dict[str, Any]]) -> list[str] | None:
@@ -309,15 +339,21 @@ class MiniWobEnv(Environment):
             raise ValueError("MiniWobEnv: task_names must not be empty")
         for n in names:
             if not isinstance(n, str) or n.startswith("flight.") or not (self._html_dir / f"{n}.html").is_file():
-                raise ValueError(f"MiniWobEnv: unknown task {n!r}: no {self._html_dir}/{n}.html (flight.* tasks are not supported)")
+                raise ValueError(
+                    f"MiniWobEnv: unknown task {n!r}: no {self._html_dir}/{n}.html (flight.* tasks are not supported)"
+                )
         seeds = {}
         for what, values in (("seeds_train", seeds_train), ("seeds_test", seeds_test)):
             values = list(values)
-            if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values) or len(set(values)) != len(values):
+            if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values) or len(set(values)) != len(
+                values
+            ):
                 raise ValueError(f"MiniWobEnv: {what} must be distinct ints >= 0, got {values[:10]!r}")
             seeds[what] = values
         if set(seeds["seeds_train"]) & set(seeds["seeds_test"]):
-            raise ValueError(f"MiniWobEnv: seeds_train and seeds_test overlap: {sorted(set(seeds['seeds_train']) & set(seeds['seeds_test']))[:10]}")
+            raise ValueError(
+                f"MiniWobEnv: seeds_train and seeds_test overlap: {sorted(set(seeds['seeds_train']) & set(seeds['seeds_test']))[:10]}"
+            )
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"MiniWobEnv: max_steps must be an int >= 1, got {max_steps!r}")
         self.chrome_binary, self.chromedriver = self._find_browser()
@@ -343,12 +379,17 @@ class MiniWobEnv(Environment):
     @staticmethod
     def _find_browser() -> tuple[str, str]:
         binary = os.environ.get("MINIWOB_CHROME_BINARY") or next(
-            (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+            (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None
+        )
         driver = os.environ.get("MINIWOB_CHROMEDRIVER") or shutil.which("chromedriver")
         if not binary or not os.access(binary, os.X_OK):
-            raise EnvUnavailable(f"miniwob: no Chromium ({binary or 'chromium not on $PATH'}; MINIWOB_CHROME_BINARY); install it with: {APT}")
+            raise EnvUnavailable(
+                f"miniwob: no Chromium ({binary or 'chromium not on $PATH'}; MINIWOB_CHROME_BINARY); install it with: {APT}"
+            )
         if not driver or not os.access(driver, os.X_OK):
-            raise EnvUnavailable(f"miniwob: no chromedriver ({driver or 'not on $PATH'}; MINIWOB_CHROMEDRIVER); install it with: {APT}")
+            raise EnvUnavailable(
+                f"miniwob: no chromedriver ({driver or 'not on $PATH'}; MINIWOB_CHROMEDRIVER); install it with: {APT}"
+            )
         return binary, driver
 
     # -- process --------------------------------------------------------------------------
@@ -370,10 +411,21 @@ class MiniWobEnv(Environment):
             options = webdriver.ChromeOptions()
             options.binary_location = self.chrome_binary
             flags = [
-                "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={self._tmpdir}/profile",
-                "--window-size=500,400", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync", "--mute-audio",
-                "--disable-default-apps", "--renderer-process-limit=1", f"--js-flags=--max-old-space-size={int(self.js_heap_mb)}",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={self._tmpdir}/profile",
+                "--window-size=500,400",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--disable-extensions",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--mute-audio",
+                "--disable-default-apps",
+                "--renderer-process-limit=1",
+                f"--js-flags=--max-old-space-size={int(self.js_heap_mb)}",
                 "--disable-features=Translate,MediaRouter,OptimizationHints,site-per-process",
             ]
             if self.headless:
@@ -388,7 +440,9 @@ class MiniWobEnv(Environment):
                 proc = getattr(service, "process", None)
                 self._service_pid = proc.pid if proc is not None else None
                 self._shutdown(None)
-                raise EnvUnavailable(f"miniwob: cannot start Chromium {self.chrome_binary} via {self.chromedriver} ({type(exc).__name__}: {str(exc)[:300]}); install: {APT}") from exc
+                raise EnvUnavailable(
+                    f"miniwob: cannot start Chromium {self.chrome_binary} via {self.chromedriver} ({type(exc).__name__}: {str(exc)[:300]}); install: {APT}"
+                ) from exc
             self._service_pid = service.process.pid
             # A headless page is never "focused", so focus events would not fire (focus-text,
             # enter-text's blur checks); emulating focus makes it behave like a visible window.
@@ -469,7 +523,9 @@ class MiniWobEnv(Environment):
         return "\n".join(lines)
 
     def _metadata(self) -> dict[str, Any]:
-        return self._js('return {"done": WOB_DONE_GLOBAL, "raw_reward": WOB_RAW_REWARD_GLOBAL, "reason": WOB_REWARD_REASON};')
+        return self._js(
+            'return {"done": WOB_DONE_GLOBAL, "raw_reward": WOB_RAW_REWARD_GLOBAL, "reason": WOB_REWARD_REASON};'
+        )
 
     def _valid_actions(self) -> list[str]:
         actions = [f"click [{e['ref']}]" for e in self._elements]
@@ -517,7 +573,12 @@ class MiniWobEnv(Environment):
             raise TaskError(f"miniwob: task {task.id!r} belongs to environment {task.env!r}")
         p = task.payload
         name, seed, mode = p.get("subdomain"), p.get("seed"), p.get("data_mode", task.split)
-        if not isinstance(name, str) or name.startswith("flight.") or "/" in name or not (self._html_dir / f"{name}.html").is_file():
+        if (
+            not isinstance(name, str)
+            or name.startswith("flight.")
+            or "/" in name
+            or not (self._html_dir / f"{name}.html").is_file()
+        ):
             raise TaskError(f"miniwob: task {task.id!r} payload.subdomain {name!r} is not a MiniWoB task page")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise TaskError(f"miniwob: task {task.id!r} payload.seed must be an int >= 0, got {seed!r}")
@@ -538,7 +599,9 @@ class MiniWobEnv(Environment):
         self._task = None
         utterance, observation = self._begin(key)
         if task.instruction and utterance != task.instruction:
-            raise TaskError(f"miniwob: task {task.id!r} says {task.instruction!r} but the page generated {utterance!r} (another miniwob version?)")
+            raise TaskError(
+                f"miniwob: task {task.id!r} says {task.instruction!r} but the page generated {utterance!r} (another miniwob version?)"
+            )
         self._task = task
         self._episode_generation = self._generation
         self._history = []
@@ -550,7 +613,12 @@ class MiniWobEnv(Environment):
         if self._task is None or self._driver is None:
             raise EnvStateError("miniwob: step() before reset()")
         if self._done:
-            return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {"instruction": self._task.instruction, "valid_actions": [], "success": None})
+            return StepResult(
+                "The episode is over; call reset() for a new task.",
+                0.0,
+                True,
+                {"instruction": self._task.instruction, "valid_actions": [], "success": None},
+            )
         if not isinstance(action, str):
             action = "" if action is None else str(action)
         self._history.append(action)
@@ -559,7 +627,9 @@ class MiniWobEnv(Environment):
         done = bool(meta.get("done"))
         reward = float(meta.get("raw_reward") or 0.0) if done else 0.0
         if done:
-            observation = f"The episode ended: reward {reward:g}" + (f" ({meta['reason']})." if meta.get("reason") else ".")
+            observation = f"The episode ended: reward {reward:g}" + (
+                f" ({meta['reason']})." if meta.get("reason") else "."
+            )
         else:
             observation = self._observe()
             if error:

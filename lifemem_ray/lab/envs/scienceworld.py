@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_TASK_NAMES", "ScienceWorldEnv"]
@@ -41,7 +41,14 @@ DEFAULT_TASK_NAMES: tuple[str, ...] = (
     "chemistry-mix",
 )
 # The simulator's simplifications ("easy" = all of them); a comma-separated list of these.
-SIMPLIFICATIONS = ("easy", "teleportAction", "selfWateringFlowerPots", "openContainers", "openDoors", "noElectricalAction")
+SIMPLIFICATIONS = (
+    "easy",
+    "teleportAction",
+    "selfWateringFlowerPots",
+    "openContainers",
+    "openDoors",
+    "noElectricalAction",
+)
 _SPLITS = ("train", "test")
 _MAX_ACTION_CHARS = 500
 
@@ -84,12 +91,16 @@ class ScienceWorldEnv(Environment):
         try:
             import scienceworld  # noqa: F401  (lazy: this module imports without the package)
         except ImportError as exc:
-            raise EnvUnavailable(f"scienceworld: the scienceworld package is missing ({exc}); install it with: {INSTALL}") from None
+            raise EnvUnavailable(
+                f"scienceworld: the scienceworld package is missing ({exc}); install it with: {INSTALL}"
+            ) from None
         java_home = os.environ.get("JAVA_HOME")
         java = os.path.join(java_home, "bin", "java") if java_home else shutil.which("java")
         if not java or not os.access(java, os.X_OK):
             where = f"$JAVA_HOME/bin/java ({java})" if java_home else "java on $PATH"
-            raise EnvUnavailable(f"scienceworld: no Java runtime ({where} not found); install it with: apt-get install -y openjdk-17-jre-headless")
+            raise EnvUnavailable(
+                f"scienceworld: no Java runtime ({where} not found); install it with: apt-get install -y openjdk-17-jre-headless"
+            )
 
         known = _known_task_names()
         names = list(DEFAULT_TASK_NAMES) if task_names is None else list(task_names)
@@ -98,17 +109,26 @@ class ScienceWorldEnv(Environment):
         resolved: list[str] = []
         for name in names:
             if not isinstance(name, str) or name not in known:
-                raise ValueError(f"ScienceWorldEnv: unknown task name {name!r}; known: {', '.join(sorted(set(known.values())))}")
+                raise ValueError(
+                    f"ScienceWorldEnv: unknown task name {name!r}; known: {', '.join(sorted(set(known.values())))}"
+                )
             if known[name] not in resolved:
                 resolved.append(known[name])
-        for what, n in (("variations_per_task_train", variations_per_task_train), ("variations_per_task_test", variations_per_task_test)):
+        for what, n in (
+            ("variations_per_task_train", variations_per_task_train),
+            ("variations_per_task_test", variations_per_task_test),
+        ):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-                raise ValueError(f"ScienceWorldEnv: {what} must be an int >= 0 or None (every variation of the fold), got {n!r}")
+                raise ValueError(
+                    f"ScienceWorldEnv: {what} must be an int >= 0 or None (every variation of the fold), got {n!r}"
+                )
         if not isinstance(simplification, str):
             raise TypeError(f"ScienceWorldEnv: simplification must be a string, got {simplification!r}")
         unknown = [s for s in simplification.split(",") if s and s not in SIMPLIFICATIONS]
         if unknown:
-            raise ValueError(f"ScienceWorldEnv: unknown simplification(s) {unknown}; known: {', '.join(SIMPLIFICATIONS)} (comma-separated)")
+            raise ValueError(
+                f"ScienceWorldEnv: unknown simplification(s) {unknown}; known: {', '.join(SIMPLIFICATIONS)} (comma-separated)"
+            )
         if isinstance(java_heap_mb, bool) or not isinstance(java_heap_mb, int) or java_heap_mb < 64:
             raise ValueError(f"ScienceWorldEnv: java_heap_mb must be an int >= 64, got {java_heap_mb!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
@@ -150,11 +170,15 @@ class ScienceWorldEnv(Environment):
         if self._sw is None:
             from scienceworld import ScienceWorldEnv as _SW
 
-            with java_options(f"-Xmx{self.java_heap_mb}m -XX:+UseSerialGC -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"):
+            with java_options(
+                f"-Xmx{self.java_heap_mb}m -XX:+UseSerialGC -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
+            ):
                 try:
                     self._sw = _SW("", envStepLimit=10**9)  # our own max_steps ends episodes
                 except Exception as exc:
-                    raise EnvUnavailable(f"scienceworld: cannot start the ScienceWorld JVM ({type(exc).__name__}: {exc}); needs Java 17: {INSTALL}") from exc
+                    raise EnvUnavailable(
+                        f"scienceworld: cannot start the ScienceWorld JVM ({type(exc).__name__}: {exc}); needs Java 17: {INSTALL}"
+                    ) from exc
             self._loaded = None
         return self._sw
 
@@ -166,8 +190,12 @@ class ScienceWorldEnv(Environment):
             raise TaskError(f"scienceworld: cannot load {task_name!r} variation {variation}: {exc}") from None
         except Exception as exc:
             if self.jvm_pid is None:
-                raise EnvStateError(f"scienceworld: the JVM died while loading {task_name!r} variation {variation}: {exc}") from exc
-            raise TaskError(f"scienceworld: the simulator rejected {task_name!r} variation {variation}: {exc}") from None
+                raise EnvStateError(
+                    f"scienceworld: the JVM died while loading {task_name!r} variation {variation}: {exc}"
+                ) from exc
+            raise TaskError(
+                f"scienceworld: the simulator rejected {task_name!r} variation {variation}: {exc}"
+            ) from None
         self._loaded = (task_name, variation)
         self._generation += 1  # any running episode's state is gone
         return sw
@@ -256,11 +284,15 @@ class ScienceWorldEnv(Environment):
         p = task.payload
         name, variation, simp = p.get("task_name"), p.get("variation"), p.get("simplification", self.simplification)
         if name not in _known_task_names().values():
-            raise TaskError(f"scienceworld: task {task.id!r} payload.task_name {name!r} is not a ScienceWorld task kind")
+            raise TaskError(
+                f"scienceworld: task {task.id!r} payload.task_name {name!r} is not a ScienceWorld task kind"
+            )
         if isinstance(variation, bool) or not isinstance(variation, int) or variation < 0:
             raise TaskError(f"scienceworld: task {task.id!r} payload.variation must be an int >= 0, got {variation!r}")
         if simp != self.simplification:
-            raise TaskError(f"scienceworld: task {task.id!r} was made with simplification {simp!r}; this instance uses {self.simplification!r}")
+            raise TaskError(
+                f"scienceworld: task {task.id!r} was made with simplification {simp!r}; this instance uses {self.simplification!r}"
+            )
         return name, variation
 
     def _start(self, name: str, variation: int) -> str:
@@ -299,7 +331,12 @@ class ScienceWorldEnv(Environment):
         if self._task is None or self._sw is None:
             raise EnvStateError("scienceworld: step() before reset()")
         if self._done:
-            return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {"instruction": self._task.instruction, "valid_actions": [], "success": None})
+            return StepResult(
+                "The episode is over; call reset() for a new task.",
+                0.0,
+                True,
+                {"instruction": self._task.instruction, "valid_actions": [], "success": None},
+            )
         if not isinstance(action, str):
             action = "" if action is None else str(action)
         cleaned = " ".join(action.split())[:_MAX_ACTION_CHARS]  # one line: the parser rejects anything else
@@ -312,7 +349,9 @@ class ScienceWorldEnv(Environment):
         except Py4JJavaError as exc:  # the simulator threw on this input: the episode goes on
             observation = f"Invalid action {cleaned!r}: the simulator could not parse it ({exc.java_exception})."
         except Exception as exc:
-            raise EnvStateError(f"scienceworld: the JVM (pid {self.jvm_pid}) failed on step {cleaned!r}: {type(exc).__name__}: {exc}") from exc
+            raise EnvStateError(
+                f"scienceworld: the JVM (pid {self.jvm_pid}) failed on step {cleaned!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         if not cleaned:
             observation = "Invalid action: the action is empty. " + observation
         score = round(100 * float(server.getScore()))
@@ -331,7 +370,12 @@ class ScienceWorldEnv(Environment):
 
     def _restore(self) -> None:
         """Replay the running episode after the simulator was used for something else."""
-        if self._task is not None and not self._done and self._sw is not None and self._generation != self._episode_generation:
+        if (
+            self._task is not None
+            and not self._done
+            and self._sw is not None
+            and self._generation != self._episode_generation
+        ):
             from py4j.protocol import Py4JJavaError
 
             self._start(*self._check(self._task))

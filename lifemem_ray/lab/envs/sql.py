@@ -35,12 +35,13 @@ import math
 import random
 import re
 import sqlite3
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Task, TaskError
 
-__all__ = ["SqlEnv", "TASK_TYPES", "parse_action", "normalise_rows"]
+__all__ = ["TASK_TYPES", "SqlEnv", "normalise_rows", "parse_action"]
 
 #: The workflow kinds, in the order tasks cycle through them (task i has kind i % 7).
 TASK_TYPES: tuple[str, ...] = ("select", "count", "aggregate", "join", "insert", "update", "delete")
@@ -71,14 +72,66 @@ PROTOCOL = (
 
 # --------------------------------------------------------------------------- domains
 
-_FIRST = (
-    "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Liam Maria Noah Olivia Peter "
-    "Quinn Rosa Samuel Tina Umar Vera Walter Xenia Yusuf Zoe Aaron Bianca Caleb Diana Ethan Fiona"
-).split()
-_LAST = (
-    "Smith Jones Brown Garcia Miller Davis Lopez Wilson Moore Taylor Clark Lewis Walker Hall Young "
-    "King Wright Scott Green Baker Adams Nelson Hill Campbell"
-).split()
+_FIRST = [
+    "Alice",
+    "Bob",
+    "Carol",
+    "David",
+    "Emma",
+    "Frank",
+    "Grace",
+    "Henry",
+    "Irene",
+    "Jack",
+    "Karen",
+    "Liam",
+    "Maria",
+    "Noah",
+    "Olivia",
+    "Peter",
+    "Quinn",
+    "Rosa",
+    "Samuel",
+    "Tina",
+    "Umar",
+    "Vera",
+    "Walter",
+    "Xenia",
+    "Yusuf",
+    "Zoe",
+    "Aaron",
+    "Bianca",
+    "Caleb",
+    "Diana",
+    "Ethan",
+    "Fiona",
+]
+_LAST = [
+    "Smith",
+    "Jones",
+    "Brown",
+    "Garcia",
+    "Miller",
+    "Davis",
+    "Lopez",
+    "Wilson",
+    "Moore",
+    "Taylor",
+    "Clark",
+    "Lewis",
+    "Walker",
+    "Hall",
+    "Young",
+    "King",
+    "Wright",
+    "Scott",
+    "Green",
+    "Baker",
+    "Adams",
+    "Nelson",
+    "Hill",
+    "Campbell",
+]
 _CITIES = ("Boston", "Denver", "Austin", "Seattle", "Chicago", "Miami", "Portland", "Atlanta")
 
 
@@ -121,7 +174,9 @@ class Domain:
 
 
 def _hr_parent(rng: random.Random, n: int) -> list[tuple]:
-    names = rng.sample(["Sales", "Engineering", "Marketing", "Finance", "Support", "Legal", "Research", "Operations"], n)
+    names = rng.sample(
+        ["Sales", "Engineering", "Marketing", "Finance", "Support", "Legal", "Research", "Operations"], n
+    )
     return [(i + 1, names[i], rng.choice(_CITIES), rng.randrange(200, 2000) * 1000) for i in range(n)]
 
 
@@ -138,7 +193,9 @@ def _shop_parent(rng: random.Random, n: int) -> list[tuple]:
 
 
 def _shop_child(rng: random.Random, i: int, parents: list[tuple], used: set) -> tuple:
-    product = rng.choice(["Laptop", "Desk Lamp", "Headphones", "Backpack", "Monitor", "Keyboard", "Coffee Maker", "Chair"])
+    product = rng.choice(
+        ["Laptop", "Desk Lamp", "Headphones", "Backpack", "Monitor", "Keyboard", "Coffee Maker", "Chair"]
+    )
     status = rng.choice(["pending", "shipped", "delivered", "cancelled"])
     amount = round(rng.randrange(500, 150000) / 100, 2)
     date = f"2024-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
@@ -179,8 +236,18 @@ def _inv_child(rng: random.Random, i: int, parents: list[tuple], used: set) -> t
 
 def _air_parent(rng: random.Random, n: int) -> list[tuple]:
     names = rng.sample(
-        [("Blue Sky Air", "USA"), ("Nordwind", "Germany"), ("Aurora Lines", "Canada"), ("Pacifica", "USA"),
-         ("Sol Airways", "Spain"), ("Kestrel Air", "UK"), ("Maple Jet", "Canada"), ("Alpina", "Switzerland")], n)
+        [
+            ("Blue Sky Air", "USA"),
+            ("Nordwind", "Germany"),
+            ("Aurora Lines", "Canada"),
+            ("Pacifica", "USA"),
+            ("Sol Airways", "Spain"),
+            ("Kestrel Air", "UK"),
+            ("Maple Jet", "Canada"),
+            ("Alpina", "Switzerland"),
+        ],
+        n,
+    )
     return [(i + 1, names[i][0], names[i][1]) for i in range(n)]
 
 
@@ -213,30 +280,191 @@ def _lib_child(rng: random.Random, i: int, parents: list[tuple], used: set) -> t
 
 
 DOMAINS: tuple[Domain, ...] = (
-    Domain("hr", "departments", (("dept_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("location", "TEXT"), ("budget", "INTEGER")),
-           "employees", (("emp_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("dept_id", "INTEGER"), ("title", "TEXT"), ("salary", "INTEGER"), ("hire_year", "INTEGER")),
-           "emp_id", "dept_id", "dept_id", "name", "title", "salary", "name", "location",
-           "employee", "employees", "department", "salary", "job title", "location", 2500, _hr_parent, _hr_child),
-    Domain("shop", "customers", (("customer_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("city", "TEXT"), ("tier", "TEXT")),
-           "orders", (("order_id", "INTEGER PRIMARY KEY"), ("customer_id", "INTEGER"), ("product", "TEXT"), ("status", "TEXT"), ("amount", "REAL"), ("order_date", "TEXT")),
-           "order_id", "customer_id", "customer_id", "order_id", "status", "amount", "name", "city",
-           "order", "orders", "customer", "amount", "status", "city", 10, _shop_parent, _shop_child),
-    Domain("school", "students", (("student_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("grade_level", "INTEGER"), ("city", "TEXT")),
-           "exam_results", (("result_id", "INTEGER PRIMARY KEY"), ("student_id", "INTEGER"), ("subject", "TEXT"), ("score", "INTEGER"), ("term", "TEXT")),
-           "result_id", "student_id", "student_id", "result_id", "subject", "score", "name", "city",
-           "exam result", "exam results", "student", "score", "subject", "city", 5, _school_parent, _school_child),
-    Domain("inventory", "warehouses", (("warehouse_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("city", "TEXT"), ("capacity", "INTEGER")),
-           "products", (("product_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("category", "TEXT"), ("warehouse_id", "INTEGER"), ("quantity", "INTEGER"), ("unit_price", "REAL")),
-           "product_id", "warehouse_id", "warehouse_id", "name", "category", "quantity", "name", "city",
-           "product", "products", "warehouse", "quantity in stock", "category", "city", 50, _inv_parent, _inv_child),
-    Domain("flights", "airlines", (("airline_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("country", "TEXT")),
-           "flights", (("flight_id", "INTEGER PRIMARY KEY"), ("flight_no", "TEXT"), ("airline_id", "INTEGER"), ("origin", "TEXT"), ("destination", "TEXT"), ("seats", "INTEGER"), ("price", "INTEGER")),
-           "flight_id", "airline_id", "airline_id", "flight_no", "destination", "price", "name", "country",
-           "flight", "flights", "airline", "ticket price", "destination", "country", 25, _air_parent, _air_child),
-    Domain("library", "members", (("member_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("city", "TEXT"), ("membership", "TEXT")),
-           "loans", (("loan_id", "INTEGER PRIMARY KEY"), ("member_id", "INTEGER"), ("book_title", "TEXT"), ("genre", "TEXT"), ("loan_days", "INTEGER")),
-           "loan_id", "member_id", "member_id", "loan_id", "genre", "loan_days", "name", "city",
-           "loan", "loans", "member", "loan length in days", "genre", "city", 7, _lib_parent, _lib_child),
+    Domain(
+        "hr",
+        "departments",
+        (("dept_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("location", "TEXT"), ("budget", "INTEGER")),
+        "employees",
+        (
+            ("emp_id", "INTEGER PRIMARY KEY"),
+            ("name", "TEXT"),
+            ("dept_id", "INTEGER"),
+            ("title", "TEXT"),
+            ("salary", "INTEGER"),
+            ("hire_year", "INTEGER"),
+        ),
+        "emp_id",
+        "dept_id",
+        "dept_id",
+        "name",
+        "title",
+        "salary",
+        "name",
+        "location",
+        "employee",
+        "employees",
+        "department",
+        "salary",
+        "job title",
+        "location",
+        2500,
+        _hr_parent,
+        _hr_child,
+    ),
+    Domain(
+        "shop",
+        "customers",
+        (("customer_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("city", "TEXT"), ("tier", "TEXT")),
+        "orders",
+        (
+            ("order_id", "INTEGER PRIMARY KEY"),
+            ("customer_id", "INTEGER"),
+            ("product", "TEXT"),
+            ("status", "TEXT"),
+            ("amount", "REAL"),
+            ("order_date", "TEXT"),
+        ),
+        "order_id",
+        "customer_id",
+        "customer_id",
+        "order_id",
+        "status",
+        "amount",
+        "name",
+        "city",
+        "order",
+        "orders",
+        "customer",
+        "amount",
+        "status",
+        "city",
+        10,
+        _shop_parent,
+        _shop_child,
+    ),
+    Domain(
+        "school",
+        "students",
+        (("student_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("grade_level", "INTEGER"), ("city", "TEXT")),
+        "exam_results",
+        (
+            ("result_id", "INTEGER PRIMARY KEY"),
+            ("student_id", "INTEGER"),
+            ("subject", "TEXT"),
+            ("score", "INTEGER"),
+            ("term", "TEXT"),
+        ),
+        "result_id",
+        "student_id",
+        "student_id",
+        "result_id",
+        "subject",
+        "score",
+        "name",
+        "city",
+        "exam result",
+        "exam results",
+        "student",
+        "score",
+        "subject",
+        "city",
+        5,
+        _school_parent,
+        _school_child,
+    ),
+    Domain(
+        "inventory",
+        "warehouses",
+        (("warehouse_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("city", "TEXT"), ("capacity", "INTEGER")),
+        "products",
+        (
+            ("product_id", "INTEGER PRIMARY KEY"),
+            ("name", "TEXT"),
+            ("category", "TEXT"),
+            ("warehouse_id", "INTEGER"),
+            ("quantity", "INTEGER"),
+            ("unit_price", "REAL"),
+        ),
+        "product_id",
+        "warehouse_id",
+        "warehouse_id",
+        "name",
+        "category",
+        "quantity",
+        "name",
+        "city",
+        "product",
+        "products",
+        "warehouse",
+        "quantity in stock",
+        "category",
+        "city",
+        50,
+        _inv_parent,
+        _inv_child,
+    ),
+    Domain(
+        "flights",
+        "airlines",
+        (("airline_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("country", "TEXT")),
+        "flights",
+        (
+            ("flight_id", "INTEGER PRIMARY KEY"),
+            ("flight_no", "TEXT"),
+            ("airline_id", "INTEGER"),
+            ("origin", "TEXT"),
+            ("destination", "TEXT"),
+            ("seats", "INTEGER"),
+            ("price", "INTEGER"),
+        ),
+        "flight_id",
+        "airline_id",
+        "airline_id",
+        "flight_no",
+        "destination",
+        "price",
+        "name",
+        "country",
+        "flight",
+        "flights",
+        "airline",
+        "ticket price",
+        "destination",
+        "country",
+        25,
+        _air_parent,
+        _air_child,
+    ),
+    Domain(
+        "library",
+        "members",
+        (("member_id", "INTEGER PRIMARY KEY"), ("name", "TEXT"), ("city", "TEXT"), ("membership", "TEXT")),
+        "loans",
+        (
+            ("loan_id", "INTEGER PRIMARY KEY"),
+            ("member_id", "INTEGER"),
+            ("book_title", "TEXT"),
+            ("genre", "TEXT"),
+            ("loan_days", "INTEGER"),
+        ),
+        "loan_id",
+        "member_id",
+        "member_id",
+        "loan_id",
+        "genre",
+        "loan_days",
+        "name",
+        "city",
+        "loan",
+        "loans",
+        "member",
+        "loan length in days",
+        "genre",
+        "city",
+        7,
+        _lib_parent,
+        _lib_child,
+    ),
 )
 
 
@@ -288,7 +516,14 @@ class _Ask:
 Question = tuple[str, list[str], bool]  # (question, gold SQL statements, whether the answer's order matters)
 
 
-def _question(dom: Domain, kind: str, rng: random.Random, parents: list[tuple], children: list[tuple], next_child: Callable[[], tuple]) -> Question:
+def _question(
+    dom: Domain,
+    kind: str,
+    rng: random.Random,
+    parents: list[tuple],
+    children: list[tuple],
+    next_child: Callable[[], tuple],
+) -> Question:
     """(question, gold SQL statements, ordered) for one task kind; may produce an empty-result query (the caller retries)."""
     ask = _KINDS.get(kind)
     if ask is None:
@@ -334,7 +569,9 @@ def _ask_count(a: _Ask) -> Question:
 
 def _ask_aggregate(a: _Ask) -> Question:
     dom, c, rng = a.dom, a.dom.child, a.rng
-    fn, word = rng.choice([("AVG", "average"), ("SUM", "total"), ("MAX", "highest"), ("MIN", "lowest"), ("COUNT", "number of")])
+    fn, word = rng.choice(
+        [("AVG", "average"), ("SUM", "total"), ("MAX", "highest"), ("MIN", "lowest"), ("COUNT", "number of")]
+    )
     v = rng.randrange(2)
     if fn == "COUNT":
         q = f"For each {_say(dom.cat_words, dom.cat)} in the {c} table, how many {dom.nouns} are there? Give ({dom.cat}, count) pairs."
@@ -355,12 +592,30 @@ def _ask_join(a: _Ask) -> Question:
     v = rng.randrange(3)
     if v == 0:
         q = f"{head} List the {dom.label} of every {dom.noun} whose {dom.pnoun}'s {_say(dom.pcat_words, dom.pcat)} is '{pcat}'."
-        return q, [f"SELECT {c}.{dom.label} FROM {c} JOIN {p} ON {c}.{dom.fk} = {p}.{dom.ppk} WHERE {p}.{dom.pcat} = {_lit(pcat)}"], False
+        return (
+            q,
+            [
+                f"SELECT {c}.{dom.label} FROM {c} JOIN {p} ON {c}.{dom.fk} = {p}.{dom.ppk} WHERE {p}.{dom.pcat} = {_lit(pcat)}"
+            ],
+            False,
+        )
     if v == 1:
         q = f"{head} List the distinct {dom.plabel} of the {dom.pnoun}s that have at least one {dom.noun} with {_say(dom.cat_words, dom.cat)} '{a.cat}'."
-        return q, [f"SELECT DISTINCT {p}.{dom.plabel} FROM {p} JOIN {c} ON {c}.{dom.fk} = {p}.{dom.ppk} WHERE {c}.{dom.cat} = {_lit(a.cat)}"], False
+        return (
+            q,
+            [
+                f"SELECT DISTINCT {p}.{dom.plabel} FROM {p} JOIN {c} ON {c}.{dom.fk} = {p}.{dom.ppk} WHERE {c}.{dom.cat} = {_lit(a.cat)}"
+            ],
+            False,
+        )
     q = f"{head} For each {dom.pnoun} that has {dom.nouns}, give its {dom.plabel} and the total {_say(dom.num_words, dom.num)} of its {dom.nouns}, rounded to 2 decimals."
-    return q, [f"SELECT {p}.{dom.plabel}, ROUND(SUM({c}.{dom.num}), 2) FROM {p} JOIN {c} ON {c}.{dom.fk} = {p}.{dom.ppk} GROUP BY {p}.{dom.ppk}"], False
+    return (
+        q,
+        [
+            f"SELECT {p}.{dom.plabel}, ROUND(SUM({c}.{dom.num}), 2) FROM {p} JOIN {c} ON {c}.{dom.fk} = {p}.{dom.ppk} GROUP BY {p}.{dom.ppk}"
+        ],
+        False,
+    )
 
 
 def _ask_insert(a: _Ask) -> Question:
@@ -388,8 +643,10 @@ def _ask_update(a: _Ask) -> Question:
     plabel_i = _col(dom, dom.plabel, parent=True)
     prow = rng.choice(a.parents)
     target = rng.choice([x for x in a.parents if x[0] != prow[0]] or a.parents)
-    q = (f"{a.head} Move every {dom.noun} of the {dom.pnoun} with {dom.plabel} {_lit(prow[plabel_i])} "
-         f"to the {dom.pnoun} with {dom.plabel} {_lit(target[plabel_i])} (update {c}.{dom.fk}).")
+    q = (
+        f"{a.head} Move every {dom.noun} of the {dom.pnoun} with {dom.plabel} {_lit(prow[plabel_i])} "
+        f"to the {dom.pnoun} with {dom.plabel} {_lit(target[plabel_i])} (update {c}.{dom.fk})."
+    )
     return q, [f"UPDATE {c} SET {dom.fk} = {target[0]} WHERE {dom.fk} = {prow[0]}"], False
 
 
@@ -410,8 +667,13 @@ def _ask_delete(a: _Ask) -> Question:
 
 
 _KINDS: dict[str, Callable[[_Ask], Question]] = {
-    "select": _ask_select, "count": _ask_count, "aggregate": _ask_aggregate, "join": _ask_join,
-    "insert": _ask_insert, "update": _ask_update, "delete": _ask_delete,
+    "select": _ask_select,
+    "count": _ask_count,
+    "aggregate": _ask_aggregate,
+    "join": _ask_join,
+    "insert": _ask_insert,
+    "update": _ask_update,
+    "delete": _ask_delete,
 }
 
 
@@ -453,8 +715,14 @@ def generate_task(seed: int, split: str, index: int) -> Task:
         finally:
             conn.close()
         if ok:
-            columns = {t: [name for name, _ in cols] for t, cols in ((dom.parent, dom.parent_cols), (dom.child, dom.child_cols))}
-            schema_text = "\n".join(f"The name of this table is {t}, and the headers of this table are {', '.join(cs)}." for t, cs in columns.items())
+            columns = {
+                t: [name for name, _ in cols]
+                for t, cols in ((dom.parent, dom.parent_cols), (dom.child, dom.child_cols))
+            }
+            schema_text = "\n".join(
+                f"The name of this table is {t}, and the headers of this table are {', '.join(cs)}."
+                for t, cs in columns.items()
+            )
             return Task(
                 env="sql",
                 id=f"sql-s{seed}-{split}-{index:04d}",
@@ -463,7 +731,9 @@ def generate_task(seed: int, split: str, index: int) -> Task:
                 payload=payload,
                 metadata={"task_type": kind, "domain": dom.key, "ordered": ordered},
             )
-    raise TaskError(f"sql task generation: no valid {kind} task for seed={seed} split={split} index={index} after 100 tries")
+    raise TaskError(
+        f"sql task generation: no valid {kind} task for seed={seed} split={split} index={index} after 100 tries"
+    )
 
 
 # --------------------------------------------------------------------------- database helpers
@@ -486,7 +756,12 @@ def _run(conn: sqlite3.Connection, sql: str) -> list[tuple]:
 
 def _snapshot(conn: sqlite3.Connection) -> dict[str, list[tuple]]:
     """Every user table's rows as a sorted multiset of normalised tuples, plus its columns."""
-    tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+    tables = [
+        r[0]
+        for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name"
+        )
+    ]
     out: dict[str, list[tuple]] = {}
     for t in tables:
         cur = conn.execute(f'SELECT * FROM "{t}"')
@@ -560,7 +835,7 @@ def parse_action(action: str) -> tuple[str, str] | tuple[str, None]:
     """("operation", sql) | ("answer", text) | ("invalid", reason)."""
     m = _ACTION_LABEL.search(action)
     if m:
-        rest = action[m.end():]
+        rest = action[m.end() :]
         if m.group(1).lower() == "operation":
             block = _FENCE.search(rest)
             if block and block.group(1).strip():
@@ -642,7 +917,9 @@ class SqlEnv(Environment):
         """The split's tasks: generation order for ``seed=0`` (kinds cycle), else shuffled by ``seed``."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"SqlEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
-        out = [t if t.env == self.name else dataclasses.replace(t, env=self.name) for t in self._split(split)]  # under an alias name
+        out = [
+            t if t.env == self.name else dataclasses.replace(t, env=self.name) for t in self._split(split)
+        ]  # under an alias name
         if seed:
             random.Random(seed).shuffle(out)
         return out if limit is None else out[:limit]
@@ -660,7 +937,11 @@ class SqlEnv(Environment):
             raise TaskError(f"SqlEnv.reset: task {task.id!r} payload lacks {', '.join(missing)}")
         if p["kind"] not in TASK_TYPES:
             raise TaskError(f"SqlEnv.reset: task {task.id!r} has unknown kind {p['kind']!r}")
-        if not isinstance(p["gold_sql"], list) or not p["gold_sql"] or not all(isinstance(s, str) for s in p["gold_sql"]):
+        if (
+            not isinstance(p["gold_sql"], list)
+            or not p["gold_sql"]
+            or not all(isinstance(s, str) for s in p["gold_sql"])
+        ):
             raise TaskError(f"SqlEnv.reset: task {task.id!r} gold_sql must be a non-empty list of strings")
 
     def _reference(self, task: Task) -> tuple[list[tuple], dict[str, list[tuple]] | None, int]:
@@ -714,7 +995,12 @@ class SqlEnv(Environment):
         self._expected, self._expected_state, self._width = _sorted_or_not(expected, task), state, width
         schema = "\n".join(s + ";" for s in task.payload["schema"])
         obs = f"{task.instruction}\n\nSchema:\n{schema}\n\n{PROTOCOL}"
-        return obs, {"instruction": task.instruction, "valid_actions": None, "success": None, "task_type": task.payload["kind"]}
+        return obs, {
+            "instruction": task.instruction,
+            "valid_actions": None,
+            "success": None,
+            "task_type": task.payload["kind"],
+        }
 
     def step(self, action: str) -> StepResult:
         """Run one Operation or judge an Answer; anything else is an invalid action (a step)."""

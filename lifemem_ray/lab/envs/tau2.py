@@ -36,7 +36,7 @@ import random
 import re
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.calls import literal_arg
 
 __all__ = ["Tau2Env"]
@@ -88,7 +88,9 @@ def _load_domain(domain: str) -> dict[str, Any]:
         with open(POLICY_PATH, encoding="utf-8") as fh:
             policy = fh.read()
     except (OSError, ValueError) as exc:
-        raise EnvUnavailable(f"tau2 {domain} data could not be read from {DB_PATH.parent}: {exc}; reinstall with: {INSTALL}") from exc
+        raise EnvUnavailable(
+            f"tau2 {domain} data could not be read from {DB_PATH.parent}: {exc}; reinstall with: {INSTALL}"
+        ) from exc
     data = {
         "db_pickle": pickle.dumps(db, protocol=pickle.HIGHEST_PROTOCOL),
         "tasks": tasks,
@@ -136,8 +138,30 @@ def _sentences(text: str | None) -> list[str]:
 
 
 _STOPWORDS = {
-    "about", "after", "again", "agent", "their", "there", "these", "thing", "things", "which", "would", "could",
-    "should", "remember", "please", "provide", "share", "other", "your", "yours", "what", "where", "when", "with",
+    "about",
+    "after",
+    "again",
+    "agent",
+    "their",
+    "there",
+    "these",
+    "thing",
+    "things",
+    "which",
+    "would",
+    "could",
+    "should",
+    "remember",
+    "please",
+    "provide",
+    "share",
+    "other",
+    "your",
+    "yours",
+    "what",
+    "where",
+    "when",
+    "with",
 }
 
 
@@ -171,9 +195,13 @@ class _ScriptedUser:
         emails = re.findall(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+", self.known)
         self.email = emails[0] if emails else None
         self.orders = list(dict.fromkeys(re.findall(r"#W\d+", everything)))
-        reservations = re.findall(r"(?:reservation|confirmation|booking)[^.\n]{0,30}?\b([A-Z0-9]{6})\b", everything, re.IGNORECASE)
+        reservations = re.findall(
+            r"(?:reservation|confirmation|booking)[^.\n]{0,30}?\b([A-Z0-9]{6})\b", everything, re.IGNORECASE
+        )
         self.reservations = list(dict.fromkeys(r for r in reservations if r.isupper() or r.isdigit()))
-        self.plain_extra = [_first_person(s) for s in _sentences(self.extra) if not s.lower().startswith(("if ", "when "))]
+        self.plain_extra = [
+            _first_person(s) for s in _sentences(self.extra) if not s.lower().startswith(("if ", "when "))
+        ]
 
     def opening(self) -> str:
         return _first_person(self.reason.strip().lstrip(".,;: ").strip())
@@ -191,7 +219,9 @@ class _ScriptedUser:
         if self.orders:
             facts.append(f"The order id{'s are' if len(self.orders) > 1 else ' is'} {', '.join(self.orders)}.")
         if self.reservations:
-            facts.append(f"The reservation id{'s are' if len(self.reservations) > 1 else ' is'} {', '.join(self.reservations)}.")
+            facts.append(
+                f"The reservation id{'s are' if len(self.reservations) > 1 else ' is'} {', '.join(self.reservations)}."
+            )
         return facts
 
     def reply(self, message: str) -> str:
@@ -209,9 +239,13 @@ class _ScriptedUser:
         if self.orders and "order" in q and any(k in q for k in ("id", "number", "#", "which")):
             parts.append(f"The order id{'s are' if len(self.orders) > 1 else ' is'} {', '.join(self.orders)}.")
         if self.reservations and any(k in q for k in ("reservation", "confirmation", "booking")):
-            parts.append(f"The reservation id{'s are' if len(self.reservations) > 1 else ' is'} {', '.join(self.reservations)}.")
+            parts.append(
+                f"The reservation id{'s are' if len(self.reservations) > 1 else ' is'} {', '.join(self.reservations)}."
+            )
         asks_order = "order" in q and any(k in q for k in ("order id", "order number", "#", "which order"))
-        asks_reservation = any(k in q for k in ("reservation id", "reservation number", "confirmation", "booking id", "booking number"))
+        asks_reservation = any(
+            k in q for k in ("reservation id", "reservation number", "confirmation", "booking id", "booking number")
+        )
         asks_user_id = any(k in q for k in ("user id", "user_id", "userid", "username"))
         if asks_order and not self.orders:
             parts.append("I don't remember the order id; could you look it up in my account?")
@@ -230,7 +264,19 @@ class _ScriptedUser:
             return " ".join(dict.fromkeys(parts))
         if "anything else" in q:
             return "No, that's all. Thank you!"
-        confirm = ("confirm", "proceed", "go ahead", "would you like", "do you want", "shall i", "should i", "yes or no", "(yes/no)", "is that correct", "is this correct")
+        confirm = (
+            "confirm",
+            "proceed",
+            "go ahead",
+            "would you like",
+            "do you want",
+            "shall i",
+            "should i",
+            "yes or no",
+            "(yes/no)",
+            "is that correct",
+            "is this correct",
+        )
         if any(k in q for k in confirm):
             return "Yes, please go ahead."
         return " ".join([self.opening(), *self._facts(), *self.plain_extra]).strip()
@@ -298,7 +344,9 @@ class Tau2Env(Environment):
 
     max_steps: int = 30
 
-    def __init__(self, variant: str = "retail", max_steps: int = 30, train_fraction: float | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, variant: str = "retail", max_steps: int = 30, train_fraction: float | None = None, seed: int = 0
+    ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"Tau2Env: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
         if not isinstance(max_steps, int) or max_steps < 1:
@@ -372,7 +420,9 @@ class Tau2Env(Environment):
 
     def _fresh_env(self) -> Any:
         db = pickle.loads(self._data["db_pickle"])
-        return self._data["Tau2Environment"](domain_name=self.variant, policy=self._data["policy"], tools=self._data["Tools"](db))
+        return self._data["Tau2Environment"](
+            domain_name=self.variant, policy=self._data["policy"], tools=self._data["Tools"](db)
+        )
 
     def _tool_meta(self) -> dict[str, Any]:
         """Tool types, signatures and OpenAI schemas of the domain (computed once per process)."""
@@ -396,7 +446,9 @@ class Tau2Env(Environment):
             raise TaskError(f"Tau2Env.reset: task {task.id!r} is for {task.env!r}, this environment is {self.name!r}")
         tau2_id = task.payload.get("task_id") if isinstance(task.payload, dict) else None
         if not isinstance(tau2_id, str) or tau2_id not in self._data["tasks"]:
-            raise TaskError(f"Tau2Env.reset: task {task.id!r} has no known payload['task_id'] in tau2 {self.variant} (got {tau2_id!r})")
+            raise TaskError(
+                f"Tau2Env.reset: task {task.id!r} has no known payload['task_id'] in tau2 {self.variant} (got {tau2_id!r})"
+            )
         return self._data["tasks"][tau2_id]
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
@@ -433,7 +485,9 @@ class Tau2Env(Environment):
         if self._task is None:
             raise EnvStateError("Tau2Env.step: call reset(task) first")
         if self._done:
-            return StepResult("The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True))
+            return StepResult(
+                "The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True)
+            )
         self._steps += 1
         if not isinstance(action, str):
             observation, end = f"Error: an action must be text, got {type(action).__name__}.", False
@@ -460,7 +514,7 @@ class Tau2Env(Environment):
         except ValueError as exc:
             return (
                 f"Error: could not parse the action {action[:200]!r}: {exc}. Write a tool call like "
-                f"get_user_details(user_id=\"...\"), respond(\"message to the user\") or done().",
+                f'get_user_details(user_id="..."), respond("message to the user") or done().',
                 False,
             )
         if name in END_ACTIONS:
@@ -469,7 +523,10 @@ class Tau2Env(Environment):
             values = list(args) + [kwargs[k] for k in ("content", "message", "text") if k in kwargs]
             extra = set(kwargs) - {"content", "message", "text"}
             if len(values) != 1 or not isinstance(values[0], str) or extra:
-                return 'Error: respond takes one text argument, e.g. respond("Could you give me your order id?").', False
+                return (
+                    'Error: respond takes one text argument, e.g. respond("Could you give me your order id?").',
+                    False,
+                )
             self._messages.append(AssistantMessage(role="assistant", content=values[0]))
             answer = self._user.reply(values[0])
             self._messages.append(UserMessage(role="user", content=answer))
@@ -485,13 +542,25 @@ class Tau2Env(Environment):
                 return f"Error: {name} got argument {pname!r} twice.", False
             kwargs[pname] = value
         unknown = sorted(set(kwargs) - set(params))
-        missing = [p for p, spec in signatures[name].parameters.items() if spec.default is inspect.Parameter.empty and p not in kwargs]
+        missing = [
+            p
+            for p, spec in signatures[name].parameters.items()
+            if spec.default is inspect.Parameter.empty and p not in kwargs
+        ]
         if unknown or missing:
             return f"Error: {name}({', '.join(params)}): " + "; ".join(
-                ([f"unknown argument(s) {', '.join(unknown)}"] if unknown else []) + ([f"missing argument(s) {', '.join(missing)}"] if missing else [])
+                ([f"unknown argument(s) {', '.join(unknown)}"] if unknown else [])
+                + ([f"missing argument(s) {', '.join(missing)}"] if missing else [])
             ) + ".", False
-        if name == "calculate" and isinstance(kwargs.get("expression"), str) and ("**" in kwargs["expression"] or len(kwargs["expression"]) > 500):
-            return "Error: calculate accepts +, -, *, / and parentheses only (no exponentiation), up to 500 characters.", False
+        if (
+            name == "calculate"
+            and isinstance(kwargs.get("expression"), str)
+            and ("**" in kwargs["expression"] or len(kwargs["expression"]) > 500)
+        ):
+            return (
+                "Error: calculate accepts +, -, *, / and parentheses only (no exponentiation), up to 500 characters.",
+                False,
+            )
         call = ToolCall(id=f"call_{self._steps}", name=name, arguments=kwargs, requestor="assistant")
         if self._tool_types().get(name) == "write":
             self._dirty = True
@@ -520,7 +589,12 @@ class Tau2Env(Environment):
         return _GOLD_HASH[key]
 
     def _info(self, final: bool) -> dict[str, Any]:
-        info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": self.valid_actions(), "success": None, "steps": self._steps}
+        info: dict[str, Any] = {
+            "instruction": self._task.instruction,
+            "valid_actions": self.valid_actions(),
+            "success": None,
+            "steps": self._steps,
+        }
         if not final:
             return info
         if self._evaluation is None:
@@ -546,7 +620,13 @@ class Tau2Env(Environment):
             score *= 1.0 if db_match else 0.0
         if "COMMUNICATE" in basis:
             score *= communicate
-        return {"success": db_match, "db_match": db_match, "communicate": communicate == 1.0, "score": score, "reward_basis": basis}
+        return {
+            "success": db_match,
+            "db_match": db_match,
+            "communicate": communicate == 1.0,
+            "score": score,
+            "reward_basis": basis,
+        }
 
     def messages(self) -> list[Any]:
         """The episode as tau2 Message objects (user, assistant, tool), e.g. for tau2's own evaluators."""

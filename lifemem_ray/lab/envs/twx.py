@@ -15,7 +15,7 @@ import random
 import subprocess
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, Environment, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_GAME_PARAMS", "VARIANTS", "TextWorldExpressEnv"]
@@ -25,9 +25,21 @@ INSTALL = "pip install textworld-express  (and a Java 17 runtime: apt-get instal
 # Small configurations: gold paths of 5-20 steps. Keys are the simulator's own parameter names.
 DEFAULT_GAME_PARAMS: dict[str, dict[str, int]] = {
     "coin": {"numLocations": 4, "numDistractorItems": 0, "includeDoors": 0, "limitInventorySize": 0},
-    "cookingworld": {"numLocations": 1, "numIngredients": 2, "numDistractorItems": 0, "includeDoors": 0, "limitInventorySize": 0},
+    "cookingworld": {
+        "numLocations": 1,
+        "numIngredients": 2,
+        "numDistractorItems": 0,
+        "includeDoors": 0,
+        "limitInventorySize": 0,
+    },
     "twc": {"numLocations": 1, "numItemsToPutAway": 2, "includeDoors": 0, "limitInventorySize": 0},
-    "mapreader": {"numLocations": 8, "maxDistanceApart": 3, "maxDistractorItemsPerLocation": 0, "includeDoors": 0, "limitInventorySize": 0},
+    "mapreader": {
+        "numLocations": 8,
+        "maxDistanceApart": 3,
+        "maxDistractorItemsPerLocation": 0,
+        "includeDoors": 0,
+        "limitInventorySize": 0,
+    },
     "arithmetic": {},
     "sorting": {},
     "simonsays": {"gameLength": 5, "numDistractors": 3},
@@ -36,7 +48,16 @@ DEFAULT_GAME_PARAMS: dict[str, dict[str, int]] = {
 VARIANTS = tuple(DEFAULT_GAME_PARAMS)
 
 # Steps per episode: about twice the longest gold path seen with the default configuration.
-_MAX_STEPS = {"coin": 40, "cookingworld": 40, "twc": 25, "mapreader": 30, "arithmetic": 15, "sorting": 20, "simonsays": 15, "peckingorder": 25}
+_MAX_STEPS = {
+    "coin": 40,
+    "cookingworld": 40,
+    "twc": 25,
+    "mapreader": 30,
+    "arithmetic": 15,
+    "sorting": 20,
+    "simonsays": 15,
+    "peckingorder": 25,
+}
 
 _FOLDS = {"train": "train", "test": "test"}  # our split -> the package's seed fold
 
@@ -82,7 +103,9 @@ class TextWorldExpressEnv(Environment):
         try:
             import textworld_express  # noqa: F401  (lazy: the module imports without the package)
         except ImportError as exc:
-            raise EnvUnavailable(f"twx-{variant}: the textworld_express package is missing ({exc}); install it with: {INSTALL}") from None
+            raise EnvUnavailable(
+                f"twx-{variant}: the textworld_express package is missing ({exc}); install it with: {INSTALL}"
+            ) from None
         self.variant = variant
         self.name = f"twx-{variant}"
         self.seed = seed
@@ -126,7 +149,9 @@ class TextWorldExpressEnv(Environment):
                 try:
                     self._twx = _TWX(envStepLimit=10**9)  # our own max_steps ends episodes
                 except Exception as exc:
-                    raise EnvUnavailable(f"{self.name}: cannot start the TextWorldExpress JVM ({exc}); needs Java 17: {INSTALL}") from exc
+                    raise EnvUnavailable(
+                        f"{self.name}: cannot start the TextWorldExpress JVM ({exc}); needs Java 17: {INSTALL}"
+                    ) from exc
             self._loaded = None
         return self._twx
 
@@ -183,8 +208,16 @@ class TextWorldExpressEnv(Environment):
                     id=f"{self.variant}-{split}-{game_seed}{self._id_suffix}",
                     instruction=instruction,
                     split=split,
-                    payload={"game": self.variant, "seed": int(game_seed), "fold": fold, "params": dict(self.game_params)},
-                    metadata={"task_type": self.variant, "generation": {k: v for k, v in props.items() if isinstance(v, (int, str))}},
+                    payload={
+                        "game": self.variant,
+                        "seed": int(game_seed),
+                        "fold": fold,
+                        "params": dict(self.game_params),
+                    },
+                    metadata={
+                        "task_type": self.variant,
+                        "generation": {k: v for k, v in props.items() if isinstance(v, (int, str))},
+                    },
                 )
             )
         self._restore()  # the simulator's game changed under any running episode
@@ -222,7 +255,9 @@ class TextWorldExpressEnv(Environment):
             raise TaskError(f"{self.name}: task {task.id!r} payload.seed must be a non-negative int, got {seed!r}")
         if fold not in ("train", "dev", "test"):
             raise TaskError(f"{self.name}: task {task.id!r} payload.fold must be train/dev/test, got {fold!r}")
-        if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in params.items()):
+        if not isinstance(params, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in params.items()
+        ):
             raise TaskError(f"{self.name}: task {task.id!r} payload.params must map names to ints, got {params!r}")
         return game, seed, fold, _params_str(params)
 
@@ -251,7 +286,12 @@ class TextWorldExpressEnv(Environment):
         if self._task is None or self._twx is None:
             raise EnvStateError(f"{self.name}: step() before reset()")
         if self._done:
-            return StepResult("The episode is over; call reset() for a new task.", 0.0, True, {"instruction": self._task.instruction, "valid_actions": [], "success": None})
+            return StepResult(
+                "The episode is over; call reset() for a new task.",
+                0.0,
+                True,
+                {"instruction": self._task.instruction, "valid_actions": [], "success": None},
+            )
         if not isinstance(action, str):
             action = "" if action is None else str(action)
         # One line, printable: the simulator's parser would only reject anything else anyway.

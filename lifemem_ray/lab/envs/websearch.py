@@ -36,9 +36,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lifemem_ray.lab.envs.base import EnvStateError, EnvUnavailable, Environment, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 
-__all__ = ["WebSearchEnv", "Corpus", "normalize_answer", "answer_f1", "DEFAULT_CORPUS"]
+__all__ = ["DEFAULT_CORPUS", "Corpus", "WebSearchEnv", "answer_f1", "normalize_answer"]
 
 DEFAULT_CORPUS = Path("/work/shared/data/hotpotqa/distractor-dev-100.jsonl")
 CORPUS_ENV_VAR = "LIFEMEM_HOTPOTQA"
@@ -51,7 +51,37 @@ MAX_ECHO = 200  # characters of an argument repeated in an observation
 _ACTION = re.compile(r"\b(search|lookup|finish)\s*\[(.*)\]", re.I)
 _TOKEN = re.compile(r"\w+")
 _PAREN = re.compile(r"\s*\([^)]*\)\s*")
-_STOP = frozenset("a an the of in on at to for and or is was are what who which when where how did does do by with from as".split())
+_STOP = frozenset(
+    [
+        "a",
+        "an",
+        "the",
+        "of",
+        "in",
+        "on",
+        "at",
+        "to",
+        "for",
+        "and",
+        "or",
+        "is",
+        "was",
+        "are",
+        "what",
+        "who",
+        "which",
+        "when",
+        "where",
+        "how",
+        "did",
+        "does",
+        "do",
+        "by",
+        "with",
+        "from",
+        "as",
+    ]
+)
 
 
 # --------------------------------------------------------------------------- HotpotQA scoring
@@ -105,7 +135,7 @@ def _tokens(text: str) -> list[str]:
 class Corpus:
     """Paragraphs by title with a BM25 index over title (weighted x3) and text; one per file, shared."""
 
-    _cache: dict[tuple[str, int, int], "Corpus"] = {}
+    _cache: dict[tuple[str, int, int], Corpus] = {}
 
     def __init__(self, questions: list[dict[str, Any]], pages: dict[str, list[str]]) -> None:
         self.questions = questions
@@ -127,7 +157,7 @@ class Corpus:
         self.avg_len = sum(self.lengths) / max(1, len(self.lengths))
 
     @classmethod
-    def load(cls, path: Path) -> "Corpus":
+    def load(cls, path: Path) -> Corpus:
         """Read a HotpotQA-format JSONL file (cached per path, size and mtime)."""
         st = path.stat()
         key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
@@ -136,7 +166,7 @@ class Corpus:
         return cls._cache[key]
 
     @classmethod
-    def _read(cls, path: Path) -> "Corpus":
+    def _read(cls, path: Path) -> Corpus:
         questions: list[dict[str, Any]] = []
         pages: dict[str, list[str]] = {}
         seen: set[str] = set()
@@ -167,7 +197,9 @@ class Corpus:
                             pages[title] = sents
                     sup = [(str(t), int(i)) for t, i in row["supporting_facts"]]
                 except (TypeError, ValueError):
-                    raise TaskError(f"{where}: context must be [[title, [sentences]], ...] and supporting_facts [[title, index], ...]") from None
+                    raise TaskError(
+                        f"{where}: context must be [[title, [sentences]], ...] and supporting_facts [[title, index], ...]"
+                    ) from None
                 questions.append({**row, "id": qid, "supporting_facts": sup})
         if not questions:
             raise TaskError(f"{path}: no questions")
@@ -194,7 +226,7 @@ class Corpus:
 
     def find(self, entity: str) -> tuple[str | None, bool, list[str]]:
         """(title or None, whether the title matched exactly, similar titles)."""
-        entity = entity[:MAX_ECHO * 2]  # titles are short; a runaway argument must not cost seconds
+        entity = entity[: MAX_ECHO * 2]  # titles are short; a runaway argument must not cost seconds
         folded = _fold(entity)
         if folded in self.by_fold:
             return self.by_fold[folded], True, []
@@ -223,7 +255,9 @@ def resolve_corpus_path(corpus_path: str | os.PathLike[str] | None) -> Path:
     if corpus_path is not None:
         path = Path(corpus_path)
         if not path.is_file():
-            raise EnvUnavailable(f"WebSearchEnv: corpus file {path} does not exist (a HotpotQA distractor-format JSONL)")
+            raise EnvUnavailable(
+                f"WebSearchEnv: corpus file {path} does not exist (a HotpotQA distractor-format JSONL)"
+            )
         return path
     env_value = os.environ.get(CORPUS_ENV_VAR)
     if env_value:
@@ -252,8 +286,18 @@ class WebSearchEnv(Environment):
 
     name = "websearch"
 
-    def __init__(self, corpus_path: str | os.PathLike[str] | None = None, train_fraction: float = 0.7, seed: int = 0, max_steps: int = 8) -> None:
-        if isinstance(train_fraction, bool) or not isinstance(train_fraction, (int, float)) or not 0.0 <= train_fraction <= 1.0:
+    def __init__(
+        self,
+        corpus_path: str | os.PathLike[str] | None = None,
+        train_fraction: float = 0.7,
+        seed: int = 0,
+        max_steps: int = 8,
+    ) -> None:
+        if (
+            isinstance(train_fraction, bool)
+            or not isinstance(train_fraction, (int, float))
+            or not 0.0 <= train_fraction <= 1.0
+        ):
             raise ValueError(f"WebSearchEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"WebSearchEnv: max_steps must be an integer >= 1, got {max_steps!r}")
@@ -273,7 +317,10 @@ class WebSearchEnv(Environment):
                     id=q["id"],
                     instruction=str(q["question"]),
                     split=split,
-                    payload={"answer": str(q["answer"]), "supporting_titles": list(dict.fromkeys(t for t, _ in q["supporting_facts"]))},
+                    payload={
+                        "answer": str(q["answer"]),
+                        "supporting_titles": list(dict.fromkeys(t for t, _ in q["supporting_facts"])),
+                    },
                     metadata={"task_type": str(q.get("type", "unknown")), "level": str(q.get("level", "unknown"))},
                 )
             )
@@ -299,7 +346,9 @@ class WebSearchEnv(Environment):
         if not isinstance(task, Task):
             raise TaskError(f"WebSearchEnv.reset: expected a Task, got {type(task).__name__}")
         if task.env != self.name:
-            raise TaskError(f"WebSearchEnv.reset: task {task.id!r} belongs to environment {task.env!r}, not {self.name!r}")
+            raise TaskError(
+                f"WebSearchEnv.reset: task {task.id!r} belongs to environment {task.env!r}, not {self.name!r}"
+            )
         if not isinstance(task.payload.get("answer"), str):
             raise TaskError(f"WebSearchEnv.reset: task {task.id!r} payload lacks its answer (a string)")
         self._task, self._done, self._steps = task, False, 0
