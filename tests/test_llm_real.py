@@ -144,7 +144,7 @@ def test_assign_answers_are_valid_or_none(server, decider):
     ]
     answers = decider.assign(requests)
     assert len(answers) == len(requests)
-    for request, answer in zip(requests, answers):
+    for request, answer in zip(requests, answers, strict=True):
         if answer is None:
             continue
         assert isinstance(answer, Assignment)

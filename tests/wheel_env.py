@@ -160,7 +160,7 @@ def run_in(
 # Run by the environment's own Python: imports every module below the given packages and prints,
 # as JSON, where each was found and why any failed (the missing module's name for an ImportError).
 _IMPORT_EVERY_MODULE = """
-import importlib, json, pkgutil, sys
+import importlib, importlib.util, json, pkgutil, sys
 found, failed = {}, {}
 def fail(name, exc):
     failed[name] = {"type": type(exc).__name__, "message": str(exc)[:500], "missing": getattr(exc, "name", None)}
@@ -169,6 +169,9 @@ for top in sys.argv[1:]:
     found[top] = package.__file__
     for info in pkgutil.walk_packages(package.__path__, top + ".", onerror=lambda name: fail(name, sys.exc_info()[1])):
         if info.name in found or info.name in failed:
+            continue
+        if info.name.rsplit(".", 1)[-1] == "__main__":  # importing it runs the command: checked for existence only
+            found[info.name] = importlib.util.find_spec(info.name).origin
             continue
         try:
             found[info.name] = importlib.import_module(info.name).__file__
