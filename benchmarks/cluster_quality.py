@@ -182,7 +182,7 @@ def stratified_sample(trajs: list[Trajectory], size: int, seed: int = 0) -> list
     by_env = positions_by_env(trajs)
     rng = random.Random(seed)
     keep: list[int] = []
-    for env, idx in by_env.items():
+    for idx in by_env.values():
         want = min(len(idx), max(SMALL_FLOOR, round(size * len(idx) / len(trajs))))
         keep.extend(rng.sample(idx, want))
     return sorted(keep)
@@ -283,7 +283,7 @@ def baselines(
             assigned: list[str] = [""] * len(trajs)
             for env, idx in by_env.items():
                 labels = equal_k_baseline(vectors[idx], k_of_env[env], seed=seed)
-                for i, lab in zip(idx, labels):
+                for i, lab in zip(idx, labels, strict=True):
                     assigned[i] = f"{env}/{lab}"
             runs.append(score_partition(trajs, assigned))
             partitions[name].append(assigned)
@@ -310,12 +310,8 @@ def gap_intervals(
     for env, idx in sorted(by_env.items()):
         truth = np.array([label_of(trajs[i], LABEL_LEVELS[env][-1]) or "?" for i in idx])
         weights = np.vstack([np.ones(len(idx)), bootstrap_weights(len(idx), draws, seed)])  # row 0: the data as is
-
-        def scores(part: list[Any]) -> dict[str, np.ndarray]:
-            return weighted_scores(np.array([str(part[i]) for i in idx]), truth, weights)
-
-        ours_runs = [scores(part) for part in lifemem]
-        base_runs = {name: [scores(part) for part in parts] for name, parts in named.items()}
+        ours_runs = [_env_scores(part, idx, truth, weights) for part in lifemem]
+        base_runs = {name: [_env_scores(part, idx, truth, weights) for part in parts] for name, parts in named.items()}
         entry: dict[str, Any] = {}
         for m in ("purity", "nmi"):
             ours = worse_order(ours_runs[0][m], [r[m] for r in ours_runs[1:]])
@@ -327,6 +323,11 @@ def gap_intervals(
         entry["verdict"] = "above" if min(lows) > 0 else "below" if min(highs) < 0 else "within noise"
         out[env] = entry
     return out
+
+
+def _env_scores(part: list[Any], idx: list[int], truth: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray]:
+    """One partition's weighted scores over one environment's positions ``idx``."""
+    return weighted_scores(np.array([str(part[i]) for i in idx]), truth, weights)
 
 
 def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,7 +373,7 @@ def skill_quality(held: list[Trajectory], run: dict[str, Any], seed: int = 0) ->
             clusters_of_env[env].append(cid)
     own: dict[str, list[float]] = defaultdict(list)
     other: dict[str, list[float]] = defaultdict(list)
-    for traj, cid in zip(held, run["retrieved"]):
+    for traj, cid in zip(held, run["retrieved"], strict=True):
         if cid is None:
             continue
         truth = trajectory_categories(traj)
@@ -710,7 +711,7 @@ def table(report: dict[str, Any]) -> str:
                 gap = res.get("gap_intervals", {}).get(env)
                 lines.append(
                     f"{env:<14}{e['k']:>5} "
-                    + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+                    + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=False))
                     + (
                         "  yes"
                         if res["verdicts"][env]["beats"]

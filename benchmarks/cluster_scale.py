@@ -131,7 +131,7 @@ class LoadWindows:
         }
         self._cpu = cpu
         busy = ray.get([s.__ray_call__.remote(shard_cpu_seconds) for s in self.client.shards])
-        busy_delta = [round(b - lb, 1) for b, lb in zip(busy, self._busy)]
+        busy_delta = [round(b - lb, 1) for b, lb in zip(busy, self._busy, strict=False)]
         self._busy = busy
         self.windows.append(
             {
@@ -233,7 +233,7 @@ def measure_retrieval(client: MemoryClient, vectors: np.ndarray, envs: np.ndarra
     client.maintain()
     settle_s = time.perf_counter() - t
     lat = []
-    for x, v in zip(qtrajs[:500], qvecs[:500]):
+    for x, v in zip(qtrajs[:500], qvecs[:500], strict=True):
         t = time.perf_counter()
         client.retrieve(x.task, x.env, 4, vector=v)
         lat.append(time.perf_counter() - t)
@@ -244,7 +244,7 @@ def measure_retrieval(client: MemoryClient, vectors: np.ndarray, envs: np.ndarra
         many_runs.append(len(qtrajs) / (time.perf_counter() - t))
     # In-process share: the same single queries timed inside the shard actors.
     inside = []
-    for x, v in zip(qtrajs[:200], qvecs[:200]):
+    for x, v in zip(qtrajs[:200], qvecs[:200], strict=True):
         parts = ray.get(
             [s.__ray_call__.remote(timed_retrieve_many, [x.task], [x.env], 4, v[None, :]) for s in client.shards]
         )
@@ -264,7 +264,7 @@ def measure_retrieval(client: MemoryClient, vectors: np.ndarray, envs: np.ndarra
 def recall_at_4(qtrajs: list, qvecs: np.ndarray, answers: list, vectors: np.ndarray, envs: np.ndarray) -> float:
     """Recall@4 against exact search within the query's environment (by score: ties count as found)."""
     hits = total = 0
-    for x, v, r in zip(qtrajs, qvecs, answers):
+    for x, v, r in zip(qtrajs, qvecs, answers, strict=True):
         exact = np.sort(vectors[envs == x.env] @ v)[::-1][:4]
         hits += sum(1 for h in r.trajectories if h.score >= exact[-1] - 1e-5)
         total += len(exact)
@@ -297,11 +297,11 @@ def measure_clusters(client: MemoryClient) -> dict:
 
 
 def print_table(report: dict, n: int, shards: int) -> None:
-    r, l, m, c = report["retrieve"], report["load"], report["memory"], report["clusters"]
+    r, load, m, c = report["retrieve"], report["load"], report["memory"], report["clusters"]
     print(f"\n{n:,} trajectories through the coordinator, {shards} shards, offline policy", file=sys.stderr)
     for name, value, goal in (
-        ("load (trajectories/s)", l.get("per_s", "reused"), ">= 2,000 sustained"),
-        ("slowest 50k window (trajectories/s)", l.get("slowest_window_per_s", "reused"), ""),
+        ("load (trajectories/s)", load.get("per_s", "reused"), ">= 2,000 sustained"),
+        ("slowest 50k window (trajectories/s)", load.get("slowest_window_per_s", "reused"), ""),
         ("retrieve p50 (ms)", r["p50_ms"], "<= 10"),
         ("retrieve p99 (ms)", r["p99_ms"], "<= 50"),
         ("retrieve_many, median of 10 (queries/s)", r["many_queries_per_s"], ">= 2,000"),

@@ -62,14 +62,14 @@ def bench_ingest_and_retrieve(n: int, batch: int, queries: int, config: MemoryCo
         stats = memory.stats()
         # Single retrieves, one query at a time, as an agent would ask.
         lat = []
-        for q, v in zip(held, held_vecs):
+        for q, v in zip(held, held_vecs, strict=True):
             t = time.perf_counter()
             memory.retrieve(q.task, q.env, 4, vector=v)
             lat.append(time.perf_counter() - t)
         # The same searches on the engine's own FAISS index alone: the rest is LMDB reads,
         # skill lookup and prompt rendering.
         index_lat = []
-        for q, v in zip(held, held_vecs):
+        for q, v in zip(held, held_vecs, strict=True):
             t = time.perf_counter()
             memory.index.search(v[None, :], 4, env=q.env)
             index_lat.append(time.perf_counter() - t)
@@ -90,7 +90,7 @@ def bench_ingest_and_retrieve(n: int, batch: int, queries: int, config: MemoryCo
         raw[name] = index
     raw_add_s = time.perf_counter() - t
     raw_lat = []
-    for q, v in zip(held, held_vecs):
+    for q, v in zip(held, held_vecs, strict=True):
         t = time.perf_counter()
         raw[q.env].search(v[None, :], 4)
         raw_lat.append(time.perf_counter() - t)

@@ -50,7 +50,7 @@ def make_data(n: int, seed_base: int, workers: int) -> tuple[np.ndarray, np.ndar
 def timed_search(index, queries: np.ndarray, envs: np.ndarray) -> dict[str, float]:
     index.search_envs(queries[:64], 4, list(envs[:64]))  # GPU replicas are copied on first use
     lat = []
-    for q, e in zip(queries[:500], envs[:500]):
+    for q, e in zip(queries[:500], envs[:500], strict=True):
         t = time.perf_counter()
         index.search_envs(q[None, :], 4, [e])
         lat.append(time.perf_counter() - t)

@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # llm_server.py: the server helper shared with the tests
-sys.path.insert(0, str(ROOT))
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # llm_server.py: the server helper shared with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: run as a script
 
-import openai  # noqa: E402
+import openai
 
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
@@ -247,7 +248,7 @@ def table(result: dict[str, Any]) -> str:
         "compl tok",
     )
     rows = []
-    for op, v in list(result["operations"].items()) + [("TOTAL", None)]:
+    for op, v in [*list(result["operations"].items()), ("TOTAL", None)]:
         if v is None:
             t = result["total"]
             v = {
@@ -281,7 +282,12 @@ def table(result: dict[str, Any]) -> str:
             )
         )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def line(cells: Any) -> str:
+        return "  ".join(
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        )
+
     out = [line(head), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
     r = result
     out.append("")

@@ -98,31 +98,30 @@ def real_data(shared: Path, config: DeploymentConfig, embedder: MiniLMEmbedder, 
     train_vecs = cached_embed(embedder, [t.query_text for t in train], cache)
     held_vecs = cached_embed(embedder, [t.query_text for t in held], cache)
     embed_s = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        with Memory.open(Path(tmp) / "m", config, embedder=embedder) as memory:
-            t0 = time.perf_counter()
-            memory.add_many(train, train_vecs)
-            ingest_s = time.perf_counter() - t0
-            stats = memory.stats()
-            clusters = memory.clusters()
-            k = 4
-            results = memory.retrieve_many([t.query_text for t in held], [t.env for t in held], k, vectors=held_vecs)
-            lifemem_prec = [
-                np.mean([h.env == q.env for h in r.trajectories]) if r.trajectories else 0.0
-                for q, r in zip(held, results)
-            ]
-            skills_per_query = float(np.mean([len(r.skills) for r in results]))
-            # Baseline: plain nearest neighbours over every stored trajectory, any environment.
-            stored = np.asarray(train_vecs)
-            top = np.argsort(-(held_vecs @ stored.T), axis=1)[:, :k]
-            base_prec = [np.mean([train[j].env == q.env for j in row]) for q, row in zip(held, top)]
-            toolqa_purity, toolqa_n = purity(memory, toolqa_label)
-            # R of clusters with 10+ members over their goal vectors vs their workflow vectors.
-            with memory.store.read() as txn:
-                records = [memory.store.get_cluster(txn, c.id) for c in clusters if c.count >= 10]
-            r_goal = [float(np.linalg.norm(r.tsum) / r.count) for r in records]
-            r_flow = [r.mrl for r in records]
-            verify = memory.verify()
+    with tempfile.TemporaryDirectory() as tmp, Memory.open(Path(tmp) / "m", config, embedder=embedder) as memory:
+        t0 = time.perf_counter()
+        memory.add_many(train, train_vecs)
+        ingest_s = time.perf_counter() - t0
+        stats = memory.stats()
+        clusters = memory.clusters()
+        k = 4
+        results = memory.retrieve_many([t.query_text for t in held], [t.env for t in held], k, vectors=held_vecs)
+        lifemem_prec = [
+            np.mean([h.env == q.env for h in r.trajectories]) if r.trajectories else 0.0
+            for q, r in zip(held, results, strict=True)
+        ]
+        skills_per_query = float(np.mean([len(r.skills) for r in results]))
+        # Baseline: plain nearest neighbours over every stored trajectory, any environment.
+        stored = np.asarray(train_vecs)
+        top = np.argsort(-(held_vecs @ stored.T), axis=1)[:, :k]
+        base_prec = [np.mean([train[j].env == q.env for j in row]) for q, row in zip(held, top, strict=True)]
+        toolqa_purity, toolqa_n = purity(memory, toolqa_label)
+        # R of clusters with 10+ members over their goal vectors vs their workflow vectors.
+        with memory.store.read() as txn:
+            records = [memory.store.get_cluster(txn, c.id) for c in clusters if c.count >= 10]
+        r_goal = [float(np.linalg.norm(r.tsum) / r.count) for r in records]
+        r_flow = [r.mrl for r in records]
+        verify = memory.verify()
     from lifemem_ray.engine.clustering.workflow import action_tokens, workflow_vector
 
     wvecs = np.stack([workflow_vector(action_tokens(t)) for t in train])

@@ -54,11 +54,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # llm_server.py: the server helper shared with the tests
-sys.path.insert(0, str(ROOT))
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # llm_server.py: the server helper shared with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: run as a script
 
-import openai  # noqa: E402
+import openai
 
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
@@ -69,6 +70,7 @@ from lifemem_ray.lab.episode import EpisodeLimits, run_episode
 from lifemem_ray.llm.llm_config import LLMConfig
 from lifemem_ray.llm.transport import PLACEHOLDER_API_KEY, LLMClient
 
+ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "trajectory", "lifemem", "skills-only")
 FALLBACK_ACTION = "invalid_action"  # what ReActAgent sends when the model gave no valid answer
 # How the agent's JSON schema reaches the server. llama.cpp compiles ``maxLength: n`` into
@@ -286,7 +288,7 @@ def paired_bootstrap_ci(
     a: Sequence[float], b: Sequence[float], draws: int, seed: int = 0
 ) -> tuple[float | None, float | None]:
     """95 % interval of mean(a - b) over paired episodes (the same test task in two modes)."""
-    return bootstrap_ci([x - y for x, y in zip(a, b)], draws, seed)
+    return bootstrap_ci([x - y for x, y in zip(a, b, strict=True)], draws, seed)
 
 
 # -- the experiment ------------------------------------------------------------------------
@@ -378,7 +380,7 @@ def evaluate(
                     )
                     observations = [st.observation for st in result.trajectory.steps]
                     steps = agent.steps
-                    valid = [action_valid(name, st, obs) for st, obs in zip(steps, observations)]
+                    valid = [action_valid(name, st, obs) for st, obs in zip(steps, observations, strict=False)]
                     records.append(
                         {
                             "seed": seed,
@@ -425,7 +427,7 @@ def summarise(records: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
     envs = list(dict.fromkeys(r["env"] for r in records))
     for mode in s.modes:
         out[mode] = {}
-        for env in envs + ["ALL"]:
+        for env in [*envs, "ALL"]:
             rows = [r for r in records if r["mode"] == mode and (env == "ALL" or r["env"] == env)]
             if not rows:
                 continue
@@ -627,7 +629,12 @@ def table(result: dict[str, Any]) -> str:
                 )
             )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def line(cells: Any) -> str:
+        return "  ".join(
+            str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        )
+
     out = [line(head), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
     s = result["settings"]
     out.append("")

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["OpenAIStub", "Reply", "sensible_reply", "serve"]
 
@@ -87,7 +87,7 @@ class Reply:
         return cls(content=text, delay_s=delay_s, **kw)
 
 
-Script = Union[Reply, str, dict, Callable[[dict], Reply | str | dict | None]]
+Script = Reply | str | dict | Callable[[dict], Reply | str | dict | None]
 
 
 def _as_reply(item: Any, request: dict) -> Reply | None:

@@ -205,7 +205,7 @@ def test_skill_guided_imitates_same_environment_exemplars_like_the_exemplar_agen
     exemplar, guided = ExemplarAgent(seed=3), SkillGuidedAgent(seed=3)
     a = run_episode(env, exemplar, test, retrieve=memory, trajectory_id="e")
     b = run_episode(env, guided, test, retrieve=memory, trajectory_id="e")
-    assert _actions(a) == _actions(b) == env.gold_actions(other)[:3] + [_actions(a)[-1]]
+    assert _actions(a) == _actions(b) == [*env.gold_actions(other)[:3], _actions(a)[-1]]
     assert guided.imitated == exemplar.imitated == 4 and guided.guided == 0
 
 
@@ -287,7 +287,7 @@ def test_skill_guided_on_a_twx_game():
         agent = SkillGuidedAgent(seed=0)
         first = run_episode(env, agent, tests[0], retrieve=memory, trajectory_id="t")
         # The procedure's steps, in order: its literal steps word for word, its "take the object" as a take.
-        for step, action in zip(procedure[:4], _actions(first)):
+        for step, action in zip(procedure[:4], _actions(first), strict=False):
             assert action == step.text if "object" not in step.text else action.startswith("take ")
         solved = {
             name: sum(
@@ -405,7 +405,7 @@ class _Client:
 
     def request(self, prompt: Any, model: str, check: Any) -> Any:
         self.prompts.append(prompt)
-        step, errors = check(self.answers.pop(0))
+        step, _errors = check(self.answers.pop(0))
         return step
 
     def usage(self) -> dict:

@@ -97,7 +97,7 @@ def test_keys_come_from_the_config_file_and_the_environment(tmp_path):
     assert ring.authenticate(f"Bearer {key_b}").tenant == "globex"
     generic = DeploymentConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": json.dumps([entry_a.to_dict()])})
     assert KeyRing.from_config(generic.http, environ={}).authenticate(f"Bearer {key_a}").key_id == "a"
-    with pytest.raises(ConfigError, match="LIFEMEM_HTTP_API_KEYS: .*not JSON"):
+    with pytest.raises(ConfigError, match=r"LIFEMEM_HTTP_API_KEYS: .*not JSON"):
         DeploymentConfig.load(environ={"LIFEMEM_HTTP_API_KEYS": "[oops"})
     with pytest.raises(ConfigError, match=f"{ENV_KEYS}: neither a JSON list nor a readable file"):
         KeyRing.from_config(DeploymentConfig().http, environ={ENV_KEYS: str(tmp_path / "missing.json")})
@@ -111,7 +111,7 @@ def test_keys_mode_without_any_key_is_refused_and_no_auth_acts_as_the_default_te
     open_ring = KeyRing.from_config(DeploymentConfig().replace({"http.auth": "none"}).http, environ={})
     who = open_ring.authenticate(None)
     assert who.tenant == "default" and who.scopes == frozenset(SCOPES)
-    with pytest.raises(ConfigError, match="http.auth: must be one of keys, none"):
+    with pytest.raises(ConfigError, match=r"http\.auth: must be one of keys, none"):
         DeploymentConfig().replace({"http.auth": "open"})
 
 

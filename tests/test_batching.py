@@ -88,9 +88,9 @@ def test_duplicates_and_conflicts_across_requests_of_one_micro_batch(cluster, da
         assert [r.status for r in first[0]] == ["added"] * 60
         # One micro-batch of three requests: (a) new ones plus a repeat of a stored id and of
         # an id in (b), (b) new ones, (c) new ones plus a stored id with other content.
-        a = (trajs[60:70] + [trajs[3], trajs[75]], np.vstack([vecs[60:70], vecs[3], vecs[75]]))
+        a = ([*trajs[60:70], trajs[3], trajs[75]], np.vstack([vecs[60:70], vecs[3], vecs[75]]))
         b = (trajs[70:80], vecs[70:80])
-        c = (trajs[80:85] + [changed(trajs[10])], np.vstack([vecs[80:85], vecs[10]]))
+        c = ([*trajs[80:85], changed(trajs[10])], np.vstack([vecs[80:85], vecs[10]]))
         (outcomes,) = await ingest_serially(ingest, config, [[a, b, c]])
         return first, outcomes
 
@@ -146,7 +146,7 @@ def test_a_zero_vector_rejects_its_request_and_a_rejected_first_occurrence_passe
 
 
 def test_without_vectors_or_embedder_the_request_fails_with_a_clear_error(cluster, data):
-    trajs, vecs = data
+    trajs, _vecs = data
     config = make_config()
     shards, routing = cluster(config)
     ingest = BatchIngest(config, shards, routing, DIM)

@@ -188,7 +188,7 @@ def test_ingest_is_all_or_nothing_per_file(tmp_path):
     store = str(tmp_path / "s")
     lines = _lines(300, seed=1)
     late = tmp_path / "late.jsonl"
-    late.write_text("\n".join(lines[:289] + ["{not json"] + lines[289:299]) + "\n")
+    late.write_text("\n".join([*lines[:289], "{not json", *lines[289:299]]) + "\n")
     proc = run("ingest", str(late), "--store", store, check=False)
     assert (
         proc.returncode == 1

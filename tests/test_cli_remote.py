@@ -34,7 +34,7 @@ def test_remote_ingest_answers_bad_input_as_local_ingest(deployment, ray_local, 
     late = tmp_path / "late.jsonl"
     late.write_text(
         "\n".join(
-            lines[:30] + ['{"env": "shop", "task": "t", "steps": [{"action": "a"}], "task": "dup key"}'] + lines[30:]
+            [*lines[:30], '{"env": "shop", "task": "t", "steps": [{"action": "a"}], "task": "dup key"}', *lines[30:]]
         )
         + "\n"
     )

@@ -56,9 +56,9 @@ def test_file_errors_name_file_and_key(tmp_path, text, message):
 
 
 def test_env_and_override_errors_name_their_source():
-    with pytest.raises(ConfigError, match="LIFEMEM_EVOLUTION_TOP_K: evolution.top_k: expected an integer"):
+    with pytest.raises(ConfigError, match=r"LIFEMEM_EVOLUTION_TOP_K: evolution\.top_k: expected an integer"):
         DeploymentConfig.load(environ={"LIFEMEM_EVOLUTION_TOP_K": "x"})
-    with pytest.raises(ConfigError, match="evolution.background_maintenance: expected true or false"):
+    with pytest.raises(ConfigError, match=r"evolution\.background_maintenance: expected true or false"):
         DeploymentConfig.load(environ={}, overrides={"evolution.background_maintenance": "maybe"})
     with pytest.raises(ConfigError, match="unknown setting 'nope'"):
         DeploymentConfig().replace({"nope": 1})
@@ -145,7 +145,7 @@ def test_each_layer_owns_its_settings():
     from lifemem_ray.service.http_config import HttpConfig
 
     assert MemoryConfig.sections() == ["evolution", "policy", "retrieval", "index", "embedding", "llm", "store"]
-    assert DeploymentConfig.sections() == MemoryConfig.sections() + ["cluster", "http"]
+    assert DeploymentConfig.sections() == [*MemoryConfig.sections(), "cluster", "http"]
     assert type(MemoryConfig().llm) is LLMConfig and type(DeploymentConfig().http) is HttpConfig
     assert not any(key.startswith(("cluster.", "http.")) for key in MemoryConfig.bounds())
 

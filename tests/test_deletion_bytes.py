@@ -351,7 +351,7 @@ def test_through_the_coordinator_snapshots_and_compaction_hold_no_deleted_bytes(
 
     victims, keepers, vecs = _planted(synthetic)
     store = tmp_path / "store"
-    client, info = deployment(shards=2, store=store, **{"evolution.init_size": 20})
+    client, _info = deployment(shards=2, store=store, **{"evolution.init_size": 20})
     client.add_many(victims + keepers, vecs).result(timeout=300)
     assert client.remove([t.id for t in victims]) == len(victims)
     manifest = dep.snapshot(tmp_path / "snap", client.namespace)

@@ -18,7 +18,7 @@ def test_a_second_deployment_of_a_served_store_is_refused(deployment, tmp_path):
     from lifemem_ray.actors.cluster import deployment as dep
 
     store = tmp_path / "served"
-    client, info = deployment(shards=1, store=store)
+    client, _info = deployment(shards=1, store=store)
     trajs = list(generate(6, seed=1, envs=["shop"], length_scale=0.1))
     client.add_many(trajs, text_vectors([t.task for t in trajs])).result()
     other = DeploymentConfig().replace({"cluster.namespace": "second-serve", **SMALL_ACTORS})

@@ -245,11 +245,11 @@ def test_prepared_items_refuse_an_in_batch_repeat_with_other_content(tmp_path):
     vecs = unit(np.random.default_rng(1).standard_normal((7, 384)))
     with Memory.open(tmp_path / "m") as m:
         with pytest.raises(IdConflictError, match="shop-2"):
-            m.shard.add_items(pack_trajectories(trajs + [other], vecs, 384, m.features))
+            m.shard.add_items(pack_trajectories([*trajs, other], vecs, 384, m.features))
         assert len(m) == 0, "nothing of the refused request is stored"
         with pytest.raises(IdConflictError, match="shop-2"):  # the same rule as add_many
-            m.add_many(trajs + [other], vecs)
-        results = m.shard.add_items(pack_trajectories(trajs + [trajs[2]], vecs, 384, m.features))
+            m.add_many([*trajs, other], vecs)
+        results = m.shard.add_items(pack_trajectories([*trajs, trajs[2]], vecs, 384, m.features))
         assert [r.status for r in results][-1] == "duplicate" and results[-1].cluster_id == results[2].cluster_id
         assert len(m) == 6
         with pytest.raises(IdConflictError, match="already stored"):

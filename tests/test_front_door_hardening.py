@@ -177,11 +177,11 @@ def test_slow_bodies_of_one_key_leave_other_tenants_served_and_are_closed(front,
         assert set(statuses) <= {408, 429}, statuses
         cap = front.config.http.max_ongoing_per_tenant
         assert statuses.count(408) <= cap and statuses.count(429) >= SLOW_CONNECTIONS - cap, statuses
-        late = next(a for a, s in zip(slow.answers, statuses) if s == 408)
+        late = next(a for a, s in zip(slow.answers, statuses, strict=True) if s == 408)
         body = json.loads(late.split(b"\r\n\r\n", 1)[1])
         assert body["error"]["type"] == "timeout" and "too slowly" in body["error"]["message"]
         assert b"connection: close" in late.lower()
-        busy = next(a for a, s in zip(slow.answers, statuses) if s == 429)
+        busy = next(a for a, s in zip(slow.answers, statuses, strict=True) if s == 429)
         assert b"retry-after" in busy.lower() and b"max_ongoing_per_tenant" in busy
     finally:
         slow.close()

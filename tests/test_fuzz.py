@@ -14,13 +14,12 @@ import random
 import pytest
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.core.errors import ConfigError
-
-BOUNDS = DeploymentConfig.bounds()
-from lifemem_ray.core.errors import LifeMemError
+from lifemem_ray.core.errors import ConfigError, LifeMemError
 from lifemem_ray.core.importers import RecordError, check_file
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
+
+BOUNDS = DeploymentConfig.bounds()
 
 SEED = 20261202
 CASES = 300  # generated records, bounded so the file runs in seconds

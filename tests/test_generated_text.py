@@ -116,7 +116,7 @@ PAYLOADS = {**ISSUE_PAYLOADS, **OWN_PAYLOADS}
 # What must never reach a stored or served text (compared after normalisation, case-folded).
 MARKERS = ("attacker", "/dev/", "totally-safe", "mkfs", "evil", "2001:db8", "openai_api_key", "pip install", "root@")
 # The issue's payloads as the engine tests send them (one line each: they are descriptions too).
-ENGINE_PAYLOADS = list(ISSUE_PAYLOADS.values()) + [OWN_PAYLOADS["a homoglyph host"], OWN_PAYLOADS["hxxps"]]
+ENGINE_PAYLOADS = [*ISSUE_PAYLOADS.values(), OWN_PAYLOADS["a homoglyph host"], OWN_PAYLOADS["hxxps"]]
 
 GOOD_SKILLS = [
     "1. Search the catalogue for the item. 2. Open the best match and check its options. 3. Buy it.",
@@ -488,7 +488,7 @@ def test_fuzz_every_disguised_payload_is_refused(seed):
         words = skill.split(" ")
         at = rng.randrange(len(words) + 1)
         variant = disguise(rng.choice(FUZZ_TOKENS), rng)
-        text = " ".join(words[:at] + [variant] + words[at:])
+        text = " ".join([*words[:at], variant, *words[at:]])
         assert refusal(text, SOURCE) is not None, (seed, variant, text)
 
 
@@ -557,16 +557,18 @@ def data():
 
 def test_payloads_are_never_stored_or_served_by_the_engine(tmp_path, data):
     trajs, vecs = data
-    with OpenAIStub(responder=hostile(ENGINE_PAYLOADS)) as stub:
-        with Memory.open(tmp_path / "m", MemoryConfig().replace(llm_overrides(stub.base_url))) as m:
-            m.add_many(trajs, vecs)
-            m.maintain()
-            clusters = m.clusters()
-            served = m.retrieve_many([t.task for t in trajs[:12]], [t.env for t in trajs[:12]], 4, vectors=vecs[:12])
-            stats = m.stats()
-            assert m.verify()["ok"]
-            with m.store.read() as txn:
-                records = [r for r in m.store.iter_clusters(txn) if r.live]
+    with (
+        OpenAIStub(responder=hostile(ENGINE_PAYLOADS)) as stub,
+        Memory.open(tmp_path / "m", MemoryConfig().replace(llm_overrides(stub.base_url))) as m,
+    ):
+        m.add_many(trajs, vecs)
+        m.maintain()
+        clusters = m.clusters()
+        served = m.retrieve_many([t.task for t in trajs[:12]], [t.env for t in trajs[:12]], 4, vectors=vecs[:12])
+        stats = m.stats()
+        assert m.verify()["ok"]
+        with m.store.read() as txn:
+            records = [r for r in m.store.iter_clusters(txn) if r.live]
     assert len(clusters) >= 2 and all(r.skills for r in served)
     # Every text the LLM wrote was refused: the offline policy's texts stand in.
     assert {r.skill_by for r in records} == {"fallback"} and "llm" not in {r.description_by for r in records}

@@ -158,7 +158,7 @@ def _meta(path: Path, key: str):
 
 @pytest.mark.parametrize("same_id", [False, True])
 def test_swapped_data_file_does_not_reuse_the_cache(tmp_path, same_id):
-    a_trajs, a_vecs = _store(tmp_path / "a", seed=1)
+    a_trajs, _a_vecs = _store(tmp_path / "a", seed=1)
     b_trajs, b_vecs = _store(tmp_path / "b", seed=2)
     assert (tmp_path / "a" / "index" / "manifest.json").exists()
     # B's file with A's generation (and count), under A's cached index; with same_id also A's store id

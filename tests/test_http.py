@@ -583,14 +583,14 @@ def test_the_operations_table_bounds_the_answers_it_keeps():
 
     table = ops_module.Operations(max_kept=100, ttl_s=600, max_items=10)
     a = table.create("acme", [f"a{i}" for i in range(6)], deadline_s=60)
-    with pytest.raises(OverloadedError, match="http.operations_max_items"):
+    with pytest.raises(OverloadedError, match=r"http\.operations_max_items"):
         table.create("acme", [f"b{i}" for i in range(6)], deadline_s=60)  # 12 > 10, nothing finished yet
     table.finish(a, [{"id": f"a{i}", "status": "added", "cluster_id": 1} for i in range(6)])
     b = table.create("acme", [f"b{i}" for i in range(6)], deadline_s=60)  # the finished one made room
     assert table.get(a, "acme") is None and table.get(b, "acme")["status"] == "pending" and table.item_count() == 6
     with pytest.raises(OverloadedError, match="at most 10"):
         table.create("acme", [f"c{i}" for i in range(11)], deadline_s=60)
-    with pytest.raises(ConfigError, match="http.operations_max_items"):
+    with pytest.raises(ConfigError, match=r"http\.operations_max_items"):
         DeploymentConfig().replace({"http.operations_max_items": 5_000, "http.max_batch_items": 10_000})
 
 
@@ -644,7 +644,7 @@ def test_a_removal_that_outlasts_its_timeout_answers_503_and_goes_on(monkeypatch
     monkeypatch.setattr(service, "client", lambda: SlowClient())
     admin = Principal(tenant="acme", scopes=frozenset({"read", "write", "admin"}))
     try:
-        with pytest.raises(OverloadedError, match="http.delete_timeout_s") as info:
+        with pytest.raises(OverloadedError, match=r"http\.delete_timeout_s") as info:
             service.delete("t-1", admin)
         assert "send it again" in str(info.value) and not finished.is_set()
         release.set()

@@ -173,7 +173,7 @@ def test_chat_toolqa_thought_then_tool_line_and_success() -> None:
     assert (t.steps[0].thought, t.steps[0].action) == ("Load the database first.", "LoadDB[coffee]")
     assert (t.steps[1].thought, t.steps[1].action) == ("", "Action 4: Finish[64.25]\nSQLInterpreter[SELECT 1;]")
     assert t.outcome.success is True and t.metadata["outcome_source"] == "inferred"
-    wrong = dict(rec, messages=rec["messages"][:-1] + [{"role": "user", "content": "Answer is INCORRECT"}])
+    wrong = dict(rec, messages=[*rec["messages"][:-1], {"role": "user", "content": "Answer is INCORRECT"}])
     assert parse_record(wrong).outcome.success is False
     explicit = dict(rec, success=False, reward=0.25)
     assert parse_record(explicit).outcome == Outcome(False, 0.25)
@@ -237,7 +237,7 @@ def test_chat_ids_metadata_and_extras() -> None:
         parse_record(dict(base, id=True))
     rec = dict(base, messages=[{"role": "user", "content": "t", "name": "bob"}, {"role": "assistant", "content": "a"}])
     assert parse_record(rec).metadata["message_extras"] == [{"index": 0, "name": "bob"}]
-    with pytest.raises(InvalidTrajectoryError, match="source: conflicts with metadata.source"):
+    with pytest.raises(InvalidTrajectoryError, match=r"source: conflicts with metadata\.source"):
         parse_record(dict(base, source="a", metadata={"source": "b"}))
 
 
@@ -392,7 +392,7 @@ def test_real_data_imports_without_error(real) -> None:
     assert len(trajs) == len(records) == 1202
     assert (report.read, report.valid, report.invalid) == (1202, 1202, 0)
     assert report.by_env == dict(Counter(r["env"] for r in records))
-    assert all(t.metadata["source_line"] == r["source_line"] for t, r in zip(trajs, records))
+    assert all(t.metadata["source_line"] == r["source_line"] for t, r in zip(trajs, records, strict=True))
 
 
 def test_real_webshop_actions_are_search_or_click(real) -> None:
@@ -414,7 +414,7 @@ def test_real_outcomes_and_duplicate_ids(real) -> None:
 
 def test_real_data_nothing_is_lost(real) -> None:
     trajs, records, _ = real
-    for t, r in zip(trajs, records):
+    for t, r in zip(trajs, records, strict=True):
         flat = _flat(t)
         for i, m in enumerate(r["messages"]):
             assert _norm(m["content"]) in flat, (r["env"], r["source_line"], i)

@@ -42,7 +42,7 @@ def brute_force(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: in
 
 
 def recall(got: np.ndarray, truth: np.ndarray) -> float:
-    return float(np.mean([len(set(g) & set(t)) / len(t) for g, t in zip(got.tolist(), truth.tolist())]))
+    return float(np.mean([len(set(g) & set(t)) / len(t) for g, t in zip(got.tolist(), truth.tolist(), strict=True)]))
 
 
 # --------------------------------------------------------------------------- basics
@@ -305,7 +305,7 @@ def test_candidate_search_probes_fewer_lists_and_stays_close(
     assert (part >= 0).all() and (few >= 0).all() and part.shape == full.shape
     assert recall(few, full) < recall(part, full) < 1.0  # fewer lists, fewer exact neighbours
     assert (part_s <= full_s + 1e-5).all() and (few_s <= part_s + 1e-5).all()  # never better than probing more
-    capped_s, capped = ivf_index.search_envs(queries, 4, ["big"] * len(queries), max_codes=8)
+    _capped_s, capped = ivf_index.search_envs(queries, 4, ["big"] * len(queries), max_codes=8)
     assert (capped >= 0).all() and recall(capped, full) < recall(part, full)  # scanning stops early, rows stay full
 
 
@@ -682,7 +682,7 @@ def test_calibrated_recall_is_the_recall_a_brute_force_count_gives() -> None:
     scores, found = ivf.search(queries, 5, params=faiss.SearchParametersIVF(nprobe=nprobe, max_codes=cap))
     hits = []
     for row, own in enumerate(ids[sample]):
-        others = [s for s, i in zip(scores[row], found[row]) if i != own and i >= 0][:4]
+        others = [s for s, i in zip(scores[row], found[row], strict=True) if i != own and i >= 0][:4]
         hits.append(sum(s >= threshold[row] for s in others) / 4)
     assert got_recall >= 0.97 and got_recall == pytest.approx(float(np.mean(hits)), abs=1e-9)
 

@@ -102,19 +102,19 @@ def test_experiment_config_sources_and_validation(tmp_path):
     assert exp.envs == ["sql", "websearch"] and exp.train_tasks == 4 and exp.workers == 5 and exp.stream == "buffer"
     assert exp.env_options == {"sql": {"n_train": 10}}
     assert ExperimentConfig.load(environ={"LIFEMEM_EXPERIMENT_ENVS": "a, b"}).envs == ["a", "b"]
-    with pytest.raises(ConfigError, match="experiment.bogus"):
+    with pytest.raises(ConfigError, match=r"experiment\.bogus"):
         ExperimentConfig.load(overrides={"bogus": 1})
-    with pytest.raises(ConfigError, match="experiment.stream"):
+    with pytest.raises(ConfigError, match=r"experiment\.stream"):
         ExperimentConfig.load(overrides={"stream": "sideways"})
-    with pytest.raises(ConfigError, match="experiment.modes"):
+    with pytest.raises(ConfigError, match=r"experiment\.modes"):
         ExperimentConfig.load(overrides={"modes": ["lifemem", "magic"]})
-    with pytest.raises(ConfigError, match="experiment.agent"):
+    with pytest.raises(ConfigError, match=r"experiment\.agent"):
         ExperimentConfig.load(overrides={"agent": "oracle"})
     with pytest.raises(ConfigError, match="workers"):
         ExperimentConfig.load(overrides={"workers": "0"})
     with pytest.raises(ConfigError, match="expected an integer"):
         ExperimentConfig.load(overrides={"workers": "many"})
-    with pytest.raises(ConfigError, match="experiment.seeds"):
+    with pytest.raises(ConfigError, match=r"experiment\.seeds"):
         ExperimentConfig.load(overrides={"seeds": 0})
     with pytest.raises(ConfigError, match="episode_timeout_s"):
         ExperimentConfig.load(overrides={"episode_timeout_s": float("nan")})

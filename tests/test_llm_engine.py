@@ -163,18 +163,17 @@ def test_llm_split(tmp_path):
         )
         for i in range(15)
     ]
-    with OpenAIStub(sensible=True) as stub:
-        with Memory.open(tmp_path / "m", llm_config(stub.base_url, **config)) as m:
-            m.add_many([x for pair in zip(a, b) for x in pair], unit([[1.0] * 384] * 30))
-            stats = m.stats()
-            assert stats["splits"] >= 1
-            assert stats["llm"]["by_operation"]["split"]["calls"] >= 1
-            assert m.verify()["ok"]
-            assert all(c.born == "split" for c in m.clusters())
-            # The LLM's descriptions of the groups it split into are the children's descriptions.
-            assert {c.description for c in m.clusters()} <= {
-                f"Complete tasks that follow workflow number {i}." for i in (1, 2, 3, 4, 5, 6)
-            }
+    with OpenAIStub(sensible=True) as stub, Memory.open(tmp_path / "m", llm_config(stub.base_url, **config)) as m:
+        m.add_many([x for pair in zip(a, b, strict=True) for x in pair], unit([[1.0] * 384] * 30))
+        stats = m.stats()
+        assert stats["splits"] >= 1
+        assert stats["llm"]["by_operation"]["split"]["calls"] >= 1
+        assert m.verify()["ok"]
+        assert all(c.born == "split" for c in m.clusters())
+        # The LLM's descriptions of the groups it split into are the children's descriptions.
+        assert {c.description for c in m.clusters()} <= {
+            f"Complete tasks that follow workflow number {i}." for i in (1, 2, 3, 4, 5, 6)
+        }
 
 
 def test_the_initial_partition_keeps_the_llms_group_descriptions(tmp_path, data):
@@ -221,13 +220,15 @@ def test_malicious_generated_text_is_never_stored_or_served(tmp_path, data, text
             return Reply.json({"description": description})
         return None  # the stub's sensible answer
 
-    with OpenAIStub(responder=hostile, sensible=True) as stub:
-        with Memory.open(tmp_path / "m", llm_config(stub.base_url, **{"llm.min_cluster_size": 1})) as m:
-            m.add_many(trajs, vecs)
-            m.maintain()
-            stats = m.stats()
-            served = [m.retrieve(t.task, env=t.env, vector=v).context for t, v in zip(trajs[:10], vecs[:10])]
-            clusters = m.clusters()
+    with (
+        OpenAIStub(responder=hostile, sensible=True) as stub,
+        Memory.open(tmp_path / "m", llm_config(stub.base_url, **{"llm.min_cluster_size": 1})) as m,
+    ):
+        m.add_many(trajs, vecs)
+        m.maintain()
+        stats = m.stats()
+        served = [m.retrieve(t.task, env=t.env, vector=v).context for t, v in zip(trajs[:10], vecs[:10], strict=True)]
+        clusters = m.clusters()
     payloads = ("evil.example.com", "curl", "password", "Ignore all previous", "phish")
     for c in clusters:
         assert c.skill and not any(p in c.skill for p in payloads), c.skill  # the offline skill stands in

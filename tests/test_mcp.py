@@ -297,9 +297,11 @@ def http_memory(tmp_path_factory, embedder) -> Iterator[tuple[str, Memory]]:
 
 @contextlib.asynccontextmanager
 async def _http_client(url: str, key: str, mode: str) -> AsyncIterator[Client]:
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
-        async with Client(streamable_http_client(url, http_client=http), mode=mode, cache=None) as client:
-            yield client
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http,
+        Client(streamable_http_client(url, http_client=http), mode=mode, cache=None) as client,
+    ):
+        yield client
 
 
 # "auto" speaks the SDK's newest protocol revision (one self-contained POST per request),

@@ -120,7 +120,7 @@ def test_split_when_large_and_diverse(tmp_path):
         b = [
             traj(100 + i, "shop", ("look around", "open door to kitchen", "focus on water", "wait1")) for i in range(15)
         ]
-        items = [x for pair in zip(a, b) for x in pair]
+        items = [x for pair in zip(a, b, strict=True) for x in pair]
         centre = rand_vecs(1, seed=5)[0]
         res = m.add_many(items, unit(centre + 0.01 * rand_vecs(30, seed=6)))
         assert m.stats()["splits"] >= 1
@@ -253,7 +253,7 @@ def test_remove_updates_clusters(tmp_path, synthetic):
     with Memory.open(tmp_path / "m") as m:
         m.add_many(trajs[:100], vecs[:100])
         victims = [t.id for t in trajs[:40]]
-        assert m.remove(victims + ["no-such-id"]) == 40
+        assert m.remove([*victims, "no-such-id"]) == 40
         assert len(m) == 60 and m.get(victims[0]) is None
         report = m.verify()
         assert report["ok"], report["problems"]
@@ -269,7 +269,7 @@ def test_export_round_trips(tmp_path, synthetic):
         m.add_many(trajs[:50], vecs[:50])
         out = m.export(tmp_path / "out.jsonl")
         assert out["trajectories"] == 50
-    back, report = read_jsonl([tmp_path / "out.jsonl"])
+    back, _report = read_jsonl([tmp_path / "out.jsonl"])
     assert sorted(back, key=lambda t: t.id) == sorted(trajs[:50], key=lambda t: t.id)
     clusters = [json.loads(line) for line in (tmp_path / "out.clusters.jsonl").read_text().splitlines()]
     assert sum(c["count"] for c in clusters) == 50
@@ -423,7 +423,7 @@ def test_hits_then_records_is_what_search_records_returns(tmp_path, synthetic):
         assert len(records) == ids.size and all(r is None for r in records[-4:])
         one_call = m.shard.search_records(envs, 4, queries)
         for q, (hits, texts) in enumerate(one_call):
-            row = [(float(s), *r) for s, r in zip(scores[q], records[4 * q : 4 * q + 4]) if r is not None]
+            row = [(float(s), *r) for s, r in zip(scores[q], records[4 * q : 4 * q + 4], strict=True) if r is not None]
             assert [(round(s, 6), c, raw) for s, c, raw in hits] == [(round(s, 6), c, raw) for s, c, raw in row]
             assert bool(texts) == bool(hits) and all(skills[c] == text for c, text in texts.items())
         gone = int(ids[0, 0])
@@ -461,7 +461,7 @@ def test_retrieved_exemplars_decode_their_trajectory_on_demand(tmp_path, synthet
     from lifemem_ray.engine.retrieval import RetrievedTrajectory, assemble
     from lifemem_ray.engine.store.codec import encode_trajectory as trajectory_to_record
 
-    trajs, vecs = synthetic
+    trajs, _vecs = synthetic
     raw = [trajectory_to_record(t, ["w"], 0.0) for t in trajs[:3]]
     got = assemble(
         "q", trajs[0].env, [(0.5, 7, raw[1]), (0.9, 3, raw[0]), (0.1, None, raw[2])], {3: "skill"}, 2, 4, 3000

@@ -245,8 +245,8 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(
             "micro-batches": total(samples, "ray_lifemem_coordinator_batch_size_count", deployment=namespace) >= 2,
             "queue drained": [
                 v
-                for n, l, v in samples
-                if n == "ray_lifemem_coordinator_queue_depth" and l.get("deployment") == namespace
+                for n, labels, v in samples
+                if n == "ray_lifemem_coordinator_queue_depth" and labels.get("deployment") == namespace
             ]
             == [0],
             "shard trajectories": total(samples, "ray_lifemem_shard_trajectories", deployment=namespace) == 110,
@@ -269,7 +269,7 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(
                 assert set(spec.tag_keys) <= set(labels), (exported, labels)
     # Histograms: buckets at the declared boundaries, +Inf equal to the count.
     latency = series(after, "ray_lifemem_latency_seconds_bucket", operation="add", layer="client")
-    assert {float(l["le"]) for l in latency} == set(LATENCY_BOUNDARIES) | {math.inf}
+    assert {float(labels["le"]) for labels in latency} == set(LATENCY_BOUNDARIES) | {math.inf}
     assert total(after, "ray_lifemem_latency_seconds_bucket", operation="add", layer="client", le="+Inf") == total(
         after, "ray_lifemem_latency_seconds_count", operation="add", layer="client"
     )
@@ -278,7 +278,10 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(
     batches = total(after, "ray_lifemem_coordinator_batch_size_count", deployment=namespace)
     assert total(after, "ray_lifemem_coordinator_batch_size_bucket", deployment=namespace, le="32.0") == 0
     assert total(after, "ray_lifemem_coordinator_batch_size_bucket", deployment=namespace, le="128.0") == batches
-    assert {l["shard"] for l in series(after, "ray_lifemem_shard_trajectories", deployment=namespace)} == {"0", "1"}
+    assert {labels["shard"] for labels in series(after, "ray_lifemem_shard_trajectories", deployment=namespace)} == {
+        "0",
+        "1",
+    }
     assert grew(after, "ray_lifemem_llm_calls_total", operation="assign") >= 1
     assert grew(after, "ray_lifemem_llm_calls_total", operation="partition") >= 1
     assert grew(after, "ray_lifemem_llm_tokens_total", kind="prompt") > 0
@@ -297,6 +300,6 @@ def poll(url: str, done: Callable[[list[Sample]], bool]) -> list[Sample]:
         except (urllib.error.URLError, ConnectionError):
             pass  # the node's metrics agent is still starting
         if time.monotonic() > deadline:
-            print("\n".join(f"{n} {l} {v}" for n, l, v in samples if "lifemem" in n))
+            print("\n".join(f"{n} {labels} {v}" for n, labels, v in samples if "lifemem" in n))
             return samples
         time.sleep(1.0)

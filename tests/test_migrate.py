@@ -30,7 +30,9 @@ def test_a_store_of_the_old_featurizer_is_recomputed_on_a_writable_open(tmp_path
         with memory.store.read() as txn:
             vids = [vid for vid, _, _ in memory.store.iter_trajectories(txn)]
         stale = unit(np.random.default_rng(0).standard_normal((len(vids), 256)))
-        memory.store.write(lambda txn: [memory.store.rewrite_workflow(txn, v, w, ["old"]) for v, w in zip(vids, stale)])
+        memory.store.write(
+            lambda txn: [memory.store.rewrite_workflow(txn, v, w, ["old"]) for v, w in zip(vids, stale, strict=True)]
+        )
         memory.store.write(lambda txn: txn.delete(b"workflow_features", db=memory.store.db["meta"]))
     with Memory.open(tmp_path / "m", MemoryConfig(), read_only=True) as reader:  # searches work; nothing is rewritten
         assert stored_features(reader.store) == LEGACY_FEATURES
@@ -50,7 +52,7 @@ def test_another_featurizer_is_refused_with_what_to_set(tmp_path, data):
     trajs, vecs = data
     with Memory.open(tmp_path / "m", MemoryConfig()) as memory:
         memory.add_many(trajs[:10], vecs[:10])
-    with pytest.raises(StoreError, match="evolution.workflow_features = 'roles'"):
+    with pytest.raises(StoreError, match=r"evolution\.workflow_features = 'roles'"):
         Memory.open(tmp_path / "m", MemoryConfig().replace({"evolution.workflow_features": "tokens"}))
 
 

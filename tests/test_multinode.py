@@ -11,7 +11,7 @@ from pathlib import Path
 def test_node_loss_is_reported_and_a_snapshot_brings_the_memory_back(tmp_path):
     script = Path(__file__).with_name("multinode_scenario.py")
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
+    line = next((out for out in proc.stdout.splitlines() if out.startswith("REPORT ")), None)
     assert line, f"scenario failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     report = json.loads(line[len("REPORT ") :])
     assert report["shards_on_distinct_workers"], report["shard_nodes"]

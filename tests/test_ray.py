@@ -44,7 +44,7 @@ def same_retrieval(a, b) -> None:
 
 def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data, tmp_path):
     trajs, vecs = data
-    client, info = deployment(shards=2)
+    client, _info = deployment(shards=2)
     futures = [client.add_many(trajs[i : i + 150], vecs[i : i + 150]) for i in range(0, 1200, 150)]
     results = [r for f in futures for r in f.result(timeout=300)]
     assert len(results) == 1200 and {r.status for r in results} == {"added"}
@@ -68,7 +68,7 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
     sharded = client.retrieve_many(
         [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
     )
-    for a, b in zip(single, sharded):
+    for a, b in zip(single, sharded, strict=True):
         same_hits(a, b, clusters=False)  # cluster ids differ: each shard has its own id namespace
         assert b.skills and b.context
 
@@ -100,10 +100,10 @@ def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_p
             [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
         )
         assert len(got) == len(expected)
-        for a, b in zip(expected, got):
+        for a, b in zip(expected, got, strict=True):
             same_retrieval(a, b)
         # One query: one round (each shard sends its hits with their records).
-        for a, i in zip(expected[:5], queries[:5]):
+        for a, i in zip(expected[:5], queries[:5], strict=True):
             same_retrieval(a, restored.retrieve(trajs[i].task, trajs[i].env, 4, vector=vecs[i]))
         assert {c.id for c in restored.clusters()} == clusters
         assert all(s["trajectories"] > 0 for s in restored.stats()["shards"])
@@ -138,7 +138,7 @@ def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_pat
         after = three.retrieve_many(
             [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
         )
-        for x, y in zip(before, after):
+        for x, y in zip(before, after, strict=True):
             same_retrieval(x, y)  # the memory as it was at the snapshot, cluster ids and skills included
         assert three.verify()["ok"]
         # The restored deployment takes new writes.
@@ -273,7 +273,7 @@ def _ingest_with_retries(
     for start in range(0, len(trajs), 40):
         if stop.is_set():
             return
-        for attempt in range(30):
+        for _attempt in range(30):
             try:
                 for r in client.add_many(trajs[start : start + 40], vecs[start : start + 40]).result(timeout=120):
                     acked.add(r.id)
@@ -292,7 +292,7 @@ def test_an_actor_dies_mid_ingest(deployment, data, victim):
     import ray
 
     trajs, vecs = data
-    client, info = deployment(shards=2)
+    client, _info = deployment(shards=2)
     acked: set[str] = set()
     errors: list[str] = []
     stop = threading.Event()

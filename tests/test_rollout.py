@@ -149,7 +149,7 @@ def test_noisy_gold_deviates_and_random_is_seeded():
 def test_agent_errors_are_clear():
     with pytest.raises(ValueError, match="unknown agent 'oracle'"):
         make_agent("oracle")
-    with pytest.raises(ValueError, match="llm.backend"):
+    with pytest.raises(ValueError, match=r"llm\.backend"):
         make_agent("react", llm_config=LLMConfig())
     env = make_env("websearch") if _has_hotpot() else Corridor()
     task = Task("nowhere", "t0", "no gold here")
@@ -172,7 +172,7 @@ def _has_hotpot() -> bool:
 def test_step_limit_replaces_a_hung_environment(tmp_path):
     env = make_env("faulty", inner="sql", marker_dir=str(tmp_path), hang_on=["sql-s0-train-0000"])
     task = env.tasks("train", limit=1)[0]
-    with pytest.raises(EnvHung, match="reset did not return within 0.5 s"):
+    with pytest.raises(EnvHung, match=r"reset did not return within 0\.5 s"):
         run_episode(env, GoldAgent(), task, trajectory_id="h", limits=EpisodeLimits(step_timeout_s=0.5))
     env.close()  # releases the stuck thread
     fresh = make_env("faulty", inner="sql", marker_dir=str(tmp_path), hang_on=["sql-s0-train-0000"])
@@ -188,7 +188,7 @@ def test_episode_limit():
             return super().step(action)
 
     env = Slow()
-    with pytest.raises(EpisodeTimeout, match="episode exceeded 0.3 s"):
+    with pytest.raises(EpisodeTimeout, match=r"episode exceeded 0\.3 s"):
         run_episode(
             env,
             RandomAgent(),

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from conftest import SMALL_ACTORS
@@ -97,7 +98,7 @@ def test_workers_store_each_task_once_through_crash_hang_and_failure(memory, tmp
 
 
 def test_a_task_that_always_fails_is_reported_not_dropped(memory, tmp_path):
-    ns, config, client = memory
+    _ns, config, _client = memory
     task = make_env("sql").tasks("test", limit=1)[0]
     bad = task.__class__(task.env, "sql-unknown", task.instruction, task.split, {}, task.metadata)  # the env rejects it
     spec = EpisodeSpec(run="bad", phase="eval-00", mode="none", agent="gold")
@@ -407,7 +408,7 @@ def test_test_tasks_skip_overlap_and_ask_gold_only_as_far_as_needed():
     from lifemem_ray.lab.envs.base import Task
 
     class Env:
-        asked: list[str] = []
+        asked: ClassVar[list[str]] = []  # shared: the test reads what any instance was asked
 
         def gold_actions(self, task):
             self.asked.append(task.id)

@@ -47,7 +47,7 @@ def test_key_entries_refuse_a_name_or_hash_with_a_final_newline():
 
 @pytest.mark.parametrize("env", ["shop\n", "sh\nop", "shop\t", "sh\u200bop", "\x1b[31mshop"])
 def test_environment_names_refuse_control_characters(env):
-    with pytest.raises(InvalidTrajectoryError, match="env: .*(control character|surrounding spaces)"):
+    with pytest.raises(InvalidTrajectoryError, match=r"env: .*(control character|surrounding spaces)"):
         Trajectory(env=env, task="t", steps=(Step(action="a"),))
 
 

@@ -44,9 +44,13 @@ def test_ingest_and_retrieve_real_trajectories(tmp_path, trainset, embedder):
         # Retrieval: same environment always, and better than plain nearest neighbours.
         queries = [trajs[i] for i in held]
         got = m.retrieve_many([q.query_text for q in queries], [q.env for q in queries], 4, vectors=vecs[held])
-        lifemem = np.mean([np.mean([h.env == q.env for h in r.trajectories]) for q, r in zip(queries, got)])
+        lifemem = np.mean(
+            [np.mean([h.env == q.env for h in r.trajectories]) for q, r in zip(queries, got, strict=True)]
+        )
         top = np.argsort(-(vecs[held] @ vecs[train].T), axis=1)[:, :4]
-        baseline = np.mean([np.mean([trajs[train[j]].env == q.env for j in row]) for q, row in zip(queries, top)])
+        baseline = np.mean(
+            [np.mean([trajs[train[j]].env == q.env for j in row]) for q, row in zip(queries, top, strict=True)]
+        )
         assert lifemem == 1.0 and lifemem > baseline
         assert all(r.skills for r in got)
         # Retrieval by text (the embedding model inside) gives the same as by vector.

@@ -26,16 +26,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.core.decisions import Decider
-from lifemem_ray.core.errors import EmbeddingError, IdConflictError, ShardUnavailableError, UnknownClusterError
+from lifemem_ray.core.errors import (
+    ConfigError,
+    EmbeddingError,
+    ShardUnavailableError,
+    UnknownClusterError,
+)
 from lifemem_ray.engine.clustering.evolution import (
     BatchPlan,
     CandidateArrays,
@@ -51,9 +57,9 @@ from lifemem_ray.engine.ingest_rules import (
     IdClasses,
     caller_results,
     classify_ids,
+    conflict_error,
     make_planner,
     plan_counters,
-    refuse_conflicts,
     unit_rows,
 )
 from lifemem_ray.engine.memory import WORKFLOW_DIM
@@ -69,41 +75,19 @@ Found = tuple[CandidateSet, dict[int, int]]  # merged candidates, cluster -> own
 Embed = Callable[[list[str]], Awaitable[np.ndarray]]
 
 
-class ShardSet(Protocol):
-    """The shards of a deployment, by index. Every method may raise
+class ShardSet(ABC):
+    """The shards of a deployment by index, as the batching pipeline calls them: the typed calls
+    are written here once; a subclass says only how a call travels (:meth:`call`), in process
+    (:class:`LocalShards`) or to named actors
+    (:class:`~lifemem_ray.actors.cluster.coordinator.RayShards`). Every method may raise
     :class:`~lifemem_ray.core.errors.ShardUnavailableError`."""
 
+    @abstractmethod
     def __len__(self) -> int: ...
 
-    async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]: ...
-
-    async def candidates(
-        self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]
-    ) -> CandidateArrays: ...
-
-    async def commit(
-        self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None
-    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]: ...
-
-    async def add_items(self, shard: int, batch: ItemBatch) -> list[AddResult]: ...
-
-    async def info(self, shard: int) -> dict[str, Any]:
-        """At least ``trajectories`` (stored on the shard) and ``initialised``."""
-        ...
-
-
-class LocalShards:
-    """A :class:`ShardSet` over in-process shard objects (``actors.shard.MemoryShard``):
-    each call runs in a thread, as an actor's would run in its own process."""
-
-    def __init__(self, shards: Sequence[Any]) -> None:
-        self.shards = list(shards)
-
-    def __len__(self) -> int:
-        return len(self.shards)
-
+    @abstractmethod
     async def call(self, shard: int, method: str, *args: Any) -> Any:
-        return await asyncio.to_thread(getattr(self.shards[shard], method), *args)
+        """Run ``method`` of :class:`~lifemem_ray.engine.protocols.ShardProtocol` on shard ``shard``."""
 
     async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]:
         return await self.call(shard, "known", ids, fingerprints)
@@ -115,11 +99,30 @@ class LocalShards:
 
     async def commit(
         self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None
-    ) -> Any:
+    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
         return await self.call(shard, "commit", batch, placements, counters)
 
     async def add_items(self, shard: int, batch: ItemBatch) -> list[AddResult]:
         return await self.call(shard, "add_items", batch)
+
+    async def info(self, shard: int) -> dict[str, Any]:
+        """At least ``trajectories`` (stored on the shard) and ``initialised``."""
+        return await self.call(shard, "info")
+
+
+class LocalShards(ShardSet):
+    """A :class:`ShardSet` over in-process shard objects (engine shards, or
+    :class:`~lifemem_ray.actors.cluster.shard_actor.MemoryShard` objects made without Ray): each
+    call runs in a thread, as an actor's would run in its own process."""
+
+    def __init__(self, shards: Sequence[Any]) -> None:
+        self.shards = list(shards)  # by index, as the routing numbers them
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    async def call(self, shard: int, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.shards[shard], method), *args)
 
     async def info(self, shard: int) -> dict[str, Any]:
         # MemoryShard.info also names the Ray node; only these two are needed here.
@@ -222,7 +225,7 @@ class BatchIngest:
             await self.settle(stage)
             if stage.fresh and self.initialised:
                 stage.found = await self.candidates(whole, stage.fresh)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - not lost: the stage's requests fail with it
             stage.error = exc
         return stage
 
@@ -241,7 +244,7 @@ class BatchIngest:
                 for j, why in classes.conflicts:
                     per_request.setdefault(owner[kept[j]], []).append((j, why))
                 for r, conflicts in per_request.items():
-                    failed[r] = _refusal(classes.ids, conflicts)
+                    failed[r] = conflict_error(conflicts)
                 continue
             stage.kept, stage.classes = kept, classes
             stage.fresh = [kept[j] for j in classes.fresh]
@@ -353,15 +356,15 @@ class BatchIngest:
             kept_results = stage.classes.results
             for j, i in enumerate(stage.kept):
                 results[i] = placed.get(i, kept_results[j])
-            for j, i in enumerate(stage.kept):  # repeats report their first occurrence
+            for i in stage.kept:  # repeats report their first occurrence
                 if results[i] is None:
                     first = results[stage.kept[stage.classes.first[stage.whole.ids[i]]]]
                     if first is not None:
                         results[i] = AddResult(stage.whole.ids[i], "duplicate", first.cluster_id)
         self.counters["trajectories"] += sum(1 for r in placed.values() if r.status == "added")
         self.counters["duplicates"] += sum(
-            1 for i in stage.kept if results[i] is not None and results[i].status == "duplicate"
-        )  # type: ignore[union-attr]
+            1 for i in stage.kept if (result := results[i]) is not None and result.status == "duplicate"
+        )
         out: list[Any] = []
         offset = 0
         for r, n in enumerate(stage.sizes):
@@ -384,7 +387,7 @@ class BatchIngest:
             return {}, {}
         try:
             out = await self.shards.add_items(0, whole.select(positions))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - not lost: these positions' requests fail with it
             return {}, {i: exc for i in positions}
         self.routing.set((r.cluster_id, 0) for r in out if r.cluster_id is not None)
         self.loads[0] += sum(1 for r in out if r.status != "duplicate")
@@ -393,7 +396,7 @@ class BatchIngest:
             self.initialised = True
             self.routing.put_meta("initialised", True)
         self.routing.put_meta("shard_loads", self.loads)
-        return dict(zip(positions, out)), {}
+        return dict(zip(positions, out, strict=True)), {}
 
     async def decide_and_commit(
         self,
@@ -465,7 +468,7 @@ class BatchIngest:
         committed = Committed()
         added_rows: list[int] = []
         new_routes = []
-        for shard, outcome in zip(calls, outcomes):
+        for shard, outcome in zip(calls, outcomes, strict=True):
             positions = per_shard[shard]
             if isinstance(outcome, BaseException):
                 log.warning("commit on shard %d failed: %s", shard, outcome)
@@ -479,7 +482,7 @@ class BatchIngest:
             done, states = outcome
             committed.states.update(states)
             committed.owner.update((cid, shard) for cid in states)
-            for pos, result in zip(positions, done):
+            for pos, result in zip(positions, done, strict=True):
                 if result.status == "duplicate":
                     # Sent as new (classified against every shard and the previous batch), yet
                     # stored with this content: an earlier attempt of this very commit stored it
@@ -487,8 +490,9 @@ class BatchIngest:
                     result = AddResult(result.id, "added", result.cluster_id)
                 placed[fresh[pos]] = result
                 committed.stored[result.id] = (part.fingerprints[pos], result.cluster_id)
-                if result.cluster_id is not None:
-                    new_routes.append((result.cluster_id, shard))
+                if result.cluster_id is None:  # not placed (the engine names the cluster of every added one)
+                    continue
+                new_routes.append((result.cluster_id, shard))
                 if result.status == "added":
                     self.loads[shard] += 1
                     added_rows.append(pos)
@@ -535,7 +539,7 @@ def concat_batches(batches: list[ItemBatch]) -> ItemBatch:
         return ItemBatch(**{**only.__dict__, "vecs": only.vecs.copy()})
     kinds = {b.features for b in batches}
     if len(kinds) != 1:
-        raise ValueError(
+        raise ConfigError(
             f"batches packed with different workflow featurizers {sorted(kinds)}; every client needs one evolution.workflow_features"
         )
     return ItemBatch(
@@ -597,8 +601,10 @@ def absorb_previous(
             rows = np.flatnonzero(envs == env)
             cols = np.flatnonzero(prev_envs == env)
             top, top_s = top_k_rows(part.vecs[rows] @ previous.vecs[cols].T, k)
-            for r, row_top, row_s in zip(rows.tolist(), top.tolist(), top_s.tolist()):
-                pool = merged.neighbours[r] + [(previous.clusters[cols[j]], s) for j, s in zip(row_top, row_s)]
+            for r, row_top, row_s in zip(rows.tolist(), top.tolist(), top_s.tolist(), strict=True):
+                pool = merged.neighbours[r] + [
+                    (previous.clusters[cols[j]], s) for j, s in zip(row_top, row_s, strict=True)
+                ]
                 merged.neighbours[r] = sorted(pool, key=lambda cs: -cs[1])[:k]
     for r, env in enumerate(part.envs):
         opened = previous.opened.get(env)
@@ -613,11 +619,3 @@ def _as_stored(fingerprint: str, known: AddResult | None) -> tuple[str, int | No
     if known is None:
         return None
     return (fingerprint if known.status == "duplicate" else "\x00other:" + fingerprint, known.cluster_id)
-
-
-def _refusal(ids: list[str], conflicts: list[tuple[int, str]]) -> IdConflictError:
-    try:
-        refuse_conflicts(IdClasses(ids, [], [], {}, conflicts))
-    except IdConflictError as exc:
-        return exc
-    raise AssertionError("refuse_conflicts accepted conflicts")  # pragma: no cover

@@ -141,6 +141,4 @@ def bulk_load(
         if progress is not None:
             progress(len(trajs))
     settle(block=True)
-    counts["seconds"] = round(time.perf_counter() - started, 2)
-    counts["errors"] = errors
-    return counts
+    return {**counts, "seconds": round(time.perf_counter() - started, 2), "errors": errors}

@@ -24,7 +24,7 @@ from lifemem_ray.actors.cluster import deployment
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote, remote_cause
-from lifemem_ray.core.errors import EmbeddingError
+from lifemem_ray.core.errors import ArgumentTypeError, EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 from lifemem_ray.engine.clustering.clusters import check_listing_limit
@@ -124,8 +124,9 @@ class MemoryClient:
         info = ray.get(self.coordinator.deployment.remote())
         self.dim = info["dim"]
         self.shard_names = info["shards"]
-        self.shards = [ray.get_actor(n, namespace=namespace) for n in info["shards"]]
-        self.embedders = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
+        # Actor handles, typed Any: Ray types an actor's methods (ActorHandle.__getattr__) as Never.
+        self.shards: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["shards"]]
+        self.embedders: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
         self._next = 0
         self._in_doubt: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint of an add whose answer was lost
         self._doubt_lock = threading.Lock()
@@ -153,7 +154,7 @@ class MemoryClient:
         process, so the coordinator only routes and decides."""
         started = time.monotonic()
         batch = pack_trajectories(list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
-        sent = dict(zip(batch.ids, batch.fingerprints))
+        sent = dict(zip(batch.ids, batch.fingerprints, strict=True))
         embedded = vectors is not None
 
         def send() -> Any:
@@ -192,7 +193,7 @@ class MemoryClient:
             return results
         out = []
         with self._doubt_lock:
-            for r, key in zip(results, keys if keys is not None else [r.id for r in results]):
+            for r, key in zip(results, keys if keys is not None else [r.id for r in results], strict=True):
                 fp = self._in_doubt.pop(key, None)
                 if r.status == "duplicate" and fp is not None and fp == sent.get(key):
                     r = AddResult(r.id, "added", r.cluster_id)
@@ -276,7 +277,7 @@ class MemoryClient:
         per_shard = _shard_answers(refs)
         max_skills = self.config.retrieval.max_skills
         out = []
-        for q, (task, env) in enumerate(zip(tasks, envs)):
+        for q, (task, env) in enumerate(zip(tasks, envs, strict=True)):
             hits = [h for part in per_shard for h in part[q][0]]
             texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
             out.append(assemble(task, env, hits, texts, k, max_skills, budget))
@@ -337,13 +338,13 @@ class MemoryClient:
             answers = _shard_answers([ref for _, ref in wanted])
             found: list[Any] = [None] * ids.size
             texts: dict[int, str] = {}
-            for (at, _), (records, skill_texts) in zip(wanted, answers):
-                for pos, record in zip(at.tolist(), records):
+            for (at, _), (records, skill_texts) in zip(wanted, answers, strict=True):
+                for pos, record in zip(at.tolist(), records, strict=True):
                     found[pos] = record
                 texts.update(skill_texts)
-            for q, (task, env) in enumerate(zip(tasks[a:b], envs[a:b])):
+            for q, (task, env) in enumerate(zip(tasks[a:b], envs[a:b], strict=True)):
                 row = found[q * k : (q + 1) * k]
-                hits = [(s, hit[0], hit[1]) for s, hit in zip(scores[q].tolist(), row) if hit is not None]
+                hits = [(s, hit[0], hit[1]) for s, hit in zip(scores[q].tolist(), row, strict=True) if hit is not None]
                 out.append(assemble(task, env, hits, texts, k, max_skills, budget))
         return out
 
@@ -378,13 +379,13 @@ class MemoryClient:
         llm_shards = [st["llm"] for st in shard_stats]
         coord_usage = coordinator["llm"]
         coord_calls, coord_tokens = usage_totals(coord_usage)
-        by_operation = merge_usage(coord_usage, *(l.get("by_operation", {}) for l in llm_shards))
+        by_operation = merge_usage(coord_usage, *(usage.get("by_operation", {}) for usage in llm_shards))
         out.update(
             splits=sum(st["splits"] for st in shard_stats),
             llm={
-                "calls": sum(l["calls"] for l in llm_shards) + coord_calls,
-                "tokens": sum(l["tokens"] for l in llm_shards) + coord_tokens,
-                "fallbacks": sum(l["fallbacks"] for l in llm_shards),
+                "calls": sum(usage["calls"] for usage in llm_shards) + coord_calls,
+                "tokens": sum(usage["tokens"] for usage in llm_shards) + coord_tokens,
+                "fallbacks": sum(usage["fallbacks"] for usage in llm_shards),
                 "refused_generated": usage_refusals(by_operation),
                 "by_operation": by_operation,
                 "coordinator": coord_usage,
@@ -427,7 +428,7 @@ class MemoryClient:
         idempotent: sending it again is safe (unknown ids are ignored)."""
         check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str):
-            raise TypeError("ids: expected a list of trajectory ids, got one string")
+            raise ArgumentTypeError("ids: expected a list of trajectory ids, got one string")
         return _coordinator_answer(self.coordinator.remove.remote([str(i) for i in ids], tenant))
 
     def purge_tenant(self, tenant: str) -> int:

@@ -5,6 +5,7 @@ engine's :class:`~lifemem_ray.engine.memory_config.MemoryConfig` with the ``[clu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.settings import Section, positive
@@ -19,7 +20,7 @@ class ClusterConfig(Section):
     """The sharded deployment on Ray (``lifemem_ray.actors``)."""
 
     NAME = "cluster"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "shards": (1, 1_024),
         "batch_size": (1, 65_536),
         "batch_wait_ms": (0.0, 60_000.0),
@@ -96,7 +97,7 @@ class DeploymentConfig(MemoryConfig):
     4
     """
 
-    FOREIGN = ("experiment", "run", "rollout", "serve")
+    FOREIGN: ClassVar[tuple[str, ...]] = ("experiment", "run", "rollout", "serve")
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     http: HttpConfig = field(default_factory=HttpConfig)

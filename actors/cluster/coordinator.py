@@ -33,19 +33,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lifemem_ray.actors.cluster import ray_metrics
-from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, Stage
+from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, ShardSet, Stage
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import OverloadedError, ShardUnavailableError, actor_failures
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.core.decisions import Decider
+from lifemem_ray.core.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
-from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
+from lifemem_ray.engine.clustering.evolution import ItemBatch
 from lifemem_ray.engine.ingest_rules import AddResult, make_decider
 from lifemem_ray.engine.memory import pack_trajectories
 
 if TYPE_CHECKING:
-    from lifemem_ray.engine.store.storage import ClusterRecord
+    pass
 
 __all__ = ["Coordinator", "RayShards"]
 
@@ -54,8 +55,8 @@ log = logging.getLogger(__name__)
 MAX_EARLY_RESUMES = 1_024  # resumes remembered whose pause has not started yet
 
 
-class RayShards:
-    """The :class:`~.batching.ShardSet` of a deployment: named shard actors, each call under
+class RayShards(ShardSet):
+    """The :class:`~.batching.ShardSet` of a deployment: its calls travel to named shard actors, each call under
     ``cluster.call_timeout_s``; a dead shard, node or a timeout becomes a
     :class:`ShardUnavailableError` naming the shard."""
 
@@ -80,29 +81,10 @@ class RayShards:
         try:
             ref = getattr(self.handles[shard], method).remote(*args)
             return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
-        except (TimeoutError, *actor_failures()) as exc:
+        except actor_failures(TimeoutError) as exc:
             raise ShardUnavailableError(
                 f"shard {shard} ({self.names[shard]}) is unavailable during {method}: {type(exc).__name__}: {exc}"
             ) from exc
-
-    async def known(self, shard: int, ids: list[str], fingerprints: list[str]) -> list[AddResult | None]:
-        return await self.call(shard, "known", ids, fingerprints)
-
-    async def candidates(
-        self, shard: int, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: list[str]
-    ) -> CandidateArrays:
-        return await self.call(shard, "candidates", vectors, workflow_vectors, envs)
-
-    async def commit(
-        self, shard: int, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None
-    ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
-        return await self.call(shard, "commit", batch, placements, counters)
-
-    async def add_items(self, shard: int, batch: ItemBatch) -> list[AddResult]:
-        return await self.call(shard, "add_items", batch)
-
-    async def info(self, shard: int) -> dict[str, Any]:
-        return await self.call(shard, "info")
 
 
 class RayEmbedders:
@@ -210,14 +192,16 @@ class Coordinator:
         workflow vectors are computed in the client's process, not here)."""
         self._ensure_loop()
         if not isinstance(batch, ItemBatch):
-            raise TypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
+            raise ArgumentTypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
         if batch.features != self.config.evolution.workflow_features:
-            raise ValueError(
+            raise ConfigError(
                 f"batch: packed with workflow features {batch.features!r}, the deployment uses "
                 f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)"
             )
         if len(batch) and batch.vecs.shape != (len(batch), self.dim):
-            raise ValueError(f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}")
+            raise InvalidArgumentError(
+                f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}"
+            )
         if not len(batch):
             return []
         n = len(batch)
@@ -306,7 +290,7 @@ class Coordinator:
         coordinator or a shard restarted) removes what is left and ignores what is gone."""
         check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
-            raise TypeError("ids: expected a list of trajectory id strings")
+            raise ArgumentTypeError("ids: expected a list of trajectory id strings")
         return await self._exclusive("remove", list(ids), tenant)
 
     async def purge_tenant(self, tenant: str) -> int:
@@ -391,14 +375,15 @@ class Coordinator:
                 else:
                     # Let a micro-batch fill for a moment, unless it is already full.
                     first = self._queue[0].enqueued
-                    while self._queued < self.config.cluster.batch_size and time.monotonic() - first < wait:
+                    # A poll bounded by batch_wait_ms (2 ms steps), not a wait for an event.
+                    while self._queued < self.config.cluster.batch_size and time.monotonic() - first < wait:  # noqa: ASYNC110
                         await asyncio.sleep(min(wait, 0.002))
                     flight, pipelined = await self._front(self._take()), False
                 try:
                     outcomes, previous = await self.ingest.back(
                         flight.stage, previous if pipelined else None, self._overlap
                     )
-                    for request, outcome in zip(flight.requests, outcomes):
+                    for request, outcome in zip(flight.requests, outcomes, strict=True):
                         if not request.future.done():
                             if isinstance(outcome, Exception):
                                 request.future.set_exception(outcome)

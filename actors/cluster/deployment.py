@@ -27,7 +27,13 @@ from lifemem_ray.actors.cluster.embedder import EmbedderActor
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.actors.cluster.shard_actor import MemoryShard
-from lifemem_ray.core.errors import ConfigError, DeploymentExistsError, ResourcesUnavailableError
+from lifemem_ray.core.errors import (
+    ConfigError,
+    DeploymentExistsError,
+    PathExistsError,
+    PathNotFoundError,
+    ResourcesUnavailableError,
+)
 from lifemem_ray.engine.embedding import DIM as MINILM_DIM
 from lifemem_ray.engine.store.storage import MemoryStore
 
@@ -46,6 +52,12 @@ def _shard_name(i: int) -> str:
 
 def _embedder_name(i: int) -> str:
     return f"lifemem-embedder-{i}"
+
+
+def _actor(name: str, namespace: str) -> Any:
+    """A named actor's handle. Any: Ray types an actor's methods (``ActorHandle.__getattr__``)
+    as Never, which would make each ``handle.method.remote()`` dead code to a type checker."""
+    return ray.get_actor(name, namespace=namespace)
 
 
 def find_coordinator(namespace: str) -> Any:
@@ -75,7 +87,7 @@ def _placement(shards: int, saved: list[str] | None, store: Path | None = None) 
         missing = [i for i, node in enumerate(saved) if node not in alive]
         if missing and store is not None:
             seen = _nodes_seeing(sorted(alive), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
-            for i, where in zip(missing, seen):
+            for i, where in zip(missing, seen, strict=True):
                 if where:  # nodes marked for shards first, the head last, then the fewest shards so far
                     placed[i] = min(
                         where,
@@ -185,10 +197,8 @@ def deploy(
         ray.remote(Coordinator).options(name=COORDINATOR, **Coordinator.ray_options(config), **common).remote(
             str(store), config, shard_names, embedder_names, dim
         )
-        coordinator = ray.get_actor(COORDINATOR, namespace=ns)
-        pings = [ray.get_actor(n, namespace=ns).ping.remote() for n in shard_names + embedder_names] + [
-            coordinator.ping.remote()
-        ]
+        coordinator = _actor(COORDINATOR, ns)
+        pings = [_actor(n, ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
         ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
         if waiting:
             need = (
@@ -233,7 +243,7 @@ def stop(namespace: str = "lifemem", *, timeout_s: float = 120.0) -> bool:
         log.warning("coordinator did not pause before stop", exc_info=True)
     for name in info["shards"]:
         try:
-            shard = ray.get_actor(name, namespace=namespace)
+            shard = _actor(name, namespace)
             ray.get(shard.close.remote(), timeout=timeout_s)
             ray.kill(shard, no_restart=True)
         except Exception:
@@ -277,14 +287,14 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     coordinator = find_coordinator(namespace)
     target = Path(directory).resolve()
     if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"{target}: snapshot folder is not empty")
+        raise PathExistsError(f"{target}: snapshot folder is not empty")
     target.mkdir(parents=True, exist_ok=True)
     info = ray.get(coordinator.deployment.remote())
     started = time.time()
     with _ingest_paused(coordinator, "snapshot", namespace, timeout_s):
         copies = ray.get(
             [
-                ray.get_actor(n, namespace=namespace).snapshot.remote(str(target / f"shard-{i:02d}"))
+                _actor(n, namespace).snapshot.remote(str(target / f"shard-{i:02d}"))
                 for i, n in enumerate(info["shards"])
             ],
             timeout=timeout_s,
@@ -315,9 +325,7 @@ def compact(namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str
     info = ray.get(coordinator.deployment.remote())
     started = time.time()
     with _ingest_paused(coordinator, "compaction", namespace, timeout_s):
-        shards = ray.get(
-            [ray.get_actor(n, namespace=namespace).compact.remote() for n in info["shards"]], timeout=timeout_s
-        )
+        shards = ray.get([_actor(n, namespace).compact.remote() for n in info["shards"]], timeout=timeout_s)
     return {
         "seconds": round(time.time() - started, 3),
         "shards": shards,
@@ -352,10 +360,10 @@ def restore(
         dim = store.dim
         store.close()
     else:
-        raise FileNotFoundError(f"{source}: neither a snapshot ({SNAPSHOT_MANIFEST}) nor a store (data.mdb)")
+        raise PathNotFoundError(f"{source}: neither a snapshot ({SNAPSHOT_MANIFEST}) nor a store (data.mdb)")
     target = Path(store_dir).resolve()
     if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"{target}: restore needs a new, empty store folder")
+        raise PathExistsError(f"{target}: restore needs a new, empty store folder")
     # Which clusters are where, and how big.
     plan: list[tuple[int, Path, int]] = []  # (size, source, cluster id)
     pending_at: list[Path] = []
@@ -379,7 +387,7 @@ def restore(
         loads[shard] += size
         assignment.setdefault((shard, src), []).append(cid)
     ns = config.cluster.namespace
-    handles = [ray.get_actor(n, namespace=ns) for n in info["shards"]]
+    handles = [_actor(n, ns) for n in info["shards"]]
     moved = ray.get([handles[shard].absorb.remote(str(src), ids, False) for (shard, src), ids in assignment.items()])
     if pending_at:
         ray.get([handles[0].absorb.remote(str(src), [], True) for src in pending_at])

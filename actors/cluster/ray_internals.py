@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lifemem_ray.core.errors import UsageError
+
 __all__ = ["actor_alive", "address_file", "metrics_report_interval_s", "serve_http_address", "session_dir"]
 
 
@@ -27,7 +29,10 @@ def session_dir() -> Path:
     pid). Private: the runtime context exposes no session path."""
     import ray
 
-    return Path(ray._private.worker._global_node.get_session_dir_path())
+    node: Any = ray._private.worker._global_node  # Any: Ray declares it `= None`; ray.init() sets it
+    if node is None:
+        raise UsageError("ray_internals.session_dir: this process is not connected to Ray; call ray.init() first")
+    return Path(node.get_session_dir_path())
 
 
 def actor_alive(handle: Any) -> bool:
@@ -44,7 +49,10 @@ def serve_http_address() -> tuple[str, int]:
     proxy on an address but does not say which one is running."""
     from ray.serve.context import _get_global_client
 
-    options = _get_global_client().http_config
+    client = _get_global_client()  # raises RayServeException when no Serve controller runs
+    if client is None:
+        raise UsageError("ray_internals.serve_http_address: Ray Serve is not running; start the front door first")
+    options = client.http_config
     return options.host, int(options.port)
 
 

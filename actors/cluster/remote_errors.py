@@ -16,12 +16,13 @@ __all__ = [
 ]
 
 
-def actor_failures() -> tuple[type[BaseException], ...]:
-    """The Ray exceptions that mean an actor (or its node) is gone, in this Ray version."""
+def actor_failures(*also: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """The Ray exceptions that mean an actor (or its node) is gone, in this Ray version, after
+    ``also`` (an ``except`` clause's other exceptions: one tuple a type checker can read)."""
     import ray.exceptions as rx
 
     names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError", "NodeDiedError")
-    return tuple(getattr(rx, n) for n in names if hasattr(rx, n))
+    return (*also, *(getattr(rx, n) for n in names if hasattr(rx, n)))
 
 
 def remote_cause(exc: BaseException) -> BaseException:

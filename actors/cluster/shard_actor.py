@@ -1,9 +1,9 @@
 """MemoryShard: one engine store (LMDB folder + FAISS index) behind a Ray actor.
 
 A cluster and all of its trajectories live on one shard, so evolution, the R
-check, splits and skill distillation of a cluster are local. The shard forwards the
-calls of :class:`lifemem_ray.engine.protocols.ShardProtocol` to the engine's own
-(:class:`lifemem_ray.engine.local_shard.EngineShard`, ``Memory.shard``); decisions for new
+check, splits and skill distillation of a cluster are local. The shard is the engine's
+:class:`lifemem_ray.engine.local_shard.EngineShard` (the calls of
+:class:`lifemem_ray.engine.protocols.ShardProtocol`) over its store's parts; decisions for new
 trajectories come from the coordinator, splits and skills run in the engine's background
 thread. Every method is safe to retry: commits skip trajectories already stored, so a
 call re-executed after the actor restarted stores nothing twice.
@@ -27,17 +27,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
-from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
-from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
+from lifemem_ray.engine.clustering.clusters import ClusterRecord
+from lifemem_ray.engine.clustering.evolution import ItemBatch, Placement
 from lifemem_ray.engine.index.vector_index import set_faiss_threads
 from lifemem_ray.engine.ingest_rules import AddResult
+from lifemem_ray.engine.local_shard import EngineShard
 from lifemem_ray.engine.memory import Memory
-from lifemem_ray.engine.retrieval import RecordHit
 
 __all__ = ["SHARD_OVERRIDES", "MemoryShard", "release_free_memory", "shard_namespace"]
 
@@ -78,9 +76,12 @@ def shard_config(config: DeploymentConfig) -> DeploymentConfig:
     return config.replace(SHARD_OVERRIDES)
 
 
-class MemoryShard:
-    """The Ray actor of one store: :class:`~lifemem_ray.engine.protocols.ShardProtocol` plus
-    ``info`` and ``ping`` for the deployment."""
+class MemoryShard(EngineShard):
+    """The Ray actor of one store: the engine's :class:`~lifemem_ray.engine.local_shard.EngineShard`
+    (every call of :class:`~lifemem_ray.engine.protocols.ShardProtocol`, inherited as is) plus what
+    a deployment needs of an actor: ``info`` and ``ping``, the shard gauges published after every
+    change, the id namespace of its index, and the allocator's free memory given back after
+    maintenance. Only the calls that change the store are overridden here, to publish."""
 
     @classmethod
     def ray_options(cls, config: DeploymentConfig) -> dict[str, Any]:
@@ -90,7 +91,7 @@ class MemoryShard:
         return {"num_cpus": config.cluster.shard_cpus, "max_concurrency": 4, "max_restarts": -1, "max_task_retries": -1}
 
     def __init__(self, index: int, path: str, config: DeploymentConfig, dim: int | None = None) -> None:
-        self.index = index
+        self.index = index  # the shard's position in the deployment (its id namespace is index + 1)
         self.path = Path(path)
         config = shard_config(config)
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
@@ -98,8 +99,8 @@ class MemoryShard:
         set_faiss_threads(max(1, math.ceil(config.cluster.shard_cpus)))
         self.memory = Memory.open(
             self.path, config, dim=dim, namespace=shard_namespace(index), metrics=ray_metrics.SINK
-        )
-        self.engine = self.memory.shard
+        )  # owns the store's lifetime (lock, index, background thread); its parts serve the calls
+        super().__init__(self.memory.parts)
         self.started = time.time()
         self.deployment = config.cluster.namespace  # the metrics' deployment tag
         self._publish_sizes()
@@ -125,106 +126,58 @@ class MemoryShard:
     def ping(self) -> int:
         return self.index
 
-    # -- ingest stages -----------------------------------------------------------------------
-    def known(self, ids: Sequence[str], fingerprints: Sequence[str]) -> list[AddResult | None]:
-        """Per id: its stored result (duplicate, or conflict for other content), or None when new here."""
-        return self.engine.known(ids, fingerprints)
-
-    def candidates(self, vectors: np.ndarray, workflow_vectors: np.ndarray, envs: Sequence[str]) -> CandidateArrays:
-        return self.engine.candidates(vectors, workflow_vectors, envs)
-
+    # -- the calls that change the store: the engine's, then the gauges --------------------
     def commit(
         self, batch: ItemBatch, placements: list[Placement], counters: dict[str, int] | None = None
     ) -> tuple[list[AddResult], dict[int, ClusterRecord]]:
-        """Store the coordinator's decisions; return the results and the states of the clusters
-        they went to. Idempotent: items already here are reported, not stored again."""
-        out = self.engine.commit(batch, placements, counters)
+        out = super().commit(batch, placements, counters)
         self._publish_sizes()
         return out
 
     def add_items(self, batch: ItemBatch) -> list[AddResult]:
         """The engine's own ingest, decisions included (the first trajectories, before the
         initial partition exists, all go to one shard through here)."""
-        out = self.engine.add_items(batch)
+        out = super().add_items(batch)
         self._publish_sizes()
         return out
 
-    # -- reading -----------------------------------------------------------------------------
-    def search_records(
-        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
-    ) -> list[tuple[list[RecordHit], dict[int, str]]]:
-        return self.engine.search_records(envs, k, vectors, skills)
-
-    def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.engine.search_hits(envs, k, vectors)
-
-    def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
-        return self.engine.hit_records(ids, skills)
-
-    def stats(self, tenant: str | None = None) -> dict[str, Any]:
-        return self.engine.stats(tenant)
-
-    def clusters(
-        self, env: str | None = None, tenant: str | None = DEFAULT_TENANT, limit: int | None = None
-    ) -> list[ClusterInfo]:
-        return self.engine.clusters(env, tenant, limit)
-
-    def cluster_count(self, env: str | None = None, tenant: str | None = DEFAULT_TENANT) -> int:
-        return self.engine.cluster_count(env, tenant)
-
-    # -- deleting (the coordinator calls these between its micro-batches) --------------------
     def remove(self, ids: Sequence[str], tenant: str = DEFAULT_TENANT) -> int:
-        """Delete ``tenant``'s trajectories of these ids held here. Idempotent (unknown ids are
-        ignored), so a call retried after a restart is safe."""
-        removed = self.engine.remove(ids, tenant)
+        """Idempotent (unknown ids are ignored), so a call retried after a restart is safe."""
+        removed = super().remove(ids, tenant)
         self._publish_sizes()
         return removed
 
     def purge_tenant(self, tenant: str) -> int:
-        """Delete everything of ``tenant`` held here; a purge a crash interrupted is finished
-        when the restarted actor opens the store."""
-        removed = self.engine.purge_tenant(tenant)
+        """A purge a crash interrupted is finished when the restarted actor opens the store."""
+        removed = super().purge_tenant(tenant)
         self._publish_sizes()
         return removed
-
-    def cluster_ids(self) -> list[int]:
-        return self.engine.cluster_ids()
-
-    def verify(self, deep: bool = False) -> dict[str, Any]:
-        return self.engine.verify(deep=deep)
 
     def maintain(self) -> int:
         """Run queued splits and skills now, let background index retrains finish, and give
         the memory they freed back to the system."""
-        done = self.engine.maintain()
+        done = super().maintain()
         release_free_memory()
         self._publish_sizes()
         return done
+
+    def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
+        out = super().absorb(source, cluster_ids, pending)
+        self._publish_sizes()
+        return out
+
+    # -- snapshots: tagged with the shard's index --------------------------------------------
+    def snapshot(self, directory: str) -> dict[str, Any]:
+        """A consistent copy of this shard's store (one read transaction), written into fresh pages."""
+        return {"index": self.index, **super().snapshot(directory)}
+
+    def compact(self) -> dict[str, Any]:
+        """Rewrite this shard's store in place into fresh pages and save its index cache anew;
+        the deployment pauses ingest around it."""
+        return {"index": self.index, **super().compact()}
 
     def _publish_sizes(self) -> None:
         """The shard gauges (trajectories, clusters), after every change made through this actor;
         splits and merges in the background show at the next one."""
         trajectories, clusters = self.memory.sizes()
         ray_metrics.set_shard_sizes(self.deployment, self.index, trajectories, clusters)
-
-    def export_records(self, path: str) -> dict[str, Any]:
-        return self.engine.export_records(path)
-
-    # -- snapshots ---------------------------------------------------------------------------
-    def snapshot(self, directory: str) -> dict[str, Any]:
-        """A consistent copy of this shard's store (one read transaction), written into fresh pages."""
-        return {"index": self.index, **self.engine.snapshot(directory)}
-
-    def compact(self) -> dict[str, Any]:
-        """Rewrite this shard's store in place into fresh pages and save its index cache anew
-        (:meth:`lifemem_ray.engine.local_shard.EngineShard.compact`); the deployment pauses ingest around it."""
-        return {"index": self.index, **self.engine.compact()}
-
-    def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
-        """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
-        out = self.engine.absorb(source, cluster_ids, pending)
-        self._publish_sizes()
-        return out
-
-    def close(self) -> None:
-        self.engine.close()

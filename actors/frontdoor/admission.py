@@ -28,6 +28,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from lifemem_ray.core.errors import InvalidArgumentError
+
 __all__ = ["BodyPace", "TenantShare"]
 
 
@@ -36,7 +38,7 @@ class TenantShare:
 
     def __init__(self, cap: int) -> None:
         if cap < 1:
-            raise ValueError(f"TenantShare: cap must be at least 1, got {cap}")
+            raise InvalidArgumentError(f"TenantShare: cap must be at least 1, got {cap}")
         self.cap = cap  # requests of one tenant this replica serves at once
         self._in_flight: dict[str, int] = {}  # tenant -> requests entered and not left; absent when 0
         self._lock = threading.Lock()  # Serve may call the ASGI app from more than one thread

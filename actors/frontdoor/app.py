@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi import Query as Q
@@ -44,6 +44,7 @@ from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match, Route
+from starlette.types import Message, Receive, Scope, Send
 
 from lifemem_ray.actors.cluster import ray_internals
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
@@ -72,15 +73,15 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")  # Host names a keyl
 _TIMED = {"/v1/trajectories": "add", "/v1/retrieve": "retrieve"}  # routes whose latency is observed
 
 
-class BodyTooLarge(HTTPException):
+class BodyTooLarge(LifeMemError, HTTPException):
     """A request body over http.max_body_bytes (413). An HTTPException, so FastAPI's body
-    reading passes it through as itself."""
+    reading passes it through as itself (and a LifeMemError, as every error raised on purpose)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is larger than {limit:,} bytes (http.max_body_bytes)")
 
 
-class BodyTooSlow(HTTPException):
+class BodyTooSlow(LifeMemError, HTTPException):
     """A request body that missed its deadline (408; :class:`~lifemem_ray.actors.frontdoor.admission.BodyPace`).
     The connection is closed after the answer: the rest of the body is never read."""
 
@@ -88,7 +89,7 @@ class BodyTooSlow(HTTPException):
         super().__init__(408, why, headers={"Connection": "close"})
 
 
-class TenantBusy(HTTPException):
+class TenantBusy(LifeMemError, HTTPException):
     """A tenant already at its share of this replica's request slots (429, before the body is read)."""
 
     def __init__(self, tenant: str, cap: int, retry_after_s: int) -> None:
@@ -113,20 +114,18 @@ class FrontDoor:
         # Keyed front doors only: without keys every request is one principal, with no other to protect.
         self.share = TenantShare(http.max_ongoing_per_tenant) if keyring.mode == "keys" else None
 
-    def _needs_key(self, scope: dict) -> bool:
+    def _needs_key(self, scope: Scope) -> bool:
         if scope.get("path", "") in PUBLIC_PATHS:
             return False
         return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
 
-    async def __call__(
-        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
-    ) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started, status, cut = time.perf_counter(), [0], [False]
 
-        async def sending(message: dict) -> None:
+        async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 if cut[0]:  # whatever answered a cut body, the connection closes after it (the rest is never read)
@@ -142,15 +141,13 @@ class FrontDoor:
         finally:
             self._observe(scope, status[0] or 500, time.perf_counter() - started)
 
-    async def _serve(
-        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
-    ) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise BodyTooLarge(self.max_body)
         seen = [0]
 
-        async def receiving() -> dict:
+        async def receiving() -> Message:
             message = await receive()
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
@@ -174,7 +171,7 @@ class FrontDoor:
             if self.share is not None:
                 self.share.leave(principal.tenant)
 
-    def _paced(self, receive: Callable[[], Awaitable[dict]], cut: list[bool]) -> Callable[[], Awaitable[dict]]:
+    def _paced(self, receive: Receive, cut: list[bool]) -> Receive:
         """``receive`` with the body's deadlines (:class:`BodyPace`): :class:`BodyTooSlow`, and
         ``cut[0]`` set, when the next bytes are late. Once the body is whole, calls pass through
         (a route may wait for the client's disconnect)."""
@@ -182,7 +179,7 @@ class FrontDoor:
         pace = BodyPace(http.body_timeout_s, http.body_grace_s, http.body_min_rate_bytes_s, time.monotonic())
         whole = [False]
 
-        async def receiving() -> dict:
+        async def receiving() -> Message:
             if whole[0]:
                 return await receive()
             try:
@@ -199,12 +196,12 @@ class FrontDoor:
 
         return receiving
 
-    async def _answer(self, exc: BaseException, send: Callable[[dict], Awaitable[None]]) -> None:
+    async def _answer(self, exc: BaseException, send: Send) -> None:
         code, detail, headers = error_detail(exc, self.retry_after_s)
         response = JSONResponse({"error": detail}, status_code=code, headers=headers)
         await response({"type": "http"}, _no_body, send)
 
-    def _observe(self, scope: dict, status: int, seconds: float) -> None:
+    def _observe(self, scope: Scope, status: int, seconds: float) -> None:
         route = getattr(scope.get("route"), "path", None)
         if route is None:  # answered here (401, 413) before routing: the template of the route it was for
             route = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "other")
@@ -218,7 +215,7 @@ class FrontDoor:
             log.warning("metrics failed", exc_info=True)
 
 
-async def _no_body() -> dict:
+async def _no_body() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
@@ -274,7 +271,8 @@ def _error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"error": validation_detail(list(exc.errors()))}, status_code=422)
 
-    app.add_exception_handler(RequestValidationError, on_validation)
+    # Starlette types a handler as taking any Exception; this one is registered for (and gets) one kind.
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     for kind in (HTTPException, LifeMemError, ValueError, *unavailable_errors(), Exception):
         app.add_exception_handler(kind, on_error)
 
@@ -413,11 +411,16 @@ def start_http(
             f"{host}:{port} (Serve's HTTP address is fixed while it runs): serve on {running[0]}:{running[1]} "
             "(--host/--port), or shut Serve down first (`serve shutdown`)"
         )
-    app = FrontDoorDeployment.options(
-        num_replicas=http.replicas,
-        max_ongoing_requests=http.max_ongoing_requests,
-        ray_actor_options={"num_cpus": http.replica_cpus},
-    ).bind(namespace, config, keyring, host)
+    # The class decorators made FrontDoorDeployment a Serve Deployment; mypy does not apply class decorators.
+    app = (
+        cast(serve.Deployment, FrontDoorDeployment)
+        .options(
+            num_replicas=http.replicas,
+            max_ongoing_requests=http.max_ongoing_requests,
+            ray_actor_options={"num_cpus": http.replica_cpus},
+        )
+        .bind(namespace, config, keyring, host)
+    )
     serve.run(app, name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
     return {
         "url": f"http://{host}:{port}",

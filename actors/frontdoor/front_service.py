@@ -30,7 +30,13 @@ from lifemem_ray.actors.cluster.remote_errors import (
 )
 from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, split_where, unavailable_errors
 from lifemem_ray.actors.frontdoor.operations import operations_actor
-from lifemem_ray.core.errors import ForbiddenError, InvalidTrajectoryError, LifeMemError, OverloadedError
+from lifemem_ray.core.errors import (
+    ForbiddenError,
+    InvalidArgumentError,
+    InvalidTrajectoryError,
+    LifeMemError,
+    OverloadedError,
+)
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.service.principal import Principal
 
@@ -131,7 +137,7 @@ class FrontService:
             return fn(self.client(), *args, **kwargs)
         except ray.exceptions.RayTaskError as exc:
             raise remote_cause(exc) from None
-        except (DeploymentNotFoundError, *actor_failures()):
+        except actor_failures(DeploymentNotFoundError):
             with self._lock:
                 self._client = None
             raise
@@ -169,7 +175,7 @@ class FrontService:
 
             named = [("coordinator", client.coordinator), *((f"shard {i}", s) for i, s in enumerate(client.shards))]
             return [name for name, handle in named if not actor_alive(handle)]
-        except Exception:  # the table moved in another Ray: rely on read_timeout_s alone
+        except Exception:  # noqa: BLE001 - the table moved in another Ray: rely on read_timeout_s alone
             return []
 
     def operations(self) -> Any:
@@ -251,7 +257,7 @@ class FrontService:
         try:
             items = self.add(trajectories, principal)
             self.operations().finish.remote(op, items)
-        except Exception as exc:  # reported to the poller in the one error shape
+        except Exception as exc:  # noqa: BLE001 - reported to the poller in the one error shape
             _, detail, _ = error_detail(exc, self.http.retry_after_s)
             self.operations().fail.remote(op, detail)
         finally:
@@ -282,7 +288,8 @@ class FrontService:
         try:
             got = self.read(lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant))
         except ValueError as exc:
-            if isinstance(exc, LifeMemError) and not isinstance(exc, InvalidTrajectoryError):
+            # the engine's argument checks name tasks[i] / envs[i]: renamed to the request's fields below
+            if isinstance(exc, LifeMemError) and not isinstance(exc, (InvalidArgumentError, InvalidTrajectoryError)):
                 raise
             where, what = split_where(str(exc))
             where = (
@@ -358,7 +365,7 @@ class FrontService:
         try:
             coordinator = find_coordinator(self.namespace)
             names = ray.get(coordinator.deployment.remote(), timeout=timeout)["shards"]
-        except Exception as exc:  # no deployment, or its coordinator does not answer: the answer says so
+        except Exception as exc:  # noqa: BLE001 - no deployment, or its coordinator does not answer: the answer says so
             # The route needs no key: the answer names no namespace, actor or Ray internals (the log does).
             self._health_log.bad(
                 type(exc).__name__,
@@ -388,7 +395,7 @@ class FrontService:
                 try:
                     ray.get(ref, timeout=0)
                     ok = True
-                except Exception:  # a dead actor's ping: not alive
+                except Exception:  # noqa: BLE001 - a dead actor's ping (whatever it raises): not alive
                     ok = False
             alive.append(ok)
         ok = all(alive)

@@ -54,7 +54,7 @@ HTTP_RESPONSES = MetricSpec(
     "HTTP answers of the front door by route template, method and status",
     (
         Tag("route", ROUTES),
-        Tag("method", METHODS + (OTHER_METHOD,)),
+        Tag("method", (*METHODS, OTHER_METHOD)),
         Tag("status", check=_status, described="an HTTP status 100..599"),
     ),
 )

@@ -49,7 +49,7 @@ from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool, TaskOutcome, print_progress
 from lifemem_ray.core.decisions import ClusterView
-from lifemem_ray.core.errors import UsageError
+from lifemem_ray.core.errors import ConfigError, UsageError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.policy import OfflinePolicy
 from lifemem_ray.lab.envs import Task, make_env
@@ -93,7 +93,7 @@ def load_tasks(exp: ExperimentConfig, seed: int | None = None) -> SeedTasks:
             if name in exp.eval_envs:
                 out.zero_shot[name] = env.tasks("test", limit=exp.test_tasks, seed=seed)
                 if not out.zero_shot[name]:
-                    raise ValueError(f"environment {name!r}: no test tasks for zero-shot evaluation")
+                    raise ConfigError(f"environment {name!r}: no test tasks for zero-shot evaluation")
                 continue
             train = env.tasks("train", limit=exp.train_tasks, seed=seed)
             candidates = (
@@ -105,7 +105,7 @@ def load_tasks(exp: ExperimentConfig, seed: int | None = None) -> SeedTasks:
         finally:
             env.close()
         if not train or not test:
-            raise ValueError(
+            raise ConfigError(
                 f"environment {name!r}: {len(train)} train and {len(test)} test tasks without overlap; need both"
             )
         out.train[name], out.test[name] = train, test
@@ -141,7 +141,7 @@ def _pick_test(
 def _gold(env: Any, task: Task) -> list[str] | None:
     try:
         return env.gold_actions(task)
-    except Exception:  # an environment that cannot tell: no gold overlap to check
+    except Exception:  # noqa: BLE001 - an environment that cannot tell: no gold overlap to check
         return None
 
 
@@ -351,13 +351,13 @@ class _SeedRun:
                         none_scores.update(self._evaluate(label, mode, None, new, self.tasks.test) if new else {})
                         rows.append({e: none_scores[e] for e in phase.evaluate})
                         continue
-                    memory = next((m for g, m in memories.items() if mode in g), None)
-                    rows.append(self._evaluate(label, mode, memory, phase.evaluate, self.tasks.test, skill))
+                    mode_memory = next((m for g, m in memories.items() if mode in g), None)
+                    rows.append(self._evaluate(label, mode, mode_memory, phase.evaluate, self.tasks.test, skill))
             if exp.eval_envs:
                 for mode in exp.modes:
-                    memory = next((m for g, m in memories.items() if mode in g), None)
+                    mode_memory = next((m for g, m in memories.items() if mode in g), None)
                     result.zero_shot[mode] = self._evaluate(
-                        "zero-shot", mode, memory, exp.eval_envs, self.tasks.zero_shot, skill
+                        "zero-shot", mode, mode_memory, exp.eval_envs, self.tasks.zero_shot, skill
                     )
             if memories:
                 self.memory_summary = next(iter(memories.values())).summary()

@@ -29,7 +29,7 @@ import ray
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import actor_failures, remote_cause
-from lifemem_ray.core.errors import EnvStateError
+from lifemem_ray.core.errors import EnvStateError, InvalidArgumentError
 from lifemem_ray.engine.memory import IdConflictError
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, render_context
 from lifemem_ray.lab.agents import Agent, make_agent
@@ -63,11 +63,11 @@ class EpisodeSpec:
 
     def __post_init__(self) -> None:
         if self.mode not in MEMORY_MODES:
-            raise ValueError(f"mode: {self.mode!r} is not one of {', '.join(MEMORY_MODES)}")
+            raise InvalidArgumentError(f"mode: {self.mode!r} is not one of {', '.join(MEMORY_MODES)}")
         if self.mode in RETRIEVING_MODES and self.namespace is None:
-            raise ValueError(f"mode {self.mode!r} needs the memory deployment's namespace")
+            raise InvalidArgumentError(f"mode {self.mode!r} needs the memory deployment's namespace")
         if self.write and self.namespace is None:
-            raise ValueError("write=True needs the memory deployment's namespace")
+            raise InvalidArgumentError("write=True needs the memory deployment's namespace")
 
 
 @dataclass
@@ -223,7 +223,7 @@ class RolloutWorker:
                 self._drop_env(task.env)
             except (ValueError, KeyError):  # bad task or agent misuse: not an environment fault
                 raise
-            except Exception as exc:  # the environment broke: replace it and retry
+            except Exception as exc:  # noqa: BLE001 - the environment broke: replace it and retry
                 last_error = exc
                 log.warning(
                     "worker %d: %s failed in %s: %s: %s; replacing it",
@@ -327,9 +327,9 @@ class RolloutPool:
         progress_every_s: float = 2.0,
     ) -> None:
         if workers < 1:
-            raise ValueError(f"workers: must be >= 1, got {workers}")
+            raise InvalidArgumentError(f"workers: must be >= 1, got {workers}")
         if max_attempts < 1:
-            raise ValueError(f"max_attempts: must be >= 1, got {max_attempts}")
+            raise InvalidArgumentError(f"max_attempts: must be >= 1, got {max_attempts}")
         self.size = workers
         self._args = (env_options or {}, config or DeploymentConfig(), limits, seed)
         self.worker_cpus = worker_cpus
@@ -355,7 +355,7 @@ class RolloutPool:
     def _replace(self, index: int) -> None:
         try:
             ray.kill(self.workers[index], no_restart=True)
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - already dead or gone: a fresh one replaces it anyway
             pass
         self.workers[index] = self._start_worker()
         self.replaced += 1
@@ -475,7 +475,7 @@ class RolloutPool:
                     )
                     continue
                 outcome.stored = "conflict-existing"
-            except (ray.exceptions.OwnerDiedError, *actor_failures()) as exc:
+            except actor_failures(ray.exceptions.OwnerDiedError) as exc:
                 # The worker that submitted it died before the acknowledgement: unknown
                 # whether it was stored; the retry has the same id, so at most once.
                 self._retry_or_fail(
@@ -553,7 +553,7 @@ class RolloutPool:
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - already dead or gone: closing goes on
                 pass
         self.workers = []
 

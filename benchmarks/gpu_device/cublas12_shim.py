@@ -55,8 +55,8 @@ def build(out: Path) -> None:
     (out / "lt.c").write_text("int lifemem_shim_marker;\n")
     cc = ["gcc", "-shared", "-fPIC", "-O2"]
     subprocess.run(
-        cc
-        + [
+        [
+            *cc,
             "-o",
             str(out / "libcublas.so.12"),
             "-Wl,-soname,libcublas.so.12",
@@ -68,8 +68,8 @@ def build(out: Path) -> None:
         check=True,
     )
     subprocess.run(
-        cc
-        + [
+        [
+            *cc,
             "-o",
             str(out / "libcublasLt.so.12"),
             "-Wl,-soname,libcublasLt.so.12",

@@ -159,21 +159,21 @@ def start_local_head(namespace: str) -> None:
             )
         named = named_address(None).address  # `ray start` writes it once its GCS runs
         try:
-            if not (named and named.endswith(f":{port}") and answers(named)):
-                raise ConnectionError(f"the new head's GCS on port {port} does not answer yet")
-            ray.init(
-                address="auto",
-                namespace=namespace,
-                include_dashboard=False,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
-            break
+            if named and named.endswith(f":{port}") and answers(named):
+                ray.init(
+                    address="auto",
+                    namespace=namespace,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
+                break
         except ConnectionError:
-            if time.monotonic() > deadline:
-                os.killpg(head.pid, signal.SIGKILL)
-                raise CommandError(f"a local Ray head did not come up within {HEAD_START_S} s") from None
-            time.sleep(1.0)
+            pass  # the new head's GCS does not answer yet: wait for it below
+        if time.monotonic() > deadline:
+            os.killpg(head.pid, signal.SIGKILL)
+            raise CommandError(f"a local Ray head did not come up within {HEAD_START_S} s")
+        time.sleep(1.0)
     session = ray_internals.session_dir()
     (session / HEAD_MARKER).write_text(json.dumps({"pid": head.pid, "cmd": cmd}))
 

@@ -13,7 +13,9 @@ True
 from __future__ import annotations
 
 __all__ = [
+    "ActionParseError",
     "AnswerError",
+    "ArgumentTypeError",
     "AuthError",
     "CommandError",
     "ConfigError",
@@ -28,12 +30,16 @@ __all__ = [
     "GeneratedTextRefused",
     "IdConflictError",
     "IndexBuildError",
+    "IndexCacheError",
     "IndexSaveError",
+    "InvalidArgumentError",
     "InvalidTrajectoryError",
     "LifeMemError",
     "MaintenanceError",
     "MetricTagError",
     "OverloadedError",
+    "PathExistsError",
+    "PathNotFoundError",
     "ResourcesUnavailableError",
     "ShardUnavailableError",
     "StoreError",
@@ -41,6 +47,7 @@ __all__ = [
     "TaskError",
     "TenantError",
     "UnknownClusterError",
+    "UnknownNameError",
     "UsageError",
     "VectorIndexError",
 ]
@@ -55,6 +62,33 @@ class LifeMemError(Exception):
 
 class ConfigError(LifeMemError, ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
+
+
+class InvalidArgumentError(LifeMemError, ValueError):
+    """A value given to a public function or constructor is out of its range or not one of
+    the choices it takes (a ``k`` of 0, an unknown mode or split); the message names the
+    argument, what it got and what it takes."""
+
+
+class ArgumentTypeError(LifeMemError, TypeError):
+    """An argument of the wrong type (one string where a list of ids goes, a dict where a
+    :class:`~lifemem_ray.core.model.Trajectory` goes); the message names the argument and the
+    type it takes."""
+
+
+class UnknownNameError(LifeMemError, KeyError):
+    """A name a fixed registry (the environments, a benchmark's task kinds) does not hold;
+    the message lists the names it knows."""
+
+
+class PathExistsError(LifeMemError, FileExistsError):
+    """A file or folder that must be new or empty (the target of a snapshot or a restore)
+    already holds something: nothing was written; name a new or empty folder."""
+
+
+class PathNotFoundError(LifeMemError, FileNotFoundError):
+    """A file or folder a call reads is missing, or holds none of what it should (neither a
+    snapshot nor a store)."""
 
 
 class InvalidTrajectoryError(LifeMemError, ValueError):
@@ -91,6 +125,11 @@ class VectorIndexError(LifeMemError, ValueError):
 
 class IndexSaveError(LifeMemError, OSError):
     """The index cache could not be written (a full disk); the store itself is intact."""
+
+
+class IndexCacheError(LifeMemError, ValueError):
+    """A saved index cache that cannot be used (a missing or damaged file, another dimension,
+    format, store or contents): the engine logs why and rebuilds the index from the store."""
 
 
 class IndexBuildError(LifeMemError, RuntimeError):
@@ -143,6 +182,12 @@ class EnvStateError(LifeMemError, RuntimeError):
     """An environment was driven out of order (``step`` before ``reset``, after the end) or broke."""
 
 
+class ActionParseError(LifeMemError, ValueError):
+    """An agent's action that is not a call the environment can read (empty, not a call, not
+    literal arguments); the environment answers it with an error observation, so the agent
+    can try again."""
+
+
 class EpisodeTimeout(LifeMemError, RuntimeError):
     """An episode ran past its time limit."""
 
@@ -180,8 +225,11 @@ class TenantError(LifeMemError, ValueError):
 
 
 class AuthError(LifeMemError, PermissionError):
-    """A request without a valid API key (HTTP 401): send ``Authorization: Bearer <key>``."""
+    """A request without a valid API key (none, malformed, unknown or revoked): the caller is
+    not known, and must send a key the operator issued. How a front end answers it (a status
+    code, a tool error) is the front end's to decide."""
 
 
 class ForbiddenError(LifeMemError, PermissionError):
-    """A valid API key whose scopes do not allow the operation (HTTP 403)."""
+    """A valid API key whose scopes (or tenant) do not allow the operation: the caller is
+    known but not allowed; use a key with the scope named."""

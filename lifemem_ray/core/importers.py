@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lifemem_ray.core.model import InvalidTrajectoryError, Outcome, Step, Trajectory
+from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError, InvalidTrajectoryError
+from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.core.tenancy import id_key
 
 __all__ = [
@@ -164,7 +165,7 @@ def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None, tenant
     """One decoded JSON value -> a Trajectory; raises InvalidTrajectoryError naming the field.
     ``env`` and ``tenant`` fill in a record that does not name its own."""
     if fmt not in FORMATS:
-        raise ValueError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise InvalidArgumentError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if not isinstance(data, Mapping):
         raise InvalidTrajectoryError(f"record: expected an object, got {_type_name(data)}")
     if fmt == "auto":
@@ -183,7 +184,7 @@ def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None, tenant
 def split_agent_turn(text: str, style: str = "auto") -> tuple[str, str]:
     """Split an agent turn into (thought, action) at one cut point; see the module doc."""
     if style not in _STYLES:
-        raise ValueError(f"style: expected one of {sorted(_STYLES)}, got {style!r}")
+        raise InvalidArgumentError(f"style: expected one of {sorted(_STYLES)}, got {style!r}")
     cut = _action_start(text, style)
     if cut is None:  # no action in this turn: all thought
         return text.rstrip(), ""
@@ -387,7 +388,7 @@ def _type_name(value: Any) -> str:
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise InvalidTrajectoryError(f"{name} is not valid JSON")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -396,7 +397,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise ValueError(f"duplicate key {k!r}")
+                raise InvalidTrajectoryError(f"duplicate key {k!r}")
             seen.add(k)
     return out
 
@@ -430,9 +431,9 @@ def _open_binary(path: str | os.PathLike[str]) -> tuple[str, BinaryIO, bool]:
     if str(path) == "-":
         name, stream, close = "<stdin>", sys.stdin.buffer, False
     else:
-        name, stream, close = str(path), open(path, "rb"), True
+        name, stream, close = str(path), open(path, "rb"), True  # noqa: SIM115 - returned open: the caller closes it
     if not isinstance(stream, io.BufferedReader):
-        stream = io.BufferedReader(stream)  # type: ignore[arg-type]
+        stream = io.BufferedReader(stream)
     if stream.peek(2)[:2] == b"\x1f\x8b":
         return name, gzip.GzipFile(fileobj=stream, mode="rb"), True  # type: ignore[return-value]
     return name, stream, close
@@ -453,7 +454,7 @@ def iter_jsonl(
     The format is checked and the file opened at call time, not at first use.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise InvalidArgumentError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     report = report if report is not None else ImportReport()
     name, stream, close = _open_binary(path)
     return _iter_lines(name, stream, close, fmt=fmt, env=env, skip_invalid=skip_invalid, report=report)
@@ -528,7 +529,7 @@ class CheckedFile:
         """The file's records that passed, in order (``tenant`` as given to :func:`check_file`)."""
         if self.unreadable:
             return
-        name, stream, close = _open_binary(self.path)
+        _, stream, close = _open_binary(self.path)
         for lineno, raw in _raw_records(self.name, stream, close):
             if lineno not in self.skip:
                 yield _parse_raw(self.name, lineno, raw, fmt, env, tenant)
@@ -562,12 +563,13 @@ def check_file(
     reason``) and nothing of the file may be stored; with it, each is counted in ``report``,
     listed there by file and line, and left out."""
     if fmt not in FORMATS:
-        raise ValueError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise InvalidArgumentError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     report = report if report is not None else ImportReport()
     name, stream, close = _open_binary(path)
     spool = None
     if str(path) == "-":
-        spool = tempfile.NamedTemporaryFile(prefix="lifemem-stdin-", suffix=".jsonl", delete=False)
+        # Open through the loop below, closed after it (or on its way out by an exception).
+        spool = tempfile.NamedTemporaryFile(prefix="lifemem-stdin-", suffix=".jsonl", delete=False)  # noqa: SIM115
     checked = CheckedFile(name, spool.name if spool else str(path), set(), 0, spooled=spool is not None)
     seen: dict[str, tuple[str, int]] = {}  # id -> (fingerprint, first line)
     asking: list[tuple[int, Trajectory]] = []  # first occurrences not yet checked against the store
@@ -635,7 +637,7 @@ def _check_stored(
 ) -> None:
     """Records whose id the memory holds with other content: a RecordError, or left out."""
     flags = stored_conflicts([id_key(t.tenant, t.id) for _, t in asking], [t.fingerprint for _, t in asking])
-    for (lineno, traj), conflict in zip(asking, flags):
+    for (lineno, traj), conflict in zip(asking, flags, strict=True):
         if not conflict:
             continue
         err = RecordError(
@@ -683,7 +685,7 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | os.PathLike[str]
             sink: BinaryIO = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if target.suffix == ".gz" else raw  # type: ignore[assignment]
             for traj in trajectories:
                 if not isinstance(traj, Trajectory):
-                    raise TypeError(f"write_jsonl: item {n}: expected a Trajectory, got {type(traj).__name__}")
+                    raise ArgumentTypeError(f"write_jsonl: item {n}: expected a Trajectory, got {type(traj).__name__}")
                 sink.write(_dump(traj).encode("utf-8") + b"\n")
                 n += 1
             if sink is not raw:

@@ -114,10 +114,10 @@ class MetricSpec:
         """The tags as labels; :class:`MetricTagError` for a value the spec does not admit."""
         if len(values) != len(self.tags):
             raise MetricTagError(f"metric {self.name}: {len(values)} tag values for the tags {list(self.tag_keys)}")
-        for tag, value in zip(self.tags, values):
+        for tag, value in zip(self.tags, values, strict=True):
             if not isinstance(value, str) or not tag.admits(value):
                 raise MetricTagError(f"metric {self.name}: tag {tag.key}={value!r} is not one of {tag.describe()}")
-        return dict(zip(self.tag_keys, values))
+        return dict(zip(self.tag_keys, values, strict=True))
 
 
 def exported_name(name: str) -> str:

@@ -93,7 +93,9 @@ class Settings:
         """Every number's bounds, as ``"section.key": (low, high)``."""
         out: dict[str, tuple[float, float]] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            section = f.default_factory()  # type: ignore[misc]
+            if f.default_factory is dataclasses.MISSING:
+                continue  # not a section: each section field is declared with default_factory=its class
+            section = f.default_factory()
             out.update({f"{f.name}.{key}": bound for key, bound in section.BOUNDS.items()})
         return out
 

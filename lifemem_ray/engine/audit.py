@@ -110,8 +110,8 @@ class Audit:
                 if deep:
                     problems.extend(_fingerprint_problems(vid, traj, extra["fingerprint"]))
             if deep:
-                for key, value in txn.cursor(db=store.db["tid"]):
-                    tid, vid = key.decode("utf-8", "replace"), unpack_u64(value)
+                for raw_key, raw_vid in txn.cursor(db=store.db["tid"]):
+                    tid, vid = raw_key.decode("utf-8", "replace"), unpack_u64(raw_vid)
                     stored = store.trajectory(txn, vid)
                     if stored is None:
                         problems.append(f"id index: {tid!r} points at vid {vid}, which holds no trajectory")
@@ -144,8 +144,8 @@ class Audit:
                 got = sums.get(record.id, [0, np.zeros(s.dim), np.zeros(WORKFLOW_DIM)])
                 problems.extend(check_against_members(record, len(members), got[0], got[1], got[2]))
             for cid in sums:
-                record = store.get_cluster(txn, cid)
-                if record is None or not record.live:
+                pointed = store.get_cluster(txn, cid)
+                if pointed is None or not pointed.live:
                     problems.append(f"trajectories point at cluster {cid}, which is not live")
             names = {code: name for name, code in store.env_codes(txn).items()}
             problems.extend(

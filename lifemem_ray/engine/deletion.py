@@ -29,10 +29,12 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from lifemem_ray.core.errors import ArgumentTypeError, StoreError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, display_envs, id_key
 from lifemem_ray.engine.clustering.clusters import (
     ClusterRecord,
@@ -80,7 +82,7 @@ class Deletion:
         s.check_writable()
         tenant = check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str):
-            raise TypeError("ids: expected a list of trajectory ids, got one string")
+            raise ArgumentTypeError("ids: expected a list of trajectory ids, got one string")
         keys = list(dict.fromkeys(id_key(tenant, str(i)) for i in ids))
         with s.lock:
             removed = self.remove_keys(keys, "remove")
@@ -224,7 +226,7 @@ class Deletion:
         with s.lock:
             purging = list(s.store.get_meta("purging", default=[]) or [])
             if tenant not in purging:
-                s.store.write(lambda txn: s.store.put_meta(txn, "purging", purging + [tenant]))
+                s.store.write(lambda txn: s.store.put_meta(txn, "purging", [*purging, tenant]))
         removed = self._purge(tenant)
         s.schedule()
         return removed
@@ -249,17 +251,7 @@ class Deletion:
                     keys = s.store.tenant_id_keys(txn, tenant, PURGE_CHUNK)
                 if len(keys) >= PURGE_CHUNK:
                     continue  # adds of the tenant arrived meanwhile
-
-                def finish(txn: Any) -> None:  # the last removal's transaction; the intent is cleared in it
-                    _forget_tombstones(s, txn, tenant)  # reads every cluster, rewrites only ones not yet scrubbed
-                    s.store.redact_log(
-                        txn, tenant, start=log_from
-                    )  # the entries since the chunked pass, this removal's own too
-                    s.store.forget_env_names(txn, tenant)  # none of its trajectories is left to name them
-                    left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
-                    s.store.put_meta(txn, "purging", left)
-
-                total += self.remove_keys(keys, "purge", finish)
+                total += self.remove_keys(keys, "purge", partial(_finish_purge, s, tenant=tenant, log_from=log_from))
             log.info("%s: purged tenant %r (%d trajectories)", s.path, tenant, total)
             return total
 
@@ -271,11 +263,7 @@ class Deletion:
         while True:
             with s.lock:
                 _, next_start, end = s.store.write(
-                    lambda txn: (
-                        *s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK),
-                        s.store.get_meta("next_log", txn) or 0,
-                    ),
-                    changed=lambda got: got[0] > 0,
+                    partial(_redact_log_chunk, s, tenant=tenant, start=start), changed=lambda got: got[0] > 0
                 )
             if next_start is None:
                 return int(end)
@@ -284,15 +272,13 @@ class Deletion:
     def _forget_tombstones_in_chunks(self, tenant: str) -> None:
         """:func:`_forget_tombstones` over the clusters PURGE_LOG_CHUNK at a time."""
         s = self.s
-        after = -1
-        while True:
+        after: int | None = -1
+        while after is not None:  # None: the last chunk reached the end
             with s.lock:
                 _, after = s.store.write(
-                    lambda txn: _forget_tombstones(s, txn, tenant, after=after, limit=PURGE_LOG_CHUNK),
+                    partial(_forget_tombstones, s, tenant=tenant, after=after, limit=PURGE_LOG_CHUNK),
                     changed=lambda got: got[0] > 0,
                 )
-            if after is None:
-                return
 
     def resume(self) -> int:
         """Finish the purges a crash interrupted (at a writable open); returns trajectories removed."""
@@ -305,6 +291,22 @@ class Deletion:
             log.warning("%s: finishing the purge of tenant %r that was interrupted", s.path, tenant)
             total += self._purge(tenant)
         return total
+
+
+def _finish_purge(s: EngineState, txn: Any, tenant: str, log_from: int) -> None:
+    """The last removal's transaction of a purge (the intent is cleared in it): what the
+    chunked passes of :meth:`Deletion._purge` left, from the log entry ``log_from`` on."""
+    _forget_tombstones(s, txn, tenant)  # reads every cluster, rewrites only ones not yet scrubbed
+    s.store.redact_log(txn, tenant, start=log_from)  # the entries since the chunked pass, this removal's own too
+    s.store.forget_env_names(txn, tenant)  # none of its trajectories is left to name them
+    left = [t for t in (s.store.get_meta("purging", txn, []) or []) if t != tenant]
+    s.store.put_meta(txn, "purging", left)
+
+
+def _redact_log_chunk(s: EngineState, txn: Any, tenant: str, start: int) -> tuple[int, int | None, int]:
+    """One transaction of :meth:`Deletion._redact_log_in_chunks`: entries blanked, where the
+    next chunk starts (None: done) and the log's end now."""
+    return (*s.store.redact_log(txn, tenant, start, PURGE_LOG_CHUNK), s.store.get_meta("next_log", txn) or 0)
 
 
 def _forget_tombstones(
@@ -327,9 +329,7 @@ def _forget_tombstones(
     return rewritten, records[limit - 1].id if more and limit else None
 
 
-def _damaged(s: EngineState, key: str, vid: int) -> Exception:
-    from lifemem_ray.core.errors import StoreError
-
+def _damaged(s: EngineState, key: str, vid: int) -> StoreError:
     return StoreError(
         f"{s.path}: trajectory {key!r} (vid {vid}) has no stored brief or vectors; run `lifemem-ray check`"
     )

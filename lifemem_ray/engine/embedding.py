@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lifemem_ray.core.errors import EmbeddingError
+from lifemem_ray.core.errors import ArgumentTypeError, EmbeddingError
 from lifemem_ray.engine.memory_config import EmbeddingConfig
 
 __all__ = ["Embedder", "EmbeddingError", "MiniLMEmbedder", "default_model_path"]
@@ -84,11 +84,11 @@ class MiniLMEmbedder:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors (n, dim) float32; texts longer than ``max_tokens`` are cut."""
         if isinstance(texts, str):
-            raise TypeError("embed() takes a sequence of strings, not one string")
+            raise ArgumentTypeError("embed() takes a sequence of strings, not one string")
         texts = list(texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str):
-                raise TypeError(f"texts[{i}]: expected a string, got {type(text).__name__}")
+                raise ArgumentTypeError(f"texts[{i}]: expected a string, got {type(text).__name__}")
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lifemem_ray.core.errors import InvalidTrajectoryError, StoreError, UnknownClusterError
+from lifemem_ray.core.errors import ArgumentTypeError, InvalidTrajectoryError, StoreError, UnknownClusterError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import display_envs, id_key, is_name, pool, scope_tenant
 from lifemem_ray.engine.clustering.clusters import (
@@ -202,7 +202,7 @@ class Ingest:
         now = time.time()
 
         def write(txn: Any) -> None:
-            for it, vid in zip(items, s.store.allocate_vids(txn, len(items))):
+            for it, vid in zip(items, s.store.allocate_vids(txn, len(items)), strict=True):
                 it.vid = vid
                 s.store.put_item(txn, it, s.store.env_code(txn, it.env), None)
             s.store.put_meta(txn, "pending", s.pending + [it.vid for it in items])
@@ -240,10 +240,10 @@ def resolve_target(s: EngineState, cid: int, item: BatchItem) -> int:
         record = s.stored_cluster(cid)
         if record is None or not record.split_into or seen > 32:
             raise UnknownClusterError(f"{s.path}: cluster {cid} is not stored here")
-        parts = [s.clusters[c] for c in record.split_into if c in s.clusters] or [
+        found: list[ClusterRecord | None] = [s.clusters[c] for c in record.split_into if c in s.clusters] or [
             s.stored_cluster(c) for c in record.split_into
         ]
-        parts = [p for p in parts if p is not None]
+        parts = [p for p in found if p is not None]
         if not parts:
             raise UnknownClusterError(f"{s.path}: cluster {cid} was split and none of its parts is live")
         cid = max(
@@ -268,10 +268,10 @@ class _Commit:
     ) -> None:
         self.s, self.items, self.placements, self.initialise, self.counters = s, items, placements, initialise, counters
         self.now = time.time()
-        self.targets = [resolve_target(s, p.cluster, it) for it, p in zip(items, placements)]
+        self.targets = [resolve_target(s, p.cluster, it) for it, p in zip(items, placements, strict=True)]
         self.work: dict[int, ClusterRecord] = {}
         self.founders: dict[int, int] = {}
-        for i, (it, cid) in enumerate(zip(items, self.targets)):
+        for i, (it, cid) in enumerate(zip(items, self.targets, strict=True)):
             self.founders.setdefault(cid, i)
             record = self.work.get(cid)
             if record is None:
@@ -290,10 +290,10 @@ class _Commit:
         written: dict[int, ClusterRecord] = {}
 
         def write(txn: Any) -> dict[int, int]:
-            for it, vid in zip(self.fresh, s.store.allocate_vids(txn, len(self.fresh))):
+            for it, vid in zip(self.fresh, s.store.allocate_vids(txn, len(self.fresh)), strict=True):
                 it.vid = vid
             provisional = sorted((c for c in self.work if c < 0), reverse=True)
-            real = dict(zip(provisional, s.store.next_cluster_ids(txn, len(provisional))))
+            real = dict(zip(provisional, s.store.next_cluster_ids(txn, len(provisional)), strict=True))
             written.clear()
             for cid, state in self.work.items():
                 written[cid] = self._write_cluster(txn, cid, state, real)
@@ -317,7 +317,9 @@ class _Commit:
             s.initialised = True
         s.index_add(self.fresh)
         return [
-            AddResult(it.id, "added", real.get(cid, cid)) for it, cid in zip(self.items, self.targets) if not it.stored
+            AddResult(it.id, "added", real.get(cid, cid))
+            for it, cid in zip(self.items, self.targets, strict=True)
+            if not it.stored
         ]
 
     def _write_cluster(self, txn: Any, cid: int, state: ClusterRecord, real: dict[int, int]) -> ClusterRecord:
@@ -351,7 +353,7 @@ class _Commit:
     def _write_items(self, txn: Any, real: dict[int, int]) -> None:
         s = self.s
         entries = []
-        for i, (it, p, cid) in enumerate(zip(self.items, self.placements, self.targets)):
+        for i, (it, p, cid) in enumerate(zip(self.items, self.placements, self.targets, strict=True)):
             real_id = real.get(cid, cid)
             if it.stored:
                 s.store.set_cluster_of(txn, it.vid, real_id)
@@ -387,7 +389,7 @@ def known_ids(store: MemoryStore, ids: Sequence[str], fingerprints: Sequence[str
     """Per id: its stored result (``duplicate``, or ``conflict`` when stored with another
     fingerprint), or None when the store does not hold it."""
     out: list[AddResult | None] = []
-    for tid, fp, got in zip(ids, fingerprints, stored_lookup(store, ids)):
+    for tid, fp, got in zip(ids, fingerprints, stored_lookup(store, ids), strict=True):
         out.append(None if got is None else AddResult(tid, "duplicate" if got[0] == fp else "conflict", got[1]))
     return out
 
@@ -398,7 +400,7 @@ def check_trajectories(trajectories: Sequence[Any]) -> None:
     stored by mistake (so stored records still decode); nothing new is stored under one."""
     for i, traj in enumerate(trajectories):
         if not isinstance(traj, Trajectory):
-            raise TypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
+            raise ArgumentTypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
         if not is_name(traj.tenant):
             raise InvalidTrajectoryError(
                 f"trajectories[{i}].tenant: {traj.tenant[:80]!r} is not a tenant name (1-64 "
@@ -416,7 +418,7 @@ def prepare_items(
 
 def _featurized(trajectories: Sequence[Trajectory], vectors: np.ndarray, features: str) -> list[BatchItem]:
     items: list[BatchItem] = []
-    for traj, vec in zip(trajectories, vectors):
+    for traj, vec in zip(trajectories, vectors, strict=True):
         tokens, wvec = featurize(traj, features, WORKFLOW_DIM)
         items.append(BatchItem.of(traj, vec, wvec, tokens, workflow_summary(tokens)))
     return items

@@ -29,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from lifemem_ray.core.errors import IdConflictError
+from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError
 
 __all__ = [
     "AddResult",
     "IdClasses",
     "caller_results",
     "classify_ids",
+    "conflict_error",
     "make_decider",
     "make_planner",
     "plan_counters",
@@ -76,7 +77,9 @@ class IdClasses:
         without it they read ``pending``): an in-request repeat reports its first occurrence."""
         out = list(self.results)
         for i, result in zip(
-            self.fresh, placed if placed is not None else [AddResult(self.ids[i], "pending", None) for i in self.fresh]
+            self.fresh,
+            placed if placed is not None else [AddResult(self.ids[i], "pending", None) for i in self.fresh],
+            strict=True,
         ):
             out[i] = result
         for i, tid in enumerate(self.ids):
@@ -100,11 +103,11 @@ def classify_ids(
     """Classify a request's ids. ``stored[i]``: the (fingerprint, cluster id) a store holds for
     ``ids[i]``, or None when no store holds it."""
     if not len(ids) == len(fingerprints) == len(stored):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"classify_ids: {len(ids)} ids, {len(fingerprints)} fingerprints, {len(stored)} lookups; need one of each per id"
         )
     out = IdClasses(list(ids), [None] * len(ids), [], {})
-    for i, (tid, fp, got) in enumerate(zip(ids, fingerprints, stored)):
+    for i, (tid, fp, got) in enumerate(zip(ids, fingerprints, stored, strict=True)):
         if tid in out.first:
             if fingerprints[out.first[tid]] != fp:
                 out.conflicts.append(
@@ -131,13 +134,17 @@ def _named(key: str) -> str:
 
 
 def refuse_conflicts(classes: IdClasses, where: str = "") -> None:
-    """Raise :class:`IdConflictError` naming the conflicting ids when there are any:
-    nothing of the request may be stored."""
-    if not classes.conflicts:
-        return
-    shown = "; ".join(why for _, why in classes.conflicts[:5])
-    more = f" (and {len(classes.conflicts) - 5} more)" if len(classes.conflicts) > 5 else ""
-    raise IdConflictError(
+    """Raise :func:`conflict_error` when there are conflicts: nothing of the request may be stored."""
+    if classes.conflicts:
+        raise conflict_error(classes.conflicts, where)
+
+
+def conflict_error(conflicts: list[tuple[int, str]], where: str = "") -> IdConflictError:
+    """The :class:`IdConflictError` naming ``conflicts`` (``(position, why)``, at least one),
+    up to five of them."""
+    shown = "; ".join(why for _, why in conflicts[:5])
+    more = f" (and {len(conflicts) - 5} more)" if len(conflicts) > 5 else ""
+    return IdConflictError(
         f"{where + ': ' if where else ''}{shown}{more}; nothing of this request was stored "
         "(give the new content a new id, or remove the stored trajectory first)"
     )
@@ -148,17 +155,17 @@ def unit_rows(vectors: Any, n: int, dim: int, what: str = "vectors") -> np.ndarr
     try:
         arr = np.asarray(vectors, dtype=np.float32)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what}: not numeric ({exc})") from None
+        raise InvalidArgumentError(f"{what}: not numeric ({exc})") from None
     if arr.ndim == 1 and n == 1:
         arr = arr[None, :]
     if arr.shape != (n, dim):
-        raise ValueError(f"{what}: expected shape ({n}, {dim}), got {tuple(arr.shape)}")
+        raise InvalidArgumentError(f"{what}: expected shape ({n}, {dim}), got {tuple(arr.shape)}")
     if not np.isfinite(arr).all():
         bad = int(np.argwhere(~np.isfinite(arr))[0][0])
-        raise ValueError(f"{what}[{bad}]: contains NaN or infinity")
+        raise InvalidArgumentError(f"{what}[{bad}]: contains NaN or infinity")
     norms = np.linalg.norm(arr, axis=1)
     if (norms == 0).any():
-        raise ValueError(f"{what}[{int(np.argmin(norms))}]: zero vector")
+        raise InvalidArgumentError(f"{what}[{int(np.argmin(norms))}]: zero vector")
     return np.ascontiguousarray(arr / norms[:, None], dtype=np.float32)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
@@ -39,7 +40,7 @@ class EngineShard:
         ``evolution.workflow_features`` differs from this store's)."""
         own = self._state.features
         if features != own:
-            raise ValueError(
+            raise ConfigError(
                 f"{self._state.path}: items carry {features!r} workflow vectors, this store holds {own!r} ones; "
                 f"set evolution.workflow_features = {own!r} where the trajectories are packed"
             )

@@ -170,7 +170,10 @@ class Maintenance:
         if flags.get("skill"):
             text, by = None, "offline"
             if s.decider is not None and count >= s.config.llm.min_cluster_size:
-                text = s.decider.distil(self.view(cid), trajs)
+                view = self.view(cid)
+                if view is None:  # merged or retired since the sample was read: nothing to update
+                    return None
+                text = s.decider.distil(view, trajs)
                 by = "llm" if text else "fallback"
             skill = text or s.policy.distil(trajs)
             fields.update(skill=skill, skill_by=by, skill_n=count)
@@ -183,8 +186,9 @@ class Maintenance:
                 )
             names.append("skill")
         if flags.get("describe"):
-            if s.decider is not None:
-                text = s.decider.describe(self.view(cid, examples=tuple(trajs[:3])))
+            # A view of None: the cluster was merged or retired since the sample was read.
+            if s.decider is not None and (view := self.view(cid, examples=tuple(trajs[:3]))) is not None:
+                text = s.decider.describe(view)
                 if text:
                     fields.update(description=text, description_by="llm")
             # Success or not, do not ask again until the cluster has grown.

@@ -99,9 +99,13 @@ class Memory:
         self._state = self._parts.state
         self._ingest, self._search, self._reads = self._parts.ingest, self._parts.search, self._parts.reads
         self._maintenance = self._parts.maintenance
-        self.shard = EngineShard(
-            self._parts
-        )  # the shard protocol over the same parts: what a coordinator or sharded client calls
+        # The shard protocol over the same parts: what a coordinator or sharded client calls.
+        self.shard = EngineShard(self._parts)
+
+    @property
+    def parts(self) -> EngineParts:
+        """The engine's parts this façade calls (a Ray shard builds its own EngineShard over them)."""
+        return self._parts
 
     @classmethod
     def open(

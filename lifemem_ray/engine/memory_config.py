@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.settings import Section, Settings, choice, in_range, positive
@@ -36,7 +36,7 @@ class EvolutionConfig(Section):
     """Memory initialisation, evolution and splitting (paper section 4, 5.4)."""
 
     NAME = "evolution"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "init_size": (1, 10_000),
         "top_k": (1, 256),
         "centroid_candidates": (0, 256),
@@ -110,7 +110,7 @@ class PolicyConfig(Section):
     """The offline policy's decision weights (see lifemem_ray.engine.clustering.policy)."""
 
     NAME = "policy"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "join_threshold": (0.0, 1.0),
         "env_contrast": (0.0, 0.99),
         "workflow_weight": (0.0, 1.0),
@@ -141,7 +141,7 @@ class PolicyConfig(Section):
 @dataclass
 class RetrievalConfig(Section):
     NAME = "retrieval"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "k": (1, 1_024),
         "token_budget": (1, 1_000_000),
         "max_skills": (1, 64),
@@ -160,7 +160,7 @@ class IndexConfig(Section):
     """FAISS: exact below ``exact_max`` vectors per environment, IVF above."""
 
     NAME = "index"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "exact_max": (1, 100_000_000),
         "nlist": (0, 1_048_576),
         "nprobe": (0, 1_048_576),
@@ -214,7 +214,7 @@ class IndexConfig(Section):
 @dataclass
 class EmbeddingConfig(Section):
     NAME = "embedding"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "batch_size": (1, 4_096),
         "max_tokens": (1, 512),  # the MiniLM model's positions
         "threads": (0, 1_024),
@@ -236,7 +236,7 @@ class EmbeddingConfig(Section):
 @dataclass
 class StoreConfig(Section):
     NAME = "store"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "map_size_mb": (1, 1_048_576),
         "max_map_size_gb": (1, 65_536),
     }
@@ -254,7 +254,7 @@ class MemoryConfig(Settings):
     """Everything one engine store is run with (``Memory.open(path, config)``)."""
 
     # Tables a run file may hold for other layers (the Ray deployment's, the experiment's).
-    FOREIGN = ("cluster", "http", "experiment", "run", "rollout", "serve")
+    FOREIGN: ClassVar[tuple[str, ...]] = ("cluster", "http", "experiment", "run", "rollout", "serve")
 
     evolution: EvolutionConfig = field(default_factory=EvolutionConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)

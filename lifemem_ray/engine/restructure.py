@@ -186,7 +186,7 @@ class Restructure:
 
         def write(txn: Any) -> None:
             ids = s.store.next_cluster_ids(txn, len(children))
-            for n, (child, child_id, example) in enumerate(zip(children, ids, examples)):
+            for n, (child, child_id, example) in enumerate(zip(children, ids, examples, strict=True)):
                 child.id = child_id
                 described = descriptions[n] if descriptions is not None and n < len(descriptions) else ""
                 if described:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError
 from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory, env_name_problem, render_text
 from lifemem_ray.core.records import StoredFields, fields_to_trajectory, record_fields
 from lifemem_ray.engine.memory_config import RetrievalConfig
@@ -63,32 +64,38 @@ def check_retrieve_args(
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
     if len(envs) != len(tasks):
-        raise ValueError(f"envs: {len(envs)} given for {len(tasks)} tasks")
+        raise InvalidArgumentError(f"envs: {len(envs)} given for {len(tasks)} tasks")
     if len(tasks) > MAX_QUERIES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tasks: {len(tasks):,} queries in one call, at most {MAX_QUERIES:,}; split them into several calls"
         )
-    for i, (task, env) in enumerate(zip(tasks, envs)):
+    for i, (task, env) in enumerate(zip(tasks, envs, strict=True)):
         if not isinstance(task, str) or not task.strip():
-            raise ValueError(f"tasks[{i}]: expected a non-empty string")
+            raise InvalidArgumentError(f"tasks[{i}]: expected a non-empty string")
         if len(task) > MAX_TASK_CHARS:
-            raise ValueError(f"tasks[{i}]: {len(task):,} characters, at most {MAX_TASK_CHARS:,}; shorten the task text")
+            raise InvalidArgumentError(
+                f"tasks[{i}]: {len(task):,} characters, at most {MAX_TASK_CHARS:,}; shorten the task text"
+            )
         problem = None if env is None else env_name_problem(env)
         if problem:
-            raise ValueError(f"envs[{i}]: {problem} (an environment name, or None for all environments)")
+            raise InvalidArgumentError(f"envs[{i}]: {problem} (an environment name, or None for all environments)")
     k = defaults.k if k is None else k
     low, high = RetrievalConfig.BOUNDS["k"]
     if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
-        raise ValueError(f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}")
+        raise InvalidArgumentError(
+            f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
+        )
     if len(tasks) * k > MAX_QUERY_HITS:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"k: {len(tasks):,} queries x k = {k} ask for {len(tasks) * k:,} results in one call, at most "
             f"{MAX_QUERY_HITS:,}; send fewer queries per call"
         )
     budget = defaults.token_budget if token_budget is None else token_budget
     low, high = RetrievalConfig.BOUNDS["token_budget"]
     if isinstance(budget, bool) or not isinstance(budget, int) or not low <= budget <= high:
-        raise ValueError(f"token_budget: expected an integer within [{int(low)}, {int(high)}], got {budget!r}")
+        raise InvalidArgumentError(
+            f"token_budget: expected an integer within [{int(low)}, {int(high)}], got {budget!r}"
+        )
     return tasks, envs, k, budget
 
 
@@ -118,7 +125,7 @@ class RetrievedTrajectory:
         fields: StoredFields | None = None,
     ) -> None:
         if (trajectory is None) == (record is None):
-            raise TypeError("RetrievedTrajectory needs a trajectory or a stored record (one of them)")
+            raise ArgumentTypeError("RetrievedTrajectory needs a trajectory or a stored record (one of them)")
         self.id, self.env, self.task, self.score, self.cluster_id = id, env, task, score, cluster_id
         self._trajectory, self._record = trajectory, record
         self._fields = fields  # the record decoded, held only while the result is assembled

@@ -4,10 +4,12 @@ scores of each query's top-k, then the stored records of the winners across shar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
 from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import unit_rows
@@ -55,7 +57,7 @@ class Search:
         with paused_gc():
             return [
                 assemble(task, env, hits, texts, k, retrieval.max_skills, budget)
-                for task, env, (hits, texts) in zip(tasks, envs, found)
+                for task, env, (hits, texts) in zip(tasks, envs, found, strict=True)
             ]
 
     def search_records(
@@ -71,7 +73,7 @@ class Search:
         for q, row_s in enumerate(scores.tolist()):
             hits: list[RecordHit] = []
             texts: dict[int, str] = {}
-            for score, found in zip(row_s, records[q * k : (q + 1) * k]):
+            for score, found in zip(row_s, records[q * k : (q + 1) * k], strict=True):
                 if found is None:
                     continue
                 cid, raw = found
@@ -89,11 +91,11 @@ class Search:
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
         low, high = RetrievalConfig.BOUNDS["k"]
         if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
             )
         if len(envs) > MAX_QUERIES or len(envs) * k > MAX_QUERY_HITS:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"vectors: {len(envs):,} queries x k = {k} in one call, at most {MAX_QUERIES:,} queries and "
                 f"{MAX_QUERY_HITS:,} results; send fewer queries per call"
             )
@@ -146,7 +148,7 @@ def search_index(
     targets = list(targets)
     for i, t in enumerate(targets):
         if not isinstance(t, str):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"targets[{i}]: {t!r} is not a search target; give a scope (tenancy.scope) or a tenant's "
                 "pool (tenancy.pool, for every environment of one tenant)"
             )
@@ -159,7 +161,7 @@ def search_index(
         scores[scoped], ids[scoped] = index.search_envs(
             queries[scoped],
             k,
-            [targets[i] for i in scoped],  # type: ignore[misc]
+            [targets[i] for i in scoped],
             nprobe_fraction=nprobe_fraction,
             max_codes=max_codes,
         )
@@ -169,7 +171,10 @@ def search_index(
             groups.setdefault(t, []).append(i)
     for target, rows in groups.items():
         tenant = target[:-1]
-        scores[rows], ids[rows] = index.search(
-            queries[rows], k, among=lambda name, tenant=tenant: scope_tenant(name) == tenant
-        )
+        scores[rows], ids[rows] = index.search(queries[rows], k, among=partial(_of_tenant, tenant))
     return scores, ids
+
+
+def _of_tenant(tenant: str, scope: str) -> bool:
+    """Whether the index scope ``scope`` (an environment of some tenant) is ``tenant``'s."""
+    return scope_tenant(scope) == tenant

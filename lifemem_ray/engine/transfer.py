@@ -49,7 +49,8 @@ class Transfer:
             records, pending, initialised, counters = self._source_clusters(src, source, cluster_ids, include_pending)
             moved = {"clusters": 0, "trajectories": 0, "skipped": 0}
             with s.lock:
-                work = [(rec.id, vid) for rec, members in records for vid in members] + [(None, v) for v in pending]
+                work: list[tuple[int | None, int]] = [(rec.id, vid) for rec, members in records for vid in members]
+                work += [(None, v) for v in pending]
                 top_vid = 0
                 for start in range(0, len(work), chunk):
                     part = work[start : start + chunk]

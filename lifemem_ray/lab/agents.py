@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lifemem_ray.core.errors import ConfigError, InvalidArgumentError, TaskError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.steps import AbstractStep, abstract_step, goal_words
 from lifemem_ray.engine.clustering.workflow import canonical_token
@@ -87,7 +88,7 @@ class Agent(abc.ABC):
     def act(self, observation: str, info: dict[str, Any]) -> AgentStep:
         """The next action, given the latest observation."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most agents hold nothing to free
         """Free what the agent holds (an HTTP client)."""
 
 
@@ -173,7 +174,7 @@ class ExemplarAgent(RandomAgent):
         super().__init__(seed)
         self.state_match = state_match
         if not 0.0 < min_match <= 1.0:
-            raise ValueError(f"ExemplarAgent: min_match must be in (0, 1], got {min_match!r}")
+            raise InvalidArgumentError(f"ExemplarAgent: min_match must be in (0, 1], got {min_match!r}")
         self.min_match = min_match
         self.lookahead = lookahead
         self.failed_weight = failed_weight
@@ -228,7 +229,7 @@ class ExemplarAgent(RandomAgent):
         valid = info.get("valid_actions")
         proposals: dict[str, float] = {}
         seen = _words(observation)
-        for (traj, weight), pos in zip(self._exemplars, self._pos):
+        for (traj, weight), pos in zip(self._exemplars, self._pos, strict=True):
             if pos < len(traj.steps):
                 wanted = traj.steps[pos].action
                 proposals[wanted] = proposals.get(wanted, 0.0) + weight
@@ -427,7 +428,7 @@ def step_match(action: _Action, step: SkillStep, seen: frozenset[str] = frozense
     phrases = action.step.phrases or ("",) * len(step.kinds)
     fits = [
         _slot_fit(kind, role, phrase, step.words, seen)
-        for kind, role, phrase in zip(step.kinds, action.step.roles, phrases)
+        for kind, role, phrase in zip(step.kinds, action.step.roles, phrases, strict=False)
     ]
     return score + SLOT_WEIGHT * sum(fits) / len(fits)
 
@@ -489,9 +490,11 @@ class SkillGuidedAgent(ExemplarAgent):
     ) -> None:
         super().__init__(seed, **exemplar_options)
         if not 0.0 < skill_match <= 1.0:
-            raise ValueError(f"SkillGuidedAgent: skill_match must be in (0, 1], got {skill_match!r}")
+            raise InvalidArgumentError(f"SkillGuidedAgent: skill_match must be in (0, 1], got {skill_match!r}")
         if not (0.0 < decay <= 1.0 and 0.0 <= repeat <= 1.0) or skill_lookahead < 0:
-            raise ValueError("SkillGuidedAgent: decay must be in (0, 1], repeat in [0, 1], skill_lookahead >= 0")
+            raise InvalidArgumentError(
+                "SkillGuidedAgent: decay must be in (0, 1], repeat in [0, 1], skill_lookahead >= 0"
+            )
         self.skill_match, self.skill_lookahead, self.decay, self.repeat = skill_match, skill_lookahead, decay, repeat
         self._skills: list[tuple[tuple[SkillStep, ...], float]] = []
         self._spos: list[int] = []
@@ -560,7 +563,7 @@ class SkillGuidedAgent(ExemplarAgent):
         if not valid:  # free-form environment: the current step of the best-weighted skill, as written
             live = [
                 (weight, -i)
-                for i, ((steps, weight), pos) in enumerate(zip(self._skills, self._spos))
+                for i, ((steps, weight), pos) in enumerate(zip(self._skills, self._spos, strict=True))
                 if pos < len(steps)
             ]
             if not live:
@@ -573,7 +576,7 @@ class SkillGuidedAgent(ExemplarAgent):
         why: dict[str, tuple[float, str]] = {}
         for action in sorted(set(valid) - tried):
             total = 0.0
-            for (steps, weight), pos in zip(self._skills, self._spos):
+            for (steps, weight), pos in zip(self._skills, self._spos, strict=True):
                 score, j = self._support(action, steps, pos)
                 if score >= self.skill_match:
                     total += weight * score
@@ -618,7 +621,7 @@ class GoldAgent(Agent):
         gold: list[str] | None = None,
     ) -> None:
         if not gold:
-            raise ValueError(f"{self.name} agent: environment {task.env!r} has no gold actions for task {task.id!r}")
+            raise TaskError(f"{self.name} agent: environment {task.env!r} has no gold actions for task {task.id!r}")
         self._plan = list(gold)
         self._i = 0
 
@@ -639,7 +642,7 @@ class NoisyGoldAgent(GoldAgent):
     def __init__(self, seed: int = 0, epsilon: float = 0.2) -> None:
         super().__init__(seed)
         if not 0.0 <= epsilon <= 1.0:
-            raise ValueError(f"noisy-gold agent: epsilon must be in [0, 1], got {epsilon!r}")
+            raise InvalidArgumentError(f"noisy-gold agent: epsilon must be in [0, 1], got {epsilon!r}")
         self.epsilon = epsilon
         self._rng = random.Random(seed)
 
@@ -693,7 +696,7 @@ class ReActAgent(Agent):
         from lifemem_ray.llm.transport import LLMClient
 
         if token_budget is not None and token_budget < 0:
-            raise ValueError(f"ReActAgent: token_budget must be >= 0, got {token_budget!r}")
+            raise InvalidArgumentError(f"ReActAgent: token_budget must be >= 0, got {token_budget!r}")
         self.config = llm_config
         self._client = client or LLMClient(llm_config, metrics=metrics)  # metrics: where its calls are recorded
         self._owns_client = client is None
@@ -739,7 +742,7 @@ class ReActAgent(Agent):
             self._history.append((self._pending, observation))
         valid: Sequence[str] | None = info.get("valid_actions")
         # The latest action's result is the current observation: shown once, in full.
-        shown = self._history[:-1] + [(self._history[-1][0], "")] if self._history else []
+        shown = [*self._history[:-1], (self._history[-1][0], "")] if self._history else []
         prompt = act_prompt(
             self._instruction,
             self._skills,
@@ -795,9 +798,9 @@ AGENTS = {
 def make_agent(name: str, *, seed: int = 0, llm_config: Any = None, **options: Any) -> Agent:
     """An agent by name; ``react`` needs ``llm_config`` (an :class:`~lifemem_ray.llm.llm_config.LLMConfig`)."""
     if name not in AGENTS:
-        raise ValueError(f"unknown agent {name!r}; known: {', '.join(sorted(AGENTS))}")
+        raise InvalidArgumentError(f"unknown agent {name!r}; known: {', '.join(sorted(AGENTS))}")
     if name == "react":
         if llm_config is None or getattr(llm_config, "backend", "offline") != "openai":
-            raise ValueError("agent 'react' needs llm.backend = 'openai' with llm.base_url and llm.model set")
+            raise ConfigError("agent 'react' needs llm.backend = 'openai' with llm.base_url and llm.model set")
         return ReActAgent(llm_config, seed=seed, **options)
     return AGENTS[name](seed=seed, **options)

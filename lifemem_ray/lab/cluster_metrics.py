@@ -32,6 +32,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.engine.clustering.policy import spherical_kmeans
 
 __all__ = [
@@ -82,7 +83,7 @@ def bootstrap_weights(n: int, draws: int, seed: int = 0) -> np.ndarray:
     ((3, 5), [5.0, 5.0, 5.0])
     """
     if n < 1 or draws < 1:
-        raise ValueError(f"n and draws: must be at least 1, got n={n}, draws={draws}")
+        raise InvalidArgumentError(f"n and draws: must be at least 1, got n={n}, draws={draws}")
     return np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws).astype(np.float64)
 
 
@@ -99,7 +100,7 @@ def weighted_scores(clusters: np.ndarray, labels: np.ndarray, weights: np.ndarra
     clusters, labels = _check(clusters, labels)
     w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
     if w.shape[1] != len(clusters):
-        raise ValueError(f"weights: expected (draws, {len(clusters)}), got {w.shape}")
+        raise InvalidArgumentError(f"weights: expected (draws, {len(clusters)}), got {w.shape}")
     _, c = np.unique(clusters, return_inverse=True)
     _, y = np.unique(labels, return_inverse=True)
     kc, ky = int(c.max()) + 1, int(y.max()) + 1
@@ -142,10 +143,10 @@ def pure_partition_nmi(labels: Sequence[Hashable], k: int) -> dict[str, float]:
 
     truth = np.asarray([str(x) for x in labels])
     if len(truth) == 0:
-        raise ValueError("labels: empty")
+        raise InvalidArgumentError("labels: empty")
     names, codes = np.unique(truth, return_inverse=True)
     if k < len(names) or k > len(truth):
-        raise ValueError(f"k: must be within [{len(names)}, {len(truth)}] (the labels, the members), got {k}")
+        raise InvalidArgumentError(f"k: must be within [{len(names)}, {len(truth)}] (the labels, the members), got {k}")
     out = {}
     for how in ("even", "splinters"):
         parts = [list(np.flatnonzero(codes == c)) for c in range(len(names))]
@@ -166,9 +167,9 @@ def equal_k_baseline(vectors: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     normalised first; k-means++ seeding, so ``seed`` gives the spread over restarts)."""
     x = np.asarray(vectors, dtype=np.float64)
     if x.ndim != 2 or len(x) == 0:
-        raise ValueError(f"vectors: expected a non-empty (n, d) array, got shape {x.shape}")
+        raise InvalidArgumentError(f"vectors: expected a non-empty (n, d) array, got shape {x.shape}")
     if k < 1:
-        raise ValueError(f"k: must be at least 1, got {k}")
+        raise InvalidArgumentError(f"k: must be at least 1, got {k}")
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     x = x / np.where(norms > 0, norms, 1.0)
     if k == 1:
@@ -187,7 +188,9 @@ def refine_partition(vectors: np.ndarray, labels: np.ndarray, iterations: int = 
     """
     x = np.asarray(vectors, dtype=np.float64)
     if x.ndim != 2 or len(x) != len(labels):
-        raise ValueError(f"vectors and labels: expected (n, d) and (n,), got {x.shape} and {np.shape(labels)}")
+        raise InvalidArgumentError(
+            f"vectors and labels: expected (n, d) and (n,), got {x.shape} and {np.shape(labels)}"
+        )
     x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     _, current = np.unique(np.asarray(labels), return_inverse=True)
     for _ in range(iterations):
@@ -219,7 +222,7 @@ def sequence_distance(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
 def _check(clusters: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     clusters, labels = np.asarray(clusters), np.asarray(labels)
     if clusters.shape != labels.shape or clusters.ndim != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"clusters and labels: expected two 1-d arrays of one length, got {clusters.shape} and {labels.shape}"
         )
     return clusters, labels

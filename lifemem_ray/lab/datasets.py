@@ -41,9 +41,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from lifemem_ray.core.errors import InvalidArgumentError, UnknownNameError
 from lifemem_ray.core.model import Trajectory
 
 __all__ = [
@@ -109,7 +111,7 @@ def default_sources(scale: float = 1.0) -> list[Source]:
     tasks, BFCL 100, tau2 retail 57 and airline 25.
     """
     if not 0 < scale <= 10:
-        raise ValueError(f"scale: must be in (0, 10], got {scale!r}")
+        raise InvalidArgumentError(f"scale: must be in (0, 10], got {scale!r}")
 
     def n(count: int) -> int:
         return max(1, round(count * scale))
@@ -158,7 +160,7 @@ def scienceworld_topic(kind: str) -> str:
         if name == kind:
             topic = task_id.split("-", 1)[0]
             return f"{topic}-{_SW_TOPIC_NAMES.get(topic, 'topic')}"
-    raise KeyError(f"scienceworld: unknown task kind {kind!r}")
+    raise UnknownNameError(f"scienceworld: unknown task kind {kind!r}")
 
 
 def _labels(source: Source, metadata: dict[str, Any]) -> dict[str, str]:
@@ -224,13 +226,13 @@ def generate(
     steps where the noisy-gold agent takes a random valid action instead, which gives
     failures) and return the labelled trajectories, in the sources' order."""
     if fold not in FOLDS:
-        raise ValueError(f"fold: expected one of {', '.join(FOLDS)}, got {fold!r}")
+        raise InvalidArgumentError(f"fold: expected one of {', '.join(FOLDS)}, got {fold!r}")
     if not 1 <= workers <= 64:
-        raise ValueError(f"workers: must be in [1, 64], got {workers!r}")
+        raise InvalidArgumentError(f"workers: must be in [1, 64], got {workers!r}")
     if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"noise: must be in [0, 1], got {noise!r}")
+        raise InvalidArgumentError(f"noise: must be in [0, 1], got {noise!r}")
     if not 0.0 < episode_timeout_s <= 3600.0:
-        raise ValueError(f"episode_timeout_s: must be in (0, 3600], got {episode_timeout_s!r}")
+        raise InvalidArgumentError(f"episode_timeout_s: must be in (0, 3600], got {episode_timeout_s!r}")
     started = time.perf_counter()
     jobs = [_Job(s, fold, agent, noise, episode_timeout_s) for s in sources]
     result = GenerationResult(trajectories=[])
@@ -263,7 +265,8 @@ def _run_jobs(
     while waiting or running:
         while waiting and len(running) < workers:
             j = waiting.pop(0)
-            job = jobs[j] if remaining[j] is None else dataclasses.replace(jobs[j], positions=tuple(remaining[j]))
+            left = remaining[j]
+            job = jobs[j] if left is None else dataclasses.replace(jobs[j], positions=tuple(left))
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker, args=(j, job, writer), daemon=True)
             proc.start()
@@ -271,7 +274,9 @@ def _run_jobs(
             running[j] = _Running(proc, job, reader, time.monotonic())
         ended: list[int] = []
         by_reader = {r.reader: j for j, r in running.items()}
-        for reader in multiprocessing.connection.wait(list(by_reader), timeout=1.0):
+        # wait() returns some of the readers it was given (typeshed: any waitable object).
+        ready = cast("list[Connection]", multiprocessing.connection.wait(list(by_reader), timeout=1.0))
+        for reader in ready:
             j = by_reader[reader]
             try:
                 msg = reader.recv()
@@ -291,7 +296,8 @@ def _run_jobs(
             run.proc.join(5)
             run.reader.close()
             del running[j]
-            if remaining[j] is None:  # it never listed its tasks
+            left = remaining[j]
+            if left is None:  # it never listed its tasks
                 result.unavailable[run.job.source.adapter] = (
                     f"the worker process exited with code {run.proc.exitcode} before it listed its tasks"
                 )
@@ -299,7 +305,7 @@ def _run_jobs(
             if run.position is not None:  # killed, or crashed, in the middle of an episode
                 why = f"episode over {timeout_s:g} s" if overdue else f"worker crashed (exit code {run.proc.exitcode})"
                 result.skipped[f"{run.job.source.env}: {why}"] += 1
-                remaining[j] = [p for p in remaining[j] if p != run.position]
+                remaining[j] = [p for p in left if p != run.position]
             if remaining[j]:
                 waiting.append(j)
 
@@ -364,7 +370,7 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
     try:
         env = make_env(source.adapter, **source.options)
         tasks = env.tasks(split, limit=source.limit, seed=source.seed)
-    except Exception as exc:  # a missing package, Java or data: the report names it
+    except Exception as exc:  # noqa: BLE001 - a missing package, Java or data: the report names it
         messages.send(("unavailable", j, f"{type(exc).__name__}: {exc}"[:500]))
         return
     positions = list(range(len(tasks))) if job.positions is None else list(job.positions)
@@ -383,7 +389,7 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
             # closing it could block: leave at once; the parent goes on in a fresh process.
             messages.send(("skip", j, position, f"episode over {job.timeout_s:g} s"))
             os._exit(3)
-        except Exception as exc:  # the environment refused the task: counted, not hidden
+        except Exception as exc:  # noqa: BLE001 - the environment refused the task: counted, not hidden
             messages.send(("skip", j, position, f"{type(exc).__name__}"))
             continue
         traj = episode.trajectory

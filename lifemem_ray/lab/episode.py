@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lifemem_ray.core.errors import EnvHung, EpisodeTimeout
+from lifemem_ray.core.errors import EnvHung, EpisodeTimeout, InvalidArgumentError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.lab.agents import Agent
@@ -35,9 +35,9 @@ class EpisodeLimits:
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps: must be >= 1, got {self.max_steps}")
+            raise InvalidArgumentError(f"max_steps: must be >= 1, got {self.max_steps}")
         if self.step_timeout_s <= 0 or self.episode_timeout_s <= 0:
-            raise ValueError("step_timeout_s and episode_timeout_s must be > 0")
+            raise InvalidArgumentError("step_timeout_s and episode_timeout_s must be > 0")
 
 
 @dataclass
@@ -118,7 +118,7 @@ def run_episode(
     """
     max_steps = limits.max_steps or env.max_steps
     if max_steps < 1:
-        raise ValueError(f"environment {task.env!r}: max_steps must be >= 1, got {max_steps}")
+        raise InvalidArgumentError(f"environment {task.env!r}: max_steps must be >= 1, got {max_steps}")
     episode = _Episode(env, task, limits)
     observation, info = episode.env_call(env.reset, task, what="reset")
     instruction = info.get("instruction") or task.instruction

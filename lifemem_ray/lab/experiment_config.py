@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.settings import Section, load_section
@@ -40,7 +40,7 @@ class ExperimentConfig(Section):
     split within 20 tasks per environment, every mode, and the agent that reads skills."""
 
     NAME = "experiment"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "train_tasks": (1, 10_000),
         "test_tasks": (1, 10_000),
         "buffer_size": (1, 10_000),

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Task
 from lifemem_ray.lab.experiment_config import (
     BOOTSTRAP_DEFAULT,
@@ -88,10 +89,10 @@ def build_stream(
 ) -> list[Phase]:
     """The learning phases of a stream (``buffer`` has the random order; batching is the runner's)."""
     if kind not in STREAMS:
-        raise ValueError(f"stream: must be one of {', '.join(STREAMS)}; got {kind!r}")
+        raise InvalidArgumentError(f"stream: must be one of {', '.join(STREAMS)}; got {kind!r}")
     missing = [e for e in env_order if e not in train]
     if missing:
-        raise ValueError(f"stream: no training tasks for {missing}")
+        raise InvalidArgumentError(f"stream: no training tasks for {missing}")
     if kind == "similarity":
         phases = []
         for j, env in enumerate(env_order):
@@ -264,10 +265,11 @@ def _statistics(
     out: dict[str, dict[str, Any]] = {}
     for mode in modes:
         table = ScoreTable(list(envs))
+        # _pool calls its picker at once; the defaults bind this iteration's mode and row all the same.
         for j, label in enumerate(first.labels):
-            table.add_row(label, _pool(results, lambda r: r.rows.get(mode, [{}] * (j + 1))[j], draws))
-        table.self_learn = _pool(results, lambda r: r.self_learn.get(mode), draws)
-        zero = _pool(results, lambda r: r.zero_shot.get(mode), draws)
+            table.add_row(label, _pool(results, lambda r, mode=mode, j=j: r.rows.get(mode, [{}] * (j + 1))[j], draws))
+        table.self_learn = _pool(results, lambda r, mode=mode: r.self_learn.get(mode), draws)
+        zero = _pool(results, lambda r, mode=mode: r.zero_shot.get(mode), draws)
         out[mode] = {"table": table, "metrics": metrics(table, first.learnt), "zero_shot": zero}
     if "none" in out:
         for mode in modes:
@@ -293,7 +295,7 @@ def summarise(
     import numpy as np
 
     if not results:
-        raise ValueError("summarise: no seed results")
+        raise InvalidArgumentError("summarise: no seed results")
     point = _statistics(results, modes, envs, None)
     rng = np.random.default_rng(seed)
     sizes = {}
@@ -410,7 +412,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append("| after learning | " + " | ".join(envs) + " |")
         lines.append("|---|" + "---:|" * len(envs))
-        for j, (label, row) in enumerate(zip(table["labels"], table["rows"])):
+        for j, (label, row) in enumerate(zip(table["labels"], table["rows"], strict=True)):
             lines.append(
                 f"| {label} | "
                 + " | ".join(_cell(row[e], ci.get(f"row/{j}/{e}")) if e in row else "" for e in envs)
@@ -451,7 +453,7 @@ def write_plots(report: Mapping[str, Any], directory: str | Path) -> list[Path]:
     fig, axes = plt.subplots(
         1, len(modes), figsize=(5.0 * len(modes), 3.8), squeeze=False, gridspec_kw={"wspace": 0.55}
     )
-    for ax, (mode, res) in zip(axes[0], modes.items()):
+    for ax, (mode, res) in zip(axes[0], modes.items(), strict=True):
         table = res["table"]
         envs, rows = table["envs"], table["rows"]
         grid = np.full((len(rows) + (1 if table["self_learn"] else 0), len(envs)), np.nan)

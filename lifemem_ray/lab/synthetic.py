@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 
 __all__ = ["ENVIRONMENTS", "Workflow", "generate", "label_vectors", "text_vectors", "workflow_labels"]
@@ -550,7 +551,7 @@ def generate(
     names = envs or list(ENVIRONMENTS)
     for env in names:
         if env not in ENVIRONMENTS:
-            raise ValueError(f"envs: unknown synthetic environment {env!r}; known: {', '.join(ENVIRONMENTS)}")
+            raise InvalidArgumentError(f"envs: unknown synthetic environment {env!r}; known: {', '.join(ENVIRONMENTS)}")
     for i in range(n):
         env = names[i % len(names)]
         wf = rng.choice(ENVIRONMENTS[env])
@@ -580,7 +581,7 @@ def generate(
                 )
         if not success:
             # A failed run stalls: it repeats an early step and stops before the last one.
-            steps = steps[:-1] + [steps[0], steps[0]] if len(steps) > 1 else steps
+            steps = [*steps[:-1], steps[0], steps[0]] if len(steps) > 1 else steps
         yield Trajectory(
             env=env,
             task=task,

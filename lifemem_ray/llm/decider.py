@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lifemem_ray.core.decisions import Assignment, AssignRequest, ClusterView, Groups
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.llm import lexicon
 from lifemem_ray.llm.answers import check_assign, check_description, check_groups, check_skill, count_phrase
@@ -70,7 +71,7 @@ class LLMDecider:
         (default: ``llm.prompt_char_budget``)."""
         prompt_char_budget = config.prompt_char_budget if prompt_char_budget is None else prompt_char_budget
         if prompt_char_budget <= 0:
-            raise ValueError("LLMDecider: prompt_char_budget must be > 0")
+            raise InvalidArgumentError("LLMDecider: prompt_char_budget must be > 0")
         self.config = config
         self.client = client or LLMClient(config, **client_options)
         self.prompt_char_budget = prompt_char_budget
@@ -97,7 +98,7 @@ class LLMDecider:
     async def _assign(self, requests: Sequence[AssignRequest]) -> list[Assignment | None]:
         keys = [r.key for r in requests]
         if len(set(keys)) != len(keys):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"LLMDecider.assign: duplicate request keys {sorted(k for k in set(keys) if keys.count(k) > 1)}"
             )
         if not requests:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.settings import Section, choice, in_range, positive
@@ -15,7 +16,7 @@ class LLMConfig(Section):
     """Who decides: ``offline`` (no network) or ``openai`` (any OpenAI-compatible server)."""
 
     NAME = "llm"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "temperature": (0.0, 2.0),
         "timeout_s": (0.1, 3_600.0),
         "max_retries": (0, 20),

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from lifemem_ray.core.decisions import AssignRequest, ClusterView
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Step, Trajectory
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 MEMORY_OPERATIONS = ("assign", "partition", "describe", "split", "distil")
-OPERATIONS = MEMORY_OPERATIONS + ("act",)  # act: the ReAct agent of the rollouts
+OPERATIONS = (*MEMORY_OPERATIONS, "act")  # act: the ReAct agent of the rollouts
 
 DESCRIPTION_MAX_CHARS = 300
 GROUP_LABEL_MAX_CHARS = 64
@@ -240,10 +241,10 @@ def assign_prompt(requests: Sequence[AssignRequest], max_item_chars: int) -> Pro
     whole member trajectories: that keeps a 5-item call compact.
     """
     if not requests:
-        raise ValueError("assign_prompt: no requests")
+        raise InvalidArgumentError("assign_prompt: no requests")
     keys = [r.key for r in requests]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"assign_prompt: duplicate item keys in {keys}")
+        raise InvalidArgumentError(f"assign_prompt: duplicate item keys in {keys}")
     clusters: dict[int, ClusterView] = {}
     for request in requests:
         for candidate in request.candidates:
@@ -309,7 +310,7 @@ def partition_prompt(
 ) -> Prompt:
     """Group the initial trajectories into workflow clusters (memory initialisation)."""
     if not trajectories:
-        raise ValueError("partition_prompt: no trajectories")
+        raise InvalidArgumentError("partition_prompt: no trajectories")
     keys = list(range(len(trajectories)))
     per_item = _item_budget(len(trajectories), max_item_chars, char_budget)
     data = [_trajectory_block(t, per_item, key=i) for i, t in enumerate(trajectories)]
@@ -360,9 +361,11 @@ def split_prompt(
 ) -> Prompt:
     """Group a sample of an over-diverse cluster's members into 2..max_parts finer workflows."""
     if max_parts < 2:
-        raise ValueError(f"split_prompt: max_parts must be at least 2, got {max_parts}")
+        raise InvalidArgumentError(f"split_prompt: max_parts must be at least 2, got {max_parts}")
     if len(members) < 2:
-        raise ValueError(f"split_prompt: need at least 2 members to split cluster {cluster.id}, got {len(members)}")
+        raise InvalidArgumentError(
+            f"split_prompt: need at least 2 members to split cluster {cluster.id}, got {len(members)}"
+        )
     keys = list(range(len(members)))
     max_groups = min(max_parts, len(members))
     per_item = _item_budget(len(members), max_item_chars, char_budget)
@@ -392,7 +395,7 @@ def distil_prompt(
 ) -> Prompt:
     """An environment-invariant skill (short imperative rules) for a cluster's workflow."""
     if not members:
-        raise ValueError(f"distil_prompt: cluster {cluster.id} has no members to distil")
+        raise InvalidArgumentError(f"distil_prompt: cluster {cluster.id} has no members to distil")
     per_item = _item_budget(len(members), max_item_chars, char_budget)
     data = [_cluster_block(cluster, examples=False)]
     data += [_trajectory_block(t, per_item, key=i) for i, t in enumerate(members)]

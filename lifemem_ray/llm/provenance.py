@@ -74,16 +74,20 @@ __all__ = [
 # cannot see. Inflections count (installs, passwords); so does either half of a compound
 # (powershell). Words that are not English anyway (sudo, npm) are listed for a clearer message.
 OPERATOR_WORDS = frozenset(
-    # installing, fetching and running software
-    "install installer installation reinstall uninstall download upload executable binary script curl eval ftp "
-    # package managers
-    "pip apt brew yum npm conda "
-    # shells and terminals
-    "shell terminal console bash sh zsh sudo "
-    # credentials
-    "password passwd passphrase passcode credential secret token cookie "
-    # the operator and its privileges
-    "operator administrator admin sysadmin superuser root".split()
+    word
+    for group in (
+        # installing, fetching and running software
+        "install installer installation reinstall uninstall download upload executable binary script curl eval ftp",
+        # package managers
+        "pip apt brew yum npm conda",
+        # shells and terminals
+        "shell terminal console bash sh zsh sudo",
+        # credentials
+        "password passwd passphrase passcode credential secret token cookie",
+        # the operator and its privileges
+        "operator administrator admin sysadmin superuser root",
+    )
+    for word in group.split()
 )
 # Punctuation spelled out ("evil dot com", "slash etc slash passwd"): words that make an
 # address out of plain words, so they need provenance too.

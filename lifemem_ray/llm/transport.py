@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import openai
 
-from lifemem_ray.core.errors import AnswerError, UsageError
+from lifemem_ray.core.errors import AnswerError, ConfigError, InvalidArgumentError, UsageError
 from lifemem_ray.core.metrics import MetricsSink
 from lifemem_ray.llm.answers import Checked, RefusalProblem, extract_json, snippet
 from lifemem_ray.llm.llm_config import LLMConfig
@@ -161,9 +161,9 @@ class LLMClient:
         retry_after_max_s = config.retry_after_max_s if retry_after_max_s is None else retry_after_max_s
         config.validate()
         if not config.model:
-            raise ValueError("LLMClient: llm.model is empty; name the model the server serves")
+            raise ConfigError("LLMClient: llm.model is empty; name the model the server serves")
         if backoff_base_s < 0 or backoff_max_s < 0 or retry_after_max_s < 0:
-            raise ValueError("LLMClient: backoff_base_s, backoff_max_s and retry_after_max_s must be >= 0")
+            raise InvalidArgumentError("LLMClient: backoff_base_s, backoff_max_s and retry_after_max_s must be >= 0")
         self.config = config
         self.base_url = config.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
         host = (urlparse(self.base_url).hostname or "").lower()
@@ -220,7 +220,7 @@ class LLMClient:
             raise UsageError("LLMClient.arequest: must run on the client's loop; use request(), run() or arun()")
         op = prompt.op
         if op not in self._stats:
-            raise ValueError(f"LLMClient.arequest: unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+            raise InvalidArgumentError(f"LLMClient.arequest: unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
         started = time.monotonic()
         self._count(op, calls=1)
         self.metrics.count_call(op)
@@ -402,7 +402,7 @@ class LLMClient:
     def record(self, op: str, **increments: float) -> None:
         """Add to an operation's counters (the decider counts items this way)."""
         if op not in self._stats:
-            raise ValueError(f"LLMClient.record: unknown operation {op!r}")
+            raise InvalidArgumentError(f"LLMClient.record: unknown operation {op!r}")
         self._count(op, **increments)
 
     def usage(self) -> dict[str, dict[str, float]]:

@@ -107,7 +107,7 @@ def parse_key_entries(raw: Any, where: str) -> list[KeyEntry]:
         if unknown:
             raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; an entry has name, sha256, tenant, scopes")
         name, digest = item.get("name"), item.get("sha256")
-        if not is_name(name):
+        if not isinstance(name, str) or not is_name(name):  # isinstance: for the type checker
             raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '_', '.', '-', got {name!r}")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest.lower()):
             raise ConfigError(

@@ -4,6 +4,7 @@ front door; served on Ray Serve by :mod:`lifemem_ray.actors.frontdoor`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.settings import Section, choice
@@ -17,7 +18,7 @@ class HttpConfig(Section):
     """The REST and MCP front door on Ray Serve (``lifemem-ray serve --http``, actors/frontdoor/app.py)."""
 
     NAME = "http"
-    BOUNDS = {
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "port": (1, 65_535),
         "replicas": (1, 64),
         "replica_cpus": (0.0, 64.0),

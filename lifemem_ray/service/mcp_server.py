@@ -56,7 +56,7 @@ import signal
 import stat
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncContextManager, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -168,21 +168,27 @@ class StatsAnswer(BaseModel):
 # -- the tools ---------------------------------------------------------------------------------
 
 
-def _problem(exc: BaseException) -> ToolError:
+class ToolRefusal(LifeMemError, ToolError):
+    """A tool call refused with a message for the model: the SDK's ToolError (answered as a
+    tool result with ``is_error``, logged without a traceback), and a LifeMemError as every
+    error raised on purpose."""
+
+
+def _problem(exc: BaseException) -> ToolRefusal:
     """A tool error whose text says what is wrong, where, and what to do (the SDK puts
     "Error executing tool <name>: " in front)."""
     if isinstance(exc, (AuthError, ForbiddenError)):
-        return ToolError(f"not allowed: {exc}")
+        return ToolRefusal(f"not allowed: {exc}")
     if isinstance(exc, IdConflictError):
-        return ToolError(f"id conflict: {exc}; send the record under another id, or without one (a content hash)")
+        return ToolRefusal(f"id conflict: {exc}; send the record under another id, or without one (a content hash)")
     if isinstance(exc, (OverloadedError, ShardUnavailableError)):
-        return ToolError(
+        return ToolRefusal(
             f"the memory is busy or a part of it is restarting ({exc}); what it acknowledged is kept: "
             "retry in a few seconds"
         )
     if isinstance(exc, ValueError):  # InvalidTrajectoryError, TenantError, argument checks: the caller's to fix
-        return ToolError(f"invalid argument: {exc}; correct it and call again")
-    return ToolError(f"{type(exc).__name__}: {exc}")
+        return ToolRefusal(f"invalid argument: {exc}; correct it and call again")
+    return ToolRefusal(f"{type(exc).__name__}: {exc}")
 
 
 def _settled(answer: Any) -> Any:
@@ -356,7 +362,7 @@ class McpHttp:
     session_manager: StreamableHTTPSessionManager
     asgi: StreamableHTTPASGIApp
 
-    def run(self) -> AsyncContextManager[None]:
+    def run(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.session_manager.run()
 
 

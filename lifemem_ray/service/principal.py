@@ -18,7 +18,7 @@ import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from lifemem_ray.core.errors import AuthError, ForbiddenError
+from lifemem_ray.core.errors import AuthError, ForbiddenError, InvalidArgumentError
 
 __all__ = ["SCOPES", "Principal", "acting_as", "current", "require"]
 
@@ -38,7 +38,7 @@ class Principal:
         """This principal if its key has ``scope``, else :class:`ForbiddenError` naming the key,
         the scope and (``what``) the operation. The one scope check of REST, MCP and the rest."""
         if scope not in SCOPES:
-            raise ValueError(f"scope: {scope!r} is not one of {SCOPES}")
+            raise InvalidArgumentError(f"scope: {scope!r} is not one of {SCOPES}")
         if not self.allows(scope):
             raise ForbiddenError(
                 f"key {self.key_id or '(unnamed)'} of tenant {self.tenant!r} lacks the {scope!r} scope"

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.miniwob
-
 from lifemem_ray.lab.envs import EnvUnavailable, Task, TaskError, make_env
 from lifemem_ray.lab.envs.miniwob import MiniWobEnv, parse_action, render_dom
+
+pytestmark = pytest.mark.miniwob
 
 KINDS = ["click-button", "enter-text", "click-checkboxes", "focus-text", "login-user"]
 

@@ -107,7 +107,7 @@ def test_gold_actions_reach_success(env):
         assert gold and len(gold) <= env.max_steps, task.id
         env.reset(task)
         total = 0.0
-        for i, action in enumerate(gold):
+        for i, action in enumerate(gold):  # noqa: B007 - i: how far it got, in the message below
             result = env.step(action)
             total += result.reward
             if result.done:

@@ -140,7 +140,7 @@ def test_tiny_invalid_and_limits(tiny, tmp_path):
         env.reset(Task(env="sql", id="x", instruction="q"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "1"}\n', encoding="utf-8")
-    with pytest.raises(TaskError, match="bad.jsonl:1"):
+    with pytest.raises(TaskError, match=r"bad\.jsonl:1"):
         WebSearchEnv(corpus_path=str(bad))
 
 

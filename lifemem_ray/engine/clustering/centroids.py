@@ -30,7 +30,8 @@ class ClusterCentroids:
         self._rows: dict[int, int] = {}
         self._ids = np.empty(0, dtype=np.int64)
         self._matrix = np.empty((0, self.dim), dtype=np.float32)
-        self._tenant_codes: dict[str, int] = {}  # tenant -> small int, for masking rows by tenant
+        # tenant -> small int, for masking rows by tenant (None: a live cluster without members)
+        self._tenant_codes: dict[str | None, int] = {}
         self._tenants = np.empty(
             0, dtype=np.int32
         )  # per row: its cluster's tenant code (a cluster never changes tenant)
@@ -85,11 +86,11 @@ class ClusterCentroids:
         return np.hstack([self._a * workflow_vectors, self._b * vectors]).astype(np.float32)
 
     def search(
-        self, queries: np.ndarray, m: int, tenants: Sequence[str] | None = None
+        self, queries: np.ndarray, m: int, tenants: Sequence[str | None] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The ``m`` best-scoring clusters per query (see :meth:`query`), best first, as
-        (ids, scores) arrays of shape (n, min(m, clusters)). With ``tenants`` (one per query)
-        only clusters of the query's tenant compete (so another tenant's never take a place);
+        (ids, scores) arrays of shape (n, min(m, clusters)). With ``tenants`` (one per query;
+        None: the tenant of a cluster without members) only clusters of the query's tenant compete (so another tenant's never take a place);
         where fewer exist, the rest is id -1 with score -inf."""
         with self._lock:
             n = len(self._ids)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, display_envs, record_tenant
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ def check_listing_limit(limit: Any) -> None:
     """How many clusters a listing may return: a positive integer, or None for all (the one
     check of the engine's and the client's ``clusters``)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit: expected a positive integer or None, got {limit!r}")
+        raise InvalidArgumentError(f"limit: expected a positive integer or None, got {limit!r}")
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,7 @@ class ItemBatch:
                 self.wvecs,
                 self.tokens,
                 self.flows,
+                strict=True,
             )
         ]
 
@@ -289,7 +290,10 @@ def _top(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
 
 
 def _rows(ids: np.ndarray, scores: np.ndarray) -> list[list[tuple[int, float]]]:
-    return [[(c, s) for c, s in zip(row_c, row_s) if c >= 0] for row_c, row_s in zip(ids.tolist(), scores.tolist())]
+    return [
+        [(c, s) for c, s in zip(row_c, row_s, strict=True) if c >= 0]
+        for row_c, row_s in zip(ids.tolist(), scores.tolist(), strict=True)
+    ]
 
 
 @dataclass
@@ -427,7 +431,7 @@ class BatchPlanner:
         state = _PlanState(plan, -(max(init_labels) + 1) if init_labels else 0)  # the last provisional id handed out
         state.scopes = {env: sums.copy() for env, sums in (scopes or {}).items()}
         if init_labels:
-            for label, it in zip(init_labels, items):
+            for label, it in zip(init_labels, items, strict=False):  # labels cover the first init_count items
                 ids = state.provisional_by_env.setdefault(it.env, [])
                 if -(label + 1) not in ids:
                     ids.append(-(label + 1))
@@ -474,7 +478,7 @@ class BatchPlanner:
         the centroid search yet: the last ``evolution.max_provisional_candidates`` of them)."""
         placements = state.plan.placements
         pool: list[tuple[float, int]] = [(s, c) for c, s in stored]
-        for sim, j in zip(near[0][i], near[1][i]):
+        for sim, j in zip(near[0][i], near[1][i], strict=True):
             if j >= 0:
                 pool.append((float(sim), placements[j].cluster))
         pool.sort(key=lambda sc: -sc[0])
@@ -582,7 +586,7 @@ class BatchPlanner:
                 return None
             labels, descriptions = groups
             dense: dict[int, int] = {}
-            for i, label in zip(positions, labels):
+            for i, label in zip(positions, labels, strict=True):
                 out[i] = len(described) + dense.setdefault(label, len(dense))
             start = len(described)
             described.extend([""] * len(dense))
@@ -627,7 +631,7 @@ class BatchPlanner:
             plan.llm_requests += len(asked)
             groups: dict[tuple[str, str], int] = {}
             next_new = min([p.cluster for p in placements if p.cluster < 0], default=0) - 1
-            for request, answer in zip(asked, answers):
+            for request, answer in zip(asked, answers, strict=False):  # a Decider may answer fewer: None
                 i = request.key
                 allowed = {c.cluster.id for c in request.candidates}
                 if answer is None or (answer.cluster_id is not None and answer.cluster_id not in allowed):

@@ -156,7 +156,7 @@ class OfflinePolicy:
             return None, 1.0
         limits = thresholds if thresholds is not None else [self.config.join_threshold] * len(scores)
         margin = abs(scores[0] - limits[0])
-        for j, (score, limit) in enumerate(zip(scores, limits)):
+        for j, (score, limit) in enumerate(zip(scores, limits, strict=True)):
             if score >= limit:
                 return j, margin
         return None, margin
@@ -205,9 +205,9 @@ class OfflinePolicy:
             if len(parts) < 2:
                 continue
             mrls = [float(np.linalg.norm(p.mean(axis=0))) for p in parts]
-            if all(r >= tau or len(p) <= min_size for r, p in zip(mrls, parts)):
+            if all(r >= tau or len(p) <= min_size for r, p in zip(mrls, parts, strict=True)):
                 return _relabel(labels)
-            weighted = sum(r * len(p) for r, p in zip(mrls, parts)) / n
+            weighted = sum(r * len(p) for r, p in zip(mrls, parts, strict=True)) / n
             if best is None or weighted > best[0] + 1e-9:
                 best = (weighted, labels)
         return None if best is None else _relabel(best[1])

@@ -196,7 +196,7 @@ def _render_step(instances: list[tuple[float, AbstractStep]]) -> str:
             f"{first.token}("
             + ", ".join(
                 f"{n}={_CALL_ROLE.get(r, '<value>')}" if n != "_" else _CALL_ROLE.get(r, "<value>")
-                for n, r in zip(names, roles)
+                for n, r in zip(names, roles, strict=True)
             )
             + ")"
         )

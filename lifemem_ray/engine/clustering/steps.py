@@ -38,6 +38,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.workflow import (
     DEFAULT_DIM,
@@ -259,7 +260,7 @@ def _command_parts(text: str) -> tuple[str, tuple[str, ...]]:
 
 def _role(phrase: str, goal: frozenset[str]) -> tuple[str, str]:
     """(role, the phrase's words without articles or instance numbers)."""
-    content, named, fixed = _phrase_words(phrase)
+    _, named, fixed = _phrase_words(phrase)
     if fixed is not None:
         return fixed
     if all(w in goal for w in named):
@@ -385,7 +386,7 @@ def _pair_features(pairs: tuple[tuple[str, str], ...]) -> dict[str, float]:
     for shape in shapes:
         counts["s1:" + shape] = counts.get("s1:" + shape, 0) + 1
     runs = [x for i, x in enumerate(shapes) if i == 0 or shapes[i - 1] != x]
-    for a, b in zip(["^", *runs], [*runs, "$"]):
+    for a, b in zip(["^", *runs], [*runs, "$"], strict=True):
         key = f"s2:{a}>{b}"
         counts[key] = counts.get(key, 0) + 1
     for _, key in pairs:
@@ -401,7 +402,7 @@ def _pair_features(pairs: tuple[tuple[str, str], ...]) -> dict[str, float]:
 def _step_pair(action: str, goal: frozenset[str]) -> tuple[str, str]:
     """(shape, key or "" when the step has no arguments) of one action: what featurizing needs
     of an abstract step, without building one."""
-    token, frame, slots, _ = _parse((action or "")[:MAX_ACTION_CHARS])
+    _, frame, slots, _ = _parse((action or "")[:MAX_ACTION_CHARS])
     if not slots:
         return frame, ""
     roles = [_slot_role(kind, value, goal) for kind, value in slots]
@@ -417,7 +418,7 @@ FEATURES_VERSION = 2  # bumped when tokens or features change: stores built befo
 def features_id(kind: str) -> str:
     """What a store records as its featurizer (``roles-v2``)."""
     if kind not in WORKFLOW_FEATURES:
-        raise ValueError(f"workflow features: expected one of {', '.join(WORKFLOW_FEATURES)}, got {kind!r}")
+        raise InvalidArgumentError(f"workflow features: expected one of {', '.join(WORKFLOW_FEATURES)}, got {kind!r}")
     return f"{kind}-v{FEATURES_VERSION}"
 
 
@@ -426,7 +427,7 @@ def featurize(trajectory: Trajectory, kind: str = "roles", dim: int = DEFAULT_DI
     running sums equal a recomputation; read-only). Trajectories of one procedure reduce to
     the same token and step sequences, so vectors are cached by those."""
     if kind not in WORKFLOW_FEATURES:
-        raise ValueError(f"workflow features: expected one of {', '.join(WORKFLOW_FEATURES)}, got {kind!r}")
+        raise InvalidArgumentError(f"workflow features: expected one of {', '.join(WORKFLOW_FEATURES)}, got {kind!r}")
     tokens = action_tokens(trajectory)
     pairs: tuple[tuple[str, str], ...] = ()
     if kind == "roles" and trajectory.steps:

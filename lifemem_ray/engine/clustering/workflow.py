@@ -79,6 +79,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
 
 __all__ = [
@@ -424,7 +425,7 @@ def workflow_features(tokens: Sequence[str]) -> dict[str, float]:
         for prefix, seq in (("t", tokens), ("c", cats)):
             counts.update(f"{prefix}1:{x}" for x in seq)
             runs = [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
-            counts.update(f"{prefix}2:{a}>{b}" for a, b in zip(["^", *runs], [*runs, "$"]))
+            counts.update(f"{prefix}2:{a}>{b}" for a, b in zip(["^", *runs], [*runs, "$"], strict=True))
             counts.update(f"{prefix}L:{x}" for i, x in enumerate(seq) if i and seq[i - 1] == x)
     out: dict[str, float] = {}
     for feat, n in counts.items():
@@ -454,7 +455,7 @@ def hashed_vector(features: dict[str, float], dim: int = DEFAULT_DIM) -> np.ndar
     """Signed feature hashing of weighted features into a float32 unit vector (no features:
     the empty workflow's fixed vector)."""
     if dim < 2:
-        raise ValueError(f"dim: must be at least 2, got {dim}")
+        raise InvalidArgumentError(f"dim: must be at least 2, got {dim}")
     idx = np.empty(len(features), dtype=np.int64)
     val = np.empty(len(features), dtype=np.float64)
     for i, (feat, w) in enumerate(features.items()):
@@ -489,5 +490,5 @@ def workflow_summary(tokens: Sequence[str], max_runs: int = 16) -> str:
         return "(empty)"
     if len(parts) > max_runs > 2:
         hidden = len(parts) - (max_runs - 1)
-        parts = parts[: max_runs - 2] + [f"... ({hidden} more)"] + parts[-1:]
+        parts = [*parts[: max_runs - 2], f"... ({hidden} more)", *parts[-1:]]
     return " -> ".join(parts)

@@ -37,6 +37,17 @@ _BLAS_WORK_PER_THREAD = 800
 
 _BLAS_THRESHOLD_IS_WORK = faiss.cvar.distance_compute_blas_threshold >= 1000
 
+# An IVF index's id map that allows reconstruct and remove_ids with arbitrary ids. FAISS's own
+# type stubs (faiss-cpu 1.15) leave out the DirectMap class that the library has.
+DIRECT_MAP_HASHTABLE: int = faiss.DirectMap.Hashtable  # type: ignore[attr-defined]
+
+
+def ivf_params(nprobe: int, max_codes: int) -> faiss.SearchParametersIVF:
+    """Per-search IVF parameters: lists probed, and at most ``max_codes`` codes scanned (0: no cap)."""
+    params = faiss.SearchParametersIVF()
+    params.nprobe, params.max_codes = nprobe, max_codes
+    return params
+
 
 _faiss_threads: int | None = None  # set_faiss_threads' count, applied in every thread that calls FAISS
 

@@ -24,8 +24,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from lifemem_ray.core.errors import IndexSaveError, VectorIndexError
-from lifemem_ray.engine.index.env_index import EnvIndex, check_env, export_ids
+from lifemem_ray.core.errors import IndexCacheError, IndexSaveError, VectorIndexError
+from lifemem_ray.engine.index.env_index import DIRECT_MAP_HASHTABLE, EnvIndex, check_env, export_ids
 
 __all__ = ["CachedIndex", "read_cache", "write_cache"]
 
@@ -156,14 +156,14 @@ def read_cache(directory: str | Path, dim: int, identity: str | None = None) -> 
 
 def _read(directory: Path, manifest: dict[str, Any], dim: int, identity: str | None) -> CachedIndex:
     if manifest.get("format") != _FORMAT:
-        raise ValueError(f"unknown format {manifest.get('format')!r}")
+        raise IndexCacheError(f"unknown format {manifest.get('format')!r}")
     if manifest.get("dim") != dim:
-        raise ValueError(f"saved dim {manifest.get('dim')!r} != expected {dim}")
+        raise IndexCacheError(f"saved dim {manifest.get('dim')!r} != expected {dim}")
     stamp = manifest["stamp"]
     if isinstance(stamp, bool) or not isinstance(stamp, int):
-        raise ValueError(f"stamp {stamp!r} is not an integer")
+        raise IndexCacheError(f"stamp {stamp!r} is not an integer")
     if identity is not None and manifest.get("identity", "") != identity:
-        raise ValueError(
+        raise IndexCacheError(
             f"written for another store or other contents ({manifest.get('identity', '')!r}, this store: {identity!r})"
         )
     envs: dict[str, EnvIndex] = {}
@@ -173,16 +173,16 @@ def _read(directory: Path, manifest: dict[str, Any], dim: int, identity: str | N
         name = entry["name"]
         check_env(name)
         if name in envs:
-            raise ValueError(f"environment {name!r} listed twice")
+            raise IndexCacheError(f"environment {name!r} listed twice")
         e = _read_env(directory, entry, dim)
         ids[name] = export_ids(e)
         before = len(seen)
         seen.update(ids[name].tolist())
         if len(seen) != before + len(ids[name]):
-            raise ValueError(f"environment {name!r} repeats ids of another environment")
+            raise IndexCacheError(f"environment {name!r} repeats ids of another environment")
         envs[name] = e
     if len(seen) != manifest["count"]:
-        raise ValueError(f"{len(seen)} vectors loaded, manifest says {manifest['count']}")
+        raise IndexCacheError(f"{len(seen)} vectors loaded, manifest says {manifest['count']}")
     return CachedIndex(envs, ids, stamp, manifest.get("calibration"))
 
 
@@ -190,10 +190,10 @@ def _read_env(directory: Path, entry: dict[str, Any], dim: int) -> EnvIndex:
     name = entry["name"]
     path = directory / entry["file"]
     if Path(entry["file"]).name != entry["file"] or not path.is_file():
-        raise ValueError(f"file {entry['file']!r} of environment {name!r} is missing")
+        raise IndexCacheError(f"file {entry['file']!r} of environment {name!r} is missing")
     crc_now, size = _crc(path)
     if size != entry["bytes"] or crc_now != entry["crc32"]:
-        raise ValueError(f"file {entry['file']!r} is truncated or damaged")
+        raise IndexCacheError(f"file {entry['file']!r} is truncated or damaged")
     e = EnvIndex(
         index=faiss.read_index(str(path)),
         kind=entry["kind"],
@@ -205,7 +205,7 @@ def _read_env(directory: Path, entry: dict[str, Any], dim: int) -> EnvIndex:
     )
     _check_loaded(e, dim)
     if e.ntotal != entry["count"] or e.ntotal == 0:
-        raise ValueError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")
+        raise IndexCacheError(f"environment {name!r} holds {e.ntotal} vectors, manifest says {entry['count']}")
     return e
 
 
@@ -213,23 +213,23 @@ def _check_loaded(e: EnvIndex, dim: int) -> None:
     """Refuse a loaded FAISS object that is not what :meth:`VectorIndex.save` writes."""
     index = e.index
     if index.d != dim:
-        raise ValueError(f"index dimension {index.d} != {dim}")
+        raise IndexCacheError(f"index dimension {index.d} != {dim}")
     if e.kind == "flat":
         if not isinstance(index, faiss.IndexIDMap2):
-            raise ValueError(f"flat environment is a {type(index).__name__}")
+            raise IndexCacheError(f"flat environment is a {type(index).__name__}")
         e.flat = faiss.downcast_index(index.index)
         if not isinstance(e.flat, faiss.IndexFlatIP) or e.flat.ntotal != index.ntotal:
-            raise ValueError(f"flat environment wraps a {type(e.flat).__name__}")
+            raise IndexCacheError(f"flat environment wraps a {type(e.flat).__name__}")
     elif e.kind == "ivf":
         if not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT:
-            raise ValueError(f"ivf environment is a {type(index).__name__}")
+            raise IndexCacheError(f"ivf environment is a {type(index).__name__}")
         if index.nlist != e.nlist or not 1 <= e.nprobe <= e.nlist:
-            raise ValueError(f"ivf nlist/nprobe {index.nlist}/{e.nprobe} disagree with the manifest")
-        if index.direct_map.type != faiss.DirectMap.Hashtable:
-            index.set_direct_map_type(faiss.DirectMap.Hashtable)
+            raise IndexCacheError(f"ivf nlist/nprobe {index.nlist}/{e.nprobe} disagree with the manifest")
+        if index.direct_map.type != DIRECT_MAP_HASHTABLE:
+            index.set_direct_map_type(DIRECT_MAP_HASHTABLE)
         index.nprobe = e.nprobe
     else:
-        raise ValueError(f"unknown kind {e.kind!r}")
+        raise IndexCacheError(f"unknown kind {e.kind!r}")
 
 
 def _crc(path: Path) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import faiss
 import numpy as np
 
 from lifemem_ray.core.errors import IndexBuildError
-from lifemem_ray.engine.index.env_index import EnvIndex, export
+from lifemem_ray.engine.index.env_index import DIRECT_MAP_HASHTABLE, EnvIndex, export, ivf_params
 from lifemem_ray.engine.memory_config import IndexConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def calibrate_env(
     rng = rng if rng is not None else np.random.default_rng(SEED)
     top = config.search_max_codes
     k = config.calibration_k
-    caps = sorted({max(k + 1, top >> shift) for shift in range(5)}) + [0] if top else [0]
+    caps = [*sorted({max(k + 1, top >> shift) for shift in range(5)}), 0] if top else [0]
     e.nprobe, e.recall, cap = calibrate(e.index, ids, vectors, e.nlist, config.target_recall, rng, caps, k)
     # Stored relative to trained_size: searches scale it by the growth since (a loaded env
     # may be calibrated after it has grown).
@@ -105,7 +105,7 @@ def trained_ivf(dim: int, vectors: np.ndarray, nlist_setting: int, rng: np.rando
     and each vector's list in it. ``nlist_setting`` (0: 4 sqrt(n)) is an upper bound while the
     env is too small to train that many lists well."""
     n = len(vectors)
-    nlist = nlist_setting or int(round(4 * math.sqrt(n)))
+    nlist = nlist_setting or round(4 * math.sqrt(n))
     nlist = max(1, min(nlist, n // _MIN_PER_CENTROID))
     ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
     ivf.cp.niter = _KMEANS_ITERS if n < _KMEANS_FEWER_ITERS_FROM else _KMEANS_ITERS // 2
@@ -117,7 +117,7 @@ def trained_ivf(dim: int, vectors: np.ndarray, nlist_setting: int, rng: np.rando
     sample = vectors if sample_size == n else vectors[np.sort(rng.choice(n, sample_size, replace=False))]
     ivf.train(np.ascontiguousarray(sample))
     ivf, lists = _without_empty_lists(ivf, vectors)
-    ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # reconstruct + remove_ids with arbitrary ids
+    ivf.set_direct_map_type(DIRECT_MAP_HASHTABLE)  # reconstruct + remove_ids with arbitrary ids
     return ivf, lists
 
 
@@ -174,7 +174,7 @@ def calibrate(
     recall = 1.0
     for cap in caps:
         for nprobe in ladder:
-            params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=max(cap, k + 1) if cap else 0)
+            params = ivf_params(nprobe, max(cap, k + 1) if cap else 0)
             scores, got = ivf.search(queries, k + 1, params=params)
             # Drop the query itself (or, if it was not returned, the weakest result).
             drop = np.where((got == self_ids[:, None]).any(axis=1), np.argmax(got == self_ids[:, None], axis=1), k)

@@ -47,6 +47,7 @@ from lifemem_ray.engine.index.env_index import (
     export,
     export_ids,
     flat_search,
+    ivf_params,
     merge,
     padding,
     set_faiss_threads,
@@ -333,10 +334,8 @@ class VectorIndex:
         if searcher is e.index and e.kind == "flat":
             scores, ids = flat_search(e, queries, want)
         elif searcher is e.index and e.kind == "ivf" and (nprobe_fraction < 1.0 or codes):
-            nprobe = max(1, int(round(e.nprobe * nprobe_fraction)))
-            scores, ids = searcher.search(
-                queries, want, params=faiss.SearchParametersIVF(nprobe=nprobe, max_codes=codes)
-            )
+            nprobe = max(1, round(e.nprobe * nprobe_fraction))
+            scores, ids = searcher.search(queries, want, params=ivf_params(nprobe, codes))
         else:
             scores, ids = searcher.search(queries, want)
         if e.kind == "ivf":
@@ -345,7 +344,7 @@ class VectorIndex:
             short = np.flatnonzero((ids < 0).any(axis=1))
             while len(short) and nprobe < e.nlist:
                 nprobe = min(e.nlist, nprobe * 4)
-                params = faiss.SearchParametersIVF(nprobe=nprobe, max_codes=codes)
+                params = ivf_params(nprobe, codes)
                 scores[short], ids[short] = e.index.search(queries[short], want, params=params)
                 short = short[(ids[short] < 0).any(axis=1)]
         scores = np.where(ids < 0, np.float32(PAD_SCORE), scores).astype(np.float32, copy=False)

@@ -62,7 +62,7 @@ class Rewrite:
     records: int
 
 
-def write_fresh_copy(source: lmdb.Environment, txn: lmdb.Transaction, target: str | os.PathLike[str]) -> Rewrite:
+def write_fresh_copy(source: lmdb.Environment, txn: lmdb.Transaction[bytes], target: str | os.PathLike[str]) -> Rewrite:
     """Every record of every named database of ``source``, as ``txn`` (a read transaction on it)
     sees them, written into a new environment in the folder ``target`` (created if missing; it
     must hold no ``data.mdb``), committed in transactions of about :data:`REWRITE_TXN_BYTES`,
@@ -103,7 +103,7 @@ def write_fresh_copy(source: lmdb.Environment, txn: lmdb.Transaction, target: st
     return Rewrite(data_file, data_file.stat().st_size, records)
 
 
-def _copy_database(source_db: object, txn: lmdb.Transaction, env: lmdb.Environment, name: bytes) -> int:
+def _copy_database(source_db: lmdb._Database, txn: lmdb.Transaction[bytes], env: lmdb.Environment, name: bytes) -> int:
     """Copy one named database in chunks of about :data:`REWRITE_TXN_BYTES`; how many records."""
     with env.begin(write=True) as wtxn:  # created even when empty, so the copy has every table
         db = env.open_db(name, txn=wtxn, create=True)
@@ -118,7 +118,7 @@ def _copy_database(source_db: object, txn: lmdb.Transaction, env: lmdb.Environme
     return records + _put_chunk(env, db, chunk)
 
 
-def _put_chunk(env: lmdb.Environment, db: object, chunk: list[tuple[bytes, bytes]]) -> int:
+def _put_chunk(env: lmdb.Environment, db: lmdb._Database, chunk: list[tuple[bytes, bytes]]) -> int:
     """Append ``chunk`` (sorted, after every key already there) in one transaction; a full map
     is doubled and the chunk written again (the aborted transaction left nothing)."""
     while chunk:

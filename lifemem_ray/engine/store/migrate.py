@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,12 @@ CHUNK = 2048
 def stored_features(store: MemoryStore) -> str:
     """The featurizer the store's workflow vectors were computed with."""
     return str(store.get_meta("workflow_features", default=LEGACY_FEATURES) or LEGACY_FEATURES)
+
+
+def _rewrite_workflows(store: MemoryStore, txn: Any, rows: list[tuple[int, np.ndarray, list[str]]]) -> None:
+    """One chunk of :func:`migrate_features`: the new workflow vector and tokens of each vid."""
+    for vid, wvec, tokens in rows:
+        store.rewrite_workflow(txn, vid, wvec, tokens)
 
 
 def migrate_features(
@@ -72,7 +79,7 @@ def migrate_features(
                 if got is not None:
                     tokens, wvec = featurize(got[0], kind, store.workflow_dim)
                     rows.append((vid, wvec, tokens))
-        store.write(lambda txn, rows=rows: [store.rewrite_workflow(txn, vid, w, t) for vid, w, t in rows])
+        store.write(partial(_rewrite_workflows, store, rows=rows))
 
     def finish(txn: Any) -> None:
         for record in list(store.iter_clusters(txn)):

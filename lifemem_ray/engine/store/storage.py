@@ -45,8 +45,9 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
 import lmdb
 import numpy as np
@@ -81,6 +82,10 @@ SCHEMA_VERSION = 1
 _DBS = ("meta", "traj", "tid", "vec", "brief", "vclu", "members", "clusters", "envs", "log", "todo", "logvid")
 _LATER_DBS = ("logvid",)  # tables older stores lack until a writable open adds them
 T = TypeVar("T")
+if TYPE_CHECKING:
+    # py-lmdb's stubs type a bare Transaction's reads as ``bytes | memoryview``; every transaction
+    # here is opened with buffers=False (py-lmdb's default), so what it reads is bytes.
+    Txn: TypeAlias = lmdb.Transaction[bytes]
 _log = logging.getLogger(__name__)
 LOG_INDEX_CHUNK = 50_000  # log entries per transaction when an older store's log is indexed
 _packb, _unpackb = codec.pack, codec.unpack
@@ -283,7 +288,7 @@ class _Environment:
                 raise StoreError(f"{self.path}: a new store needs the vector dimensions")
             now = time.time()
 
-            def init(txn: lmdb.Transaction) -> None:
+            def init(txn: Txn) -> None:
                 for key, value in {
                     "schema": SCHEMA_VERSION,
                     "dim": dim,
@@ -333,7 +338,7 @@ class _Environment:
 
     # -- transactions ----------------------------------------------------------------------
     @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
+    def read(self) -> Iterator[Txn]:
         while True:
             with self._gate.reading():
                 try:
@@ -350,7 +355,7 @@ class _Environment:
             with self._gate.resizing():
                 self.env.set_mapsize(0)
 
-    def write(self, fn: Callable[[lmdb.Transaction], T], *, changed: Callable[[T], bool] | None = None) -> T:
+    def write(self, fn: Callable[[Txn], T], *, changed: Callable[[T], bool] | None = None) -> T:
         """Run ``fn`` in one write transaction and commit; grow the map and rerun when full.
 
         ``fn`` must only touch the transaction (no outside side effects), since it may run twice.
@@ -387,20 +392,20 @@ class _Environment:
             self.env.set_mapsize(min(current * 2, self._max_map))
 
     # -- meta ------------------------------------------------------------------------------
-    def get_meta(self, key: str, txn: lmdb.Transaction | None = None, default: Any = None) -> Any:
+    def get_meta(self, key: str, txn: Txn | None = None, default: Any = None) -> Any:
         if txn is None:
             with self.read() as txn:
                 return self.get_meta(key, txn, default)
         raw = txn.get(key.encode(), db=self.db["meta"])
         return default if raw is None else _unpackb(raw)
 
-    def put_meta(self, txn: lmdb.Transaction, key: str, value: Any) -> None:
+    def put_meta(self, txn: Txn, key: str, value: Any) -> None:
         txn.put(key.encode(), _packb(value), db=self.db["meta"])
 
     def generation(self) -> int:
         return int(self.get_meta("generation", default=0))
 
-    def index_identity(self, txn: lmdb.Transaction | None = None) -> str:
+    def index_identity(self, txn: Txn | None = None) -> str:
         """``store id:digest`` of what the vector index holds: every stored (vid, vector record),
         folded order-independently (xor and sum of per-entry crc32s), with the count and the
         generation. An index cache saved with another identity belongs to another store or
@@ -469,7 +474,7 @@ class _Environment:
             self.env = None  # type: ignore[assignment]
         self._release_writer_lock()
 
-    def __enter__(self) -> MemoryStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -487,10 +492,10 @@ class MemoryStore(_Environment):
             self._index_log_of_older_store()
 
     # -- environments ----------------------------------------------------------------------
-    def env_codes(self, txn: lmdb.Transaction) -> dict[str, int]:
+    def env_codes(self, txn: Txn) -> dict[str, int]:
         return {k.decode(): codec.unpack_u32(v) for k, v in txn.cursor(db=self.db["envs"])}
 
-    def forget_env_names(self, txn: lmdb.Transaction, tenant: str) -> int:
+    def forget_env_names(self, txn: Txn, tenant: str) -> int:
         """Replace the names of ``tenant``'s environments in the code table by placeholders
         (``SEP + "purged" + SEP + code``, which no scope can be), keeping their codes, so a
         purged tenant's environment names are gone and codes are never handed out twice (a
@@ -508,7 +513,7 @@ class MemoryStore(_Environment):
             txn.put(f"{SEP}purged{SEP}{codec.unpack_u32(value)}".encode(), value, db=self.db["envs"])
         return len(names)
 
-    def env_code(self, txn: lmdb.Transaction, env: str) -> int:
+    def env_code(self, txn: Txn, env: str) -> int:
         """The code of ``env``, allocated in this transaction when new."""
         key = env.encode()
         raw = txn.get(key, db=self.db["envs"])
@@ -519,11 +524,11 @@ class MemoryStore(_Environment):
         return code
 
     # -- trajectories ----------------------------------------------------------------------
-    def lookup_id(self, txn: lmdb.Transaction, trajectory_id: str) -> int | None:
+    def lookup_id(self, txn: Txn, trajectory_id: str) -> int | None:
         raw = txn.get(trajectory_id.encode("utf-8"), db=self.db["tid"])
         return None if raw is None else unpack_u64(raw)
 
-    def tenant_id_keys(self, txn: lmdb.Transaction, tenant: str, limit: int) -> list[str]:
+    def tenant_id_keys(self, txn: Txn, tenant: str, limit: int) -> list[str]:
         """Up to ``limit`` id keys of ``tenant``'s stored trajectories (:func:`lifemem_ray.core.tenancy.id_key`):
         those under the tenant's prefix, or for the default tenant those without one."""
         from lifemem_ray.core.tenancy import SEP, tenant_prefix
@@ -544,17 +549,17 @@ class MemoryStore(_Environment):
                 break
         return out
 
-    def fingerprint_of(self, txn: lmdb.Transaction, vid: int) -> str | None:
+    def fingerprint_of(self, txn: Txn, vid: int) -> str | None:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else codec.record_fingerprint(raw)
 
-    def allocate_vids(self, txn: lmdb.Transaction, n: int) -> list[int]:
+    def allocate_vids(self, txn: Txn, n: int) -> list[int]:
         """Integer ids for ``n`` new trajectories: the store's namespace (high bits) and a
         sequence (low bits). Sequential keys append to the B-trees instead of dirtying a random
         page per insert; the namespace keeps ids of different shards apart."""
         return self._allocate(txn, "next_vid", n)
 
-    def _allocate(self, txn: lmdb.Transaction, counter: str, n: int) -> list[int]:
+    def _allocate(self, txn: Txn, counter: str, n: int) -> list[int]:
         base = self.namespace << ID_SEQ_BITS
         seq = self.get_meta(counter, txn)
         if seq + n >= 1 << ID_SEQ_BITS:
@@ -562,14 +567,14 @@ class MemoryStore(_Environment):
         self.put_meta(txn, counter, seq + n)
         return [base | (seq + i) for i in range(n)]
 
-    def advance_sequences(self, txn: lmdb.Transaction, vid_seq: int, cluster_seq: int) -> None:
+    def advance_sequences(self, txn: Txn, vid_seq: int, cluster_seq: int) -> None:
         """Never hand out a sequence number below these (after records were copied in)."""
         if self.get_meta("next_vid", txn) <= vid_seq:
             self.put_meta(txn, "next_vid", vid_seq + 1)
         if self.get_meta("next_cluster", txn) <= cluster_seq:
             self.put_meta(txn, "next_cluster", cluster_seq + 1)
 
-    def put_item(self, txn: lmdb.Transaction, item: Any, env_code: int, cluster_id: int | None) -> None:
+    def put_item(self, txn: Txn, item: Any, env_code: int, cluster_id: int | None) -> None:
         """Store one batch item (see evolution.BatchItem): its record bytes as they are."""
         key = pack_u64(item.vid)
         txn.put(key, item.record, db=self.db["traj"])
@@ -583,7 +588,7 @@ class MemoryStore(_Environment):
         if cluster_id is not None:
             self.set_cluster_of(txn, item.vid, cluster_id)
 
-    def rewrite_workflow(self, txn: lmdb.Transaction, vid: int, workflow_vector: np.ndarray, tokens: list[str]) -> None:
+    def rewrite_workflow(self, txn: Txn, vid: int, workflow_vector: np.ndarray, tokens: list[str]) -> None:
         """Replace a stored trajectory's workflow vector and action tokens (the text vector, the
         environment and the rest of its brief stay): what a featurizer migration rewrites."""
         key = pack_u64(vid)
@@ -596,7 +601,7 @@ class MemoryStore(_Environment):
         txn.put(key, self.pack_vectors(code, vec, workflow_vector), db=self.db["vec"])
         txn.put(key, codec.encode_brief(brief), db=self.db["brief"])
 
-    def delete_trajectory(self, txn: lmdb.Transaction, vid: int, trajectory_id: str) -> None:
+    def delete_trajectory(self, txn: Txn, vid: int, trajectory_id: str) -> None:
         """Remove trajectory ``vid`` from every table, and its id from the log's entries."""
         key = pack_u64(vid)
         txn.delete(key, db=self.db["traj"])
@@ -609,26 +614,26 @@ class MemoryStore(_Environment):
             txn.delete(pack_u64(cid) + key, db=self.db["members"])
         self.forget_logged_id(txn, vid)
 
-    def set_cluster_of(self, txn: lmdb.Transaction, vid: int, cluster_id: int, previous: int | None = None) -> None:
+    def set_cluster_of(self, txn: Txn, vid: int, cluster_id: int, previous: int | None = None) -> None:
         key = pack_u64(vid)
         if previous is not None:
             txn.delete(pack_u64(previous) + key, db=self.db["members"])
         txn.put(key, pack_u64(cluster_id), db=self.db["vclu"])
         txn.put(pack_u64(cluster_id) + key, b"", db=self.db["members"])
 
-    def cluster_of(self, txn: lmdb.Transaction, vid: int) -> int | None:
+    def cluster_of(self, txn: Txn, vid: int) -> int | None:
         raw = txn.get(pack_u64(vid), db=self.db["vclu"])
         return None if raw is None else unpack_u64(raw)
 
-    def trajectory_bytes(self, txn: lmdb.Transaction, vid: int) -> bytes | None:
+    def trajectory_bytes(self, txn: Txn, vid: int) -> bytes | None:
         """The stored record as is (:func:`record_to_trajectory` decodes it): cheap to ship."""
         return txn.get(pack_u64(vid), db=self.db["traj"])
 
-    def trajectory(self, txn: lmdb.Transaction, vid: int) -> tuple[Trajectory, dict[str, Any]] | None:
+    def trajectory(self, txn: Txn, vid: int) -> tuple[Trajectory, dict[str, Any]] | None:
         raw = txn.get(pack_u64(vid), db=self.db["traj"])
         return None if raw is None else record_to_trajectory(raw)
 
-    def raw_item(self, txn: lmdb.Transaction, vid: int, env_names: dict[int, str] | None = None) -> RawItem | None:
+    def raw_item(self, txn: Txn, vid: int, env_names: dict[int, str] | None = None) -> RawItem | None:
         """Trajectory ``vid`` as it is stored (to copy into another store), or None.
         ``env_names``: code -> name of :meth:`env_codes`, when the caller reads many."""
         key = pack_u64(vid)
@@ -640,10 +645,10 @@ class MemoryStore(_Environment):
         names = env_names if env_names is not None else {c: name for name, c in self.env_codes(txn).items()}
         return RawItem(vid, codec.record_id(record), record, names[code], vec, wvec, txn.get(key, db=self.db["brief"]))
 
-    def holds_vid(self, txn: lmdb.Transaction, vid: int) -> bool:
+    def holds_vid(self, txn: Txn, vid: int) -> bool:
         return txn.get(pack_u64(vid), db=self.db["traj"]) is not None
 
-    def put_raw_item(self, txn: lmdb.Transaction, item: RawItem, cluster_id: int | None) -> None:
+    def put_raw_item(self, txn: Txn, item: RawItem, cluster_id: int | None) -> None:
         """Store a trajectory copied from another store under its own vid (see :meth:`raw_item`)."""
         key = pack_u64(item.vid)
         txn.put(key, item.record, db=self.db["traj"])
@@ -654,7 +659,7 @@ class MemoryStore(_Environment):
         if cluster_id is not None:
             self.set_cluster_of(txn, item.vid, cluster_id)
 
-    def brief(self, txn: lmdb.Transaction, vid: int) -> Brief | None:
+    def brief(self, txn: Txn, vid: int) -> Brief | None:
         """(action tokens, success, env, task head, id) without unpacking the whole trajectory."""
         raw = txn.get(pack_u64(vid), db=self.db["brief"])
         return None if raw is None else codec.decode_brief(raw)
@@ -665,40 +670,40 @@ class MemoryStore(_Environment):
     def unpack_vectors(self, data: bytes) -> tuple[int, np.ndarray, np.ndarray]:
         return codec.decode_vectors(data, self.dim, self.workflow_dim)
 
-    def vectors(self, txn: lmdb.Transaction, vid: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+    def vectors(self, txn: Txn, vid: int) -> tuple[int, np.ndarray, np.ndarray] | None:
         raw = txn.get(pack_u64(vid), db=self.db["vec"])
         return None if raw is None else self.unpack_vectors(raw)
 
-    def iter_vectors(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    def iter_vectors(self, txn: Txn) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """(vid, env code, vector, workflow vector) for every stored trajectory, in vid order."""
         for key, value in txn.cursor(db=self.db["vec"]):
             code, vec, wvec = self.unpack_vectors(value)
             yield unpack_u64(key), code, vec, wvec
 
-    def iter_trajectories(self, txn: lmdb.Transaction) -> Iterator[tuple[int, Trajectory, dict[str, Any]]]:
+    def iter_trajectories(self, txn: Txn) -> Iterator[tuple[int, Trajectory, dict[str, Any]]]:
         for key, value in txn.cursor(db=self.db["traj"]):
             traj, extra = record_to_trajectory(value)
             yield unpack_u64(key), traj, extra
 
-    def count_trajectories(self, txn: lmdb.Transaction) -> int:
+    def count_trajectories(self, txn: Txn) -> int:
         return txn.stat(self.db["traj"])["entries"]
 
     # -- clusters --------------------------------------------------------------------------
-    def put_cluster(self, txn: lmdb.Transaction, record: ClusterRecord) -> None:
+    def put_cluster(self, txn: Txn, record: ClusterRecord) -> None:
         txn.put(pack_u64(record.id), codec.encode_cluster(record), db=self.db["clusters"])
 
-    def get_cluster(self, txn: lmdb.Transaction, cluster_id: int) -> ClusterRecord | None:
+    def get_cluster(self, txn: Txn, cluster_id: int) -> ClusterRecord | None:
         raw = txn.get(pack_u64(cluster_id), db=self.db["clusters"])
         return None if raw is None else codec.decode_cluster(raw)
 
-    def iter_clusters(self, txn: lmdb.Transaction, after: int = -1) -> Iterator[ClusterRecord]:
+    def iter_clusters(self, txn: Txn, after: int = -1) -> Iterator[ClusterRecord]:
         """Every stored cluster record (live or not) in id order; with ``after``, those with a larger id."""
         cursor = txn.cursor(db=self.db["clusters"])
         if cursor.set_range(pack_u64(after + 1)):
             for _, value in cursor:
                 yield codec.decode_cluster(value)
 
-    def members(self, txn: lmdb.Transaction, cluster_id: int) -> list[int]:
+    def members(self, txn: Txn, cluster_id: int) -> list[int]:
         prefix = pack_u64(cluster_id)
         out: list[int] = []
         cursor = txn.cursor(db=self.db["members"])
@@ -709,11 +714,11 @@ class MemoryStore(_Environment):
                 out.append(unpack_u64(key[8:]))
         return out
 
-    def next_cluster_ids(self, txn: lmdb.Transaction, n: int) -> list[int]:
+    def next_cluster_ids(self, txn: Txn, n: int) -> list[int]:
         return self._allocate(txn, "next_cluster", n)
 
     # -- log and maintenance queue ---------------------------------------------------------
-    def append_log(self, txn: lmdb.Transaction, entries: list[dict[str, Any]]) -> None:
+    def append_log(self, txn: Txn, entries: list[dict[str, Any]]) -> None:
         """Append ``entries`` to the assignment log. One that names a trajectory (a ``vid`` and
         a non-empty ``id``) is indexed under its vid, so the trajectory's removal blanks it
         (:meth:`forget_logged_id`)."""
@@ -726,7 +731,7 @@ class MemoryStore(_Environment):
             seq += 1
         self.put_meta(txn, "next_log", seq)
 
-    def forget_logged_id(self, txn: lmdb.Transaction, vid: int) -> int:
+    def forget_logged_id(self, txn: Txn, vid: int) -> int:
         """Blank the id in every log entry that names trajectory ``vid`` (at its removal),
         keeping the entries' numbers and operations, and drop their index rows; returns how
         many entries. Reads only this trajectory's index rows and entries, never the whole log."""
@@ -757,8 +762,8 @@ class MemoryStore(_Environment):
         start: int | None = int(self.get_meta("log_by_vid_from", default=0) or 0)
         totals = [0, 0]
         while start is not None:
-            at = start
-            start, indexed, blanked = self.write(lambda txn: self._index_log_chunk(txn, at), changed=lambda _: False)
+            chunk = partial(self._index_log_chunk, start=start)  # bound now: write() may run it twice
+            start, indexed, blanked = self.write(chunk, changed=lambda _: False)
             totals = [totals[0] + indexed, totals[1] + blanked]
         _log.info(
             "%s: the assignment log is indexed by trajectory (%d entries indexed, %d ids of removed trajectories blanked)",
@@ -766,7 +771,7 @@ class MemoryStore(_Environment):
             *totals,
         )
 
-    def _index_log_chunk(self, txn: lmdb.Transaction, start: int) -> tuple[int | None, int, int]:
+    def _index_log_chunk(self, txn: Txn, start: int) -> tuple[int | None, int, int]:
         """One transaction of :meth:`_index_log_of_older_store`: where the next starts (None:
         done), entries indexed, ids blanked."""
         cursor = txn.cursor(db=self.db["log"])
@@ -796,9 +801,7 @@ class MemoryStore(_Environment):
             self.put_meta(txn, "log_by_vid_from", next_start)
         return next_start, indexed, len(changed) - indexed
 
-    def redact_log(
-        self, txn: lmdb.Transaction, tenant: str, start: int = 0, limit: int | None = None
-    ) -> tuple[int, int | None]:
+    def redact_log(self, txn: Txn, tenant: str, start: int = 0, limit: int | None = None) -> tuple[int, int | None]:
         """Blank the ``id`` of every log entry naming one of ``tenant``'s id keys (a purged
         tenant's), keeping the entry's numbers and operation, from sequence number ``start``
         on, at most ``limit`` entries read. Returns how many were blanked and where to go on
@@ -824,13 +827,13 @@ class MemoryStore(_Environment):
             txn.put(key, value, db=self.db["log"])
         return len(changed), next_start
 
-    def iter_log(self, txn: lmdb.Transaction, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+    def iter_log(self, txn: Txn, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         cursor = txn.cursor(db=self.db["log"])
         if cursor.set_range(pack_u64(start)):
             for key, value in cursor:
                 yield unpack_u64(key), _unpackb(value)
 
-    def add_todo(self, txn: lmdb.Transaction, cluster_id: int, **flags: bool) -> None:
+    def add_todo(self, txn: Txn, cluster_id: int, **flags: bool) -> None:
         key = pack_u64(cluster_id)
         raw = txn.get(key, db=self.db["todo"])
         current = _unpackb(raw) if raw else {}
@@ -840,7 +843,7 @@ class MemoryStore(_Environment):
         if current:
             txn.put(key, _packb(current), db=self.db["todo"])
 
-    def clear_todo(self, txn: lmdb.Transaction, cluster_id: int, *names: str) -> None:
+    def clear_todo(self, txn: Txn, cluster_id: int, *names: str) -> None:
         key = pack_u64(cluster_id)
         raw = txn.get(key, db=self.db["todo"])
         if raw is None:
@@ -851,5 +854,5 @@ class MemoryStore(_Environment):
         else:
             txn.delete(key, db=self.db["todo"])
 
-    def todos(self, txn: lmdb.Transaction) -> dict[int, dict[str, bool]]:
+    def todos(self, txn: Txn) -> dict[int, dict[str, bool]]:
         return {unpack_u64(k): _unpackb(v) for k, v in txn.cursor(db=self.db["todo"])}

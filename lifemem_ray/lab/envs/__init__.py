@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from lifemem_ray.core.errors import UnknownNameError
 from lifemem_ray.lab.envs.base import Environment, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["ENVIRONMENTS", "EnvUnavailable", "Environment", "StepResult", "Task", "TaskError", "make_env", "register"]
@@ -38,7 +39,7 @@ def make_env(name: str, **options: Any) -> Environment:
             key = prefix
             options.setdefault("variant", name.split("-", 1)[1])
         else:
-            raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+            raise UnknownNameError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
     module, _, factory = ENVIRONMENTS[key].partition(":")
     make: Callable[..., Environment] = getattr(importlib.import_module(module), factory)
     return make(**options)

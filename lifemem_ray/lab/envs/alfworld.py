@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["TASK_TYPES", "TEST_SOURCES", "TRAIN_SOURCES", "AlfWorldEnv"]
@@ -203,7 +204,7 @@ class AlfWorldEnv(Environment):
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, max_steps: int = 50, seed: int = 0) -> None:
         if not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"AlfWorldEnv: max_steps must be an int >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"AlfWorldEnv: max_steps must be an int >= 1, got {max_steps!r}")
         root = Path(data_dir) if data_dir is not None else _default_data_dir()
         if root is None or not (root / "json_2.1.1").is_dir():
             where = root if root is not None else "ALFWORLD_DATA / <shared>/data/alfworld"
@@ -275,9 +276,9 @@ class AlfWorldEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's games: task types interleaved for ``seed=0``, else shuffled by ``seed``."""
         if split not in self._tasks:
-            raise ValueError(f"AlfWorldEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"AlfWorldEnv.tasks: split must be 'train' or 'test', got {split!r}")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"AlfWorldEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
+            raise InvalidArgumentError(f"AlfWorldEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
         out = list(self._tasks[split])
         if seed:
             random.Random(seed).shuffle(out)
@@ -429,12 +430,12 @@ class AlfWorldEnv(Environment):
         lib = getattr(inner, "downward_lib", None)
         try:
             engine.close()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - a broken engine: what it holds is released below
             pass
         if lib is not None:
             try:
                 lib.cleanup()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - best effort: the references are dropped anyway
                 pass
             inner.downward_lib = None
             inner._pddl_state = None

@@ -65,7 +65,7 @@ class Environment(abc.ABC):
         """A known solution of ``task`` (for scripted data-collection agents), if the environment has one."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: an environment without processes or files has nothing to free
         """Free processes and files; safe to call twice."""
 
     def __enter__(self) -> Environment:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lifemem_ray.core.errors import ActionParseError, InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.calls import literal_arg
 
@@ -141,26 +142,26 @@ def _parse_calls(text: str) -> list[Call]:
     """The calls of one action (one call, a list of calls, or JSON); ValueError if malformed."""
     text = _FENCE.sub("", text.strip()).strip()
     if not text:
-        raise ValueError("empty action")
+        raise ActionParseError("empty action")
     if text[0] in "{[" and not re.match(r"^\[\s*[A-Za-z_][\w.]*\s*\(", text):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"invalid JSON ({exc.msg} at position {exc.pos})") from None
-        calls = []
+            raise ActionParseError(f"invalid JSON ({exc.msg} at position {exc.pos})") from None
+        calls: list[Call] = []
         for item in obj if isinstance(obj, list) else [obj]:
             if isinstance(item, dict) and isinstance(item.get("function"), dict):
                 item = item["function"]
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                raise ValueError('JSON calls need the form {"name": "<function>", "arguments": {...}}')
+                raise ActionParseError('JSON calls need the form {"name": "<function>", "arguments": {...}}')
             args = item.get("arguments", item.get("parameters", {})) or {}
             if isinstance(args, str):
                 try:
                     args = json.loads(args) if args.strip() else {}
                 except json.JSONDecodeError:
-                    raise ValueError("'arguments' is a string that is not valid JSON") from None
+                    raise ActionParseError("'arguments' is a string that is not valid JSON") from None
             if not isinstance(args, dict):
-                raise ValueError("'arguments' must be an object")
+                raise ActionParseError("'arguments' must be an object")
             name = item["name"].rsplit(".", 1)[-1]
             calls.append((name, [], args, f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"))
         return calls
@@ -169,29 +170,29 @@ def _parse_calls(text: str) -> list[Call]:
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
-        raise ValueError(f"not a function call ({exc.msg})") from None
+        raise ActionParseError(f"not a function call ({exc.msg})") from None
     nodes = tree.body.elts if isinstance(tree.body, (ast.List, ast.Tuple)) else [tree.body]
     if not nodes:
-        raise ValueError("an empty list of calls")
+        raise ActionParseError("an empty list of calls")
     calls = []
     for node in nodes:
         if not isinstance(node, ast.Call):
-            raise ValueError("expected function calls like cd(folder='document')")
+            raise ActionParseError("expected function calls like cd(folder='document')")
         if isinstance(node.func, ast.Name):
             name = node.func.id
         elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
             name = node.func.attr  # Class.method(...)
         else:
-            raise ValueError("expected function calls like cd(folder='document')")
+            raise ActionParseError("expected function calls like cd(folder='document')")
         try:
             args = [literal_arg(a) for a in node.args]
             kwargs = {}
             for kw in node.keywords:
                 if kw.arg is None:
-                    raise ValueError
+                    raise ActionParseError(f"{name}(**...): unpacked keyword arguments are not supported")
                 kwargs[kw.arg] = literal_arg(kw.value)
         except (ValueError, TypeError, SyntaxError, RecursionError):
-            raise ValueError(
+            raise ActionParseError(
                 f"arguments of {name} must be literal values (strings, numbers, lists, dicts, True/False/None)"
             ) from None
         calls.append((name, args, kwargs, ast.get_source_segment(text, node) or name))
@@ -238,7 +239,7 @@ class _World:
                 return f"Error during execution: {param} must be at most {limit} in absolute value"
         try:
             result = method(*args, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - as BFCL's executor: any failure is the call's answer
             return f"Error during execution: {exc}"
         if isinstance(result, str):
             return result
@@ -282,13 +283,15 @@ class BfclEnv(Environment):
             categories = (categories,)
         unknown = [c for c in categories if c not in CATEGORIES]
         if unknown or not categories:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"BfclEnv: unknown categories {unknown or list(categories)}; expected some of {', '.join(CATEGORIES)}"
             )
         if not isinstance(max_steps_per_turn, int) or max_steps_per_turn < 2:
-            raise ValueError(f"BfclEnv: max_steps_per_turn must be an integer >= 2, got {max_steps_per_turn!r}")
+            raise InvalidArgumentError(
+                f"BfclEnv: max_steps_per_turn must be an integer >= 2, got {max_steps_per_turn!r}"
+            )
         if not 0.0 <= float(train_fraction) <= 1.0:
-            raise ValueError(f"BfclEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
+            raise InvalidArgumentError(f"BfclEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
         self.categories = tuple(categories)
         self.max_steps_per_turn = max_steps_per_turn
         self.train_fraction = float(train_fraction)
@@ -302,6 +305,8 @@ class BfclEnv(Environment):
             ranked = sorted(entries, key=lambda i: hashlib.sha256(f"{self.seed}:{i}".encode()).hexdigest())
             self._train[cat] = set(ranked[: round(self.train_fraction * len(ranked))])
         self._task: Task | None = None
+        self._world: _World | None = None  # the episode's instances (reset sets them, close drops them)
+        self._gold_world: _World | None = None  # the same, driven by the ground-truth calls
         self._done = True
 
     # ---- tasks -------------------------------------------------------------------------
@@ -325,7 +330,7 @@ class BfclEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The tasks of ``split`` over the chosen categories, in a seeded order."""
         if split not in ("train", "test"):
-            raise ValueError(f"BfclEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"BfclEnv.tasks: split must be 'train' or 'test', got {split!r}")
         keys = []
         for cat, entries in self._entries.items():
             for entry_id in entries:
@@ -395,9 +400,16 @@ class BfclEnv(Environment):
             "turn": 0,
         }
 
+    def _worlds(self) -> tuple[_World, _World]:
+        """The episode's world and its ground-truth twin."""
+        if self._world is None or self._gold_world is None:
+            raise EnvStateError("BfclEnv: no episode is running; call reset(task) first")
+        return self._world, self._gold_world
+
     def _available(self) -> list[str]:
         held = self._held_back(self._entry, self._turn)
-        return [name for name in self._docs if name not in held and name in self._world.methods]
+        world, _ = self._worlds()
+        return [name for name in self._docs if name not in held and name in world.methods]
 
     def valid_actions(self) -> list[str]:
         """Signatures of the functions offered now, plus finish_turn and respond(message)."""
@@ -433,7 +445,7 @@ class BfclEnv(Environment):
                         "a list [f(a=1), g()], finish_turn, or respond('message to the user')."
                     ),
                 )
-            if calls and calls[0][0] in END_TURN + ("respond",):
+            if calls and calls[0][0] in (*END_TURN, "respond"):
                 if len(calls) > 1:
                     observation = "Error: finish_turn / respond(...) must be the only call of its action."
                 else:
@@ -457,17 +469,18 @@ class BfclEnv(Environment):
         return StepResult(observation, 0.0, False, self._info(final=False))
 
     def _run_calls(self, calls: list[Call]) -> str:
+        world, _ = self._worlds()
         lines = []
         for name, args, kwargs, source in calls:
             self._turn_calls += 1  # decoded, as BFCL counts it, whether or not it runs
             if name in _FORBIDDEN:
                 result = f"Error during execution: Function call {name} is not allowed."
-            elif name not in self._world.methods:
+            elif name not in world.methods:
                 result = (
                     f"Error during execution: name {name!r} is not defined; available: {', '.join(self._available())}"
                 )
             else:
-                result = self._world.execute(name, args, kwargs)
+                result = world.execute(name, args, kwargs)
             self._results.append(result)
             lines.append(result if len(calls) == 1 else f"{source} -> {result}")
         return "\n".join(lines)
@@ -481,15 +494,16 @@ class BfclEnv(Environment):
     def _end_turn(self) -> StepResult:
         """BFCL's per-turn check against the ground truth, then the next user turn (or the end)."""
         lib = _bfcl()
+        world, gold_world = self._worlds()
         gold_calls = self._entry["ground_truth"][self._turn]
-        gold_results = [self._gold_world.run_source(src) for src in gold_calls]
+        gold_results = [gold_world.run_source(src) for src in gold_calls]
         if gold_calls and self._failure is None:
             if self._turn_calls == 0:
                 self._fail(
                     "multi_turn:empty_turn_model_response", f"Model response list is empty for turn {self._turn}"
                 )
             else:
-                state = lib["state_checker"](self._world.instances, self._gold_world.instances)
+                state = lib["state_checker"](world.instances, gold_world.instances)
                 if not state["valid"]:
                     self._fail(state["error_type"], state["error_message"])
                 else:
@@ -514,6 +528,8 @@ class BfclEnv(Environment):
         return StepResult(self._turn_text(self._entry, self._turn, added), 0.0, False, info)
 
     def _info(self, final: bool) -> dict[str, Any]:
+        if self._task is None:
+            raise EnvStateError("BfclEnv: no episode is running; call reset(task) first")
         info: dict[str, Any] = {
             "instruction": self._task.instruction,
             "valid_actions": self.valid_actions(),

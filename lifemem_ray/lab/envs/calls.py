@@ -20,6 +20,8 @@ def literal_arg(node: ast.AST) -> Any:
             return _JSON_WORDS[node.id]
         if isinstance(node, (ast.List, ast.Tuple)):
             return [literal_arg(e) for e in node.elts]
-        if isinstance(node, ast.Dict):
-            return {literal_arg(k): literal_arg(v) for k, v in zip(node.keys, node.values)}
+        if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):  # a None key: a **spread
+            return {
+                literal_arg(k): literal_arg(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None
+            }
         raise

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lifemem_ray.core.errors import EnvStateError
 from lifemem_ray.lab.envs import make_env
 from lifemem_ray.lab.envs.base import Environment, StepResult, Task
 
@@ -69,7 +70,7 @@ class FaultyEnv(Environment):
     def step(self, action: str) -> StepResult:
         task = self._task
         if task is not None and task.id in self.fail_on and self._first_time("fail", task):
-            raise RuntimeError(f"injected failure in {task.env}/{task.id}")
+            raise EnvStateError(f"injected failure in {task.env}/{task.id}")
         return self.inner.step(action)
 
     def gold_actions(self, task: Task) -> list[str] | None:

@@ -45,7 +45,7 @@ def stop_simulator(sim: Any, timeout_s: float = 5.0) -> None:
     proc = gateway_process(sim)
     try:
         sim.close()
-    except Exception:  # noqa: BLE001 - a dead gateway: the process is handled below
+    except Exception:  # noqa: BLE001, S110 - a dead gateway: the process is handled below
         pass
     sim.close = lambda: None  # the packages' __del__ call close() again
     if proc is None:

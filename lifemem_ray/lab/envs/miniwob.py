@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["DEFAULT_TASK_NAMES", "GOLD_TASKS", "MiniWobEnv", "parse_action", "render_dom"]
@@ -201,12 +202,12 @@ def _gold_select(kind: str) -> Callable[[dict[str, str], list[dict[str, Any]]], 
         targets = [v for k, v in fields.items() if k.startswith("target")]
         actions = []
         for target in targets:
-            box = _find(elements, lambda e, target=target: e["tag"] == f"input_{kind}" and e["text"] == target)
+            box = next((e for e in elements if e["tag"] == f"input_{kind}" and e["text"] == target), None)
             if box is None:
                 return None
             actions.append(f"click [{box['ref']}]")
         submit = _submit(elements)
-        return actions + [f"click [{submit['ref']}]"] if submit else None
+        return [*actions, f"click [{submit['ref']}]"] if submit else None
 
     return gold
 
@@ -336,10 +337,10 @@ class MiniWobEnv(Environment):
         self._html_dir = HTML_DIR / "miniwob"
         names = list(DEFAULT_TASK_NAMES) if task_names is None else list(task_names)
         if not names:
-            raise ValueError("MiniWobEnv: task_names must not be empty")
+            raise InvalidArgumentError("MiniWobEnv: task_names must not be empty")
         for n in names:
             if not isinstance(n, str) or n.startswith("flight.") or not (self._html_dir / f"{n}.html").is_file():
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"MiniWobEnv: unknown task {n!r}: no {self._html_dir}/{n}.html (flight.* tasks are not supported)"
                 )
         seeds = {}
@@ -348,14 +349,14 @@ class MiniWobEnv(Environment):
             if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values) or len(set(values)) != len(
                 values
             ):
-                raise ValueError(f"MiniWobEnv: {what} must be distinct ints >= 0, got {values[:10]!r}")
+                raise InvalidArgumentError(f"MiniWobEnv: {what} must be distinct ints >= 0, got {values[:10]!r}")
             seeds[what] = values
         if set(seeds["seeds_train"]) & set(seeds["seeds_test"]):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"MiniWobEnv: seeds_train and seeds_test overlap: {sorted(set(seeds['seeds_train']) & set(seeds['seeds_test']))[:10]}"
             )
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"MiniWobEnv: max_steps must be an int >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"MiniWobEnv: max_steps must be an int >= 1, got {max_steps!r}")
         self.chrome_binary, self.chromedriver = self._find_browser()
         self.task_names = list(dict.fromkeys(names))
         self.seeds = {"train": seeds["seeds_train"], "test": seeds["seeds_test"]}
@@ -540,9 +541,9 @@ class MiniWobEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's tasks shuffled by ``seed`` (ids ``<kind>-<split>-<seed>``); instructions are read off the page (cached)."""
         if split not in _SPLITS:
-            raise ValueError(f"miniwob: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"miniwob: split must be 'train' or 'test', got {split!r}")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"miniwob: limit must be an int >= 0 or None, got {limit!r}")
+            raise InvalidArgumentError(f"miniwob: limit must be an int >= 0 or None, got {limit!r}")
         keys = [(name, split, s) for name in self.task_names for s in self.seeds[split]]
         random.Random(seed).shuffle(keys)
         if limit is not None:
@@ -655,7 +656,7 @@ class MiniWobEnv(Environment):
             ActionChains(self._driver, duration=0).send_keys(_KEYS.get(text, text)).perform()
             return None
         element = next((e for e in self._elements if e["ref"] == ref), None)
-        if element is None:
+        if element is None or ref is None:  # ref is None for press only, handled above
             return f"Invalid action: there is no clickable element [{ref}] on the page."
         if verb == "type" and element["tag"] not in _TEXT_INPUTS:
             return f"Invalid action: [{ref}] is a {element['tag']}, not a text field."

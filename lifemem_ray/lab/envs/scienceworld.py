@@ -19,6 +19,7 @@ import shutil
 import subprocess
 from typing import Any
 
+from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
 
@@ -105,11 +106,11 @@ class ScienceWorldEnv(Environment):
         known = _known_task_names()
         names = list(DEFAULT_TASK_NAMES) if task_names is None else list(task_names)
         if not names:
-            raise ValueError("ScienceWorldEnv: task_names must not be empty")
+            raise InvalidArgumentError("ScienceWorldEnv: task_names must not be empty")
         resolved: list[str] = []
         for name in names:
             if not isinstance(name, str) or name not in known:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"ScienceWorldEnv: unknown task name {name!r}; known: {', '.join(sorted(set(known.values())))}"
                 )
             if known[name] not in resolved:
@@ -119,20 +120,20 @@ class ScienceWorldEnv(Environment):
             ("variations_per_task_test", variations_per_task_test),
         ):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"ScienceWorldEnv: {what} must be an int >= 0 or None (every variation of the fold), got {n!r}"
                 )
         if not isinstance(simplification, str):
-            raise TypeError(f"ScienceWorldEnv: simplification must be a string, got {simplification!r}")
+            raise ArgumentTypeError(f"ScienceWorldEnv: simplification must be a string, got {simplification!r}")
         unknown = [s for s in simplification.split(",") if s and s not in SIMPLIFICATIONS]
         if unknown:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ScienceWorldEnv: unknown simplification(s) {unknown}; known: {', '.join(SIMPLIFICATIONS)} (comma-separated)"
             )
         if isinstance(java_heap_mb, bool) or not isinstance(java_heap_mb, int) or java_heap_mb < 64:
-            raise ValueError(f"ScienceWorldEnv: java_heap_mb must be an int >= 64, got {java_heap_mb!r}")
+            raise InvalidArgumentError(f"ScienceWorldEnv: java_heap_mb must be an int >= 64, got {java_heap_mb!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"ScienceWorldEnv: max_steps must be an int >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"ScienceWorldEnv: max_steps must be an int >= 1, got {max_steps!r}")
 
         self.task_names = resolved
         self.variations = {"train": variations_per_task_train, "test": variations_per_task_test}
@@ -244,9 +245,9 @@ class ScienceWorldEnv(Environment):
         Only the returned tasks are loaded for their instruction (~0.1-0.5 s each, cached).
         """
         if split not in _SPLITS:
-            raise ValueError(f"scienceworld: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"scienceworld: split must be 'train' or 'test', got {split!r}")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"scienceworld: limit must be an int >= 0 or None, got {limit!r}")
+            raise InvalidArgumentError(f"scienceworld: limit must be an int >= 0 or None, got {limit!r}")
         try:
             keys: list[tuple[str, int]] = []
             for name in self.task_names:
@@ -255,7 +256,9 @@ class ScienceWorldEnv(Environment):
                 if n is None:
                     n = len(available)
                 elif n > len(available):
-                    raise ValueError(f"scienceworld: {name} has {len(available)} {split} variations, asked for {n}")
+                    raise InvalidArgumentError(
+                        f"scienceworld: {name} has {len(available)} {split} variations, asked for {n}"
+                    )
                 keys.extend((name, v) for v in available[:n])
             random.Random(seed).shuffle(keys)
             if limit is not None:
@@ -283,7 +286,7 @@ class ScienceWorldEnv(Environment):
             raise TaskError(f"scienceworld: task {task.id!r} belongs to environment {task.env!r}")
         p = task.payload
         name, variation, simp = p.get("task_name"), p.get("variation"), p.get("simplification", self.simplification)
-        if name not in _known_task_names().values():
+        if not isinstance(name, str) or name not in _known_task_names().values():
             raise TaskError(
                 f"scienceworld: task {task.id!r} payload.task_name {name!r} is not a ScienceWorld task kind"
             )

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Task, TaskError
 
 __all__ = ["TASK_TYPES", "SqlEnv", "normalise_rows", "parse_action"]
@@ -136,7 +137,7 @@ _CITIES = ("Boston", "Denver", "Austin", "Seattle", "Chicago", "Miami", "Portlan
 
 
 def _names(rng: random.Random, n: int) -> list[str]:
-    pool = [f"{f} {l}" for f in _FIRST for l in _LAST]
+    pool = [f"{first} {last}" for first in _FIRST for last in _LAST]
     return rng.sample(pool, n)
 
 
@@ -623,7 +624,7 @@ def _ask_insert(a: _Ask) -> Question:
     row = a.next_child()
     cols = [name for name, _ in dom.child_cols if name != dom.pk]
     vals = [row[_col(dom, name)] for name in cols]
-    desc = ", ".join(f"{name} {_lit(val)}" for name, val in zip(cols, vals))
+    desc = ", ".join(f"{name} {_lit(val)}" for name, val in zip(cols, vals, strict=True))
     q = f"Insert a new {dom.noun} into the {c} table with {desc}; let the database assign {dom.pk}."
     return q, [f"INSERT INTO {c} ({', '.join(cols)}) VALUES ({', '.join(_lit(v) for v in vals)})"], False
 
@@ -677,6 +678,17 @@ _KINDS: dict[str, Callable[[_Ask], Question]] = {
 }
 
 
+def _child_maker(dom: Domain, rng: random.Random, parents: list[tuple], used: set, last_id: int) -> Callable[[], tuple]:
+    """Makes the child rows a question adds (an INSERT's), numbered on from ``last_id``."""
+    counter = [last_id]
+
+    def next_child() -> tuple:
+        counter[0] += 1
+        return dom.make_child(rng, counter[0], parents, used)
+
+    return next_child
+
+
 def generate_task(seed: int, split: str, index: int) -> Task:
     """Task ``index`` of ``split``: its own RNG, so it does not depend on how many tasks are asked for."""
     rng = random.Random(f"lifemem-sql:{seed}:{split}:{index}")
@@ -687,12 +699,7 @@ def generate_task(seed: int, split: str, index: int) -> Task:
         used: set = set()
         n_child = rng.randint(12, 40)
         children = [dom.make_child(rng, i + 1, parents, used) for i in range(n_child)]
-        counter = [n_child]
-
-        def next_child() -> tuple:
-            counter[0] += 1
-            return dom.make_child(rng, counter[0], parents, used)
-
+        next_child = _child_maker(dom, rng, parents, used, n_child)
         question, gold, ordered = _question(dom, kind, rng, parents, children, next_child)
         if not gold:
             continue
@@ -889,9 +896,9 @@ class SqlEnv(Environment):
     def __init__(self, n_train: int = 60, n_test: int = 20, seed: int = 0, max_steps: int = 8) -> None:
         for label, value, low in (("n_train", n_train, 0), ("n_test", n_test, 0), ("max_steps", max_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"SqlEnv: {label} must be an integer >= {low}, got {value!r}")
+                raise InvalidArgumentError(f"SqlEnv: {label} must be an integer >= {low}, got {value!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"SqlEnv: seed must be an integer, got {seed!r}")
+            raise InvalidArgumentError(f"SqlEnv: seed must be an integer, got {seed!r}")
         self.n_train, self.n_test, self.seed, self.max_steps = n_train, n_test, seed, max_steps
         self._tasks: dict[str, list[Task]] = {}
         self._conn: sqlite3.Connection | None = None
@@ -907,7 +914,7 @@ class SqlEnv(Environment):
 
     def _split(self, split: str) -> list[Task]:
         if split not in ("train", "test"):
-            raise ValueError(f"SqlEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"SqlEnv.tasks: split must be 'train' or 'test', got {split!r}")
         if split not in self._tasks:
             n = self.n_train if split == "train" else self.n_test
             self._tasks[split] = [generate_task(self.seed, split, i) for i in range(n)]
@@ -916,7 +923,7 @@ class SqlEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's tasks: generation order for ``seed=0`` (kinds cycle), else shuffled by ``seed``."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"SqlEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
+            raise InvalidArgumentError(f"SqlEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
         out = [
             t if t.env == self.name else dataclasses.replace(t, env=self.name) for t in self._split(split)
         ]  # under an alias name
@@ -1010,6 +1017,7 @@ class SqlEnv(Environment):
             raise EnvStateError(f"SqlEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
+        body: str | None
         if not isinstance(action, str):
             kind, body = "invalid", f"the action must be text, got {type(action).__name__}"
         else:
@@ -1086,7 +1094,7 @@ class SqlEnv(Environment):
         result, _, _ = self._reference(task)
         ops = [f"Action: Operation\n```sql\n{s};\n```" for s in task.payload["gold_sql"]]
         answer = "[]" if task.payload["kind"] in MODIFY_TYPES else repr(result)
-        return ops + [f"Action: Answer\nFinal Answer: {answer}"]
+        return [*ops, f"Action: Answer\nFinal Answer: {answer}"]
 
     def _close_conn(self) -> None:
         if self._conn is not None:
@@ -1108,10 +1116,10 @@ def _rows_equal(got: list[tuple], want: list[tuple]) -> bool:
     """Row lists equal, numbers within 0.01 (an unrounded average matches its 2-decimal gold)."""
     if len(got) != len(want):
         return False
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         if len(a) != len(b):
             return False
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             if isinstance(x, float) and isinstance(y, float):
                 if abs(x - y) > 0.01 + 1e-9:
                     return False

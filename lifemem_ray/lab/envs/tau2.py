@@ -36,6 +36,7 @@ import random
 import re
 from typing import Any
 
+from lifemem_ray.core.errors import ActionParseError, InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.calls import literal_arg
 
@@ -286,45 +287,47 @@ def _parse_call(text: str) -> tuple[str, list[Any], dict[str, Any]]:
     """(name, positional args, keyword args) from call syntax or tau2/OpenAI-style JSON; ValueError if malformed."""
     text = _FENCE.sub("", _CALL_PREFIX.sub("", text.strip())).strip()
     if not text:
-        raise ValueError("empty action")
+        raise ActionParseError("empty action")
     if text.startswith("{"):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"invalid JSON ({exc.msg} at position {exc.pos})") from None
+            raise ActionParseError(f"invalid JSON ({exc.msg} at position {exc.pos})") from None
         if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
             obj = obj["function"]
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise ValueError('JSON actions need the form {"name": "<tool>", "arguments": {...}}')
+            raise ActionParseError('JSON actions need the form {"name": "<tool>", "arguments": {...}}')
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
-                raise ValueError("'arguments' is a string that is not valid JSON") from None
+                raise ActionParseError("'arguments' is a string that is not valid JSON") from None
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            raise ValueError("'arguments' must be an object")
+            raise ActionParseError("'arguments' must be an object")
         return obj["name"], [], args
     if re.fullmatch(r"[A-Za-z_]\w*", text):
         return text, [], {}
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
-        raise ValueError(f"not a function call ({exc.msg})") from None
+        raise ActionParseError(f"not a function call ({exc.msg})") from None
     call = tree.body
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
-        raise ValueError("expected one call like tool_name(arg=value)")
+        raise ActionParseError("expected one call like tool_name(arg=value)")
     try:
         args = [literal_arg(a) for a in call.args]
         kwargs = {}
         for kw in call.keywords:
             if kw.arg is None:
-                raise ValueError("**kwargs is not supported")
+                raise ActionParseError("**kwargs is not supported")
             kwargs[kw.arg] = literal_arg(kw.value)
     except (ValueError, TypeError, SyntaxError, RecursionError):
-        raise ValueError("arguments must be literal values (strings, numbers, lists, dicts, true/false/null)") from None
+        raise ActionParseError(
+            "arguments must be literal values (strings, numbers, lists, dicts, true/false/null)"
+        ) from None
     return call.func.id, args, kwargs
 
 
@@ -348,11 +351,11 @@ class Tau2Env(Environment):
         self, variant: str = "retail", max_steps: int = 30, train_fraction: float | None = None, seed: int = 0
     ) -> None:
         if variant not in VARIANTS:
-            raise ValueError(f"Tau2Env: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
+            raise InvalidArgumentError(f"Tau2Env: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
         if not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"Tau2Env: max_steps must be a positive integer, got {max_steps!r}")
+            raise InvalidArgumentError(f"Tau2Env: max_steps must be a positive integer, got {max_steps!r}")
         if train_fraction is not None and not 0.0 <= float(train_fraction) <= 1.0:
-            raise ValueError(f"Tau2Env: train_fraction must be in [0, 1], got {train_fraction!r}")
+            raise InvalidArgumentError(f"Tau2Env: train_fraction must be in [0, 1], got {train_fraction!r}")
         self.variant = variant
         self.name = f"tau2-{variant}"
         self.max_steps = max_steps
@@ -409,7 +412,7 @@ class Tau2Env(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The tasks of ``split`` in a seeded order (same arguments, same list)."""
         if split not in ("train", "test"):
-            raise ValueError(f"Tau2Env.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"Tau2Env.tasks: split must be 'train' or 'test', got {split!r}")
         ids = sorted((i for i in self._data["tasks"] if self._split_of(i) == split), key=lambda i: (len(i), i))
         random.Random(seed).shuffle(ids)
         if limit is not None:
@@ -478,7 +481,7 @@ class Tau2Env(Environment):
     def valid_actions(self) -> list[str]:
         """Tool signatures with argument names, plus respond(content) and done()."""
         sigs = [f"{n}({', '.join(sig.parameters)})" for n, sig in sorted(self._tool_meta()["signatures"].items())]
-        return sigs + ["respond(content)", "done()"]
+        return [*sigs, "respond(content)", "done()"]
 
     def step(self, action: str) -> StepResult:
         """Run one tool call, message or end signal; errors become observations."""
@@ -527,6 +530,8 @@ class Tau2Env(Environment):
                     'Error: respond takes one text argument, e.g. respond("Could you give me your order id?").',
                     False,
                 )
+            if self._user is None:
+                raise EnvStateError("Tau2Env: no episode is running; call reset(task) first")
             self._messages.append(AssistantMessage(role="assistant", content=values[0]))
             answer = self._user.reply(values[0])
             self._messages.append(UserMessage(role="user", content=answer))
@@ -537,7 +542,7 @@ class Tau2Env(Environment):
         params = list(signatures[name].parameters)
         if len(args) > len(params):
             return f"Error: {name} takes at most {len(params)} arguments ({', '.join(params)}), got {len(args)}.", False
-        for pname, value in zip(params, args):
+        for pname, value in zip(params, args, strict=False):  # fewer args than params: the rest by name
             if pname in kwargs:
                 return f"Error: {name} got argument {pname!r} twice.", False
             kwargs[pname] = value
@@ -568,7 +573,7 @@ class Tau2Env(Environment):
         try:
             result = self._env.make_tool_call(name, requestor="assistant", **kwargs)
             content = self._env.to_json_str(result)
-        except Exception as exc:  # tau2 turns every tool failure into an "Error: ..." tool message
+        except Exception as exc:  # noqa: BLE001 - tau2 turns every tool failure into an "Error: ..." tool message
             content, error = f"Error: {exc}", True
         self._messages.append(AssistantMessage(role="assistant", content=None, tool_calls=[call]))
         self._messages.append(ToolMessage(id=call.id, role="tool", content=content, requestor="assistant", error=error))
@@ -583,12 +588,14 @@ class Tau2Env(Environment):
             for action in self._tau2_task.evaluation_criteria.actions or []:
                 try:  # as tau2's EnvironmentEvaluator: a failing gold action is skipped
                     env.make_tool_call(tool_name=action.name, requestor=action.requestor, **action.arguments)
-                except Exception:
+                except Exception:  # noqa: BLE001, S110
                     pass
             _GOLD_HASH[key] = env.get_db_hash()
         return _GOLD_HASH[key]
 
     def _info(self, final: bool) -> dict[str, Any]:
+        if self._task is None:
+            raise EnvStateError("Tau2Env: no episode is running; call reset(task) first")
         info: dict[str, Any] = {
             "instruction": self._task.instruction,
             "valid_actions": self.valid_actions(),
@@ -639,7 +646,7 @@ class Tau2Env(Environment):
         info = tau2_task.evaluation_criteria.communicate_info or []
         if info:
             out.append(f"respond({'Here is the information you asked for: ' + '; '.join(info) + '.'!r})")
-        return out + ["done()"]
+        return [*out, "done()"]
 
     def close(self) -> None:
         """Drop the episode's database (no processes are held); safe to call twice."""

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import random
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
+from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
 
@@ -62,6 +64,7 @@ _MAX_STEPS = {
 _FOLDS = {"train": "train", "test": "test"}  # our split -> the package's seed fold
 
 
+_loads: Callable[[str | bytes], Any]  # one JSON text to its value
 try:  # the package uses orjson when present
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover
@@ -93,13 +96,19 @@ class TextWorldExpressEnv(Environment):
         **game_params: int,
     ) -> None:
         if variant not in DEFAULT_GAME_PARAMS:
-            raise ValueError(f"TextWorldExpressEnv: unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+            raise InvalidArgumentError(
+                f"TextWorldExpressEnv: unknown variant {variant!r}; known: {', '.join(VARIANTS)}"
+            )
         for what, n in (("n_train", n_train), ("n_test", n_test)):
             if not isinstance(n, int) or not 1 <= n <= 1000:
-                raise ValueError(f"TextWorldExpressEnv: {what} must be an int in 1..1000 (seeds per fold), got {n!r}")
+                raise InvalidArgumentError(
+                    f"TextWorldExpressEnv: {what} must be an int in 1..1000 (seeds per fold), got {n!r}"
+                )
         for key, value in game_params.items():
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"TextWorldExpressEnv({variant}): game parameter {key}={value!r} must be an int")
+                raise ArgumentTypeError(
+                    f"TextWorldExpressEnv({variant}): game parameter {key}={value!r} must be an int"
+                )
         try:
             import textworld_express  # noqa: F401  (lazy: the module imports without the package)
         except ImportError as exc:
@@ -113,7 +122,7 @@ class TextWorldExpressEnv(Environment):
         self.n_test = n_test
         self.max_steps = max_steps if max_steps is not None else _MAX_STEPS[variant]
         if self.max_steps < 1:
-            raise ValueError(f"TextWorldExpressEnv: max_steps must be >= 1, got {self.max_steps}")
+            raise InvalidArgumentError(f"TextWorldExpressEnv: max_steps must be >= 1, got {self.max_steps}")
         self.jvm_heap_mb = jvm_heap_mb
         self.game_params = {**DEFAULT_GAME_PARAMS[variant], **game_params}
         self._params_str = _params_str(self.game_params)
@@ -179,7 +188,7 @@ class TextWorldExpressEnv(Environment):
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - nothing may escape a finaliser
             pass
 
     # -- tasks ----------------------------------------------------------------------------
@@ -189,7 +198,7 @@ class TextWorldExpressEnv(Environment):
         seeds = sorted(twx.getValidSeedsTrain() if split == "train" else twx.getValidSeedsTest())
         n = self.n_train if split == "train" else self.n_test
         if n > len(seeds):
-            raise ValueError(f"{self.name}: {split} has {len(seeds)} seeds, asked for {n}")
+            raise InvalidArgumentError(f"{self.name}: {split} has {len(seeds)} seeds, asked for {n}")
         if self.seed == 0:
             return seeds[:n]
         return sorted(random.Random(self.seed).sample(seeds, n))
@@ -230,9 +239,9 @@ class TextWorldExpressEnv(Environment):
         game parameters), so they stay stable across runs and instances.
         """
         if split not in _FOLDS:
-            raise ValueError(f"{self.name}.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"{self.name}.tasks: split must be 'train' or 'test', got {split!r}")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"{self.name}.tasks: limit must be None or an integer >= 0, got {limit!r}")
+            raise InvalidArgumentError(f"{self.name}.tasks: limit must be None or an integer >= 0, got {limit!r}")
         if split not in self._tasks:
             self._tasks[split] = self._build_tasks(split)
         out = list(self._tasks[split])

@@ -34,8 +34,9 @@ import string
 import unicodedata
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 
 __all__ = ["DEFAULT_CORPUS", "Corpus", "WebSearchEnv", "answer_f1", "normalize_answer"]
@@ -135,7 +136,7 @@ def _tokens(text: str) -> list[str]:
 class Corpus:
     """Paragraphs by title with a BM25 index over title (weighted x3) and text; one per file, shared."""
 
-    _cache: dict[tuple[str, int, int], Corpus] = {}
+    _cache: ClassVar[dict[tuple[str, int, int], Corpus]] = {}  # shared by every instance, on purpose
 
     def __init__(self, questions: list[dict[str, Any]], pages: dict[str, list[str]]) -> None:
         self.questions = questions
@@ -191,7 +192,7 @@ class Corpus:
                 try:
                     for title, sentences in row["context"]:
                         if not isinstance(title, str) or not isinstance(sentences, list):
-                            raise ValueError
+                            raise TaskError(f"{where}: context entries must be [title, [sentences]]")
                         sents = [str(s).strip() for s in sentences if str(s).strip()]
                         if title not in pages or len(" ".join(sents)) > len(" ".join(pages[title])):
                             pages[title] = sents
@@ -298,9 +299,9 @@ class WebSearchEnv(Environment):
             or not isinstance(train_fraction, (int, float))
             or not 0.0 <= train_fraction <= 1.0
         ):
-            raise ValueError(f"WebSearchEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
+            raise InvalidArgumentError(f"WebSearchEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"WebSearchEnv: max_steps must be an integer >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"WebSearchEnv: max_steps must be an integer >= 1, got {max_steps!r}")
         self.corpus_path = resolve_corpus_path(corpus_path)
         self.corpus = Corpus.load(self.corpus_path)
         self.train_fraction, self.seed, self.max_steps = float(train_fraction), seed, max_steps
@@ -333,9 +334,9 @@ class WebSearchEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's questions: file order for ``seed=0``, else shuffled by ``seed``."""
         if split not in self._tasks:
-            raise ValueError(f"WebSearchEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"WebSearchEnv.tasks: split must be 'train' or 'test', got {split!r}")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"WebSearchEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
+            raise InvalidArgumentError(f"WebSearchEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
         out = list(self._tasks[split])
         if seed:
             random.Random(seed).shuffle(out)
