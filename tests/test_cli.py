@@ -285,3 +285,13 @@ def test_delete_on_a_mistyped_store_path_creates_nothing(tmp_path):
     out = run("delete", "some-id", "--store", str(missing), check=False)
     assert out.returncode == 1 and "no memory store here (data.mdb missing)" in out.stderr
     assert not missing.exists()
+
+
+def test_version_is_the_packages_one_version(capsys):
+    from lifemem_ray import __version__
+    from lifemem_ray.cli.parser import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lifemem-ray {__version__}"

@@ -70,6 +70,9 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 def test_openapi_lists_the_routes_and_health_needs_no_key(front):
     doc = httpx.get(f"{front.url}/openapi.json", timeout=60).json()
+    from lifemem_ray import __version__
+
+    assert doc["info"]["version"] == __version__, "the API's version is the package's one version"
     assert {
         "/v1/trajectories",
         "/v1/retrieve",

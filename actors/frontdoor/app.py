@@ -46,6 +46,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match, Route
 from starlette.types import Message, Receive, Scope, Send
 
+from lifemem_ray import __version__
 from lifemem_ray.actors.cluster import ray_internals
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
@@ -231,7 +232,7 @@ def build_app(service: FrontService, keyring: KeyRing) -> FastAPI:
 
     app = FastAPI(
         title="lifemem-ray",
-        version="0.1.0",
+        version=__version__,
         lifespan=lifespan,
         description="Lifelong workflow memory for LLM agents: REST front door. Every route but /healthz needs "
         "'Authorization: Bearer <key>'.",

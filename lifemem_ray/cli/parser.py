@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lifemem_ray import __version__
 from lifemem_ray.cli.deployment_commands import (
     cmd_compact,
     cmd_keys_new,
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lifemem-ray", description="Lifelong workflow memory for LLM agents (LifeMem)."
     )
-    parser.add_argument("--version", action="version", version="lifemem-ray 0.1.0")
+    parser.add_argument("--version", action="version", version=f"lifemem-ray {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common, remote, llm = shared_options()
     experiment_commands(sub, common, llm)

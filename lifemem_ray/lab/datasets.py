@@ -21,7 +21,7 @@ Episodes run in worker processes (``spawn``), one environment instance each; a w
 episode runs past the time limit (ALFWorld's planner takes minutes on a few games) is killed
 and replaced, and the task is counted as skipped, never silently dropped.
 
-Example (needs the environment packages; see the README):
+Example (needs the environment packages: docs/experiments.md, "Environments"):
 
 >>> from lifemem_ray.lab.datasets import default_sources, generate  # doctest: +SKIP
 >>> result = generate(default_sources(scale=0.1), "report", workers=2)  # doctest: +SKIP

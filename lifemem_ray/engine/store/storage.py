@@ -409,7 +409,7 @@ class _Environment:
         """``store id:digest`` of what the vector index holds: every stored (vid, vector record),
         folded order-independently (xor and sum of per-entry crc32s), with the count and the
         generation. An index cache saved with another identity belongs to another store or
-        other contents and is not used. Reads the vectors table once (see README: costs)."""
+        other contents and is not used. Reads the whole vectors table once: its time grows with the store."""
         if txn is None:
             with self.read() as txn:
                 return self.index_identity(txn)
