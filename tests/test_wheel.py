@@ -39,6 +39,7 @@ from wheel_env import (
     fresh_venv,
     import_every_module,
     run_in,
+    trajectory_record,
 )
 
 pytestmark = [pytest.mark.wheel, pytest.mark.timeout(2400)]
@@ -184,16 +185,6 @@ def test_demo_runs_from_the_fresh_environment(venv: Path, cwd: Path, work: Path)
     assert hits and all(h["env"] == report["query"]["env"] for h in hits)
 
 
-def _trajectory(id_: str, env: str, task: str, actions: list[str]) -> dict:
-    return {
-        "id": id_,
-        "env": env,
-        "task": task,
-        "steps": [{"thought": "", "action": a, "observation": f"done: {a}"} for a in actions],
-        "outcome": {"success": True, "reward": 1.0},
-    }
-
-
 SHOP = [
     "buy a red wool scarf under 30 dollars",
     "find a waterproof 64 gb usb flash drive",
@@ -214,10 +205,12 @@ SQL = [
 
 def _records() -> list[dict]:
     shop = [
-        _trajectory(f"shop-{i}", "shop", t, [f"search[{t}]", "click[first result]", "click[buy now]"])
+        trajectory_record(f"shop-{i}", "shop", t, [f"search[{t}]", "click[first result]", "click[buy now]"])
         for i, t in enumerate(SHOP)
     ]
-    sql = [_trajectory(f"sql-{i}", "sql", t, ["show tables", f"run query: {t}", "answer"]) for i, t in enumerate(SQL)]
+    sql = [
+        trajectory_record(f"sql-{i}", "sql", t, ["show tables", f"run query: {t}", "answer"]) for i, t in enumerate(SQL)
+    ]
     return shop + sql
 
 

@@ -187,3 +187,14 @@ def import_every_module(venv: Path, packages: Sequence[str], *, cwd: Path) -> di
     file}, "failed": {module: {"type", "message", "missing"}}}``."""
     done = run_in(venv, "python", "-c", _IMPORT_EVERY_MODULE, *packages, cwd=cwd, timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def trajectory_record(id_: str, env: str, task: str, actions: list[str]) -> dict:
+    """A successful trajectory as one JSONL record of `lifemem-ray ingest`, each action observed."""
+    return {
+        "id": id_,
+        "env": env,
+        "task": task,
+        "steps": [{"thought": "", "action": a, "observation": f"done: {a}"} for a in actions],
+        "outcome": {"success": True, "reward": 1.0},
+    }
