@@ -65,8 +65,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(cmd: Sequence[str | Path], *, cwd: Path, timeout: float, env: Mapping[str, str] | None = None) -> str:
-    """Run ``cmd``; its stdout, or :class:`WheelEnvError` with what it printed."""
+def _run(
+    cmd: Sequence[str | Path], *, cwd: Path, timeout: float, env: Mapping[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` from ``cwd`` with ``env`` (default: :func:`clean_env`), its output captured;
+    with ``check``, a non-zero exit is a :class:`WheelEnvError` with what it printed."""
     done = subprocess.run(
         [str(c) for c in cmd],
         cwd=cwd,
@@ -77,12 +80,12 @@ def _run(cmd: Sequence[str | Path], *, cwd: Path, timeout: float, env: Mapping[s
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         raise WheelEnvError(
             f"`{' '.join(map(str, cmd))}` (in {cwd}) exited with code {done.returncode}:\n"
             f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         )
-    return done.stdout
+    return done
 
 
 def build_dists(out_dir: Path, source: Path = ROOT) -> Dists:
@@ -139,22 +142,7 @@ def run_in(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``venv``'s ``bin/program`` with ``args`` from ``cwd`` (never the checkout), with
     ``env`` (default: :func:`clean_env`). With ``check``, a non-zero exit raises."""
-    done = subprocess.run(
-        [str(venv / "bin" / program), *args],
-        cwd=cwd,
-        env=dict(env or clean_env()),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    if check and done.returncode != 0:
-        raise WheelEnvError(
-            f"`{program} {' '.join(args)}` exited with code {done.returncode}:\n"
-            f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-        )
-    return done
+    return _run([venv / "bin" / program, *args], cwd=cwd, timeout=timeout, env=env, check=check)
 
 
 # Run by the environment's own Python: imports every module below the given packages and prints,

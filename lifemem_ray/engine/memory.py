@@ -74,28 +74,9 @@ log = logging.getLogger(__name__)
 class Memory:
     """A LifeMem memory stored in one folder. Thread-safe; one writer process per folder."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        config: MemoryConfig | None = None,
-        *,
-        embedder: Embedder | None = None,
-        decider: Decider | None = None,
-        dim: int | None = None,
-        read_only: bool = False,
-        namespace: int = 0,
-        metrics: MetricsSink | None = None,
-    ) -> None:
-        self._parts = EngineParts.open(
-            path,
-            config,
-            embedder=embedder,
-            decider=decider,
-            dim=dim,
-            read_only=read_only,
-            namespace=namespace,
-            metrics=metrics,
-        )
+    def __init__(self, parts: EngineParts) -> None:
+        """Over already opened parts; :meth:`open` is the way to open a store."""
+        self._parts = parts
         self._state = self._parts.state
         self._ingest, self._search, self._reads = self._parts.ingest, self._parts.search, self._parts.reads
         self._maintenance = self._parts.maintenance
@@ -129,14 +110,16 @@ class Memory:
         Ray shard gives the sink of :mod:`lifemem_ray.actors.cluster.ray_metrics`).
         """
         return cls(
-            path,
-            config,
-            embedder=embedder,
-            decider=decider,
-            dim=dim,
-            read_only=read_only,
-            namespace=namespace,
-            metrics=metrics,
+            EngineParts.open(
+                path,
+                config,
+                embedder=embedder,
+                decider=decider,
+                dim=dim,
+                read_only=read_only,
+                namespace=namespace,
+                metrics=metrics,
+            )
         )
 
     # -- what it is ------------------------------------------------------------------------

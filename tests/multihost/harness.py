@@ -6,7 +6,7 @@ of its own (its home, its Ray temp folder, its store); one folder stands for sha
 start when any of its names or its address range is already in use, and takes down everything
 it made on the way out, also when the setup itself fails: the processes of each namespace by
 their PIDs (``ip netns pids``; SIGTERM, a grace period, then SIGKILL), the namespaces, the links
-and the bridge. Nothing is ever killed by name and ``ray stop`` is never run.
+and the bridge. Processes are only ever ended by the PIDs their namespaces hold.
 
 :class:`RayNodes` starts Ray on those hosts from a virtual environment holding the installed
 wheel (``tests/wheel_env.py``): the head in host 0, a worker offering ``lifemem_shard`` in every

@@ -42,6 +42,7 @@ from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.workflow import (
     DEFAULT_DIM,
+    DIRECTION_WORDS,
     MAX_ACTION_CHARS,
     action_tokens,
     hashed_vector,
@@ -75,28 +76,7 @@ _WORD = re.compile(r"(?<![\w#])#?[A-Za-z_]*\d[\w#.-]*|[a-z]+(?:/[a-z]+)?", re.I)
 _ARTICLES = frozenset(["a", "an", "the", "some", "any", "this", "that", "my", "your", "its"])
 _PARTICLES = frozenset(["up", "down", "around", "at", "on", "off", "out", "over"])
 _PREPOSITIONS = frozenset(["to", "on", "in", "into", "onto", "from", "with", "at", "in/on", "inside", "under", "for"])
-DIRECTIONS = frozenset(
-    [
-        "north",
-        "south",
-        "east",
-        "west",
-        "up",
-        "down",
-        "northeast",
-        "northwest",
-        "southeast",
-        "southwest",
-        "left",
-        "right",
-        "forward",
-        "backward",
-        "n",
-        "s",
-        "e",
-        "w",
-    ]
-)
+DIRECTIONS = DIRECTION_WORDS | {"n", "s", "e", "w"}  # and the one-letter forms of text games
 _STOP = frozenset(
     [
         "a",

@@ -143,7 +143,7 @@ _CLICK_SUFFIX = {
 }  # fmt: skip
 _ACKS = frozenset({"ok", "okay", "sure", "understood", "got it", "yes", "alright", "noted", "ok sure"})
 _MOVE_VERBS = frozenset({"move", "go", "walk", "run", "head", "travel"})
-_DIRECTIONS = frozenset(
+DIRECTION_WORDS = frozenset(
     [
         "north",
         "south",
@@ -307,7 +307,7 @@ def _plain_token(s: str) -> str:
         return "other"
     verb = m.group(0)[:MAX_TOKEN_CHARS]
     second = words[1].lower().strip(",.:;!?\"'") if len(words) > 1 else ""
-    if verb in _MOVE_VERBS and second in _DIRECTIONS:
+    if verb in _MOVE_VERBS and second in DIRECTION_WORDS:
         return "go"  # move east, walk north: navigation, not moving an object
     if verb in ("open", "close") and len(words) > 1 and not _DOOR.search(stripped):
         return verb + ":obj"  # open fridge 1: a container, not a way
