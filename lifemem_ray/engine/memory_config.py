@@ -244,9 +244,22 @@ class StoreConfig(Section):
     map_size_mb: int = 64  # initial LMDB map; it doubles by itself when full
     max_map_size_gb: int = 4096
     sync: bool = True  # fsync each commit: an acknowledged add survives a crash
+    # Where every committed write transaction also goes, before it commits (a shared folder, or
+    # s3://bucket/prefix): the store can then be rebuilt on another machine (engine/store/redo.py).
+    # Empty: off. A Ray shard sets its own from cluster.durable_uri.
+    shared_log_uri: str = ""
+    shared_log_endpoint_url: str = ""  # an S3-compatible server's address (empty: AWS, or AWS_ENDPOINT_URL)
 
     def validate(self) -> None:
         positive(self, "map_size_mb", "max_map_size_gb")
+        for key in ("shared_log_uri", "shared_log_endpoint_url"):
+            value = getattr(self, key)
+            if len(value) > 4096 or not value.isprintable():
+                raise ConfigError(f"store.{key}: must be at most 4096 printable characters, got {value[:80]!r}")
+        if self.shared_log_endpoint_url and not self.shared_log_endpoint_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"store.shared_log_endpoint_url: {self.shared_log_endpoint_url[:80]!r} must be an http:// or https:// address"
+            )
 
 
 @dataclass

@@ -26,6 +26,7 @@ from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import make_decider
 from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, migrate_features, stored_features
+from lifemem_ray.engine.store.shared_log import open_shared_log
 from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = ["MINILM_NAME", "WORKFLOW_DIM", "EngineState"]
@@ -81,10 +82,12 @@ class EngineState:
         if dim is None:
             dim = embedder.dim if embedder is not None else None
         embedder_name = embedder.name if embedder is not None else None
-        if not (self.path / "data.mdb").exists() and dim is None:
+        store = self.config.store
+        shared = open_shared_log(store.shared_log_uri, store.shared_log_endpoint_url) if not read_only else None
+        rebuilt = shared is not None and not shared.is_empty()  # the log holds the store: its meta says the dims
+        if not (self.path / "data.mdb").exists() and dim is None and not rebuilt:
             dim = MINILM_DIM
             embedder_name = embedder_name or f"{MINILM_NAME}@{self.config.embedding.max_tokens}"
-        store = self.config.store
         return MemoryStore(
             self.path,
             dim=dim,
@@ -95,6 +98,7 @@ class EngineState:
             map_size_mb=store.map_size_mb,
             max_map_size_gb=store.max_map_size_gb,
             sync=store.sync,
+            shared_log=shared,
         )
 
     def _open_features(self) -> str:

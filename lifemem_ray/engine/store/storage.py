@@ -66,6 +66,8 @@ from lifemem_ray.engine.store.lmdb_rewrite import (
     replace_data_file,
     write_fresh_copy,
 )
+from lifemem_ray.engine.store.redo import RecordingTxn, RedoLogger
+from lifemem_ray.engine.store.shared_log import SharedLog
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -169,8 +171,11 @@ class _Environment:
         map_size_mb: int = 64,
         max_map_size_gb: int = 4096,
         sync: bool = True,
+        shared_log: SharedLog | None = None,
     ) -> None:
         self.path = Path(path)
+        # Writable with a shared log: every write transaction is appended there before it commits.
+        self._redo = RedoLogger(shared_log, self.path) if shared_log is not None and not read_only else None
         self.read_only = read_only
         self._max_map = max_map_size_gb << 30
         self._write_lock = threading.RLock()
@@ -185,6 +190,12 @@ class _Environment:
             except OSError as exc:
                 raise StoreError(f"{self.path}: cannot create the store folder: {exc.strerror}") from None
             self._acquire_writer_lock()
+        if self._redo is not None:
+            try:
+                self._redo.prepare_folder()  # a store rebuilt on this node starts from the newest checkpoint
+            except BaseException:
+                self._release_writer_lock()
+                raise
         # A truncated data.mdb is mapped without complaint and kills the process (SIGBUS) at
         # the first page past its end: look at its meta pages before LMDB maps it.
         problem = problem_of_data_file(self.path / "data.mdb")
@@ -211,7 +222,32 @@ class _Environment:
             raise StoreError(f"{self.path}: cannot open the LMDB environment: {exc}") from None
         if not 0 <= namespace <= MAX_NAMESPACE:
             raise StoreError(f"namespace: must be within [0, {MAX_NAMESPACE}], got {namespace}")
+        if self._redo is not None:
+            self._recover_from_log()
         self._check_or_init_schema(dim, workflow_dim, embedder, namespace)
+        if self._redo is not None:
+            with self.read() as txn:
+                holds_content = txn.stat(self.db["traj"])["entries"] > 0 or txn.stat(self.db["clusters"])["entries"] > 0
+            self._redo.bind(self.store_id, self.env, self.db["meta"], holds_content)
+
+    def _recover_from_log(self) -> None:
+        """The local copy brought up to its shared log (see :mod:`lifemem_ray.engine.store.redo`)."""
+        assert self._redo is not None
+        try:
+            with self.read() as txn:
+                behind = self._redo.behind_reach(txn, self.db["meta"])
+            if behind:
+                map_size = self.env.info()["map_size"]
+                self.env.close()
+                self._redo.set_aside()
+                self._redo.prepare_folder()
+                self._open_lmdb(map_size)
+            replayed = self._redo.recover(self.env, self.db, self._grow)
+        except BaseException:
+            self.close()
+            raise
+        if replayed:
+            _log.info("%s: %d transactions replayed from %s", self.path, replayed, self._redo.shared.uri)
 
     def _open_lmdb(self, map_size: int) -> None:
         """Open the LMDB environment and its tables (at least ``map_size`` bytes mapped). A
@@ -231,6 +267,7 @@ class _Environment:
             max_readers=512,
         )
         self.db = {}
+        self._table_names: dict[int, str] = {}
         try:
             for name in _DBS:
                 try:
@@ -238,6 +275,7 @@ class _Environment:
                 except lmdb.NotFoundError:
                     if name not in _LATER_DBS:
                         raise
+            self._table_names = {id(handle): name for name, handle in self.db.items()}
         except BaseException:
             self.env.close()
             raise
@@ -366,13 +404,21 @@ class _Environment:
         if self.read_only:
             raise StoreError(f"{self.path}: opened read-only")
         with self._write_lock:
+            redo = self._redo
+            if redo is not None:
+                redo.catch_up(self.env, self.db, self._grow)
             while True:
                 try:
-                    with self._gate.reading(), self.env.begin(write=True) as txn:
+                    with self._gate.reading(), self.env.begin(write=True) as raw:
+                        txn: Any = raw if redo is None else RecordingTxn(raw, self._table_names)
                         result = fn(txn)
                         if changed is None or changed(result):
                             gen = txn.get(b"generation", db=self.db["meta"])
                             txn.put(b"generation", _packb((_unpackb(gen) if gen else 0) + 1), db=self.db["meta"])
+                        if redo is not None:
+                            redo.append(txn, self.db["meta"])  # durable in the shared log before the commit
+                    if redo is not None:
+                        redo.committed()
                     return result
                 except lmdb.MapFullError:
                     self._grow()
@@ -467,6 +513,20 @@ class _Environment:
             finally:
                 remove_staging(self.path)
         return {"bytes_before": before, "bytes_after": copy.bytes, "records": copy.records}
+
+    def checkpoint(self, keep: int = 3) -> dict[str, Any]:
+        """A checkpoint of the store in its shared log (the last ``keep`` kept, the log entries the
+        newest covers removed). StoreError without a shared log."""
+        if self._redo is None:
+            raise StoreError(f"{self.path}: this store has no shared log (store.shared_log_uri) to checkpoint to")
+        return self._redo.checkpoint(self.env, self.db["meta"], keep)
+
+    def shared_log_status(self) -> dict[str, Any] | None:
+        """Where the shared log is, its head and newest checkpoint, and what this copy holds
+        (None without a shared log)."""
+        if self._redo is None:
+            return None
+        return {**self._redo.shared.status(), "local_seq": self._redo.seq}
 
     def close(self) -> None:
         if getattr(self, "env", None) is not None:
