@@ -37,13 +37,6 @@ from lifemem_ray.llm.transport import merge_usage, usage_refusals, usage_totals
 __all__ = ["AddFuture", "MemoryClient"]
 
 
-def _shard_answers(refs: list[Any]) -> list[Any]:
-    try:
-        return ray.get(refs)
-    except actor_failures() as exc:
-        raise ShardUnavailableError(f"a shard is unavailable for retrieval: {type(exc).__name__}: {exc}") from exc
-
-
 def _coordinator_answer(ref: Any) -> Any:
     """A coordinator call's answer, its own errors without Ray's wrapping."""
     try:
@@ -125,11 +118,31 @@ class MemoryClient:
         self.dim = info["dim"]
         self.shard_names = info["shards"]
         # Actor handles, typed Any: Ray types an actor's methods (ActorHandle.__getattr__) as Never.
-        self.shards: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["shards"]]
+        # Looked up again after a shard failed: the deployment may have started it anew elsewhere.
+        self._shards: list[Any] | None = None
         self.embedders: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
         self._next = 0
         self._in_doubt: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint of an add whose answer was lost
         self._doubt_lock = threading.Lock()
+
+    @property
+    def shards(self) -> list[Any]:
+        """The shard actors' handles (looked up on first use, and after a shard failed)."""
+        if self._shards is None:
+            try:
+                self._shards = [ray.get_actor(n, namespace=self.namespace) for n in self.shard_names]
+            except ValueError as exc:  # a shard actor is gone and not yet started again
+                raise ShardUnavailableError(f"a shard is not running now ({exc}); retry shortly") from None
+        return self._shards
+
+    def _answers(self, refs: list[Any], what: str = "retrieval") -> list[Any]:
+        """The shards' answers, within cluster.call_timeout_s; a shard that died, or did not
+        answer, is a ShardUnavailableError, and the handles are looked up again next time."""
+        try:
+            return ray.get(refs, timeout=self.config.cluster.call_timeout_s)
+        except actor_failures(ray.exceptions.GetTimeoutError) as exc:
+            self._shards = None
+            raise ShardUnavailableError(f"a shard is unavailable for {what}: {type(exc).__name__}: {exc}") from exc
 
     @classmethod
     def connect(
@@ -175,7 +188,7 @@ class MemoryClient:
     def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
         """Per id key (:func:`lifemem_ray.core.tenancy.id_key`: the id itself for the default tenant):
         whether a shard holds it with another fingerprint (one call per shard)."""
-        answers = _shard_answers([s.known.remote(ids, fingerprints) for s in self.shards])
+        answers = self._answers([s.known.remote(ids, fingerprints) for s in self.shards])
         return [any(a[i] is not None and a[i].status == "conflict" for a in answers) for i in range(len(ids))]
 
     def _doubt(self, sent: dict[str, str]) -> None:
@@ -274,7 +287,7 @@ class MemoryClient:
     ) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
         refs = [shard.search_records.remote(targets, k, vecs, skills) for shard in self.shards]
-        per_shard = _shard_answers(refs)
+        per_shard = self._answers(refs)
         max_skills = self.config.retrieval.max_skills
         out = []
         for q, (task, env) in enumerate(zip(tasks, envs, strict=True)):
@@ -315,7 +328,7 @@ class MemoryClient:
             n, offset = divmod(a, per_search)
             if n not in merged:
                 merged.pop(n - 1, None)
-                parts = _shard_answers(searches[n])
+                parts = self._answers(searches[n])
                 scores, ids = np.hstack([p[0] for p in parts]), np.hstack([p[1] for p in parts])
                 best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties keep shard order, as assemble does
                 merged[n] = (np.take_along_axis(scores, best, 1), np.take_along_axis(ids, best, 1), owner[best])
@@ -335,7 +348,7 @@ class MemoryClient:
             scores, ids, wanted = ahead
             if i + 1 < len(chunks):
                 ahead = fetch(*chunks[i + 1])
-            answers = _shard_answers([ref for _, ref in wanted])
+            answers = self._answers([ref for _, ref in wanted])
             found: list[Any] = [None] * ids.size
             texts: dict[int, str] = {}
             for (at, _), (records, skill_texts) in zip(wanted, answers, strict=True):
@@ -355,7 +368,7 @@ class MemoryClient:
         coordinator's figures)."""
         if tenant is not None:
             check_tenant(tenant, "tenant")
-        shard_stats = ray.get([s.stats.remote(tenant) for s in self.shards])
+        shard_stats = self._answers([s.stats.remote(tenant) for s in self.shards], "stats")
         per_env: dict[str, dict[str, int]] = {}
         per_tenant: dict[str, dict[str, int]] = {}
         for st in shard_stats:
@@ -411,14 +424,14 @@ class MemoryClient:
         if tenant is not None:
             check_tenant(tenant, "tenant")
         check_listing_limit(limit)
-        parts = ray.get([s.clusters.remote(env, tenant, limit) for s in self.shards])
+        parts = self._answers([s.clusters.remote(env, tenant, limit) for s in self.shards], "clusters")
         return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))[:limit]
 
     def cluster_count(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> int:
         """How many clusters :meth:`clusters` would list without a limit."""
         if tenant is not None:
             check_tenant(tenant, "tenant")
-        return sum(ray.get([s.cluster_count.remote(env, tenant) for s in self.shards]))
+        return sum(self._answers([s.cluster_count.remote(env, tenant) for s in self.shards], "cluster_count"))
 
     # -- deleting ----------------------------------------------------------------------------
     def remove(self, ids: Sequence[str], *, tenant: str = DEFAULT_TENANT) -> int:
@@ -439,18 +452,18 @@ class MemoryClient:
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Every shard's invariants (``deep``: also every record's fingerprint, recomputed)."""
-        reports = ray.get([s.verify.remote(deep) for s in self.shards])
+        reports = self._answers([s.verify.remote(deep) for s in self.shards], "verify")
         return {"ok": all(r["ok"] for r in reports), "shards": reports}
 
     def maintain(self) -> int:
         """Run every shard's queued splits and skills now and wait for its index retrains
         (all of which also run in the background)."""
-        return sum(ray.get([s.maintain.remote() for s in self.shards]))
+        return sum(self._answers([s.maintain.remote() for s in self.shards], "maintain"))
 
     def snapshot(self, directory: str | Path) -> dict[str, Any]:
         return deployment.snapshot(directory, self.namespace)
 
     def close(self) -> None:
         """Drop the handles; the deployment keeps running (see ``lifemem-ray stop``)."""
-        self.shards = []
+        self._shards = []
         self.embedders = []

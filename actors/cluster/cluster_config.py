@@ -37,6 +37,10 @@ class ClusterConfig(Section):
         "retrieve_chunk": (1, 65_536),
         "embed_chunk": (1, 65_536),
         "add_resends": (0, 100),
+        "snapshot_every_s": (0.0, 604_800.0),
+        "snapshots_kept": (1, 1_000),
+        "node_lost_after_s": (1.0, 86_400.0),
+        "health_check_s": (0.1, 3_600.0),
     }
 
     namespace: str = "lifemem"  # Ray namespace of the named actors
@@ -62,6 +66,17 @@ class ClusterConfig(Section):
     retrieve_chunk: int = 256
     embed_chunk: int = 256  # task texts per embedder-actor call (calls go round robin over the embedders)
     add_resends: int = 10  # MemoryClient: times an add whose coordinator died is sent again (it restarts itself)
+    # Durability beyond a node: every shard's committed transactions also go, before they are
+    # acknowledged, to <durable_uri>/<namespace>/shard-NN (a folder every node sees, or
+    # s3://bucket/prefix), beside its checkpoints. Empty: off (a shard lives on its node's disk).
+    durable_uri: str = ""
+    durable_endpoint_url: str = ""  # an S3-compatible server's address (empty: AWS, or AWS_ENDPOINT_URL)
+    snapshot_every_s: float = 900.0  # each shard's checkpoint to durable_uri (0: none scheduled)
+    snapshots_kept: int = 3  # checkpoints kept per shard; the log entries the newest covers are removed
+    # A shard whose node is gone this long is rebuilt on another node from durable_uri (only with
+    # durable_uri; without it, the shard waits for a node that sees its files).
+    node_lost_after_s: float = 30.0
+    health_check_s: float = 2.0  # how often the coordinator looks at its shards and their nodes
 
     def validate(self) -> None:
         for key, low, high in (("one_round_max", 0, 4_096), ("search_chunk", 1, 65_536), ("retrieve_chunk", 1, 65_536)):
@@ -84,6 +99,15 @@ class ClusterConfig(Section):
         )
         if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
             raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
+        for key in ("durable_uri", "durable_endpoint_url"):
+            value = getattr(self, key)
+            if len(value) > 4096 or not value.isprintable():
+                raise ConfigError(f"cluster.{key}: must be at most 4096 printable characters, got {value[:80]!r}")
+        if self.durable_uri and "://" not in self.durable_uri and not self.durable_uri.startswith("/"):
+            raise ConfigError(
+                f"cluster.durable_uri: {self.durable_uri[:80]!r} must be an absolute path every node sees, or a URL "
+                "(s3://bucket/prefix)"
+            )
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
             raise ConfigError(f"cluster.namespace: {self.namespace[:80]!r} must be 1-256 printable characters")
 

@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lifemem_ray.actors.cluster import ray_metrics
-from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, ShardSet, Stage
+from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, Stage
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.cluster.remote_errors import OverloadedError, ShardUnavailableError, actor_failures
+from lifemem_ray.actors.cluster.ray_shards import RayEmbedders, RayShards
+from lifemem_ray.actors.cluster.remote_errors import OverloadedError
 from lifemem_ray.actors.cluster.routing import RoutingTable
+from lifemem_ray.actors.cluster.shard_keeper import ShardKeeper
 from lifemem_ray.core.decisions import Decider
 from lifemem_ray.core.errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
@@ -48,66 +50,11 @@ from lifemem_ray.engine.memory import pack_trajectories
 if TYPE_CHECKING:
     pass
 
-__all__ = ["Coordinator", "RayShards"]
+__all__ = ["Coordinator", "RayShards"]  # RayShards: re-exported from ray_shards
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY_RESUMES = 1_024  # resumes remembered whose pause has not started yet
-
-
-class RayShards(ShardSet):
-    """The :class:`~.batching.ShardSet` of a deployment: its calls travel to named shard actors, each call under
-    ``cluster.call_timeout_s``; a dead shard, node or a timeout becomes a
-    :class:`ShardUnavailableError` naming the shard."""
-
-    def __init__(self, names: list[str], namespace: str, call_timeout_s: float) -> None:
-        self.names = names
-        self.namespace = namespace
-        self.call_timeout_s = call_timeout_s
-        self._handles: list[Any] | None = None
-
-    @property
-    def handles(self) -> list[Any]:
-        if self._handles is None:  # looked up on first use, not when the coordinator starts
-            import ray
-
-            self._handles = [ray.get_actor(name, namespace=self.namespace) for name in self.names]
-        return self._handles
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    async def call(self, shard: int, method: str, *args: Any) -> Any:
-        try:
-            ref = getattr(self.handles[shard], method).remote(*args)
-            return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
-        except actor_failures(TimeoutError) as exc:
-            raise ShardUnavailableError(
-                f"shard {shard} ({self.names[shard]}) is unavailable during {method}: {type(exc).__name__}: {exc}"
-            ) from exc
-
-
-class RayEmbedders:
-    """Task texts embedded by the deployment's embedder actors, in chunks, round robin."""
-
-    def __init__(self, names: list[str], namespace: str, chunk: int = 256) -> None:
-        self.names = names
-        self.namespace = namespace
-        self.chunk = chunk  # task texts per embedder call (cluster.embed_chunk)
-        self._handles: list[Any] | None = None
-        self._next = 0
-
-    async def __call__(self, texts: list[str]) -> np.ndarray:
-        if self._handles is None:
-            import ray
-
-            self._handles = [ray.get_actor(name, namespace=self.namespace) for name in self.names]
-        refs = []
-        for a in range(0, len(texts), self.chunk):
-            actor = self._handles[self._next % len(self._handles)]
-            self._next += 1
-            refs.append(actor.embed.remote(texts[a : a + self.chunk]))
-        return np.vstack(await asyncio.gather(*refs))
 
 
 @dataclass
@@ -159,9 +106,15 @@ class Coordinator:
         self.routing = RoutingTable(Path(store_dir) / "coordinator")
         self.shard_names = shard_names
         self.embedder_names = embedder_names
-        self.shards = (
-            shards if shards is not None else RayShards(shard_names, self.namespace, config.cluster.call_timeout_s)
-        )
+        self.keeper: ShardKeeper | None = None  # restarts and rebuilds shards whose node went (Ray deployments)
+        self._keeper_task: asyncio.Task | None = None
+        if shards is None:
+            ray_shards = RayShards(
+                shard_names, self.namespace, config.cluster.call_timeout_s, check_s=config.cluster.health_check_s
+            )
+            self.keeper = ShardKeeper(shard_names, Path(store_dir), config, dim, self.routing, ray_shards.mark)
+            shards = ray_shards
+        self.shards = shards
         if embed is None and embedder_names:
             embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
         self.decider = decider if decider is not None else make_decider(config, ray_metrics.SINK)
@@ -240,6 +193,7 @@ class Coordinator:
         }
 
     async def deployment(self) -> dict[str, Any]:
+        self._ensure_keeper()
         return {
             "namespace": self.namespace,
             "shards": self.shard_names,
@@ -340,10 +294,28 @@ class Coordinator:
         return len(routes)
 
     async def ping(self) -> str:
+        self._ensure_keeper()
         return "ok"
+
+    async def health(self) -> dict[str, Any]:
+        """What the shard keeper sees: per shard, why it is down (if it is), for how long, and
+        its restarts and rebuilds."""
+        self._ensure_keeper()
+        down = getattr(self.shards, "down", {})
+        kept = self.keeper.status() if self.keeper is not None else []
+        return {
+            "looks": self.keeper.looks if self.keeper is not None else 0,
+            "shards": [{**k, "down": down.get(k["index"])} for k in kept],
+        }
+
+    def _ensure_keeper(self) -> None:
+        """The shard keeper's loop, started with the first call the actor serves (also after a restart)."""
+        if self.keeper is not None and self._keeper_task is None:
+            self._keeper_task = asyncio.get_running_loop().create_task(self.keeper.run())
 
     # -- the batching loop -----------------------------------------------------------------------
     def _ensure_loop(self) -> None:
+        self._ensure_keeper()
         if self._loop_task is None:
             self._wake = asyncio.Event()
             self._space = asyncio.Condition()

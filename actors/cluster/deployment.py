@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,9 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator import Coordinator
 from lifemem_ray.actors.cluster.embedder import EmbedderActor
-from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError
+from lifemem_ray.actors.cluster.placement import alive_nodes, place_shards, shard_name, start_shard
+from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError
 from lifemem_ray.actors.cluster.routing import RoutingTable
-from lifemem_ray.actors.cluster.shard_actor import MemoryShard
 from lifemem_ray.core.errors import (
     ConfigError,
     DeploymentExistsError,
@@ -35,19 +36,24 @@ from lifemem_ray.core.errors import (
     ResourcesUnavailableError,
 )
 from lifemem_ray.engine.embedding import DIM as MINILM_DIM
+from lifemem_ray.engine.store.durable_copy import materialize
+from lifemem_ray.engine.store.shared_log import shard_logs
 from lifemem_ray.engine.store.storage import MemoryStore
 
-__all__ = ["COORDINATOR", "compact", "deploy", "find_coordinator", "restore", "snapshot", "stop"]
+__all__ = [
+    "COORDINATOR",
+    "compact",
+    "deploy",
+    "find_coordinator",
+    "restore",
+    "snapshot",
+    "stop",
+]
 
 log = logging.getLogger(__name__)
 
 COORDINATOR = "lifemem-coordinator"
-SHARD_RESOURCE = "lifemem_shard"  # nodes offering this custom resource host the shards
 SNAPSHOT_MANIFEST = "snapshot.json"
-
-
-def _shard_name(i: int) -> str:
-    return f"lifemem-shard-{i}"
 
 
 def _embedder_name(i: int) -> str:
@@ -67,74 +73,6 @@ def find_coordinator(namespace: str) -> Any:
         raise DeploymentNotFoundError(
             f"no lifemem-ray deployment runs in Ray namespace {namespace!r} (start one with `lifemem-ray serve`)"
         ) from None
-
-
-def _alive_nodes() -> list[dict[str, Any]]:
-    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
-
-
-def _placement(shards: int, saved: list[str] | None, store: Path | None = None) -> list[str]:
-    """Node per shard: where it lived before (its files are there), else spread over the nodes.
-    Nodes with GPUs come first, so shards there can use GPU indices.
-
-    A shard whose node is gone (a Ray restart gives every node a new id) moves to a live
-    node that sees its files: the same machine after a restart, or any node of a shared
-    filesystem. Only a shard whose files no live node can see is an error."""
-    nodes = _alive_nodes()
-    alive = {n["NodeID"]: n.get("Resources", {}) for n in nodes}
-    if saved and len(saved) == shards:
-        placed = list(saved)
-        missing = [i for i, node in enumerate(saved) if node not in alive]
-        if missing and store is not None:
-            seen = _nodes_seeing(sorted(alive), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
-            for i, where in zip(missing, seen, strict=True):
-                if where:  # nodes marked for shards first, the head last, then the fewest shards so far
-                    placed[i] = min(
-                        where,
-                        key=lambda node: (
-                            not alive[node].get(SHARD_RESOURCE),
-                            bool(alive[node].get("node:__internal_head__")),
-                            placed.count(node),
-                            node,
-                        ),
-                    )
-            missing = [i for i in missing if placed[i] not in alive]
-        if missing:
-            raise ShardUnavailableError(
-                f"shard(s) {missing} are pinned to node(s) that are gone and no live node sees their files "
-                f"under {store}; restore the memory from a snapshot into a new deployment"
-            )
-        if placed != saved:
-            log.warning("shards moved to the live nodes that see their files: %s -> %s", saved, placed)
-        return placed
-    # Nodes marked for shards (custom resource `lifemem_shard`, see cluster_configs/) first;
-    # else worker nodes; else any. The head keeps the coordinator.
-    marked = [n for n in nodes if n.get("Resources", {}).get(SHARD_RESOURCE)]
-    workers = marked or [n for n in nodes if not n.get("Resources", {}).get("node:__internal_head__")] or nodes
-    workers.sort(key=lambda n: (-n.get("Resources", {}).get("GPU", 0), n["NodeID"]))
-    return [workers[i % len(workers)]["NodeID"] for i in range(shards)]
-
-
-def _files_exist(paths: list[str]) -> list[bool]:
-    return [Path(p).is_file() for p in paths]
-
-
-def _nodes_seeing(nodes: list[str], paths: list[Path], timeout_s: float = 60.0) -> list[list[str]]:
-    """For each path, the nodes on which it exists (one zero-CPU task per node)."""
-    probe = ray.remote(num_cpus=0, max_retries=0)(_files_exist)
-    refs = {
-        node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
-            [str(p) for p in paths]
-        )
-        for node in nodes
-    }
-    answers: dict[str, list[bool]] = {}
-    for node, ref in refs.items():
-        try:
-            answers[node] = ray.get(ref, timeout=timeout_s)
-        except Exception:  # a node that cannot answer is not a place for a shard
-            log.warning("node %s did not answer the shard-file probe", node, exc_info=True)
-    return [[node for node, seen in answers.items() if seen[i]] for i in range(len(paths))]
 
 
 def deploy(
@@ -165,11 +103,11 @@ def deploy(
                     f"{store} holds {count} shards; to change the count, snapshot and restore into a new store"
                 )
             dim = saved["dim"]
-            nodes = _placement(count, saved.get("nodes"), store)
+            nodes = place_shards(count, saved.get("nodes"), store, durable=bool(config.cluster.durable_uri))
         else:
             count = shards or config.cluster.shards
             dim = dim or MINILM_DIM
-            nodes = _placement(count, None)
+            nodes = place_shards(count, None)
         routing.put_meta(
             "deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()}
         )
@@ -179,24 +117,22 @@ def deploy(
         routing.close()  # the coordinator takes the store over
 
     common = {"namespace": ns, "lifetime": "detached"}
-    shard_names = [_shard_name(i) for i in range(count)]
-    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in _alive_nodes()))
+    shard_names = [shard_name(i) for i in range(count)]
+    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()))
     embedder_names = [_embedder_name(i) for i in range(max(config.cluster.embedders, gpus))]
     try:
-        for i, name in enumerate(shard_names):
-            ray.remote(MemoryShard).options(
-                name=name,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i], soft=False),
-                **MemoryShard.ray_options(config),
-                **common,
-            ).remote(i, str(store / f"shard-{i:02d}"), config, dim)
+        for i in range(count):
+            start_shard(i, nodes[i], store, config, dim)
         for i, name in enumerate(embedder_names):
             ray.remote(EmbedderActor).options(
                 name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common
             ).remote(config.embedding)
-        ray.remote(Coordinator).options(name=COORDINATOR, **Coordinator.ray_options(config), **common).remote(
-            str(store), config, shard_names, embedder_names, dim
-        )
+        # The coordinator opens the routing table in the store folder of the node that started the
+        # deployment (a node-local disk, like the shards'): it runs there, and restarts there.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        ray.remote(Coordinator).options(
+            name=COORDINATOR, scheduling_strategy=here, **Coordinator.ray_options(config), **common
+        ).remote(str(store), config, shard_names, embedder_names, dim)
         coordinator = _actor(COORDINATOR, ns)
         pings = [_actor(n, ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
         ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
@@ -345,62 +281,88 @@ def restore(
 
     Whole clusters move: each keeps its id, trajectories, vectors and skill, and goes to
     the shard with the fewest trajectories so far (largest clusters first). A single-
-    process store folder is accepted as a snapshot of one shard.
+    process store folder is accepted as a snapshot of one shard, and so is a deployment's
+    durable address (``<cluster.durable_uri>/<namespace>``: each shard's newest checkpoint plus
+    its log, read only), for a deployment lost whole or moved to another shard count.
     """
     config = (config or DeploymentConfig()).validate()
-    source = Path(snapshot_dir).resolve()
-    manifest_path = source / SNAPSHOT_MANIFEST
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        sources = [source / d for d in manifest["shard_dirs"]]
-        dim = manifest["dim"]
-    elif (source / "data.mdb").exists():
-        sources = [source]
-        store = MemoryStore(source, read_only=True)
-        dim = store.dim
-        store.close()
-    else:
-        raise PathNotFoundError(f"{source}: neither a snapshot ({SNAPSHOT_MANIFEST}) nor a store (data.mdb)")
     target = Path(store_dir).resolve()
     if target.exists() and any(target.iterdir()):
         raise PathExistsError(f"{target}: restore needs a new, empty store folder")
-    # Which clusters are where, and how big.
-    plan: list[tuple[int, Path, int]] = []  # (size, source, cluster id)
-    pending_at: list[Path] = []
-    for src in sources:
-        store = MemoryStore(src, read_only=True)
-        try:
-            with store.read() as txn:
-                for record in store.iter_clusters(txn):
-                    if record.live:
-                        plan.append((record.count, src, record.id))
-                if store.get_meta("pending", txn):
-                    pending_at.append(src)
-        finally:
-            store.close()
-    info = deploy(target, config, shards=shards or config.cluster.shards, dim=dim)
-    count = len(info["shards"])
-    loads = [0] * count
-    assignment: dict[tuple[int, Path], list[int]] = {}
-    for size, src, cid in sorted(plan, key=lambda p: (-p[0], p[2])):
-        shard = loads.index(min(loads))
-        loads[shard] += size
-        assignment.setdefault((shard, src), []).append(cid)
-    ns = config.cluster.namespace
-    handles = [_actor(n, ns) for n in info["shards"]]
-    moved = ray.get([handles[shard].absorb.remote(str(src), ids, False) for (shard, src), ids in assignment.items()])
-    if pending_at:
-        ray.get([handles[0].absorb.remote(str(src), [], True) for src in pending_at])
+    with restore_sources(str(snapshot_dir), config.cluster.durable_endpoint_url) as (sources, readable, dim):
+        # Which clusters are where, and how big.
+        plan: list[tuple[int, int, int]] = []  # (size, source position, cluster id)
+        pending_at: list[int] = []
+        for at, folder in enumerate(readable):
+            store = MemoryStore(folder, read_only=True)
+            try:
+                with store.read() as txn:
+                    plan += [(r.count, at, r.id) for r in store.iter_clusters(txn) if r.live]
+                    if store.get_meta("pending", txn):
+                        pending_at.append(at)
+            finally:
+                store.close()
+        info = deploy(target, config, shards=shards or config.cluster.shards, dim=dim)
+        count = len(info["shards"])
+        loads = [0] * count
+        assignment: dict[tuple[int, int], list[int]] = {}
+        for size, at, cid in sorted(plan, key=lambda p: (-p[0], p[2])):
+            shard = loads.index(min(loads))
+            loads[shard] += size
+            assignment.setdefault((shard, at), []).append(cid)
+        ns = config.cluster.namespace
+        handles = [_actor(n, ns) for n in info["shards"]]
+        moved = ray.get(
+            [handles[shard].absorb.remote(sources[at], ids, False) for (shard, at), ids in assignment.items()]
+        )
+        if pending_at:
+            ray.get([handles[0].absorb.remote(sources[at], [], True) for at in pending_at])
     coordinator = find_coordinator(ns)
     routes = ray.get(coordinator.resync.remote())
     return {
         **info,
-        "restored_from": str(source),
+        "restored_from": str(snapshot_dir),
         "clusters": len(plan),
         "trajectories": sum(m["trajectories"] - m["skipped"] for m in moved),
         "routes": routes,
         "shard_trajectories": loads,
     }
+
+
+@contextmanager
+def restore_sources(source: str, endpoint_url: str = "") -> Iterator[tuple[list[str], list[Path], int]]:
+    """``(sources, readable, dim)`` of a restore: what the shards absorb from (snapshot shard
+    folders, or shared-log addresses each shard copies from itself), the same as folders this
+    process reads to plan (a durable address is copied into a temporary folder, removed after),
+    and the vectors' dimension."""
+    logs = shard_logs(source, endpoint_url) if "://" in source or (Path(source) / "shard-00").is_dir() else []
+    if logs:
+        staging = Path(tempfile.mkdtemp(prefix="lifemem-restore-"))
+        try:
+            readable = [materialize(uri, staging / f"source-{i:02d}", endpoint_url) for i, uri in enumerate(logs)]
+            yield logs, readable, _dim_of(readable[0])
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return
+    folder = Path(source).resolve()
+    if (folder / SNAPSHOT_MANIFEST).exists():
+        manifest = json.loads((folder / SNAPSHOT_MANIFEST).read_text())
+        readable = [folder / d for d in manifest["shard_dirs"]]
+        yield [str(p) for p in readable], readable, int(manifest["dim"])
+    elif (folder / "data.mdb").exists():
+        yield [str(folder)], [folder], _dim_of(folder)
+    else:
+        raise PathNotFoundError(
+            f"{folder}: neither a snapshot ({SNAPSHOT_MANIFEST}), a store (data.mdb) nor a durable address (shard-NN logs)"
+        )
+
+
+def _dim_of(folder: Path) -> int:
+    store = MemoryStore(folder, read_only=True)
+    try:
+        return store.dim
+    finally:
+        store.close()
 
 
 def remove_store(store_dir: str | Path) -> None:

@@ -62,3 +62,23 @@ def metrics_report_interval_s() -> float:
     import ray
 
     return float(ray._config.metrics_report_interval_ms()) / 1000.0
+
+
+LIVE_STATES = ("ALIVE", "RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")
+
+
+def named_actor_states(namespace: str) -> dict[str, str]:
+    """Ray's state of each named actor of ``namespace`` (``ALIVE``, ``RESTARTING``,
+    ``PENDING_CREATION``, ``DEAD``...): the live instance's where a name has one, else ``DEAD``.
+    Private, like :func:`actor_alive`: the GCS actor table, which includes dead actors."""
+    from ray._private.state import actors as actor_table
+
+    states: dict[str, str] = {}
+    for actor in actor_table().values():
+        name = actor.get("Name")
+        if not name or actor.get("RayNamespace", namespace) != namespace:
+            continue
+        state = str(actor.get("State"))
+        if states.get(name, "DEAD") not in LIVE_STATES:
+            states[name] = state
+    return states

@@ -21,13 +21,16 @@ import gc
 import logging
 import math
 import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lifemem_ray.actors.cluster import ray_metrics
+from lifemem_ray.actors.cluster.checkpoints import CheckpointSchedule, shard_log_uri
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
@@ -36,6 +39,7 @@ from lifemem_ray.engine.index.vector_index import set_faiss_threads
 from lifemem_ray.engine.ingest_rules import AddResult
 from lifemem_ray.engine.local_shard import EngineShard
 from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.store.durable_copy import materialize
 
 __all__ = ["SHARD_OVERRIDES", "MemoryShard", "release_free_memory", "shard_namespace"]
 
@@ -94,6 +98,14 @@ class MemoryShard(EngineShard):
         self.index = index  # the shard's position in the deployment (its id namespace is index + 1)
         self.path = Path(path)
         config = shard_config(config)
+        cluster = config.cluster
+        if cluster.durable_uri:  # every commit also reaches the shard's shared log, before it is acknowledged
+            config = config.replace(
+                {
+                    "store.shared_log_uri": shard_log_uri(cluster.durable_uri, cluster.namespace, index),
+                    "store.shared_log_endpoint_url": cluster.durable_endpoint_url,
+                }
+            )
         # FAISS's OpenMP threads beyond the CPUs this actor reserved only spin against the
         # other actors of the node (small batches per environment make that costly).
         set_faiss_threads(max(1, math.ceil(config.cluster.shard_cpus)))
@@ -103,6 +115,14 @@ class MemoryShard(EngineShard):
         super().__init__(self.memory.parts)
         self.started = time.time()
         self.deployment = config.cluster.namespace  # the metrics' deployment tag
+        # Checkpoints to the durable address, on their own thread (none without one).
+        self.checkpoints = (
+            CheckpointSchedule(self.checkpoint, cluster.snapshot_every_s, f"lifemem-checkpoint-{index}")
+            if cluster.durable_uri and cluster.snapshot_every_s > 0
+            else None
+        )
+        self.snapshots_kept = cluster.snapshots_kept
+        self.durable_endpoint_url = cluster.durable_endpoint_url  # also where a restore's shared logs are read
         self._publish_sizes()
 
     # -- identity --------------------------------------------------------------------------
@@ -114,6 +134,7 @@ class MemoryShard(EngineShard):
             "index": self.index,
             "path": str(self.path),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "address": ray.util.get_node_ip_address(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "trajectories": stats["trajectories"],
@@ -121,7 +142,20 @@ class MemoryShard(EngineShard):
             "initialised": self.memory.initialised,
             "started": self.started,
             "gpu_index": stats["index"]["gpu"],
+            "durable": self.durable_status(),
         }
+
+    def durable_status(self) -> dict[str, Any] | None:
+        """The shard's shared log (head, newest checkpoint, entries after it, what this copy
+        holds) and its checkpoint schedule; None without a durable address."""
+        shared = self.memory.parts.state.store.shared_log_status()
+        if shared is None:
+            return None
+        return {**shared, "schedule": self.checkpoints.status() if self.checkpoints else None}
+
+    def checkpoint(self) -> dict[str, Any]:
+        """A checkpoint of this shard to its durable address now (cluster.snapshots_kept kept)."""
+        return {"index": self.index, **self.memory.parts.state.store.checkpoint(self.snapshots_kept)}
 
     def ping(self) -> int:
         return self.index
@@ -162,7 +196,17 @@ class MemoryShard(EngineShard):
         return done
 
     def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
-        out = super().absorb(source, cluster_ids, pending)
+        """Copy clusters from a snapshot's store folder, or from a shard's shared log (a durable
+        address: the store it holds is first made in a temporary folder beside this shard's)."""
+        if "://" in source or (Path(source) / "identity.json").exists():
+            staging = Path(tempfile.mkdtemp(prefix=".absorb-", dir=self.path.parent))
+            try:
+                folder = materialize(source, staging / "store", self.durable_endpoint_url)
+                out = super().absorb(str(folder), cluster_ids, pending)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        else:
+            out = super().absorb(source, cluster_ids, pending)
         self._publish_sizes()
         return out
 
@@ -173,8 +217,18 @@ class MemoryShard(EngineShard):
 
     def compact(self) -> dict[str, Any]:
         """Rewrite this shard's store in place into fresh pages and save its index cache anew;
-        the deployment pauses ingest around it."""
-        return {"index": self.index, **super().compact()}
+        the deployment pauses ingest around it. With a durable address, a checkpoint follows
+        and only it is kept, with no log entry before it: no byte of a deleted trajectory is
+        left in the durable storage either."""
+        out: dict[str, Any] = {"index": self.index, **super().compact()}
+        if self.memory.parts.state.store.shared_log_status() is not None:
+            out["durable"] = self.memory.parts.state.store.checkpoint(keep=1)
+        return out
+
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.stop()
+        super().close()
 
     def _publish_sizes(self) -> None:
         """The shard gauges (trajectories, clusters), after every change made through this actor;

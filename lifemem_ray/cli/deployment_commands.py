@@ -1,5 +1,5 @@
 """The commands of a sharded deployment: ``serve`` (with ``--http``, the front door), ``stop``,
-``snapshot``, ``compact``, ``restore``, and ``keys new`` for the front door's API keys."""
+``status``, ``snapshot``, ``compact``, ``restore``, and ``keys new`` for the front door's API keys."""
 
 from __future__ import annotations
 
@@ -100,6 +100,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
         {"stopped": stopped, "namespace": namespace, "http": http, **({"ray": head} if head else {})},
         lambda: said + (f"; {head}" if head else ""),
     )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Each shard's node, address, health, last checkpoint and shared-log lag."""
+    from lifemem_ray.actors.cluster.status import deployment_status, status_table
+
+    config = config_from_args(args)
+    namespace = connect(args, config)
+    status = deployment_status(namespace)
+    emit(args, status, lambda: status_table(status))
     return 0
 
 

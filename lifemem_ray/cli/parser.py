@@ -12,6 +12,7 @@ from lifemem_ray.cli.deployment_commands import (
     cmd_restore,
     cmd_serve,
     cmd_snapshot,
+    cmd_status,
     cmd_stop,
 )
 from lifemem_ray.cli.experiment_commands import cmd_run
@@ -192,6 +193,13 @@ def deployment_commands(
     p = sub.add_parser("stop", parents=[remote, common], help="stop a deployment (closing every shard cleanly)")
     p.add_argument("--ray", action="store_true", help="also stop the local Ray head `serve` started (only that one)")
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser(
+        "status",
+        parents=[remote, common],
+        help="each shard's node, address, health, last checkpoint and how far behind the shared log is",
+    )
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser(
         "snapshot", parents=[remote, common], help="consistent snapshot of every shard and the routing table"

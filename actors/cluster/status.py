@@ -1,0 +1,96 @@
+"""What an operator needs to see of a running deployment (``lifemem-ray status``): per shard,
+its node and address, whether it answers, what it holds, and its durability (the shared log's
+head, the newest checkpoint and its age, the entries a rebuild would replay, how far this
+copy is behind the log), beside what the shard keeper did."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from lifemem_ray.actors.cluster.deployment import find_coordinator
+from lifemem_ray.actors.cluster.remote_errors import actor_failures
+
+__all__ = ["deployment_status", "status_table"]
+
+
+def _node_addresses() -> dict[str, dict[str, Any]]:
+    return {n["NodeID"]: {"address": n.get("NodeManagerAddress"), "alive": bool(n.get("Alive"))} for n in ray.nodes()}
+
+
+def deployment_status(namespace: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The deployment in ``namespace``: per shard, placement, health and durability."""
+    coordinator = find_coordinator(namespace)
+    info = ray.get(coordinator.deployment.remote(), timeout=timeout_s)
+    health = ray.get(coordinator.health.remote(), timeout=timeout_s)
+    nodes = _node_addresses()
+    kept = {h["index"]: h for h in health["shards"]}
+    shards = []
+    for i, name in enumerate(info["shards"]):
+        placed = (info.get("nodes") or [None] * len(info["shards"]))[i]
+        row: dict[str, Any] = {
+            "index": i,
+            "name": name,
+            "node_id": placed,
+            "address": nodes.get(placed or "", {}).get("address"),
+            "node_alive": nodes.get(placed or "", {}).get("alive", False),
+            "keeper": kept.get(i),
+        }
+        try:
+            shard: Any = ray.get_actor(name, namespace=namespace)
+            details: dict[str, Any] = ray.get(shard.info.remote(), timeout=timeout_s)
+            row.update(
+                health="up",
+                node_id=details["node_id"],
+                address=details["address"],
+                trajectories=details["trajectories"],
+                clusters=details["clusters"],
+                durable=_durable_row(details.get("durable")),
+            )
+        except actor_failures(ValueError, ray.exceptions.GetTimeoutError) as exc:
+            down = (kept.get(i) or {}).get("down")
+            row.update(health="down", why=down or f"{type(exc).__name__}: {str(exc)[:200]}")
+        shards.append(row)
+    return {"namespace": namespace, "store": info.get("store"), "dim": info.get("dim"), "shards": shards}
+
+
+def _durable_row(durable: dict[str, Any] | None) -> dict[str, Any] | None:
+    if durable is None:
+        return None
+    schedule = durable.get("schedule") or {}
+    created = durable.get("checkpoint_created")
+    return {
+        "uri": durable["uri"],
+        "log_head": durable["head"],
+        "local_seq": durable["local_seq"],
+        "behind_log": durable["head"] - durable["local_seq"],
+        "checkpoint_seq": durable["checkpoint_seq"],
+        "checkpoint_age_s": None if created is None else round(time.time() - created, 1),
+        "entries_after_checkpoint": durable["entries_after_checkpoint"],
+        "checkpoint_error": schedule.get("last_error"),
+    }
+
+
+def status_table(status: dict[str, Any]) -> str:
+    """The status as a text table, one row per shard."""
+    head = f"{'shard':<6}{'health':<8}{'address':<16}{'node':<14}{'traj':>9}  {'checkpoint':<22}{'log after':>10}{'behind':>8}"
+    lines = [f"deployment {status['namespace']!r}, store {status['store']}", head]
+    for s in status["shards"]:
+        d = s.get("durable") or {}
+        checkpoint = (
+            "no durable_uri"
+            if not d
+            else "none yet"
+            if d["checkpoint_seq"] is None
+            else f"#{d['checkpoint_seq']} {d['checkpoint_age_s']:.0f} s ago"
+        )
+        lines.append(
+            f"{s['index']:<6}{s['health']:<8}{s['address']!s:<16}{str(s['node_id'])[:12]:<14}"
+            f"{s.get('trajectories', '-')!s:>9}  {checkpoint:<22}{d.get('entries_after_checkpoint', '-')!s:>10}"
+            f"{d.get('behind_log', '-')!s:>8}"
+        )
+        if s["health"] == "down":
+            lines.append(f"      down: {s['why']}")
+    return "\n".join(lines)
