@@ -42,6 +42,7 @@ __all__ = ["ShardKeeper", "ShardSight", "next_step"]
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 10.0  # a node that does not answer the shard-file probe within this is passed over
+PROBE_EVERY_S = 10.0  # while a shard's node is gone, how often the live nodes are asked for its files
 NAME_FREE_WAIT_S = 30.0  # how long a killed shard's name may take to be free again
 
 
@@ -85,6 +86,7 @@ class _ShardRecord:
     """The keeper's memory of one shard between looks."""
 
     down_since: float | None = None  # monotonic time it was first seen not alive
+    probed_at: float = float("-inf")  # monotonic time its files were last looked for on the live nodes
     last_action: str | None = None  # what the keeper last did for it, and when (wall clock)
     history: list[dict[str, Any]] = field(default_factory=list)  # restarts and rebuilds (the last 20)
 
@@ -144,7 +146,8 @@ class ShardKeeper:
             sight = ShardSight(i, state, node, node in alive, now - record.down_since)
             self.on_down(i, self._why(sight))
             seeing: list[str] = []
-            if not sight.node_alive:
+            if not sight.node_alive and now - record.probed_at >= PROBE_EVERY_S:
+                record.probed_at = now
                 seeing = nodes_seeing(
                     sorted(alive), [self.store / f"shard-{i:02d}" / "data.mdb"], timeout_s=PROBE_TIMEOUT_S
                 )[0]
