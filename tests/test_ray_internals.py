@@ -36,6 +36,31 @@ def test_an_actor_reads_alive_and_then_not(ray_local):
     assert not ray_internals.actor_alive(probe)
 
 
+def test_named_actor_states_stay_in_their_namespace(ray_local):
+    """The same name in another namespace, alive or waiting for resources, is not this one's
+    (a CI run once saw a shard of another deployment, pending creation, through this)."""
+
+    @ray_local.remote(num_cpus=0)
+    class Probe:
+        def ping(self) -> int:
+            return os.getpid()
+
+    here = Probe.options(name="probe-shard", namespace="ns-here").remote()
+    # Never placeable: it stays PENDING_CREATION under the same name in another namespace.
+    elsewhere = Probe.options(name="probe-shard", namespace="ns-elsewhere", resources={"no-such-node": 1}).remote()
+    ray_local.get(here.ping.remote())
+    try:
+        states = ray_internals.named_actor_states("ns-here", ["probe-shard", "probe-absent"])
+        assert states == {"probe-shard": "ALIVE", "probe-absent": "MISSING"}
+        assert ray_internals.named_actor_states("ns-elsewhere", ["probe-shard"])["probe-shard"] in (
+            "PENDING_CREATION",
+            "DEPENDENCIES_UNREADY",
+        )
+    finally:
+        ray_local.kill(here, no_restart=True)
+        ray_local.kill(elsewhere, no_restart=True)
+
+
 def test_the_metrics_report_interval_is_read():
     assert 0.0 < ray_internals.metrics_report_interval_s() <= 3600.0
 

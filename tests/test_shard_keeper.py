@@ -72,6 +72,31 @@ def test_a_shard_marked_down_is_refused_at_once_and_a_waiting_call_stops():
     assert 0 not in shards._handles  # looked up again next time
 
 
+def test_a_look_leaves_a_shard_being_created_on_its_live_node_alone(monkeypatch, tmp_path):
+    """A deployment's first call starts the keeper while its shards may still be pending
+    creation: marking them down then made the deployment's own first call fail (seen on CI).
+    A shard whose node is gone, or that restarts, is marked down."""
+    from lifemem_ray.actors.cluster import shard_keeper
+
+    states = {"s0": "PENDING_CREATION", "s1": "DEPENDENCIES_UNREADY", "s2": "RESTARTING", "s3": "PENDING_CREATION"}
+    monkeypatch.setattr(shard_keeper, "named_actor_states", lambda namespace, names: {n: states[n] for n in names})
+    monkeypatch.setattr(shard_keeper, "alive_nodes", lambda: [{"NodeID": "live", "Resources": {}}])
+    monkeypatch.setattr(shard_keeper, "nodes_seeing", lambda nodes, paths, timeout_s: [[]])
+
+    class Routing:
+        def get_meta(self, key):
+            return ["live", "live", "live", "gone"] if key == "nodes" else None
+
+    marked: dict[int, str | None] = {}
+    keeper = shard_keeper.ShardKeeper(
+        ["s0", "s1", "s2", "s3"], tmp_path, DeploymentConfig(), 8, Routing(), lambda i, why: marked.__setitem__(i, why)
+    )
+    assert keeper.look() == []
+    assert set(marked) == {2, 3}
+    assert "its actor is restarting" in str(marked[2])
+    assert "its node gone" in str(marked[3]) and "is gone" in str(marked[3])
+
+
 def test_checkpoints_are_scheduled_and_failures_retried():
     calls: list[int] = []
     done = threading.Event()

@@ -12,7 +12,14 @@ from typing import Any
 
 from lifemem_ray.core.errors import UsageError
 
-__all__ = ["actor_alive", "address_file", "metrics_report_interval_s", "serve_http_address", "session_dir"]
+__all__ = [
+    "actor_alive",
+    "address_file",
+    "metrics_report_interval_s",
+    "named_actor_states",
+    "serve_http_address",
+    "session_dir",
+]
 
 
 def address_file() -> Path:
@@ -64,21 +71,22 @@ def metrics_report_interval_s() -> float:
     return float(ray._config.metrics_report_interval_ms()) / 1000.0
 
 
-LIVE_STATES = ("ALIVE", "RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY")
-
-
-def named_actor_states(namespace: str) -> dict[str, str]:
-    """Ray's state of each named actor of ``namespace`` (``ALIVE``, ``RESTARTING``,
-    ``PENDING_CREATION``, ``DEAD``...): the live instance's where a name has one, else ``DEAD``.
-    Private, like :func:`actor_alive`: the GCS actor table, which includes dead actors."""
+def named_actor_states(namespace: str, names: list[str]) -> dict[str, str]:
+    """Ray's state of each of ``names`` in ``namespace`` (``ALIVE``, ``RESTARTING``,
+    ``PENDING_CREATION``, ``DEPENDENCIES_UNREADY``; ``MISSING`` where the namespace has no live
+    actor of that name). The name is resolved in its namespace first: Ray's actor table does not
+    say an actor's namespace, and other deployments (other namespaces) reuse the same names.
+    Private, like :func:`actor_alive`: the GCS actor table, which the public state API reaches
+    only through the dashboard."""
+    import ray
     from ray._private.state import actors as actor_table
 
     states: dict[str, str] = {}
-    for actor in actor_table().values():
-        name = actor.get("Name")
-        if not name or actor.get("RayNamespace", namespace) != namespace:
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # no live actor of this name in the namespace
+            states[name] = "MISSING"
             continue
-        state = str(actor.get("State"))
-        if states.get(name, "DEAD") not in LIVE_STATES:
-            states[name] = state
+        states[name] = str(actor_table(handle._actor_id.hex()).get("State") or "MISSING")
     return states

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 10.0  # a node that does not answer the shard-file probe within this is passed over
 PROBE_EVERY_S = 10.0  # while a shard's node is gone, how often the live nodes are asked for its files
 NAME_FREE_WAIT_S = 30.0  # how long a killed shard's name may take to be free again
+CREATING_STATES = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")  # Ray's states of an actor not yet started
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class ShardKeeper:
     def look(self) -> list[tuple[int, str, str | None]]:
         """One look at every shard; returns the actions taken."""
         self.looks += 1
-        states = named_actor_states(self.config.cluster.namespace)
+        states = named_actor_states(self.config.cluster.namespace, self.names)
         nodes = alive_nodes()
         alive = {n["NodeID"] for n in nodes}
         placed: list[str] = list(self.routing.get_meta("nodes") or [])
@@ -141,8 +142,10 @@ class ShardKeeper:
                     record.down_since = None
                     self.on_down(i, None)
                 continue
-            record.down_since = record.down_since if record.down_since is not None else now
             node = placed[i] if i < len(placed) else ""
+            if state in CREATING_STATES and node in alive:
+                continue  # being created where it belongs (a deployment starting): calls wait for it
+            record.down_since = record.down_since if record.down_since is not None else now
             sight = ShardSight(i, state, node, node in alive, now - record.down_since)
             self.on_down(i, self._why(sight))
             seeing: list[str] = []
