@@ -24,6 +24,7 @@ __all__ = [
     "place_shards",
     "shard_name",
     "start_shard",
+    "this_node_resource",
 ]
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,16 @@ SHARD_RESOURCE = "lifemem_shard"  # nodes offering this custom resource host the
 
 def shard_name(i: int) -> str:
     return f"lifemem-shard-{i}"
+
+
+def this_node_resource() -> str:
+    """The ``node:<address>`` resource of the node this process runs on: an actor asking for a
+    sliver of it (0.001) is placed on this node. Ray gives every node that resource."""
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here:
+            return f"node:{node['NodeManagerAddress']}"
+    return f"node:{ray.util.get_node_ip_address()}"
 
 
 def alive_nodes() -> list[dict[str, Any]]:

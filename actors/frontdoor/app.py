@@ -49,6 +49,7 @@ from starlette.types import Message, Receive, Scope, Send
 from lifemem_ray import __version__
 from lifemem_ray.actors.cluster import ray_internals
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.placement import this_node_resource
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
 from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, unavailable_errors, validation_detail
@@ -418,7 +419,9 @@ def start_http(
         .options(
             num_replicas=http.replicas,
             max_ongoing_requests=http.max_ongoing_requests,
-            ray_actor_options={"num_cpus": http.replica_cpus},
+            # On serve's node, beside the coordinator and Serve's proxy there: a replica on a worker
+            # node would answer 500 for as long as Ray takes to declare that node dead.
+            ray_actor_options={"num_cpus": http.replica_cpus, "resources": {this_node_resource(): 0.001}},
         )
         .bind(namespace, config, keyring, host)
     )

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lifemem_ray.core.errors import OverloadedError
 from lifemem_ray.service.http_config import HttpConfig
@@ -118,7 +119,9 @@ class Operations:
 
 def operations_actor(namespace: str, http: HttpConfig) -> Any:
     """The namespace's operations actor (created on first use with ``http``'s limits; every
-    replica shares it)."""
+    replica shares it). It runs on the node that creates it (serve's, where the replicas run):
+    a worker node's loss does not take the front door's operations with it."""
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     return (
         ray.remote(Operations)
         .options(
@@ -127,6 +130,7 @@ def operations_actor(namespace: str, http: HttpConfig) -> Any:
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
+            scheduling_strategy=here,
             max_concurrency=1,
             max_restarts=-1,
         )
