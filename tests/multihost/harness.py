@@ -1,12 +1,21 @@
 """Separate hosts on one machine, for multi-node tests (issue 25, item 1): each host is a Linux
 network namespace with its own address on a private bridge this module creates, and a folder
-of its own (its home, its Ray temp folder, its store); one folder stands for shared storage.
+of its own (its home, its Ray temp folder, its local disk); one folder stands for shared storage.
+
+Node-local disks: every process of host ``i`` (the ``ray start`` of that node and all it spawns,
+and every command a test runs there) runs in a private mount namespace in which one agreed path,
+:attr:`Hosts.local`, is bind-mounted from that host's own folder (``<top>/host-<i>/local``). A
+store under ``hosts.local`` is therefore node-local, like a separate disk: the same path names a
+different folder on each host, and the test process outside sees each host's disk at
+:meth:`Hosts.local_path`. :attr:`Hosts.shared` is one folder every host sees (shared storage).
+The mounts live only in those namespaces: they vanish with the last process of a host.
 
 :class:`Hosts` makes the bridge, the namespaces and their veth pairs (root only), refuses to
 start when any of its names or its address range is already in use, and takes down everything
 it made on the way out, also when the setup itself fails: the processes of each namespace by
 their PIDs (``ip netns pids``; SIGTERM, a grace period, then SIGKILL), the namespaces, the links
-and the bridge. Processes are only ever ended by the PIDs their namespaces hold.
+and the bridge, and checks that no process still holds a mount of its folders. Processes are
+only ever ended by the PIDs their namespaces hold.
 
 :class:`RayNodes` starts Ray on those hosts from a virtual environment holding the installed
 wheel (``tests/wheel_env.py``): the head in host 0, a worker offering ``lifemem_shard`` in every
@@ -14,7 +23,8 @@ other host, token authentication on, the token file handed to each host as an op
 (``RAY_AUTH_TOKEN_PATH``). Nothing here imports the project.
 
 >>> with Hosts(3) as hosts, RayNodes(hosts, venv) as ray_nodes:          # doctest: +SKIP
-...     hosts.run(0, venv / "bin" / "lifemem-ray", "serve", "--address", ray_nodes.address, ...)
+...     ray_nodes.run(0, "lifemem-ray", "serve", "--store", str(hosts.local / "store"), ...)
+...     hosts.local_path(1, hosts.local / "store" / "shard-00")  # host 1's shard, seen from outside
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ class Host:
     index: int
     netns: str  # the network namespace's name
     address: str  # its IPv4 address on the bridge
-    folder: Path  # everything of this host: home, Ray's temp folder, its store
+    folder: Path  # everything of this host: home, Ray's temp folder, its local disk
 
     @property
     def home(self) -> Path:
@@ -73,9 +83,10 @@ class Host:
         return self.folder / "t"
 
     @property
-    def store(self) -> Path:
-        """Where this host keeps its own store (node-local storage)."""
-        return self.folder / "store"
+    def local(self) -> Path:
+        """This host's local disk as the test process (outside every host) sees it; inside the
+        host the same folder is mounted at :attr:`Hosts.local`."""
+        return self.folder / "local"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -134,6 +145,24 @@ def _end_processes(pids: Sequence[int], grace_s: float = KILL_GRACE_S) -> None:
             pass
 
 
+def mounts_under(folder: Path | str) -> list[str]:
+    """Mounts at or below ``folder`` that any process still has (``/proc/<pid>/mountinfo``'s
+    mount point, its fifth field), as ``pid: mount point``: a host's bind mount outlives its
+    namespace's processes only if a process of that mount namespace is still running."""
+    found: list[str] = []
+    prefix = str(folder)
+    for info in Path("/proc").glob("[0-9]*/mountinfo"):
+        try:
+            lines = info.read_text().splitlines()
+        except OSError:  # the process ended meanwhile
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 4 and (fields[4] == prefix or fields[4].startswith(prefix + "/")):
+                found.append(f"{info.parent.name}: {fields[4]}")
+    return found
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, already dead but not reaped, does not)."""
     try:
@@ -141,6 +170,19 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def namespaces_refused() -> str | None:
+    """Why this machine cannot make what the harness needs (not root, or a kernel or container
+    that refuses network namespaces to root), or None where it can."""
+    if os.geteuid() != 0:
+        return "the multihost harness needs root (network namespaces, a bridge)"
+    probe = f"lmh-probe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    if made.returncode != 0:
+        return f"this machine refuses network namespaces to root: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=IP_TIMEOUT_S, check=True)
+    return None
 
 
 class Hosts:
@@ -167,6 +209,21 @@ class Hosts:
         """A folder every host sees, standing for shared storage (an NFS mount, say)."""
         assert self.top is not None, "only inside the `with` block"
         return self.top / "shared"
+
+    @property
+    def local(self) -> Path:
+        """The agreed path of every host's local disk: inside host ``i`` it is that host's own
+        folder (:meth:`local_path`); outside every host it is an empty folder."""
+        assert self.top is not None, "only inside the `with` block"
+        return self.top / "local"
+
+    def local_path(self, i: int, path: Path | str | None = None) -> Path:
+        """Where ``path`` (at or under :attr:`local`, as host ``i`` names it; default: the
+        whole local disk) lies on host ``i``'s disk, seen from outside every host."""
+        inside = Path(path) if path is not None else self.local
+        if not inside.is_relative_to(self.local):
+            raise HostsError(f"{inside} is not on the hosts' local disk {self.local}: no host-local folder holds it")
+        return self.hosts[i].local / inside.relative_to(self.local)
 
     def __enter__(self) -> Hosts:
         if os.geteuid() != 0:
@@ -205,6 +262,7 @@ class Hosts:
     def _set_up(self) -> None:
         self.top = Path(tempfile.mkdtemp(prefix=self.prefix, dir="/tmp"))  # short: Ray's socket paths
         self.shared.mkdir()
+        self.local.mkdir()  # the mount point: each host mounts its own local disk here
         _ip("link", "add", "name", self.bridge, "type", "bridge")
         self._made_bridge = True
         _ip("link", "set", "dev", self.bridge, "up")
@@ -219,8 +277,8 @@ class Hosts:
             _ip("-n", netns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", inside)
             _ip("-n", netns, "link", "set", "dev", inside, "up")
             _ip("-n", netns, "link", "set", "dev", "lo", "up")
-            host = Host(i, netns, address, self.top / f"n{i}")
-            for folder in (host.home, host.ray_tmpdir, host.store):
+            host = Host(i, netns, address, self.top / f"host-{i}")
+            for folder in (host.home, host.ray_tmpdir, host.local):
                 folder.mkdir(parents=True)
             self.hosts.append(host)
         self._wait_reachable()
@@ -255,6 +313,30 @@ class Hosts:
             _end_processes(pids)
         raise HostsError(f"host {i} ({self._netns(i)}) still runs processes {self.pids(i)} after SIGKILL")
 
+    def kill_processes(self, i: int) -> int:
+        """SIGKILL every process of host ``i`` at once, without warning, as a machine that
+        crashes or is preempted (Ray's raylet, its workers, anything a test started there), until
+        none is left; returns how many were killed. Its disk (:meth:`local_path`) stays, as a
+        crashed machine's disk does; its mount namespace ends with its last process."""
+        killed = 0
+        for _ in range(10):  # a process may have forked meanwhile
+            pids = [pid for pid in self.pids(i) if _running(pid)]
+            if not pids:
+                return killed
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+        raise HostsError(f"host {i} ({self._netns(i)}) still runs processes {self.pids(i)} after SIGKILL")
+
+    def disconnect(self, i: int) -> None:
+        """Take host ``i`` off the bridge (its outside link down): from then on packets to its
+        address are dropped, as to a machine that is gone, instead of refused by a live one."""
+        _ip("link", "set", "dev", f"{self.prefix}-v{i}", "down")
+
     def tear_down(self) -> None:
         """Remove everything this harness made (idempotent); errors are collected and raised
         once everything was tried."""
@@ -277,14 +359,22 @@ class Hosts:
                 problems.append(f"ip link del {self.bridge}: {done.stderr.strip()}")
             self._made_bridge = False
         if self.top is not None:
+            problems += [f"still mounted (pid: mount point): {m}" for m in mounts_under(self.top)]
             shutil.rmtree(self.top, ignore_errors=True)
             self.top = None
         if problems:
             raise HostsError("teardown left things behind: " + "; ".join(problems))
 
     def command(self, i: int, *argv: str | Path) -> list[str]:
-        """``argv`` as run in host ``i``'s network namespace."""
-        return ["ip", "netns", "exec", self._netns(i), *map(str, argv)]
+        """``argv`` as run in host ``i``: in its network namespace, and in a private mount
+        namespace of its own in which :attr:`local` is host ``i``'s local disk (the mount is
+        made before ``argv`` starts, and everything ``argv`` spawns inherits it)."""
+        return [
+            *("ip", "netns", "exec", self._netns(i)),
+            *("unshare", "--mount", "--propagation", "private"),
+            *("sh", "-c", _MOUNT_LOCAL_THEN_EXEC, "sh", str(self.hosts[i].local), str(self.local)),
+            *map(str, argv),
+        ]
 
     def run(
         self, i: int, *argv: str | Path, timeout: float, env: Mapping[str, str] | None = None, cwd: Path | None = None
@@ -318,16 +408,30 @@ class RayNodes:
 
     On the way out every host's processes end by PID (Ray's and anything a test started there)."""
 
-    def __init__(self, hosts: Hosts, venv: Path, *, port: int = RAY_PORT, num_cpus: int = 1) -> None:
+    def __init__(
+        self,
+        hosts: Hosts,
+        venv: Path,
+        *,
+        port: int = RAY_PORT,
+        num_cpus: int = 1,
+        head_cpus: int = 2,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.hosts, self.venv, self.port, self.num_cpus = hosts, venv, port, num_cpus
+        # The head holds the coordinator, the front door's replicas and what `serve` pins to its
+        # node; logical CPUs, so 2 here do not take more of the machine than 1.
+        self.head_cpus = head_cpus
         self.address = f"{hosts.hosts[0].address}:{port}"
         self.token = secrets.token_hex(32)  # as `ray get-auth-token --generate` makes one
+        self.node_env = dict(env or {})  # what every host's shell also has (an operator's credentials, say)
 
     def env(self, i: int, **extra: str) -> dict[str, str]:
         """Host ``i``'s environment for Ray and the project's commands: token authentication on,
-        the token from the file handed to that host."""
+        the token from the file handed to that host, and the ``env`` given to every host."""
         token_file = self.hosts.hosts[i].folder / "ray_auth_token"
-        return self.hosts.env(i, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), **extra)
+        own = {**self.node_env, **extra}
+        return self.hosts.env(i, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), **own)
 
     def run(self, i: int, program: str, *args: str, timeout: float, **extra: str) -> subprocess.CompletedProcess[str]:
         """Run the environment's ``bin/program`` in host ``i`` with :meth:`env`."""
@@ -351,7 +455,6 @@ class RayNodes:
             token_file = host.folder / "ray_auth_token"
             token_file.write_text(self.token)
             token_file.chmod(0o600)
-        common = [f"--num-cpus={self.num_cpus}", f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats"]
         head = self.hosts.hosts[0]
         self._ray_start(
             0,
@@ -359,17 +462,48 @@ class RayNodes:
             f"--node-ip-address={head.address}",
             f"--port={self.port}",
             "--include-dashboard=false",
-            *common,
+            f"--num-cpus={self.head_cpus}",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            "--disable-usage-stats",
         )
         for host in self.hosts.hosts[1:]:
-            self._ray_start(
-                host.index,
-                f"--address={self.address}",
-                f"--node-ip-address={host.address}",
-                f"--resources={json.dumps({SHARD_RESOURCE: 1})}",
-                *common,
-            )
+            self._ray_start(host.index, *self._worker_args(host.index))
         self._wait_nodes(len(self.hosts.hosts))
+
+    def _worker_args(self, i: int) -> list[str]:
+        return [
+            f"--address={self.address}",
+            f"--node-ip-address={self.hosts.hosts[i].address}",
+            f"--resources={json.dumps({SHARD_RESOURCE: 1})}",
+            f"--num-cpus={self.num_cpus}",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            "--disable-usage-stats",
+        ]
+
+    def kill_node(self, i: int) -> int:
+        """Worker host ``i`` crashes: every process of it SIGKILLed at once, raylet included
+        (:meth:`Hosts.kill_processes`); its disk stays. Returns how many processes were killed."""
+        if i == 0:
+            raise HostsError("kill_node(0) would kill the head: the harness kills worker hosts only")
+        return self.hosts.kill_processes(i)
+
+    def restart_node(self, i: int) -> str:
+        """Worker host ``i`` comes back (after :meth:`kill_node`): ``ray start`` again in its
+        namespace, over the same local disk; the cluster sees a new node at the same address.
+        Returns the new node's id, once the head lists it alive."""
+        if i == 0:
+            raise HostsError("restart_node(0): the harness restarts worker hosts only")
+        before = {n["NodeID"] for n in self.nodes()}
+        self._ray_start(i, *self._worker_args(i))
+        deadline = time.monotonic() + NODES_JOIN_TIMEOUT_S
+        address = self.hosts.hosts[i].address
+        while True:
+            new = [n for n in self.nodes() if n["address"] == address and n["NodeID"] not in before]
+            if new:
+                return new[0]["NodeID"]
+            if time.monotonic() > deadline:
+                raise HostsError(f"host {i} ({address}) did not join again within {NODES_JOIN_TIMEOUT_S} s")
+            time.sleep(1)
 
     def _ray_start(self, i: int, *args: str) -> None:
         done = self.run(i, "ray", "start", *args, timeout=RAY_START_TIMEOUT_S)
@@ -402,6 +536,10 @@ class RayNodes:
         for host in reversed(self.hosts.hosts):  # workers first, the head last
             self.hosts.end_processes(host.index)
 
+
+# The start of every command in a host (``sh -c`` with $1 the host's local folder, $2 the agreed
+# path, then the command): its local disk mounted at the agreed path, then the command itself.
+_MOUNT_LOCAL_THEN_EXEC = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
 
 # Run in host 0: "reached" when the given address answers on the TCP port 9 (refused counts).
 _REACH = """
