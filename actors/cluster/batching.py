@@ -79,7 +79,7 @@ class ShardSet(ABC):
     """The shards of a deployment by index, as the batching pipeline calls them: the typed calls
     are written here once; a subclass says only how a call travels (:meth:`call`), in process
     (:class:`LocalShards`) or to named actors
-    (:class:`~lifemem_ray.actors.cluster.coordinator.RayShards`). Every method may raise
+    (:class:`~lifemem_ray.actors.cluster.ray_shards.RayShards`). Every method may raise
     :class:`~lifemem_ray.core.errors.ShardUnavailableError`."""
 
     @abstractmethod
