@@ -75,7 +75,8 @@ def test_a_shard_marked_down_is_refused_at_once_and_a_waiting_call_stops():
 def test_a_look_leaves_a_shard_being_created_on_its_live_node_alone(monkeypatch, tmp_path):
     """A deployment's first call starts the keeper while its shards may still be pending
     creation: marking them down then made the deployment's own first call fail (seen on CI).
-    A shard whose node is gone, or that restarts, is marked down."""
+    A shard whose node is gone is marked down; one Ray restarts on its live node once it has
+    been restarting for cluster.restart_wait_s."""
     from lifemem_ray.actors.cluster import shard_keeper
 
     states = {"s0": "PENDING_CREATION", "s1": "DEPENDENCIES_UNREADY", "s2": "RESTARTING", "s3": "PENDING_CREATION"}
@@ -88,13 +89,16 @@ def test_a_look_leaves_a_shard_being_created_on_its_live_node_alone(monkeypatch,
             return ["live", "live", "live", "gone"] if key == "nodes" else None
 
     marked: dict[int, str | None] = {}
+    config = DeploymentConfig()
     keeper = shard_keeper.ShardKeeper(
-        ["s0", "s1", "s2", "s3"], tmp_path, DeploymentConfig(), 8, Routing(), lambda i, why: marked.__setitem__(i, why)
+        ["s0", "s1", "s2", "s3"], tmp_path, config, 8, Routing(), lambda i, why: marked.__setitem__(i, why)
     )
     assert keeper.look() == []
-    assert set(marked) == {2, 3}
-    assert "its actor is restarting" in str(marked[2])
+    assert set(marked) == {3}, "a restart on a live node is waited for, cluster.restart_wait_s"
     assert "its node gone" in str(marked[3]) and "is gone" in str(marked[3])
+    config.cluster.restart_wait_s = 0.0  # past the wait: refused
+    keeper.look()
+    assert set(marked) == {2, 3} and "its actor is restarting" in str(marked[2])
 
 
 def test_checkpoints_are_scheduled_and_failures_retried():

@@ -41,6 +41,7 @@ class ClusterConfig(Section):
         "snapshots_kept": (1, 1_000),
         "node_lost_after_s": (1.0, 86_400.0),
         "health_check_s": (0.1, 3_600.0),
+        "restart_wait_s": (0.0, 3_600.0),
     }
 
     namespace: str = "lifemem"  # Ray namespace of the named actors
@@ -64,7 +65,7 @@ class ClusterConfig(Section):
     one_round_max: int = 16
     search_chunk: int = 512
     retrieve_chunk: int = 256
-    embed_chunk: int = 256  # task texts per embedder-actor call (calls go round robin over the embedders)
+    embed_chunk: int = 256  # task texts per embedder-actor call (a text goes to the embedder its hash names)
     add_resends: int = 10  # MemoryClient: times an add whose coordinator died is sent again (it restarts itself)
     # Durability beyond a node: every shard's committed transactions also go, before they are
     # acknowledged, to <durable_uri>/<namespace>/shard-NN (a folder every node sees, or
@@ -77,6 +78,9 @@ class ClusterConfig(Section):
     # durable_uri; without it, the shard waits for a node that sees its files).
     node_lost_after_s: float = 30.0
     health_check_s: float = 2.0  # how often the coordinator looks at its shards and their nodes
+    # A shard Ray restarts on its live node (a crashed process) is waited for this long before
+    # calls to it are refused: a restart takes seconds, a node that died takes Ray ~30 s to see.
+    restart_wait_s: float = 5.0
 
     def validate(self) -> None:
         for key, low, high in (("one_round_max", 0, 4_096), ("search_chunk", 1, 65_536), ("retrieve_chunk", 1, 65_536)):

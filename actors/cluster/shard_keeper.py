@@ -16,7 +16,9 @@ its node (Ray's node table), then applies :func:`next_step`, a pure policy:
 * otherwise it waits (without a durable address a lost node's shard comes back only with
   its disk, or from a snapshot: ``lifemem-ray restore``).
 
-While a shard is down, :class:`~.ray_shards.RayShards` refuses calls to it at once
+A shard Ray is creating on its live node, or restarting there for less than
+``cluster.restart_wait_s``, is waited for (Ray retries the calls). While a shard is down,
+:class:`~.ray_shards.RayShards` refuses calls to it at once
 (``ShardUnavailableError``, HTTP 503 with ``Retry-After``), so no caller waits for a node.
 """
 
@@ -143,10 +145,10 @@ class ShardKeeper:
                     self.on_down(i, None)
                 continue
             node = placed[i] if i < len(placed) else ""
-            if state in CREATING_STATES and node in alive:
-                continue  # being created where it belongs (a deployment starting): calls wait for it
             record.down_since = record.down_since if record.down_since is not None else now
             sight = ShardSight(i, state, node, node in alive, now - record.down_since)
+            if self._waited_for(sight):
+                continue
             self.on_down(i, self._why(sight))
             seeing: list[str] = []
             if not sight.node_alive and now - record.probed_at >= PROBE_EVERY_S:
@@ -168,6 +170,14 @@ class ShardKeeper:
                 self._start(i, target, action, placed)
                 taken.append((i, action, target))
         return taken
+
+    def _waited_for(self, sight: ShardSight) -> bool:
+        """Whether calls wait for the shard instead of being refused: Ray is creating it on its
+        live node (a deployment starting), or restarting it there for less than
+        ``cluster.restart_wait_s`` (a crashed process is back in seconds; Ray retries the calls)."""
+        if not sight.node_alive or sight.state in ("DEAD", "MISSING"):
+            return False
+        return sight.state in CREATING_STATES or sight.down_for_s < self.config.cluster.restart_wait_s
 
     def _why(self, sight: ShardSight) -> str:
         if sight.node_alive:
