@@ -35,6 +35,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("actors/cluster/batching.py", "stage.error"): (
         "an error a pipelined stage caught (checked where raised), raised again where the batch is awaited"
     ),
+    ("lifemem_ray/engine/embedding/batcher.py", "request.error"): (
+        "the shared model call's error (the backend's), raised again in each caller of that batch"
+    ),
     ("actors/cluster/coordinator.py", "failed"): "a shard's error gathered with return_exceptions, raised again",
     ("actors/cluster/remote_errors.py", "cause"): "a remote task's own error, raised without Ray's wrapper",
     ("actors/cluster/remote_errors.py", "exc.as_instanceof_cause"): "Ray's wrapper as an instance of the remote cause",

@@ -198,6 +198,8 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(
             [trajs[i].task for i in queries], [trajs[i].env for i in queries], 4, vectors=vecs[queries]
         )
         assert all(r.trajectories for r in found)
+        for _ in range(2):  # by text: the embedder actor computes it once, then serves it from its cache
+            client.retrieve(trajs[130].task, trajs[130].env, 4)
         assert client.remove([t.id for t in trajs[:10]]) == 10  # the shard gauges follow deletions too
         client.maintain()
         assert len(stub.requests) > 0
@@ -249,6 +251,11 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(
                 if n == "ray_lifemem_coordinator_queue_depth" and labels.get("deployment") == namespace
             ]
             == [0],
+            "embedded texts": total(samples, "ray_lifemem_embedding_texts_total", deployment=namespace, source="model")
+            >= 1
+            and total(samples, "ray_lifemem_embedding_texts_total", deployment=namespace, source="cache") >= 1,
+            "embedding model calls": total(samples, "ray_lifemem_embedding_batch_size_count", deployment=namespace)
+            >= 1,
             "shard trajectories": total(samples, "ray_lifemem_shard_trajectories", deployment=namespace) == 110,
             "shard clusters": total(samples, "ray_lifemem_shard_clusters", deployment=namespace) == stats["clusters"],
             "llm calls and tokens": llm_figures(samples) == (stats["llm"]["calls"], stats["llm"]["tokens"]),

@@ -32,9 +32,9 @@ class ParseAndEmbed:
         self.env = env
         self.embedder = None
         if embedding is not None:
-            from lifemem_ray.engine.embedding import MiniLMEmbedder
+            from lifemem_ray.engine.embedding import open_embedder
 
-            self.embedder = MiniLMEmbedder(embedding)
+            self.embedder = open_embedder(embedding)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         records: list[str] = []

@@ -116,7 +116,10 @@ class Coordinator:
             shards = ray_shards
         self.shards = shards
         if embed is None and embedder_names:
-            embed = RayEmbedders(embedder_names, self.namespace, config.cluster.embed_chunk)
+            embed = RayEmbedders(
+                embedder_names, self.namespace, config.cluster.embed_chunk, config.cluster.call_timeout_s
+            )
+        self.embedders = embed  # RayEmbedders (its stats show in stats()), a test's callable, or None
         self.decider = decider if decider is not None else make_decider(config, ray_metrics.SINK)
         self.ingest = BatchIngest(config, self.shards, self.routing, dim, embed=embed, decider=self.decider)
         self._queue: list[_Request] = []
@@ -190,7 +193,14 @@ class Coordinator:
             "counters": {**self.counters, **ingest.counters},
             "stage_seconds": {k: round(v, 3) for k, v in ingest.stage_seconds.items()},
             "llm": self.decider.usage() if self.decider is not None else {},
+            "embedding": await self._embedding_stats(),
         }
+
+    async def _embedding_stats(self) -> dict[str, Any]:
+        """The embedder replicas' figures added up (cache hit rate, model calls; see
+        :func:`~.ray_shards.embedding_totals`); empty without embedder actors."""
+        stats = getattr(self.embedders, "stats", None)
+        return await stats() if callable(stats) else {}
 
     async def deployment(self) -> dict[str, Any]:
         self._ensure_keeper()

@@ -126,7 +126,7 @@ def deploy(
         for i, name in enumerate(embedder_names):
             ray.remote(EmbedderActor).options(
                 name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common
-            ).remote(config.embedding)
+            ).remote(config.embedding, ns)
         # The coordinator opens the routing table in the store folder of the node that started the
         # deployment (a node-local disk, like the shards'): it runs there, and restarts there.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)

@@ -3,7 +3,7 @@
 :class:`RaySink` is the :class:`~lifemem_ray.core.metrics.MetricsSink` the actors hand to the
 engine (each shard's ``Memory``) and to the LLM client (the coordinator's decider), and record
 their own metrics with (:data:`RECORDER`): the coordinator's micro-batches and queue, the
-shards' sizes, the client's latency. Ray's per-node metrics agent exports them on its
+shards' sizes, the client's latency, the embedder actors' cache and model calls. Ray's per-node metrics agent exports them on its
 Prometheus endpoint with a ``ray_`` prefix (``lifemem_latency_seconds`` is scraped as
 ``ray_lifemem_latency_seconds_bucket`` ...); the Grafana dashboard
 ``cluster_configs/grafana-lifemem.json`` queries those names. Every series also carries Ray's
@@ -31,17 +31,22 @@ from lifemem_ray.llm.llm_metrics import SPECS as LLM_SPECS
 __all__ = [
     "BATCH_SIZE",
     "CATALOGUE",
+    "EMBEDDING_BATCH_SIZE",
+    "EMBEDDING_TEXTS",
     "QUEUE_DEPTH",
     "RECORDER",
     "RaySink",
+    "count_embedding_texts",
     "enabled",
     "observe_batch",
+    "observe_embedding_batch",
     "set_queue_depth",
     "set_shard_sizes",
 ]
 
 MAX_SHARDS = int(ClusterConfig.BOUNDS["shards"][1])
 BATCH_BOUNDARIES = tuple(float(2**i) for i in range(17))  # 1 .. 65,536 (cluster.batch_size's bound)
+EMBEDDING_BATCH_BOUNDARIES = tuple(float(2**i) for i in range(13))  # 1 .. 4,096 (embedding.batch_size's bound)
 
 
 def _shard_index(value: str) -> bool:
@@ -73,10 +78,35 @@ SHARD_TRAJECTORIES = MetricSpec(
     "lifemem_shard_trajectories", "gauge", "Trajectories stored on a shard", (_DEPLOYMENT, _SHARD)
 )
 SHARD_CLUSTERS = MetricSpec("lifemem_shard_clusters", "gauge", "Live clusters on a shard", (_DEPLOYMENT, _SHARD))
+EMBEDDING_TEXTS = MetricSpec(
+    "lifemem_embedding_texts_total",
+    "counter",
+    "Distinct texts of each call to an embedder actor, by where their vector came from: source=cache (its cache) "
+    "or model (computed); the hit rate is cache over both",
+    (_DEPLOYMENT, Tag("source", ("cache", "model"))),
+)
+EMBEDDING_BATCH_SIZE = MetricSpec(
+    "lifemem_embedding_batch_size",
+    "histogram",
+    "Texts per model call of an embedder actor (a dynamic batch gathered from concurrent calls; "
+    "at most embedding.batch_size)",
+    (_DEPLOYMENT,),
+    EMBEDDING_BATCH_BOUNDARIES,
+)
 
 # Every metric recorded below the front door (the front door adds its answers: http_metrics).
 CATALOGUE: dict[str, MetricSpec] = {
-    spec.name: spec for spec in (LATENCY, *LLM_SPECS, BATCH_SIZE, QUEUE_DEPTH, SHARD_TRAJECTORIES, SHARD_CLUSTERS)
+    spec.name: spec
+    for spec in (
+        LATENCY,
+        *LLM_SPECS,
+        BATCH_SIZE,
+        QUEUE_DEPTH,
+        SHARD_TRAJECTORIES,
+        SHARD_CLUSTERS,
+        EMBEDDING_TEXTS,
+        EMBEDDING_BATCH_SIZE,
+    )
 }
 
 
@@ -177,3 +207,15 @@ def set_shard_sizes(deployment: str, shard: int, trajectories: int, clusters: in
     """What shard ``shard`` of ``deployment`` holds now."""
     RECORDER.record(SHARD_TRAJECTORIES, trajectories, deployment, str(shard))
     RECORDER.record(SHARD_CLUSTERS, clusters, deployment, str(shard))
+
+
+def count_embedding_texts(deployment: str, cached: int, computed: int) -> None:
+    """An embedder actor of ``deployment`` served ``cached`` distinct texts from its cache and
+    computed ``computed`` with the model."""
+    RECORDER.record(EMBEDDING_TEXTS, cached, deployment, "cache")
+    RECORDER.record(EMBEDDING_TEXTS, computed, deployment, "model")
+
+
+def observe_embedding_batch(deployment: str, size: int) -> None:
+    """An embedder actor of ``deployment`` made one model call of ``size`` texts."""
+    RECORDER.record(EMBEDDING_BATCH_SIZE, size, deployment)

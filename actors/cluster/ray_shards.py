@@ -1,9 +1,12 @@
 """The coordinator's I/O to the deployment's actors: :class:`RayShards` (the
-:class:`~.batching.ShardSet` of named shard actors) and :class:`RayEmbedders`."""
+:class:`~.batching.ShardSet` of named shard actors) and :class:`RayEmbedders` (with the routing
+of texts to embedder replicas that :class:`~.client.MemoryClient` shares)."""
 
 from __future__ import annotations
 
 import asyncio
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +14,7 @@ import numpy as np
 from lifemem_ray.actors.cluster.batching import ShardSet
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures
 
-__all__ = ["RayEmbedders", "RayShards"]
+__all__ = ["RayEmbedders", "RayShards", "embed_plan", "embedding_totals", "gather_rows", "route_texts"]
 
 
 class RayShards(ShardSet):
@@ -94,24 +97,88 @@ class RayShards(ShardSet):
             ) from exc
 
 
-class RayEmbedders:
-    """Task texts embedded by the deployment's embedder actors, in chunks, round robin."""
+def route_texts(texts: Sequence[str], replicas: int) -> list[list[int]]:
+    """Per embedder replica, the positions of the texts it embeds: chosen by a stable hash of
+    each text (CRC-32 of its UTF-8), the same in every process, so a text always reaches the
+    same replica's cache: a retrieval's query and the later add of the same task share it."""
+    routed: list[list[int]] = [[] for _ in range(replicas)]
+    for i, text in enumerate(texts):
+        routed[zlib.crc32(text.encode("utf-8", "surrogatepass")) % replicas].append(i)
+    return routed
 
-    def __init__(self, names: list[str], namespace: str, chunk: int = 256) -> None:
+
+def embed_plan(texts: Sequence[str], replicas: int, chunk: int) -> list[tuple[int, list[int]]]:
+    """The embedder calls for ``texts``: (replica, positions), at most ``chunk`` texts each, each
+    text on its :func:`route_texts` replica. No texts: one empty call (it answers the width)."""
+    if not texts:
+        return [(0, [])]
+    return [
+        (replica, positions[a : a + chunk])
+        for replica, positions in enumerate(route_texts(texts, replicas))
+        for a in range(0, len(positions), chunk)
+    ]
+
+
+def gather_rows(texts: Sequence[str], plan: list[tuple[int, list[int]]], answers: Sequence[Any]) -> np.ndarray:
+    """The vectors of ``texts`` in their order, from the answers of :func:`embed_plan`'s calls."""
+    out: np.ndarray | None = None
+    for (_, positions), answer in zip(plan, answers, strict=True):
+        vectors = np.asarray(answer, dtype=np.float32)
+        if out is None:
+            out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
+        out[positions] = vectors
+    assert out is not None  # a plan has at least one call
+    return out
+
+
+# Added up over the replicas.
+SUMMED = ("texts", "hits", "misses", "entries", "capacity", "evictions", "batches", "failed_batches")
+
+
+def embedding_totals(per_replica: Sequence[dict[str, Any] | BaseException]) -> dict[str, Any]:
+    """The embedder replicas' figures added up (texts, cache hits and misses, hit_rate, model
+    calls, mean texts per call...), with each replica's own under ``replicas`` (an unreachable
+    one as ``{"error": ...}``)."""
+    answered = [r for r in per_replica if isinstance(r, dict)]
+    total = {key: sum(int(r.get(key, 0)) for r in answered) for key in SUMMED}
+    lookups = total["hits"] + total["misses"]
+    texts_in_batches = sum(float(r.get("mean_batch_texts", 0.0)) * int(r.get("batches", 0)) for r in answered)
+    return {
+        "backend": ",".join(sorted({str(r.get("backend", "")) for r in answered})),
+        **total,
+        "hit_rate": total["hits"] / lookups if lookups else 0.0,
+        "mean_batch_texts": texts_in_batches / total["batches"] if total["batches"] else 0.0,
+        "replicas": [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"[:300]} for r in per_replica],
+    }
+
+
+class RayEmbedders:
+    """Task texts embedded by the deployment's embedder actors, in chunks, each text on the
+    replica its hash names (:func:`route_texts`)."""
+
+    def __init__(self, names: list[str], namespace: str, chunk: int = 256, call_timeout_s: float = 30.0) -> None:
         self.names = names
         self.namespace = namespace
         self.chunk = chunk  # task texts per embedder call (cluster.embed_chunk)
+        self.call_timeout_s = call_timeout_s  # how long stats waits for a replica
         self._handles: list[Any] | None = None
-        self._next = 0
 
-    async def __call__(self, texts: list[str]) -> np.ndarray:
+    def handles(self) -> list[Any]:
         if self._handles is None:
             import ray
 
             self._handles = [ray.get_actor(name, namespace=self.namespace) for name in self.names]
-        refs = []
-        for a in range(0, len(texts), self.chunk):
-            actor = self._handles[self._next % len(self._handles)]
-            self._next += 1
-            refs.append(actor.embed.remote(texts[a : a + self.chunk]))
-        return np.vstack(await asyncio.gather(*refs))
+        return self._handles
+
+    async def __call__(self, texts: list[str]) -> np.ndarray:
+        handles = self.handles()
+        plan = embed_plan(texts, len(handles), self.chunk)
+        answers = await asyncio.gather(*(handles[replica].embed.remote([texts[i] for i in at]) for replica, at in plan))
+        return gather_rows(texts, plan, answers)
+
+    async def stats(self) -> dict[str, Any]:
+        """:func:`embedding_totals` of every replica's ``stats()``."""
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(h.stats.remote(), self.call_timeout_s) for h in self.handles()), return_exceptions=True
+        )
+        return embedding_totals(answers)

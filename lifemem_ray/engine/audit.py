@@ -80,11 +80,13 @@ class Audit:
         }
         if tenant is not None:  # a tenant's view holds its own figures only: nothing of the store or of other tenants
             return {"tenant": tenant, **mine}
+        embedding = s.embedding_stats()  # the embedding service's cache and batches, once it embedded texts
         return {
             "path": str(s.path),
             **mine,
             "per_tenant": dict(sorted(per_tenant.items())),
             **_store_figures(s, counters, usage, todo),
+            **({"embedding": embedding} if embedding is not None else {}),
         }
 
     def verify(self, deep: bool = False) -> dict[str, Any]:

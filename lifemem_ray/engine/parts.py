@@ -85,7 +85,8 @@ class EngineParts:
         return parts
 
     def close(self) -> None:
-        """Stop background work, save the index as a fresh cache, close the decider and the store; idempotent."""
+        """Stop background work, save the index as a fresh cache, close the decider, the embedding
+        service it opened and the store; idempotent."""
         s = self.state
         if s.closed:
             return
@@ -100,5 +101,6 @@ class EngineParts:
                 log.warning("could not save the index cache", exc_info=True)
             if s.decider is not None and hasattr(s.decider, "close"):
                 s.decider.close()
+            s.close_embedder()
             s.store.close()
             s.closed = True

@@ -38,6 +38,9 @@ class MemoryStats(TypedDict, total=False):
     mixed_env_clusters: int
     per_env: dict[str, dict[str, int]]  # env -> {"trajectories": n, "clusters": n}
     llm: dict[str, Any]  # calls, tokens, fallbacks, refused_generated, by_operation (and backend where one applies)
+    # The embedding service's figures (backend, hits, misses, hit_rate, batches, mean_batch_texts ...):
+    # a deployment's embedder actors added up; a store's once it embedded texts itself. Not in a tenant's view.
+    embedding: dict[str, Any]
     tenant: str  # in a tenant's view only
 
 

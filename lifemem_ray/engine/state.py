@@ -58,6 +58,7 @@ class EngineState:
         self.metrics = Recorder(metrics)  # the engine's latency and its LLM decider's calls go to the injected sink
         self.path = Path(path)
         self._embedder = embedder
+        self._owns_embedder = False  # True once this memory opened its own (see embedder)
         self.store = self._open_store(embedder, dim, read_only, namespace)
         self.dim = self.store.dim
         self.read_only = read_only
@@ -204,15 +205,30 @@ class EngineState:
     def embedder(self) -> Embedder:
         with self.lock:
             if self._embedder is None:
-                from lifemem_ray.engine.embedding import MiniLMEmbedder
+                from lifemem_ray.engine.embedding import open_embedder
 
-                embedder = MiniLMEmbedder(self.config.embedding)
+                embedder = open_embedder(self.config.embedding)
                 if embedder.dim != self.dim:
+                    embedder.close()
                     raise StoreError(
                         f"{self.path}: the store holds {self.dim}-dimensional vectors; the embedding model gives {embedder.dim}"
                     )
                 self._embedder = embedder
+                self._owns_embedder = True
             return self._embedder
+
+    def embedding_stats(self) -> dict[str, Any] | None:
+        """The embedding service's figures (cache hit rate, model calls) once this memory embedded
+        texts itself; None before, and for an embedder given by the caller that keeps none."""
+        stats = getattr(self._embedder, "stats", None)
+        return stats() if callable(stats) else None
+
+    def close_embedder(self) -> None:
+        """End the embedding service this memory opened (its batcher's thread); one the caller gave is theirs."""
+        if self._owns_embedder and self._embedder is not None:
+            close = getattr(self._embedder, "close", None)
+            if callable(close):
+                close()
 
     # -- shared helpers ----------------------------------------------------------------------
     @property
