@@ -108,6 +108,37 @@ def test_a_task_that_always_fails_is_reported_not_dropped(memory, tmp_path):
     assert not outcome.success and outcome.attempts == 1  # a bad task is not retried
 
 
+def test_the_pool_resends_an_add_whose_coordinator_died(memory):
+    """The adds wait in a paused coordinator, which is killed: the pool's AddFutures send them
+    again to the restarted coordinator (the client's rules), so no episode is run again and
+    each trajectory is stored once."""
+    import threading
+    import time
+
+    ns, config, client = memory
+    tasks = make_env("sql").tasks("train", limit=4)
+    before = client.stats()["trajectories"]
+    spec = EpisodeSpec(run="coordinator-dies", phase="learn-00", mode="none", agent="gold", namespace=ns, write=True)
+    ray.get(client.coordinator.pause.remote())
+
+    def kill_once_queued() -> None:
+        deadline = time.monotonic() + 120
+        while ray.get(client.coordinator.stats.remote())["queued"] < len(tasks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ray.kill(client.coordinator, no_restart=False)
+
+    killer = threading.Thread(target=kill_once_queued)
+    killer.start()
+    progress: list[dict] = []
+    with RolloutPool(2, config=config, worker_cpus=0.1, progress=progress.append, progress_every_s=0.2) as pool:
+        outcomes = pool.run(tasks, spec)
+    killer.join(timeout=10)
+    assert [o.error for o in outcomes] == [None] * len(tasks)
+    assert [o.attempts for o in outcomes] == [1] * len(tasks) and progress[-1]["retries"] == 0
+    assert {o.stored for o in outcomes} <= {"added", "pending"}
+    assert client.stats()["trajectories"] == before + len(tasks)
+
+
 def test_retrieval_modes_from_a_worker(memory):
     ns, config, client = memory
     tasks = make_env("sql").tasks("test", limit=2)

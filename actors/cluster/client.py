@@ -9,11 +9,9 @@ skills of those trajectories' clusters in order of first appearance.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +19,28 @@ import numpy as np
 import ray
 
 from lifemem_ray.actors.cluster import deployment
+from lifemem_ray.actors.cluster.client_rules import (
+    AddRequest,
+    InDoubtLedger,
+    TwoRoundMerge,
+    any_conflict,
+    check_listing,
+    check_remove,
+    merge_clusters,
+    merge_stats,
+    one_round_results,
+    prepare_add,
+    with_deployment_stats,
+)
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
-from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote, remote_cause
-from lifemem_ray.core.errors import ArgumentTypeError, EmbeddingError
+from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote
+from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
-from lifemem_ray.engine.clustering.clusters import check_listing_limit
-from lifemem_ray.engine.ingest_rules import AddResult
-from lifemem_ray.engine.memory import pack_trajectories
 from lifemem_ray.engine.protocols import MemoryStats
-from lifemem_ray.engine.retrieval import Retrieval, assemble, check_retrieve_args, paused_gc
-from lifemem_ray.llm.transport import merge_usage, usage_refusals, usage_totals
+from lifemem_ray.engine.retrieval import Retrieval, check_retrieve_args, paused_gc
 
 __all__ = ["AddFuture", "MemoryClient"]
 
@@ -45,70 +53,112 @@ def _coordinator_answer(ref: Any) -> Any:
         raise_remote(exc)
 
 
-@dataclass
+@dataclass(eq=False)  # a future is itself: compared and hashed by identity
 class AddFuture:
     """Resolves when the coordinator acknowledged (every trajectory committed on its shard).
 
     When the answer is lost (an actor died), the request's ids are kept by the client as *in
     doubt*: its first attempt may have committed them. A later request of the same client
     that finds such an id stored with the same content reports it ``added`` (this client's
-    own earlier attempt stored it), not ``duplicate``."""
+    own earlier attempt stored it), not ``duplicate``. The policy is
+    :class:`~lifemem_ray.actors.cluster.client_rules.AddRequest`'s, shared with
+    :class:`~lifemem_ray.actors.cluster.async_client.AsyncAddFuture`.
+
+    Picklable: a future may be handed to another process (a rollout worker hands its adds to
+    the pool), which waits for it, and sends it again, in the same way; the doubts of a
+    travelling future are then its own."""
 
     ref: Any
-    single: bool = False
-    sent: dict[str, str] | None = None  # id key -> fingerprint of what the request carried
-    keys: list[str] | None = None  # per position of the request: its id key (tenancy.id_key)
-    client: MemoryClient | None = None
+    request: AddRequest = field(default_factory=lambda: AddRequest({}, []))
     resend: Callable[[], Any] | None = None  # sends the same request again (a new ref)
-    resends: int = 0  # how many times a request whose coordinator died is sent again
-    started: float | None = None  # monotonic time of the add_many call; observed once, when it resolves
+    resend_at: float | None = None  # poll(): monotonic time when a request whose coordinator died goes out again
+
+    @property
+    def single(self) -> bool:
+        """Whether it answers one result (:meth:`MemoryClient.add`) rather than a list."""
+        return self.request.single
+
+    @single.setter
+    def single(self, value: bool) -> None:
+        self.request.single = value
 
     def result(self, timeout: float | None = None) -> Any:
-        """The per-trajectory results. A request whose coordinator died is sent again (up to
-        ``cluster.add_resends`` times, the coordinator restarts by itself): ids its first
-        attempt committed then come back ``duplicate`` and are reported ``added``."""
-        attempt = 0
+        """The per-trajectory results (``timeout``: per attempt). A request whose coordinator
+        died is sent again (up to ``cluster.add_resends`` times, the coordinator restarts by
+        itself): ids its first attempt committed then come back ``duplicate`` and are
+        reported ``added``."""
+        self._resend_due(wait=True)
         while True:
             try:
                 out = ray.get(self.ref, timeout=timeout)
                 break
-            except ray.exceptions.RayTaskError as exc:
-                # The coordinator's own error (conflict, overload, a shard gone), without Ray's wrapping.
-                if isinstance(remote_cause(exc), ShardUnavailableError):
-                    self._doubt()
-                raise_remote(exc)
-            except ray.exceptions.GetTimeoutError:
-                self._doubt()  # still running, or lost: unknown whether it will commit; not resent
-                raise
-            except actor_failures():
-                self._doubt()  # unknown whether the request committed
-                if self.resend is None or attempt >= self.resends:
-                    raise
-                attempt += 1
-                time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
+            except ray.exceptions.RayError as exc:
+                delay = self.request.failed(exc, self.resend is not None)
+                if delay is None or self.resend is None:
+                    raise_remote(exc)  # the coordinator's own error without Ray's wrapping, or exc as it came
+                time.sleep(delay)
                 self.ref = self.resend()
-        if self.client is not None and self.sent:
-            out = self.client._settle(out, self.sent, self.keys)
-        if self.started is not None:  # the client's add latency: from add_many until acknowledged
-            RECORDER.observe_latency("add", "client", time.monotonic() - self.started)
-            self.started = None
-        return out[0] if self.single else out
+        return self.request.answered(out)
+
+    def poll(self) -> Any | None:
+        """The results once acknowledged, else None at once (never waits): a request whose
+        coordinator died is sent again when its delay has passed. Raises what
+        :meth:`result` would."""
+        if not self._resend_due(wait=False) or not self.done():
+            return None
+        try:
+            out = ray.get(self.ref, timeout=0)
+        except ray.exceptions.RayError as exc:
+            delay = self.request.failed(exc, self.resend is not None)
+            if delay is None:
+                raise_remote(exc)
+            self.resend_at = time.monotonic() + delay
+            return None
+        return self.request.answered(out)
 
     def done(self) -> bool:
+        """Whether the current attempt has an answer (an acknowledgement or an error)."""
         ready, _ = ray.wait([self.ref], timeout=0)
         return bool(ready)
 
-    def _doubt(self) -> None:
-        if self.client is not None and self.sent:
-            self.client._doubt(self.sent)
+    def _resend_due(self, wait: bool) -> bool:
+        """Send a request :meth:`poll` decided to send again once its time came (``wait``: now,
+        after sleeping until then); False while that time has not come."""
+        if self.resend_at is None or self.resend is None:
+            return True
+        if not wait and time.monotonic() < self.resend_at:
+            return False
+        time.sleep(max(0.0, self.resend_at - time.monotonic()))
+        self.resend_at = None
+        self.ref = self.resend()
+        return True
 
-
-IN_DOUBT_MAX = 1_000_000  # ids a client remembers as in doubt (the oldest are forgotten first)
+    @staticmethod
+    def ready(futures: Sequence[AddFuture], timeout: float = 0.0) -> list[AddFuture]:
+        """Those of ``futures`` that may move on now (an answer came, or a resend is due), for
+        :meth:`poll`; when none may, waits up to ``timeout`` seconds for one. One ``ray.wait``
+        for them all."""
+        now = time.monotonic()
+        backing_off = [f.resend_at - now for f in futures if f.resend_at is not None]
+        waiting = [f for f in futures if f.resend_at is None]
+        if timeout > 0 and not any(left <= 0 for left in backing_off):
+            limit = min([timeout, *backing_off])
+            if waiting:
+                ray.wait([f.ref for f in waiting], num_returns=1, timeout=limit)
+            else:
+                time.sleep(limit)
+        answered: set[Any] = set()
+        if waiting:
+            answered = set(ray.wait([f.ref for f in waiting], num_returns=len(waiting), timeout=0)[0])
+        now = time.monotonic()
+        return [f for f in futures if (f.ref in answered if f.resend_at is None else f.resend_at <= now)]
 
 
 class MemoryClient:
     """:class:`lifemem_ray.engine.protocols.MemoryAPI` over a Ray deployment (adds return an
-    :class:`AddFuture`)."""
+    :class:`AddFuture`). Its rules (resends, doubts, merging the shards' answers) are
+    :mod:`~lifemem_ray.actors.cluster.client_rules`', shared with
+    :class:`~lifemem_ray.actors.cluster.async_client.AsyncMemoryClient`."""
 
     def __init__(self, namespace: str, config: DeploymentConfig) -> None:
         self.namespace = namespace
@@ -121,9 +171,7 @@ class MemoryClient:
         # Looked up again after a shard failed: the deployment may have started it anew elsewhere.
         self._shards: list[Any] | None = None
         self.embedders: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
-        self._next = 0
-        self._in_doubt: OrderedDict[str, str] = OrderedDict()  # id -> fingerprint of an add whose answer was lost
-        self._doubt_lock = threading.Lock()
+        self.in_doubt = InDoubtLedger()  # ids of adds whose answer was lost
 
     @property
     def shards(self) -> list[Any]:
@@ -165,64 +213,34 @@ class MemoryClient:
 
         The trajectories are encoded and their workflows abstracted here, in the caller's
         process, so the coordinator only routes and decides."""
-        started = time.monotonic()
-        batch = pack_trajectories(list(trajectories), vectors, self.dim, self.config.evolution.workflow_features)
-        sent = dict(zip(batch.ids, batch.fingerprints, strict=True))
-        embedded = vectors is not None
-
-        def send() -> Any:
-            # No transparent retry by Ray: the future resends a request whose coordinator died
-            # itself, knowing its ids are in doubt (see AddFuture.result).
-            return self.coordinator.add_batch.options(max_task_retries=0).remote(batch, embedded)
-
-        return AddFuture(
-            send(),
-            sent=sent,
-            keys=list(batch.ids),
-            client=self,
-            resend=send,
+        request, send = prepare_add(
+            trajectories,
+            vectors,
+            dim=self.dim,
+            features=self.config.evolution.workflow_features,
+            coordinator=self.coordinator,
+            ledger=self.in_doubt,
             resends=self.config.cluster.add_resends,
-            started=started,
         )
+        return AddFuture(send(), request, resend=send)
 
     def stored_conflicts(self, ids: list[str], fingerprints: list[str]) -> list[bool]:
         """Per id key (:func:`lifemem_ray.core.tenancy.id_key`: the id itself for the default tenant):
         whether a shard holds it with another fingerprint (one call per shard)."""
-        answers = self._answers([s.known.remote(ids, fingerprints) for s in self.shards])
-        return [any(a[i] is not None and a[i].status == "conflict" for a in answers) for i in range(len(ids))]
-
-    def _doubt(self, sent: dict[str, str]) -> None:
-        """Remember a request whose answer was lost: its first attempt may have committed."""
-        with self._doubt_lock:
-            self._in_doubt.update(sent)
-            while len(self._in_doubt) > IN_DOUBT_MAX:
-                self._in_doubt.popitem(last=False)
-
-    def _settle(self, results: list[AddResult], sent: dict[str, str], keys: list[str] | None = None) -> list[AddResult]:
-        """``duplicate`` for an id this client sent before without an answer is its own
-        earlier attempt's commit: ``added``. ``keys``: the request's id keys by position (the
-        results name the caller's ids, without the tenant)."""
-        if not self._in_doubt:
-            return results
-        out = []
-        with self._doubt_lock:
-            for r, key in zip(results, keys if keys is not None else [r.id for r in results], strict=True):
-                fp = self._in_doubt.pop(key, None)
-                if r.status == "duplicate" and fp is not None and fp == sent.get(key):
-                    r = AddResult(r.id, "added", r.cluster_id)
-                out.append(r)
-        return out
+        return any_conflict(self._answers([s.known.remote(ids, fingerprints) for s in self.shards]), len(ids))
 
     # -- retrieving --------------------------------------------------------------------------
     def embed(self, texts: list[str]) -> np.ndarray:
-        """Embeddings of ``texts`` from the deployment's embedder actors (round robin)."""
+        """Embeddings of ``texts`` from the deployment's embedder actors: each text on the replica
+        its hash names (:func:`~.ray_shards.route_texts`, as the coordinator's adds), so it meets
+        that replica's cache; in calls of at most ``cluster.embed_chunk`` texts."""
         if not self.embedders:
             raise EmbeddingError(
                 "no embedder actors in this deployment (deployed with cluster.embedders = 0); pass vectors, or deploy with embedders"
             )
-        actor = self.embedders[self._next % len(self.embedders)]
-        self._next += 1
-        return ray.get(actor.embed.remote(texts))
+        plan = embed_plan(texts, len(self.embedders), self.config.cluster.embed_chunk)
+        refs = [self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]
+        return gather_rows(texts, plan, ray.get(refs))
 
     def retrieve(
         self,
@@ -286,15 +304,8 @@ class MemoryClient:
         budget: int,
     ) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
-        refs = [shard.search_records.remote(targets, k, vecs, skills) for shard in self.shards]
-        per_shard = self._answers(refs)
-        max_skills = self.config.retrieval.max_skills
-        out = []
-        for q, (task, env) in enumerate(zip(tasks, envs, strict=True)):
-            hits = [h for part in per_shard for h in part[q][0]]
-            texts = {cid: text for part in per_shard for cid, text in part[q][1].items()}
-            out.append(assemble(task, env, hits, texts, k, max_skills, budget))
-        return out
+        per_shard = self._answers([shard.search_records.remote(targets, k, vecs, skills) for shard in self.shards])
+        return one_round_results(tasks, envs, per_shard, k, self.config.retrieval.max_skills, budget)
 
     def _retrieve_two_rounds(
         self,
@@ -306,59 +317,30 @@ class MemoryClient:
         skills: bool,
         budget: int,
     ) -> list[Retrieval]:
-        """Shards send scores and ids, the top-k across shards is chosen here, then only those
-        records are fetched: a shard's records that lose the merge never travel. Searches go
-        out at once in large chunks (FAISS is cheaper per query on more queries of an
-        environment); records come back in smaller chunks, each fetched while the one
-        before is decoded (``cluster.search_chunk``, ``cluster.retrieve_chunk``)."""
-        chunk = self.config.cluster.retrieve_chunk
-        per_search = max(chunk, self.config.cluster.search_chunk // chunk * chunk)  # validated as a multiple of chunk
-        starts = list(range(0, len(tasks), per_search))
-        searches = [
-            [
-                shard.search_hits.remote(targets[a : a + per_search], k, vecs[a : a + per_search])
-                for shard in self.shards
-            ]
-            for a in starts
-        ]
-        merged: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        owner = np.repeat(np.arange(len(self.shards)), k)  # column of the merged rows -> shard
+        """Scores and ids first, then only the merged top-k's records (:class:`TwoRoundMerge`):
+        all searches go out at once; each chunk's records are fetched while the chunk before
+        is decoded."""
+        shards = self.shards
+        plan = TwoRoundMerge(len(tasks), len(shards), k, self.config.cluster)
+        searches = [[s.search_hits.remote(targets[a:b], k, vecs[a:b]) for s in shards] for a, b in plan.searches]
 
         def fetch(a: int, b: int) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, Any]]]:
-            n, offset = divmod(a, per_search)
-            if n not in merged:
-                merged.pop(n - 1, None)
-                parts = self._answers(searches[n])
-                scores, ids = np.hstack([p[0] for p in parts]), np.hstack([p[1] for p in parts])
-                best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties keep shard order, as assemble does
-                merged[n] = (np.take_along_axis(scores, best, 1), np.take_along_axis(ids, best, 1), owner[best])
-            scores, ids, shard_of = (x[offset : offset + b - a] for x in merged[n])
-            wanted = []
-            for i, shard in enumerate(self.shards):
-                at = np.flatnonzero(((shard_of == i) & (ids >= 0)).ravel())
-                if len(at):
-                    wanted.append((at, shard.hit_records.remote(ids.ravel()[at], skills)))
-            return scores, ids, wanted
+            group = plan.group_of(a)
+            if plan.needs(group):
+                plan.merge(group, self._answers(searches[group]))
+            scores, ids, wanted = plan.winners(a, b)
+            return scores, ids, [(at, shards[i].hit_records.remote(ids.ravel()[at], skills)) for i, at in wanted]
 
-        chunks = [(a, min(len(tasks), a + chunk)) for a in range(0, len(tasks), chunk)]
-        max_skills = self.config.retrieval.max_skills
         out: list[Retrieval] = []
-        ahead = fetch(*chunks[0])
-        for i, (a, b) in enumerate(chunks):
+        ahead = fetch(*plan.chunks[0])
+        for i, (a, b) in enumerate(plan.chunks):
             scores, ids, wanted = ahead
-            if i + 1 < len(chunks):
-                ahead = fetch(*chunks[i + 1])
+            if i + 1 < len(plan.chunks):
+                ahead = fetch(*plan.chunks[i + 1])
             answers = self._answers([ref for _, ref in wanted])
-            found: list[Any] = [None] * ids.size
-            texts: dict[int, str] = {}
-            for (at, _), (records, skill_texts) in zip(wanted, answers, strict=True):
-                for pos, record in zip(at.tolist(), records, strict=True):
-                    found[pos] = record
-                texts.update(skill_texts)
-            for q, (task, env) in enumerate(zip(tasks[a:b], envs[a:b], strict=True)):
-                row = found[q * k : (q + 1) * k]
-                hits = [(s, hit[0], hit[1]) for s, hit in zip(scores[q].tolist(), row, strict=True) if hit is not None]
-                out.append(assemble(task, env, hits, texts, k, max_skills, budget))
+            positions = [at for at, _ in wanted]
+            max_skills = self.config.retrieval.max_skills
+            out += plan.results(tasks[a:b], envs[a:b], scores, ids, positions, answers, max_skills, budget)
         return out
 
     # -- state -----------------------------------------------------------------------------
@@ -369,51 +351,9 @@ class MemoryClient:
         if tenant is not None:
             check_tenant(tenant, "tenant")
         shard_stats = self._answers([s.stats.remote(tenant) for s in self.shards], "stats")
-        per_env: dict[str, dict[str, int]] = {}
-        per_tenant: dict[str, dict[str, int]] = {}
-        for st in shard_stats:
-            for table, key in ((per_env, "per_env"), (per_tenant, "per_tenant")):
-                for name, v in st.get(key, {}).items():
-                    slot = table.setdefault(name, {"trajectories": 0, "clusters": 0})
-                    slot["trajectories"] += v["trajectories"]
-                    slot["clusters"] += v["clusters"]
-        out: dict[str, Any] = {
-            "trajectories": sum(st["trajectories"] for st in shard_stats),
-            "clusters": sum(st["clusters"] for st in shard_stats),
-            "pending": sum(st["pending"] for st in shard_stats),
-            "mixed_env_clusters": sum(st["mixed_env_clusters"] for st in shard_stats),
-            "per_env": dict(sorted(per_env.items())),
-        }
-        if tenant is not None:
-            out["tenant"] = tenant
-            out["shards"] = [{"trajectories": st["trajectories"], "clusters": st["clusters"]} for st in shard_stats]
-            return out  # type: ignore[return-value]
-        coordinator = ray.get(self.coordinator.stats.remote())
-        llm_shards = [st["llm"] for st in shard_stats]
-        coord_usage = coordinator["llm"]
-        coord_calls, coord_tokens = usage_totals(coord_usage)
-        by_operation = merge_usage(coord_usage, *(usage.get("by_operation", {}) for usage in llm_shards))
-        out.update(
-            splits=sum(st["splits"] for st in shard_stats),
-            llm={
-                "calls": sum(usage["calls"] for usage in llm_shards) + coord_calls,
-                "tokens": sum(usage["tokens"] for usage in llm_shards) + coord_tokens,
-                "fallbacks": sum(usage["fallbacks"] for usage in llm_shards),
-                "refused_generated": usage_refusals(by_operation),
-                "by_operation": by_operation,
-                "coordinator": coord_usage,
-            },
-            shards=[
-                {
-                    "trajectories": st["trajectories"],
-                    "clusters": st["clusters"],
-                    "maintenance_queued": st["maintenance_queued"],
-                }
-                for st in shard_stats
-            ],
-            per_tenant=dict(sorted(per_tenant.items())),
-            coordinator=coordinator,
-        )
+        out = merge_stats(shard_stats, tenant)
+        if tenant is None:
+            out = with_deployment_stats(out, shard_stats, ray.get(self.coordinator.stats.remote()))
         return out  # type: ignore[return-value]
 
     def clusters(
@@ -421,16 +361,13 @@ class MemoryClient:
     ) -> list[Any]:
         """``tenant``'s live clusters on every shard, largest first (None: every tenant's); with
         ``limit``, the largest that many (each shard sends at most that many)."""
-        if tenant is not None:
-            check_tenant(tenant, "tenant")
-        check_listing_limit(limit)
+        check_listing(tenant, limit)
         parts = self._answers([s.clusters.remote(env, tenant, limit) for s in self.shards], "clusters")
-        return sorted((c for part in parts for c in part), key=lambda c: (-c.count, c.id))[:limit]
+        return merge_clusters(parts, limit)
 
     def cluster_count(self, env: str | None = None, *, tenant: str | None = DEFAULT_TENANT) -> int:
         """How many clusters :meth:`clusters` would list without a limit."""
-        if tenant is not None:
-            check_tenant(tenant, "tenant")
+        check_listing(tenant)
         return sum(self._answers([s.cluster_count.remote(env, tenant) for s in self.shards], "cluster_count"))
 
     # -- deleting ----------------------------------------------------------------------------
@@ -439,10 +376,7 @@ class MemoryClient:
         through the coordinator, which runs it between its micro-batches (never beside a batch
         that may name the same clusters) on every shard; durable when this returns, and
         idempotent: sending it again is safe (unknown ids are ignored)."""
-        check_tenant(tenant, "tenant", stored=True)
-        if isinstance(ids, str):
-            raise ArgumentTypeError("ids: expected a list of trajectory ids, got one string")
-        return _coordinator_answer(self.coordinator.remove.remote([str(i) for i in ids], tenant))
+        return _coordinator_answer(self.coordinator.remove.remote(check_remove(ids, tenant), tenant))
 
     def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` on every shard (see :meth:`remove`); each shard

@@ -4,8 +4,11 @@ A :class:`RolloutWorker` owns its environment instances (one per environment nam
 created on first use, replaced when one hangs or fails) and its agents. For each task it
 retrieves from the memory through :class:`~lifemem_ray.actors.cluster.client.MemoryClient`, runs
 the episode (:func:`lifemem_ray.lab.episode.run_episode`), and, when asked to, submits the
-trajectory (success or failure, with its outcome) and goes on; the pool counts the task
-done once the memory acknowledged it.
+trajectory (success or failure, with its outcome) and goes on: it hands the pool the add's
+:class:`~lifemem_ray.actors.cluster.client.AddFuture`, and the pool counts the task done once
+that future resolved (with the client's rules: a request whose coordinator died, or whose
+worker died before the answer, is sent again; what its first attempt committed reads
+``added``).
 
 :class:`RolloutPool` drives N workers in the manner of Ray's ``ActorPool``, with the
 fault handling rollouts need: a task whose worker dies, or that runs past its deadline
@@ -27,6 +30,7 @@ from typing import Any
 import ray
 
 from lifemem_ray.actors.cluster import ray_metrics
+from lifemem_ray.actors.cluster.client import AddFuture
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import actor_failures, remote_cause
 from lifemem_ray.core.errors import EnvStateError, InvalidArgumentError
@@ -241,13 +245,13 @@ class RolloutWorker:
         ack = None
         submit_s = 0.0
         if spec.write:
-            # Submitted, not awaited: the pool holds the acknowledgement and counts the task
-            # done only once it arrived, while this worker already runs the next episode.
+            # Submitted, not awaited: the pool holds the add's future and counts the task done
+            # only once it resolved, while this worker already runs the next episode.
             t0 = time.perf_counter()
             client = self._client(spec.namespace)  # type: ignore[arg-type]
             traj = result.trajectory
             vector = self._vectors.get(traj.query_text)
-            ack = client.add(traj, vector=vector).ref
+            ack = client.add(traj, vector=vector)
             submit_s = time.perf_counter() - t0
         summary = result.summary()
         summary.update(
@@ -303,7 +307,7 @@ class _PoolRun:
     results: list = field(default_factory=list)  # per task: its TaskOutcome once done
     free: list[int] = field(default_factory=list)  # idle workers
     inflight: dict = field(default_factory=dict)  # ref -> (task index, attempt, worker index, deadline)
-    acks: dict = field(default_factory=dict)  # memory acknowledgement -> (task, attempt, outcome, sent)
+    acks: list = field(default_factory=list)  # (AddFuture of the task's add, task index, attempt, outcome, sent)
 
     def __post_init__(self) -> None:
         self.queue = deque((i, 1) for i in range(len(self.tasks)))
@@ -386,12 +390,11 @@ class RolloutPool:
                 w = st.free.pop()
                 ref = self.workers[w].run.remote(tasks[i], spec, return_trajectories)
                 st.inflight[ref] = (i, attempt, w, time.monotonic() + st.deadline_s)
+            idle = not st.inflight  # only adds to wait for: wait on them instead
             ready, _ = ray.wait(list(st.inflight), num_returns=1, timeout=0.5) if st.inflight else ([], [])
-            if not st.inflight and st.acks:
-                ray.wait(list(st.acks), num_returns=1, timeout=0.5)
             for ref in ready:
                 self._collect(st, ref)
-            self._settle_acks(st)
+            self._settle_acks(st, wait_s=0.5 if idle else 0.0)
             now = time.monotonic()
             self._replace_stuck(st, now)
             if self.progress is not None and (
@@ -443,51 +446,38 @@ class RolloutPool:
         outcome = TaskOutcome(task, out["summary"], out["trajectory"], None, attempt)
         outcome.summary["attempts"] = attempt
         if out["ack"]:
-            st.acks[out["ack"][0]] = (i, attempt, outcome, time.monotonic())
+            st.acks.append((out["ack"][0], i, attempt, outcome, time.monotonic()))
         else:
             self._finish(st.results, outcome, i, st.stats, st.on_result)
 
-    def _settle_acks(self, st: _PoolRun) -> None:
-        """Tasks whose trajectory the memory acknowledged are done; a lost acknowledgement is retried."""
+    def _settle_acks(self, st: _PoolRun, wait_s: float = 0.0) -> None:
+        """Tasks whose add resolved are done (``wait_s``: how long to wait for one when none
+        did). The outcome is the add's future's (:meth:`AddFuture.poll`); a task whose
+        trajectory was not stored is retried, as any failed attempt."""
         if not st.acks:
             return
-        done_acks, _ = ray.wait(list(st.acks), num_returns=len(st.acks), timeout=0)
-        for ref in done_acks:
-            i, attempt, outcome, submitted = st.acks.pop(ref)
+        moving = {id(f) for f in AddFuture.ready([entry[0] for entry in st.acks], wait_s)}
+        for entry in [e for e in st.acks if id(e[0]) in moving]:
+            future, i, attempt, outcome, submitted = entry
+            why = None  # set when the trajectory was not stored
             try:
-                outcome.stored = ray.get(ref)[0].status
+                result = future.poll()
+                if result is None:  # sent again (its coordinator, or its worker, died): not yet
+                    continue
+                outcome.stored = result.status
             except IdConflictError:
                 # An earlier attempt of this task stored a different run of it (its worker
                 # died after the commit): the memory keeps the first, as promised.
                 outcome.stored = "conflict-existing"
-            except ray.exceptions.RayTaskError as exc:
-                cause = remote_cause(exc)
-                if not isinstance(cause, IdConflictError):
-                    self._retry_or_fail(
-                        st.queue,
-                        st.results,
-                        st.tasks,
-                        i,
-                        attempt,
-                        f"not stored: {type(cause).__name__}: {cause}",
-                        st.stats,
-                        st.on_result,
-                    )
-                    continue
-                outcome.stored = "conflict-existing"
             except actor_failures(ray.exceptions.OwnerDiedError) as exc:
-                # The worker that submitted it died before the acknowledgement: unknown
-                # whether it was stored; the retry has the same id, so at most once.
-                self._retry_or_fail(
-                    st.queue,
-                    st.results,
-                    st.tasks,
-                    i,
-                    attempt,
-                    f"acknowledgement lost: {type(exc).__name__}",
-                    st.stats,
-                    st.on_result,
-                )
+                # No answer after the future's resends: unknown whether it was stored; the
+                # retry has the same id, so at most once.
+                why = f"acknowledgement lost: {type(exc).__name__}"
+            except Exception as exc:  # noqa: BLE001 - the memory refused it (a shard down, overload...): retried
+                why = f"not stored: {type(exc).__name__}: {exc}"
+            st.acks.remove(entry)
+            if why is not None:
+                self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, why, st.stats, st.on_result)
                 continue
             outcome.summary["ack_s"] = round(time.monotonic() - submitted, 6)
             self._finish(st.results, outcome, i, st.stats, st.on_result)
