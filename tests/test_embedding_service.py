@@ -175,6 +175,19 @@ def test_concurrent_callers_share_one_model_call_and_each_gets_its_own_rows():
     service.close()
 
 
+def test_a_text_callers_wait_for_at_once_is_computed_once():
+    """A GRPO group: 8 rollouts of one prompt retrieve at the same moment (all miss the cache)."""
+    backend = FakeBackend()
+    callers = 8
+    service = EmbeddingService(backend, cache_entries=100, batch_size=callers, batch_wait_ms=LONG_WAIT_MS)
+    got = run_together(callers, lambda i: service.embed(["the group's prompt"]))
+    assert backend.calls == [["the group's prompt"]]
+    for row in got:
+        np.testing.assert_array_equal(row, fake_vector("the group's prompt")[None, :])
+    assert service.stats()["batches"] == 1 and service.stats()["mean_batch_texts"] == 1
+    service.close()
+
+
 def test_a_model_error_reaches_every_caller_of_its_batch_and_the_batcher_goes_on():
     backend = FakeBackend(fail_calls=(1,))
     callers = 3

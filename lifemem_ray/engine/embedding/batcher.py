@@ -40,8 +40,8 @@ class _Request:
 class DynamicBatcher:
     """Serves ``model_call(texts) -> (len(texts), dim) float32`` to concurrent callers: one call
     takes the texts that arrived within ``wait_ms`` of the oldest waiting one, up to
-    ``batch_size`` (it goes at once when that many wait). A caller's request of more than
-    ``batch_size`` texts is split. An error of a model call reaches every caller of that call;
+    ``batch_size`` (it goes at once when that many wait); a text several of them wait for is
+    computed once. A caller's request of more than ``batch_size`` texts is split. An error of a model call reaches every caller of that call;
     the batcher goes on serving the next. ``observe_batch(n)`` is told each model call's size."""
 
     def __init__(
@@ -70,7 +70,7 @@ class DynamicBatcher:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.batches = 0  # model calls that answered
-        self.texts = 0  # texts those calls embedded
+        self.texts = 0  # distinct texts those calls embedded
         self.failed_batches = 0  # model calls that raised
 
     # -- the callers' side -------------------------------------------------------------------------
@@ -154,13 +154,17 @@ class DynamicBatcher:
     def _serve(self, batch: list[_Request]) -> None:
         """One model call for ``batch``; each request gets its rows, or the call's error."""
         texts = [t for request in batch for t in request.texts]
+        # A text several callers wait for at once (a GRPO group's one prompt) is computed once.
+        row_of = {text: row for row, text in enumerate(dict.fromkeys(texts))}
+        distinct = list(row_of)
         try:
-            vectors = np.asarray(self._model_call(texts), dtype=np.float32)
-            if vectors.shape != (len(texts), self.dim):
+            computed = np.asarray(self._model_call(distinct), dtype=np.float32)
+            if computed.shape != (len(distinct), self.dim):
                 raise EmbeddingError(
-                    f"the embedding model returned shape {tuple(vectors.shape)} for {len(texts)} texts; "
-                    f"expected ({len(texts)}, {self.dim})"
+                    f"the embedding model returned shape {tuple(computed.shape)} for {len(distinct)} texts; "
+                    f"expected ({len(distinct)}, {self.dim})"
                 )
+            vectors = computed[[row_of[t] for t in texts]]
         except BaseException as exc:  # noqa: BLE001 - every caller of this call must get its error, and the thread go on
             with self._cond:
                 self.failed_batches += 1
@@ -175,9 +179,9 @@ class DynamicBatcher:
             request.done.set()
         with self._cond:
             self.batches += 1
-            self.texts += len(texts)
+            self.texts += len(distinct)
         if self._observe_batch is not None:
             try:
-                self._observe_batch(len(texts))
+                self._observe_batch(len(distinct))
             except Exception:  # a metrics hook must never stop the embedding
                 log.warning("the embedding batcher's observe_batch hook failed", exc_info=True)

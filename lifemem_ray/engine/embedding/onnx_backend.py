@@ -340,6 +340,11 @@ def _session(onnxruntime: Any, model_bytes: bytes, *, threads: int, graph_level:
     if threads:
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    # No busy-waiting between calls: ONNX Runtime's threads spin by default after each call,
+    # taking the CPU from the shards beside the embedder (measured: vector-only retrieves
+    # slowed to 0.6-0.7x with spinning on, in benchmarks/text_path.py on 2 cores).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
         return onnxruntime.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's own exception types
