@@ -481,6 +481,7 @@ def run_experiment(
         worker_cpus=exp.worker_cpus,
         max_attempts=exp.max_attempts,
         progress=progress,
+        episodes_per_worker=exp.episodes_per_worker,
     ) as pool:
         for seed in exp.seed_list:
             tasks = load_tasks(exp, seed)

@@ -15,6 +15,12 @@ fault handling rollouts need: a task whose worker dies, or that runs past its de
 (the worker is then killed), is retried on a fresh worker; trajectory ids are
 deterministic per (run, phase, task) so a retried task is stored once; a task that
 fails ``max_attempts`` times is reported as failed, never dropped silently.
+
+With ``episodes_per_worker`` > 1 the pool starts
+:class:`~lifemem_ray.actors.rollout.async_worker.AsyncRolloutWorker` actors instead, and
+keeps up to that many tasks in flight on each: one worker process then drives dozens of
+episodes at once against an LLM server. Such a worker awaits each add's acknowledgement
+itself before it answers for the task; the pool reads what it found, with the same rules.
 """
 
 from __future__ import annotations
@@ -22,56 +28,37 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.client import AddFuture
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import actor_failures, remote_cause
-from lifemem_ray.core.errors import EnvStateError, InvalidArgumentError
-from lifemem_ray.engine.memory import IdConflictError
-from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, render_context
-from lifemem_ray.lab.agents import Agent, make_agent
-from lifemem_ray.lab.envs import Environment, Task, make_env
-from lifemem_ray.lab.episode import EnvHung, EpisodeLimits, EpisodeTimeout, run_episode, trajectory_id
-from lifemem_ray.lab.experiment_config import MEMORY_MODES, RETRIEVING_MODES
+from lifemem_ray.actors.rollout.async_worker import AsyncRolloutWorker
+from lifemem_ray.actors.rollout.worker_base import (
+    MAX_EPISODES_PER_WORKER,
+    EpisodeSpec,
+    RolloutWorkerBase,
+    add_failure,
+    best_env,
+    close_quietly,
+    global_profile,
+    shaped,
+)
+from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.engine.retrieval import Retrieval
+from lifemem_ray.lab.agents import Agent
+from lifemem_ray.lab.envs import Environment, Task
+from lifemem_ray.lab.episode import EpisodeLimits, run_episode, trajectory_id
+from lifemem_ray.lab.experiment_config import MEMORY_MODES
 
 __all__ = ["MEMORY_MODES", "EpisodeSpec", "RolloutPool", "RolloutWorker", "TaskOutcome", "print_progress"]
 
 log = logging.getLogger(__name__)
-
-VECTOR_CACHE = 4096  # task embeddings a worker keeps
-
-
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """What a worker needs to run one task besides the task itself."""
-
-    run: str  # the experiment's id: part of every trajectory id
-    phase: str  # e.g. "learn-03" or "eval-03"
-    mode: str = "lifemem"
-    agent: str = "exemplar"
-    namespace: str | None = None  # the memory deployment; None with mode "none"
-    write: bool = False  # submit the trajectory to the memory (the pool waits for the ack)
-    global_skill: str = ""  # mode "global-skills": the profile to show
-    k: int | None = None
-    seed: int | None = None  # the agents' seed (None: the worker's)
-    # Environment -> the stored environment to retrieve for it ("": the best-matching one):
-    # evaluation-only environments of a zero-shot transfer run.
-    routes: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.mode not in MEMORY_MODES:
-            raise InvalidArgumentError(f"mode: {self.mode!r} is not one of {', '.join(MEMORY_MODES)}")
-        if self.mode in RETRIEVING_MODES and self.namespace is None:
-            raise InvalidArgumentError(f"mode {self.mode!r} needs the memory deployment's namespace")
-        if self.write and self.namespace is None:
-            raise InvalidArgumentError("write=True needs the memory deployment's namespace")
 
 
 @dataclass
@@ -90,8 +77,9 @@ class TaskOutcome:
         return bool(self.summary.get("success")) and self.error is None
 
 
-class RolloutWorker:
-    """One worker process: environments, agents and a memory client, reused across tasks."""
+class RolloutWorker(RolloutWorkerBase):
+    """One worker process: environments, agents and a memory client, reused across tasks;
+    one episode at a time."""
 
     def __init__(
         self,
@@ -102,17 +90,10 @@ class RolloutWorker:
         seed: int = 0,
         env_retries: int = 2,
     ) -> None:
-        self.worker_id = worker_id
-        self.env_options = env_options or {}
-        self.config = config or DeploymentConfig()
-        self.limits = limits
-        self.seed = seed
-        self.env_retries = env_retries
+        super().__init__(worker_id, env_options, config, limits, seed, env_retries)
         self._envs: dict[str, Environment] = {}
         self._agents: dict[tuple[str, int], Agent] = {}  # (name, seed) -> agent
         self._clients: dict[str, Any] = {}
-        self._vectors: OrderedDict[str, Any] = OrderedDict()  # instruction -> embedding (templated tasks repeat)
-        self.env_restarts = 0
 
     def ping(self) -> int:
         return self.worker_id
@@ -121,29 +102,19 @@ class RolloutWorker:
     def _env(self, name: str) -> Environment:
         env = self._envs.get(name)
         if env is None:
-            env = self._envs[name] = make_env(name, **self.env_options.get(name, {}))
+            env = self._envs[name] = self._new_env(name)
         return env
 
     def _drop_env(self, name: str) -> None:
-        """Close an environment that hung or failed, without waiting on it forever."""
         env = self._envs.pop(name, None)
-        if env is None:
-            return
-        self.env_restarts += 1
-        import threading
-
-        threading.Thread(target=_close_quietly, args=(env,), daemon=True, name=f"close-{name}").start()
+        if env is not None:
+            self._abandon_env(env)
 
     def _agent(self, name: str, seed: int | None = None) -> Agent:
         seed = self.seed if seed is None else seed
         agent = self._agents.get((name, seed))
         if agent is None:
-            agent = self._agents[(name, seed)] = make_agent(
-                name,
-                seed=seed,
-                llm_config=self.config.llm,
-                **({"metrics": ray_metrics.SINK} if name == "react" else {}),
-            )
+            agent = self._agents[(name, seed)] = self._new_agent(name, seed)
         return agent
 
     def _client(self, namespace: str) -> Any:
@@ -156,14 +127,8 @@ class RolloutWorker:
 
     def _vector(self, client: Any, text: str) -> Any:
         """The task's embedding, computed once: used for retrieval and again for the add."""
-        vec = self._vectors.get(text)
-        if vec is None:
-            vec = self._vectors[text] = client.embed([text])[0]
-            if len(self._vectors) > VECTOR_CACHE:
-                self._vectors.popitem(last=False)
-        else:
-            self._vectors.move_to_end(text)
-        return vec
+        vec = self._cached_vector(text)
+        return vec if vec is not None else self._keep_vector(text, client.embed([text])[0])
 
     # -- one task ----------------------------------------------------------------------
     def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Retrieval | None] | None:
@@ -172,13 +137,7 @@ class RolloutWorker:
             return None
         budget = self.config.retrieval.token_budget
         if spec.mode == "global-skills":
-            skills = [RetrievedSkill(-1, spec.global_skill, 1.0)] if spec.global_skill.strip() else []
-
-            def profile(task: Task) -> Retrieval:
-                context, tokens = render_context([], skills, budget)
-                return Retrieval(task.instruction, None, [], skills, context, tokens, budget)
-
-            return profile
+            return global_profile(spec, budget)
         client = self._client(spec.namespace)  # type: ignore[arg-type]
         if spec.mode == "trajectory":
             return lambda task: client.retrieve(
@@ -188,14 +147,13 @@ class RolloutWorker:
 
         def same_env(task: Task) -> Retrieval:
             vector = self._vector(client, task.instruction)
-            env = routes.get(task.env, task.env) or _best_matching_env(client, task.instruction, vector, spec.k)
+            env: str | None = routes.get(task.env, task.env)
+            if not env:
+                env = best_env(client.retrieve(task.instruction, None, spec.k, skills=False, vector=vector))
             if env is None:  # an empty memory
                 return Retrieval(task.instruction, task.env, [], [], "", 0, budget)
             hit = client.retrieve(task.instruction, env, spec.k, skills=spec.mode != "lifemem-no-skills", vector=vector)
-            if spec.mode == "skills-only":
-                context, tokens = render_context([], hit.skills, budget)
-                return Retrieval(task.instruction, env, [], hit.skills, context, tokens, budget)
-            return hit
+            return shaped(spec, hit, env, budget)
 
         return same_env
 
@@ -216,32 +174,16 @@ class RolloutWorker:
                     retrieve=retrieve,
                     trajectory_id=tid,
                     limits=self.limits,
-                    metadata={"mode": spec.mode, "phase": spec.phase, "run": spec.run, "worker": self.worker_id},
+                    metadata=self._metadata(spec),
                 )
                 break
-            except (EnvHung, EpisodeTimeout) as exc:
+            except Exception as exc:  # sorted by _env_fault: the environment's faults are retried
+                if not self._env_fault(exc, task, attempt):
+                    raise
                 last_error = exc
-                log.warning(
-                    "worker %d: %s; replacing environment %s (attempt %d)", self.worker_id, exc, task.env, attempt + 1
-                )
-                self._drop_env(task.env)
-            except (ValueError, KeyError):  # bad task or agent misuse: not an environment fault
-                raise
-            except Exception as exc:  # noqa: BLE001 - the environment broke: replace it and retry
-                last_error = exc
-                log.warning(
-                    "worker %d: %s failed in %s: %s: %s; replacing it",
-                    self.worker_id,
-                    task.id,
-                    task.env,
-                    type(exc).__name__,
-                    exc,
-                )
                 self._drop_env(task.env)
         else:
-            raise EnvStateError(
-                f"task {task.env}/{task.id} failed {self.env_retries + 1} times with a fresh environment: {last_error}"
-            )
+            raise self._gave_up(task, last_error)
         ack = None
         submit_s = 0.0
         if spec.write:
@@ -253,44 +195,17 @@ class RolloutWorker:
             vector = self._vectors.get(traj.query_text)
             ack = client.add(traj, vector=vector)
             submit_s = time.perf_counter() - t0
-        summary = result.summary()
-        summary.update(
-            worker=self.worker_id,
-            submit_s=round(submit_s, 6),
-            env_restarts=self.env_restarts,
-            memory_s=round(result.timings["memory_s"] + submit_s, 6),
-        )
-        return {
-            "summary": summary,
-            "ack": [ack] if ack is not None else None,
-            "trajectory": result.trajectory.to_dict() if return_trajectory else None,
-        }
+        reply = self._reply(result, submit_s, return_trajectory)
+        reply["ack"] = [ack] if ack is not None else None
+        return reply
 
     def close(self) -> None:
         for name in list(self._envs):
             env = self._envs.pop(name)
-            _close_quietly(env)
+            close_quietly(env)
         for agent in self._agents.values():
             agent.close()
         self._agents.clear()
-
-
-def _best_matching_env(client: Any, text: str, vector: Any, k: int | None) -> str | None:
-    """The stored environment whose trajectories best match a task of an environment the
-    memory has never seen: the one with the largest summed score among the global top-k
-    (ties: the earlier hit). None for an empty memory."""
-    hits = client.retrieve(text, None, k, skills=False, vector=vector).trajectories
-    totals: dict[str, float] = {}
-    for hit in hits:
-        totals[hit.env] = totals.get(hit.env, 0.0) + max(hit.score, 0.0)
-    return max(totals, key=lambda env: totals[env]) if totals else None
-
-
-def _close_quietly(env: Environment) -> None:
-    try:
-        env.close()
-    except Exception:
-        log.warning("closing environment %s failed", getattr(env, "name", env), exc_info=True)
 
 
 @dataclass
@@ -305,8 +220,8 @@ class _PoolRun:
     deadline_s: float  # a task running longer than this on a worker is stuck: the worker is replaced
     queue: deque = field(default_factory=deque)  # (task index, attempt) still to hand out
     results: list = field(default_factory=list)  # per task: its TaskOutcome once done
-    free: list[int] = field(default_factory=list)  # idle workers
-    inflight: dict = field(default_factory=dict)  # ref -> (task index, attempt, worker index, deadline)
+    free: list[int] = field(default_factory=list)  # free slots: a worker index once per task it can take
+    inflight: dict = field(default_factory=dict)  # ref -> (task index, attempt, worker index, deadline, handle)
     acks: list = field(default_factory=list)  # (AddFuture of the task's add, task index, attempt, outcome, sent)
 
     def __post_init__(self) -> None:
@@ -315,7 +230,13 @@ class _PoolRun:
 
 
 class RolloutPool:
-    """N :class:`RolloutWorker` actors, each with at most one task in flight."""
+    """N worker actors, each running at most ``episodes_per_worker`` episodes at once: a
+    :class:`RolloutWorker` each with 1 (the default, one task in flight), an
+    :class:`~lifemem_ray.actors.rollout.async_worker.AsyncRolloutWorker` each above (twice
+    that many tasks in flight: the second half waits in the worker for a slot).
+
+    A worker that dies, or is killed for a stuck task, takes its other tasks in flight with
+    it: each is retried on the fresh worker, as an attempt of its own."""
 
     def __init__(
         self,
@@ -329,9 +250,14 @@ class RolloutPool:
         max_attempts: int = 3,
         progress: Callable[[dict[str, Any]], None] | None = None,
         progress_every_s: float = 2.0,
+        episodes_per_worker: int = 1,
     ) -> None:
         if workers < 1:
             raise InvalidArgumentError(f"workers: must be >= 1, got {workers}")
+        if not 1 <= episodes_per_worker <= MAX_EPISODES_PER_WORKER:
+            raise InvalidArgumentError(
+                f"episodes_per_worker: must be within [1, {MAX_EPISODES_PER_WORKER}], got {episodes_per_worker}"
+            )
         if max_attempts < 1:
             raise InvalidArgumentError(f"max_attempts: must be >= 1, got {max_attempts}")
         self.size = workers
@@ -341,6 +267,11 @@ class RolloutPool:
         self.limits = limits
         self.progress = progress
         self.progress_every_s = progress_every_s
+        self.episodes_per_worker = episodes_per_worker
+        # Tasks in flight per worker: an async worker gets as many again as it runs, which wait
+        # for an episode slot with their task's embedding already computed (and an episode
+        # awaiting its add's acknowledgement no longer holds a slot).
+        self.width = 1 if episodes_per_worker == 1 else 2 * episodes_per_worker
         self._next_id = 0
         self.workers = [self._start_worker() for _ in range(workers)]
         ray.get([w.ping.remote() for w in self.workers])
@@ -350,15 +281,25 @@ class RolloutPool:
         env_options, config, limits, seed = self._args
         worker_id = self._next_id
         self._next_id += 1
+        if self.episodes_per_worker == 1:
+            return (
+                ray.remote(RolloutWorker)
+                .options(num_cpus=self.worker_cpus, max_restarts=0)
+                .remote(worker_id, env_options, config, limits, seed)
+            )
         return (
-            ray.remote(RolloutWorker)
-            .options(num_cpus=self.worker_cpus, max_restarts=0)
-            .remote(worker_id, env_options, config, limits, seed)
+            ray.remote(AsyncRolloutWorker)
+            .options(num_cpus=self.worker_cpus, max_restarts=0, max_concurrency=self.width + 1)
+            .remote(worker_id, env_options, config, limits, seed, episodes=self.episodes_per_worker)
         )
 
-    def _replace(self, index: int) -> None:
+    def _replace(self, index: int, handle: Any) -> None:
+        """A fresh worker in place of ``handle`` (nothing when it was already replaced: its
+        other tasks in flight fail the same way, each once)."""
+        if self.workers[index] is not handle:
+            return
         try:
-            ray.kill(self.workers[index], no_restart=True)
+            ray.kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001, S110 - already dead or gone: a fresh one replaces it anyway
             pass
         self.workers[index] = self._start_worker()
@@ -380,16 +321,19 @@ class RolloutPool:
             return_trajectories,
             on_result,
             _Progress(len(tasks), spec.phase),
-            deadline_s=self.limits.episode_timeout_s * 1.5 + 60.0,
-        )  # past the worker's own limits: it is stuck
-        st.free = list(range(self.size))
+            # Past the worker's own limits it is stuck; a task on an async worker may first wait
+            # for one episode slot.
+            deadline_s=(self.limits.episode_timeout_s * 1.5 + 60.0) * (1 if self.width == 1 else 2),
+        )
+        st.free = [w for _ in range(self.width) for w in range(self.size)]
         last_report = time.monotonic()
         while st.queue or st.inflight or st.acks:
             while st.queue and st.free:
                 i, attempt = st.queue.popleft()
                 w = st.free.pop()
-                ref = self.workers[w].run.remote(tasks[i], spec, return_trajectories)
-                st.inflight[ref] = (i, attempt, w, time.monotonic() + st.deadline_s)
+                handle = self.workers[w]
+                ref = handle.run.remote(tasks[i], spec, return_trajectories)
+                st.inflight[ref] = (i, attempt, w, time.monotonic() + st.deadline_s, handle)
             idle = not st.inflight  # only adds to wait for: wait on them instead
             ready, _ = ray.wait(list(st.inflight), num_returns=1, timeout=0.5) if st.inflight else ([], [])
             for ref in ready:
@@ -407,13 +351,13 @@ class RolloutPool:
     def _collect(self, st: _PoolRun, ref: Any) -> None:
         """One worker's answer: a result (waiting for the memory's acknowledgement when it
         wrote), a retry, or a failure."""
-        i, attempt, w, _ = st.inflight.pop(ref)
+        i, attempt, w, _, handle = st.inflight.pop(ref)
         task = st.tasks[i]
         try:
             out = ray.get(ref)
         except actor_failures() as exc:
             log.warning("rollout worker died on task %s (attempt %d): %s", task.id, attempt, type(exc).__name__)
-            self._replace(w)
+            self._replace(w, handle)
             st.free.append(w)
             self._retry_or_fail(
                 st.queue, st.results, st.tasks, i, attempt, f"worker died: {type(exc).__name__}", st.stats, st.on_result
@@ -447,7 +391,10 @@ class RolloutPool:
         outcome.summary["attempts"] = attempt
         if out["ack"]:
             st.acks.append((out["ack"][0], i, attempt, outcome, time.monotonic()))
+        elif out.get("not_stored"):  # an async worker's add, acknowledged there: not stored
+            self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, out["not_stored"], st.stats, st.on_result)
         else:
+            outcome.stored = out.get("stored")
             self._finish(st.results, outcome, i, st.stats, st.on_result)
 
     def _settle_acks(self, st: _PoolRun, wait_s: float = 0.0) -> None:
@@ -465,16 +412,8 @@ class RolloutPool:
                 if result is None:  # sent again (its coordinator, or its worker, died): not yet
                     continue
                 outcome.stored = result.status
-            except IdConflictError:
-                # An earlier attempt of this task stored a different run of it (its worker
-                # died after the commit): the memory keeps the first, as promised.
-                outcome.stored = "conflict-existing"
-            except actor_failures(ray.exceptions.OwnerDiedError) as exc:
-                # No answer after the future's resends: unknown whether it was stored; the
-                # retry has the same id, so at most once.
-                why = f"acknowledgement lost: {type(exc).__name__}"
-            except Exception as exc:  # noqa: BLE001 - the memory refused it (a shard down, overload...): retried
-                why = f"not stored: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - sorted by add_failure: a conflict, a lost answer, a refusal
+                outcome.stored, why = add_failure(exc)
             st.acks.remove(entry)
             if why is not None:
                 self._retry_or_fail(st.queue, st.results, st.tasks, i, attempt, why, st.stats, st.on_result)
@@ -483,13 +422,13 @@ class RolloutPool:
             self._finish(st.results, outcome, i, st.stats, st.on_result)
 
     def _replace_stuck(self, st: _PoolRun, now: float) -> None:
-        for ref, (i, attempt, w, deadline) in list(st.inflight.items()):
+        for ref, (i, attempt, w, deadline, handle) in list(st.inflight.items()):
             if now > deadline:  # hung beyond the worker's own limits: kill it
                 del st.inflight[ref]
                 log.warning(
                     "rollout worker %d stuck on task %s for %.0f s: replacing it", w, st.tasks[i].id, st.deadline_s
                 )
-                self._replace(w)
+                self._replace(w, handle)
                 st.free.append(w)
                 self._retry_or_fail(
                     st.queue,

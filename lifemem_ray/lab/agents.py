@@ -27,7 +27,7 @@ import abc
 import hashlib
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,23 @@ class Agent(abc.ABC):
     @abc.abstractmethod
     def act(self, observation: str, info: dict[str, Any]) -> AgentStep:
         """The next action, given the latest observation."""
+
+    async def astart(
+        self,
+        task: Task,
+        observation: str,
+        info: dict[str, Any],
+        memory: Retrieval | None,
+        gold: list[str] | None = None,
+    ) -> None:
+        """:meth:`start` for the async episode loop (:func:`lifemem_ray.lab.episode.arun_episode`):
+        inline, as no agent here waits on anything to start."""
+        self.start(task, observation, info, memory, gold)
+
+    async def aact(self, observation: str, info: dict[str, Any]) -> AgentStep:
+        """:meth:`act` for the async episode loop: inline by default (the offline agents
+        compute in microseconds); an agent that waits on a server awaits it instead."""
+        return self.act(observation, info)
 
     def close(self) -> None:  # noqa: B027 - optional: most agents hold nothing to free
         """Free what the agent holds (an HTTP client)."""
@@ -679,6 +696,9 @@ class ReActAgent(Agent):
     lists valid actions, the action must be one of them (matched case- and
     space-insensitively). An invalid or failed answer does not end the episode: the agent
     sends a no-op the environment rejects (``invalid_action``), counted in ``invalid``.
+
+    :meth:`act` blocks on the model; :meth:`aact` awaits it (the async episode loop), with the
+    same prompt and checks. Agents given one ``client`` share its ``llm.concurrency`` bound.
     """
 
     name = "react"
@@ -735,6 +755,24 @@ class ReActAgent(Agent):
         self.invalid = self.calls = 0
 
     def act(self, observation: str, info: dict[str, Any]) -> AgentStep:
+        prompt, check = self._turn(observation, info)
+        self.calls += 1
+        return self._took(self._client.request(prompt, self.config.model, check))
+
+    async def aact(self, observation: str, info: dict[str, Any]) -> AgentStep:
+        """:meth:`act` awaiting the model: the same prompt, validation, timeout and retries
+        (the client's :meth:`~lifemem_ray.llm.transport.LLMClient.arequest`, on its own
+        loop), and the same bound on calls in flight: ``llm.concurrency`` per client, shared
+        by every agent given that client. The caller's event loop runs other episodes meanwhile."""
+        prompt, check = self._turn(observation, info)
+        self.calls += 1
+        call = self._client.arequest(prompt, self.config.model, check)
+        return self._took(await self._client.arun(call))
+
+    def _turn(
+        self, observation: str, info: dict[str, Any]
+    ) -> tuple[Any, Callable[[dict[str, Any]], tuple[AgentStep | None, list[str]]]]:
+        """This turn's prompt and the check its answer must pass (the history updated first)."""
         from lifemem_ray.lab.agent_prompts import ACT_MAX_CHARS, act_prompt
         from lifemem_ray.llm.answers import schema_errors
 
@@ -769,8 +807,10 @@ class ReActAgent(Agent):
                 action = by_key[key]
             return AgentStep(action, str(data.get("thought", ""))[:2000]), []
 
-        self.calls += 1
-        step = self._client.request(prompt, self.config.model, check)
+        return prompt, check
+
+    def _took(self, step: AgentStep | None) -> AgentStep:
+        """The turn's action: the validated answer, or the no-op when there was none."""
         if step is None:
             self.invalid += 1
             step = AgentStep("invalid_action", "the model gave no valid answer")

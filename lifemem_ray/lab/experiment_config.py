@@ -45,6 +45,7 @@ class ExperimentConfig(Section):
         "test_tasks": (1, 10_000),
         "buffer_size": (1, 10_000),
         "workers": (1, 256),
+        "episodes_per_worker": (1, 1024),
         "shards": (1, 64),
         "max_attempts": (1, 10),
         "seeds": (1, 100),
@@ -74,6 +75,9 @@ class ExperimentConfig(Section):
     bootstrap: int = BOOTSTRAP_DEFAULT  # resamples for the 95% intervals (0: no intervals)
     dedupe_test: bool = True  # drop test tasks that overlap a training task (see overlap())
     workers: int = 2
+    # Episodes each worker runs at once (asyncio): 1 runs them one by one; above 1, for an LLM
+    # agent that mostly waits on its server (set llm.concurrency to at least this).
+    episodes_per_worker: int = 1
     worker_cpus: float = 0.5
     shards: int = 1
     seed: int = 0

@@ -1,0 +1,249 @@
+"""Many episodes at once: the async episode loop, the ReAct agent's async LLM calls, and
+rollout workers with ``episodes_per_worker`` > 1 against a real memory deployment.
+
+The LLM is the local OpenAI-protocol stub answering after a delay; concurrency is checked
+where it shows, at the stub (requests in flight at once), never by timing."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+from openai_stub import OpenAIStub, Reply
+
+from lifemem_ray.core.errors import ConfigError, EnvHung
+from lifemem_ray.lab.agents import GoldAgent, ReActAgent
+from lifemem_ray.lab.envs import Task, make_env
+from lifemem_ray.lab.episode import EpisodeLimits, arun_episode, run_episode
+from lifemem_ray.lab.experiment_config import ExperimentConfig
+from lifemem_ray.llm.llm_config import LLMConfig
+from lifemem_ray.llm.prompts import neutralise
+from lifemem_ray.llm.transport import LLMClient
+
+LATENCY_S = 0.4  # the stub's answer delay: long enough that concurrent episodes overlap there
+_TASK = re.compile(r"<task>(.*?)</task>", re.S)
+
+
+def _sql_tasks(n: int) -> list[Task]:
+    env = make_env("sql")
+    try:
+        return env.tasks("train", limit=n)
+    finally:
+        env.close()
+
+
+class SqlPlayer:
+    """The stub's ReAct answers for sql tasks: one query, then the gold answer for the tasks
+    in ``solve`` and a wrong one for the others, so the outcomes depend on the task alone."""
+
+    def __init__(self, tasks: list[Task], solve: set[str]) -> None:
+        env = make_env("sql")
+        self.answers = {
+            neutralise(t.instruction): env.gold_actions(t)[-1]
+            if t.id in solve
+            else "Action: Answer\nFinal Answer: [(-1,)]"
+            for t in tasks
+        }
+        env.close()
+
+    def __call__(self, request: dict[str, Any]) -> Reply | None:
+        if not request["messages"][0]["content"].startswith("You are an agent"):
+            return None  # not an agent's turn
+        user = request["messages"][1]["content"]
+        if "Your steps so far:" not in user:
+            return Reply.json({"thought": "look first", "action": "Operation: SELECT 1;"})
+        found = _TASK.search(user)
+        return Reply.json({"thought": "answer", "action": self.answers[found.group(1) if found else ""]})
+
+
+def _llm(stub: OpenAIStub, concurrency: int = 8) -> LLMConfig:
+    return LLMConfig(
+        backend="openai",
+        base_url=stub.base_url,
+        model="stub-agent",
+        timeout_s=20,
+        max_retries=1,
+        concurrency=concurrency,
+    )
+
+
+# -- the async episode loop, no Ray ------------------------------------------------------------
+
+
+def test_the_async_loop_gives_the_blocking_loops_episode():
+    env, other = make_env("sql"), make_env("sql")
+    for task in _sql_tasks(4):
+        blocking = run_episode(env, GoldAgent(), task, trajectory_id="b")
+        awaited = asyncio.run(arun_episode(other, GoldAgent(), task, trajectory_id="b"))
+        assert awaited.trajectory.fingerprint == blocking.trajectory.fingerprint
+        assert (awaited.success, awaited.steps, awaited.reward) == (blocking.success, blocking.steps, blocking.reward)
+        assert set(awaited.timings) == {"agent_s", "env_s", "memory_s", "total_s"}
+    env.close()
+    other.close()
+
+
+def test_a_hung_environment_fails_its_episode_alone(tmp_path):
+    """The hung environment's call is on its own thread: the step limit fires while the
+    event loop goes on with the other episode, which completes."""
+    tasks = _sql_tasks(2)
+    hung = make_env("faulty", inner="sql", marker_dir=str(tmp_path), hang_on=[tasks[0].id])
+
+    async def both() -> list[Any]:
+        limits = EpisodeLimits(step_timeout_s=1.0)
+        return await asyncio.gather(
+            arun_episode(hung, GoldAgent(), tasks[0], trajectory_id="h", limits=limits),
+            arun_episode(make_env("sql"), GoldAgent(), tasks[1], trajectory_id="ok", limits=limits),
+            return_exceptions=True,
+        )
+
+    failed, done = asyncio.run(both())
+    hung.close()
+    assert isinstance(failed, EnvHung) and "reset did not return within 1 s" in str(failed)
+    assert done.success
+
+
+def test_concurrent_react_episodes_have_their_calls_in_flight_together():
+    """N episodes on one event loop, N ReAct agents sharing one client: N requests at the
+    stub at once, and the outcomes of N episodes run one by one."""
+    tasks = _sql_tasks(5)
+    player = SqlPlayer(tasks, {tasks[0].id, tasks[1].id, tasks[3].id})
+    with OpenAIStub(responder=player, latency_s=LATENCY_S) as stub:
+        client = LLMClient(_llm(stub, concurrency=len(tasks)))
+        try:
+
+            async def all_at_once() -> list[Any]:
+                return await asyncio.gather(
+                    *(
+                        arun_episode(make_env("sql"), ReActAgent(client.config, client=client), t, trajectory_id=t.id)
+                        for t in tasks
+                    )
+                )
+
+            together = asyncio.run(all_at_once())
+            in_flight = stub.max_in_flight
+            stub.max_in_flight = 0
+            one_by_one = [
+                run_episode(make_env("sql"), ReActAgent(client.config, client=client), t, trajectory_id=t.id)
+                for t in tasks
+            ]
+        finally:
+            client.close()
+    assert in_flight == len(tasks) and stub.max_in_flight == 1
+    assert [r.success for r in together] == [r.success for r in one_by_one] == [True, True, False, True, False]
+    assert [r.trajectory.fingerprint for r in together] == [r.trajectory.fingerprint for r in one_by_one]
+
+
+def test_llm_concurrency_bounds_the_calls_in_flight():
+    tasks = _sql_tasks(4)
+    with OpenAIStub(responder=SqlPlayer(tasks, set()), latency_s=0.2) as stub:
+        client = LLMClient(_llm(stub, concurrency=2))
+        try:
+
+            async def all_at_once() -> list[Any]:
+                return await asyncio.gather(
+                    *(
+                        arun_episode(make_env("sql"), ReActAgent(client.config, client=client), t, trajectory_id=t.id)
+                        for t in tasks
+                    )
+                )
+
+            results = asyncio.run(all_at_once())
+        finally:
+            client.close()
+    assert stub.max_in_flight == 2 and all(r.steps == 2 for r in results)
+
+
+def test_episodes_per_worker_is_a_bounded_setting():
+    assert ExperimentConfig().episodes_per_worker == 1
+    assert ExperimentConfig(episodes_per_worker=64).checked().episodes_per_worker == 64
+    with pytest.raises(ConfigError, match="episodes_per_worker"):
+        ExperimentConfig(episodes_per_worker=0).checked()
+    with pytest.raises(ConfigError, match="episodes_per_worker"):
+        ExperimentConfig.load(overrides={"episodes_per_worker": 5000})
+
+
+# -- rollout workers on Ray, against a real deployment ----------------------------------------
+
+
+def _pool_config(memory: Any, stub: OpenAIStub | None, concurrency: int = 8) -> Any:
+    settings: dict[str, Any] = {}
+    if stub is not None:
+        settings = {
+            "llm.backend": "openai",
+            "llm.base_url": stub.base_url,
+            "llm.model": "stub-agent",
+            "llm.timeout_s": 20,
+            "llm.concurrency": concurrency,
+        }
+    return memory.config.replace(settings)
+
+
+def test_a_worker_runs_its_episodes_at_once_and_stores_each_trajectory_once(deployment):
+    from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
+
+    memory, _ = deployment(shards=2)
+    n = 4
+    tasks = _sql_tasks(2 * n)
+    player = SqlPlayer(tasks, {t.id for t in tasks[::3]})
+    spec = EpisodeSpec(
+        run="async", phase="learn-00", mode="lifemem", agent="react", namespace=memory.namespace, write=True
+    )
+    with OpenAIStub(responder=player, latency_s=LATENCY_S) as stub:
+        config = _pool_config(memory, stub)
+        with RolloutPool(1, config=config, worker_cpus=0.1, episodes_per_worker=n) as pool:
+            together = pool.run(tasks, spec, return_trajectories=True)
+            in_flight = stub.max_in_flight
+            again = pool.run(tasks[:2], spec)  # the same ids again: stored once
+        stub.max_in_flight = 0
+        with RolloutPool(1, config=config, worker_cpus=0.1) as pool:  # today's worker, one at a time
+            one_by_one = pool.run(tasks, EpisodeSpec(run="sync", phase="eval-00", mode="none", agent="react"))
+    assert in_flight == n and stub.max_in_flight == 1
+    assert [o.error for o in together] == [None] * len(tasks) and [o.attempts for o in together] == [1] * len(tasks)
+    outcomes = {o.task.id: o.success for o in together}
+    assert outcomes == {o.task.id: o.success for o in one_by_one} and 0 < sum(outcomes.values()) < len(tasks)
+    assert {o.stored for o in together} <= {"added", "pending"} and [o.stored for o in again] == ["duplicate"] * 2
+    assert all(o.summary["ack_s"] >= 0 and o.summary["steps"] == 2 for o in together)
+    assert memory.stats()["trajectories"] == len(tasks)
+    stored = {t.id for t in memory.retrieve(tasks[0].instruction, "sql", len(tasks)).trajectories}
+    assert stored == {o.summary["id"] for o in together}
+
+
+def test_a_failing_episode_does_not_take_the_others_down(deployment, tmp_path):
+    """Among concurrent episodes: one whose environment raises (replaced, retried in the
+    worker), one the environment rejects (reported, not retried), and one that kills the
+    worker process (every episode it ran is retried on a fresh worker). The others finish,
+    and the memory holds each stored trajectory once."""
+    from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
+
+    memory, _ = deployment(shards=2)
+    tasks = _sql_tasks(8)
+    bad = Task(tasks[0].env, "sql-unknown", tasks[0].instruction, tasks[0].split, {}, tasks[0].metadata)
+    env_options = {
+        "sql": {
+            "adapter": "faulty",
+            "inner": "sql",
+            "marker_dir": str(tmp_path),
+            "fail_on": [tasks[2].id],
+            "crash_on": [tasks[6].id],
+        }
+    }
+    spec = EpisodeSpec(
+        run="faults", phase="learn-00", mode="none", agent="gold", namespace=memory.namespace, write=True
+    )
+    with RolloutPool(
+        1, env_options=env_options, config=memory.config, worker_cpus=0.1, episodes_per_worker=4, max_attempts=3
+    ) as pool:
+        outcomes = pool.run([*tasks[:4], bad, *tasks[4:]], spec)
+        replaced = pool.replaced
+    by_id = {o.task.id: o for o in outcomes}
+    rejected = by_id["sql-unknown"]  # not retried for its own error (a crash of its worker may cost it an attempt)
+    assert (rejected.error or "").startswith("TaskError") and rejected.attempts <= 2
+    good = [by_id[t.id] for t in tasks]
+    assert [o.error for o in good] == [None] * len(tasks) and all(o.success for o in good)
+    failed_once = by_id[tasks[2].id]  # its environment replaced, unless the crash took its worker first
+    assert failed_once.summary["env_restarts"] >= 1 or failed_once.attempts == 2
+    assert by_id[tasks[6].id].attempts == 2 and replaced == 1
+    assert {o.stored for o in good} <= {"added", "pending", "duplicate"}
+    assert memory.stats()["trajectories"] == len(tasks)
