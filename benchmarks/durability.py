@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / "multihost"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "tests")]
 
-from harness import Hosts, RayNodes, namespaces_refused  # noqa: E402 - from the test harness, after its path
-from served import Served, wait_until  # noqa: E402
+from multihost.harness import Hosts, RayNodes, namespaces_refused  # noqa: E402 - from the test harness, after its path
+from multihost.served import Served, wait_until  # noqa: E402
 from wheel_env import build_dists, fresh_venv  # noqa: E402
 
 SUBNET = ipaddress.ip_network("10.213.81.0/24")  # beside the multihost tests' hosts

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import namespaces_refused
 from wheel_env import build_dists, fresh_venv
+
+from multihost.harness import namespaces_refused
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from harness import ACTOR_PLACES, Hosts, HostsError, RayNodes
+from multihost.harness import ACTOR_PLACES, Hosts, HostsError, RayNodes
 
 HEAD = 0  # the host of the Ray head, `serve`, and every client
 HTTP_PORT = 8000

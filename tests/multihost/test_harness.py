@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import ACTOR_PLACES, Hosts, HostsError, RayNodes, mounts_under, namespaces_refused
 from wheel_env import trajectory_record
+
+from multihost.harness import ACTOR_PLACES, Hosts, HostsError, RayNodes, mounts_under, namespaces_refused
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(2400)]
 

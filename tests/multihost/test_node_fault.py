@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Hosts, RayNodes
-from served import (
+
+from multihost.harness import Hosts, RayNodes
+from multihost.served import (
     CALL_BOUND_S,
     Served,
     acknowledged_adds,

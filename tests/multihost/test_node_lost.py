@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Hosts, HostsError, RayNodes
 from s3_server import S3_ENV
-from served import (
+
+from multihost.harness import Hosts, HostsError, RayNodes
+from multihost.served import (
     CALL_BOUND_S,
     Served,
     read_events,
