@@ -305,7 +305,9 @@ def test_replica_figures_add_up_and_an_unreachable_replica_is_named():
 def test_a_deployment_serves_a_repeated_text_from_one_embedders_cache(ray_local, deployment):
     from lifemem_ray.lab.synthetic import generate
 
-    client, _ = deployment(shards=1, **{"cluster.embedders": 2, "embedding.backend": "torch"})
+    # The client's own query-vector cache off, so that the repeated retrieval reaches an embedder.
+    overrides = {"cluster.embedders": 2, "embedding.backend": "torch", "cluster.client_vector_cache": 0}
+    client, _ = deployment(shards=1, **overrides)
     trajectory = next(iter(generate(1, seed=5, length_scale=0.1)))
     client.retrieve(trajectory.task, trajectory.env)
     client.retrieve(trajectory.task, trajectory.env)

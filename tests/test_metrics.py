@@ -185,7 +185,8 @@ def test_a_deployment_exports_every_metric_to_rays_prometheus_endpoint(
             "llm.max_retries": 1,
             "llm.skip_confident": False,
         }
-        client, _ = deployment(shards=2, **llm)
+        # The client's own query-vector cache off: each retrieval by text reaches the embedder actor.
+        client, _ = deployment(shards=2, **llm, **{"cluster.client_vector_cache": 0})
         namespace = client.namespace
         # The first request initialises the memory (on one shard); the next two are planned by
         # the coordinator, which asks the LLM to assign them.

@@ -53,8 +53,9 @@ from lifemem_ray.actors.cluster.client_rules import (
     with_deployment_stats,
 )
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
-from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows
+from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
@@ -145,6 +146,8 @@ class AsyncMemoryClient:
         self._shards: list[Any] | None = None  # looked up again after a shard failed
         self.embedders = embedders
         self.in_doubt = InDoubtLedger()  # ids of adds whose answer was lost
+        # Recent retrieval texts' vectors, and the texts in flight (cluster.client_vector_cache).
+        self.query_vectors = QueryVectors(config.cluster.client_vector_cache, self.dim)
 
     @classmethod
     async def connect(
@@ -257,10 +260,14 @@ class AsyncMemoryClient:
         targets = search_targets(tenant, envs)  # what the shards search: the tenant's scopes
         if not tasks:
             return []
-        vecs = await self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
+        if vectors is None:
+            vecs = await self.query_vectors.vectors_async(tasks, self.embed)
+        else:
+            vecs = np.asarray(vectors, dtype=np.float32)
         if len(tasks) <= self.config.cluster.one_round_max:
             shards = await self.shards()
-            per_shard = await self._answers([s.search_records.remote(targets, k, vecs, skills) for s in shards])
+            queries = pack_queries(vecs, len(tasks), self.dim)
+            per_shard = await self._answers([s.search_records.remote(targets, k, queries, skills) for s in shards])
             with paused_gc():
                 out = one_round_results(tasks, envs, per_shard, k, self.config.retrieval.max_skills, budget)
         else:

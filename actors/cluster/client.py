@@ -4,7 +4,9 @@ Adds go through the coordinator and resolve on acknowledgement; retrievals go
 straight to the shards (for a few queries, one call per shard; for more, chunked
 searches and then a second call that fetches only the records that won the merge) and are merged
 here exactly as the single-process engine orders them: top-k by score, then the
-skills of those trajectories' clusters in order of first appearance.
+skills of those trajectories' clusters in order of first appearance. A retrieval's texts are
+embedded by the deployment's embedder actors, except those the client embedded lately or is
+embedding for another thread right now (:class:`~.query_vectors.QueryVectors`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from lifemem_ray.actors.cluster.client_rules import (
     with_deployment_stats,
 )
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
-from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows
+from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
@@ -172,6 +175,8 @@ class MemoryClient:
         self._shards: list[Any] | None = None
         self.embedders: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
         self.in_doubt = InDoubtLedger()  # ids of adds whose answer was lost
+        # Recent retrieval texts' vectors, and the texts in flight (cluster.client_vector_cache).
+        self.query_vectors = QueryVectors(config.cluster.client_vector_cache, self.dim)
 
     @property
     def shards(self) -> list[Any]:
@@ -284,7 +289,10 @@ class MemoryClient:
         targets = search_targets(tenant, envs)  # what the shards search: the tenant's scopes
         if not tasks:
             return []
-        vecs = self.embed(tasks) if vectors is None else np.asarray(vectors, dtype=np.float32)
+        if vectors is None:
+            vecs = self.query_vectors.vectors(tasks, self.embed)
+        else:
+            vecs = np.asarray(vectors, dtype=np.float32)
         with paused_gc():
             if len(tasks) <= self.config.cluster.one_round_max:
                 out = self._retrieve_one_round(tasks, envs, targets, k, vecs, skills, budget)
@@ -304,7 +312,8 @@ class MemoryClient:
         budget: int,
     ) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
-        per_shard = self._answers([shard.search_records.remote(targets, k, vecs, skills) for shard in self.shards])
+        queries = pack_queries(vecs, len(tasks), self.dim)
+        per_shard = self._answers([shard.search_records.remote(targets, k, queries, skills) for shard in self.shards])
         return one_round_results(tasks, envs, per_shard, k, self.config.retrieval.max_skills, budget)
 
     def _retrieve_two_rounds(

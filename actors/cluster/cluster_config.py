@@ -36,6 +36,7 @@ class ClusterConfig(Section):
         "search_chunk": (1, 65_536),
         "retrieve_chunk": (1, 65_536),
         "embed_chunk": (1, 65_536),
+        "client_vector_cache": (0, 10_000_000),
         "add_resends": (0, 100),
         "snapshot_every_s": (0.0, 604_800.0),
         "snapshots_kept": (1, 1_000),
@@ -66,6 +67,10 @@ class ClusterConfig(Section):
     search_chunk: int = 512
     retrieve_chunk: int = 256
     embed_chunk: int = 256  # task texts per embedder-actor call (a text goes to the embedder its hash names)
+    # MemoryClient: query vectors of recent retrieval texts kept in the client (about 1.6 KB
+    # each); a text met again skips the embedder call, and one text asked by several threads at
+    # once is embedded once. 0: off.
+    client_vector_cache: int = 4096
     add_resends: int = 10  # MemoryClient: times an add whose coordinator died is sent again (it restarts itself)
     # Durability beyond a node: every shard's committed transactions also go, before they are
     # acknowledged, to <durable_uri>/<namespace>/shard-NN (a folder every node sees, or

@@ -29,9 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.checkpoints import CheckpointSchedule, shard_log_uri
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_shards import unpack_queries
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
 from lifemem_ray.engine.clustering.evolution import ItemBatch, Placement
@@ -39,6 +42,7 @@ from lifemem_ray.engine.index.vector_index import set_faiss_threads
 from lifemem_ray.engine.ingest_rules import AddResult
 from lifemem_ray.engine.local_shard import EngineShard
 from lifemem_ray.engine.memory import Memory
+from lifemem_ray.engine.retrieval import RecordHit
 from lifemem_ray.engine.store.durable_copy import materialize
 
 __all__ = ["SHARD_OVERRIDES", "MemoryShard", "release_free_memory", "shard_namespace"]
@@ -82,10 +86,11 @@ def shard_config(config: DeploymentConfig) -> DeploymentConfig:
 
 class MemoryShard(EngineShard):
     """The Ray actor of one store: the engine's :class:`~lifemem_ray.engine.local_shard.EngineShard`
-    (every call of :class:`~lifemem_ray.engine.protocols.ShardProtocol`, inherited as is) plus what
+    (every call of :class:`~lifemem_ray.engine.protocols.ShardProtocol`, inherited) plus what
     a deployment needs of an actor: ``info`` and ``ping``, the shard gauges published after every
     change, the id namespace of its index, and the allocator's free memory given back after
-    maintenance. Only the calls that change the store are overridden here, to publish."""
+    maintenance. The calls that change the store are overridden here, to publish; and
+    ``search_records``, to take query vectors as raw bytes too (what the clients send)."""
 
     @classmethod
     def ray_options(cls, config: DeploymentConfig) -> dict[str, Any]:
@@ -159,6 +164,14 @@ class MemoryShard(EngineShard):
 
     def ping(self) -> int:
         return self.index
+
+    # -- retrieval: the engine's, with query vectors that may come as raw bytes -------------
+    def search_records(
+        self, envs: Sequence[str], k: int, vectors: np.ndarray | bytes, skills: bool = True
+    ) -> list[tuple[list[RecordHit], dict[int, str]]]:
+        """The engine's; ``vectors`` may also be the raw float32 bytes the clients send
+        (:func:`~lifemem_ray.actors.cluster.ray_shards.pack_queries`: cheaper through Ray)."""
+        return super().search_records(envs, k, unpack_queries(vectors, len(envs), self.memory.dim), skills)
 
     # -- the calls that change the store: the engine's, then the gauges --------------------
     def commit(
