@@ -25,12 +25,13 @@ import json
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
+from load_timing import percentile_ms, timed  # benchmarks/ (the script's folder)
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
@@ -53,11 +54,6 @@ ISSUE_FIGURES = {
 }
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 class Pool:
     """Fresh items handed out once each (thread-safe): query tasks, or trajectories to add."""
 
@@ -68,44 +64,6 @@ class Pool:
     def take(self, n: int = 1) -> list[Any]:
         with self._lock:
             return [next(self._items) for _ in range(n)]
-
-
-def timed(clients: int, seconds: float, op: Callable[[], int]) -> dict[str, Any]:
-    """``op`` called by ``clients`` threads for ``seconds``; ``op`` returns how many memory
-    operations it made. Operations per second and p50 / p99 of one call."""
-    stop = time.monotonic() + seconds
-    latencies: list[float] = []
-    counted = [0]
-    errors: dict[str, int] = {}
-    lock = threading.Lock()
-
-    def loop() -> None:
-        while time.monotonic() < stop:
-            began = time.perf_counter()
-            try:
-                made = op()
-            except Exception as exc:  # counted, the phase goes on
-                with lock:
-                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                continue
-            with lock:
-                latencies.append(time.perf_counter() - began)
-                counted[0] += made
-
-    began = time.monotonic()
-    threads = [threading.Thread(target=loop) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    took = time.monotonic() - began
-    return {
-        "ops_per_s": round(counted[0] / took, 1),
-        "calls": len(latencies),
-        "p50_ms": round(1000 * _pct(latencies, 0.5), 2),
-        "p99_ms": round(1000 * _pct(latencies, 0.99), 2),
-        "errors": errors,
-    }
 
 
 def distinct_tasks(n: int, seed: int, exclude: set[str]) -> list[tuple[str, str]]:
@@ -208,8 +166,8 @@ def stage_times(client: MemoryClient, fresh: Pool, known: Pool, n: int = 40) -> 
         client.retrieve(task, None, 4, vector=vector)
         search.append(time.perf_counter() - began)
     return {
-        "embed_new_text": round(1000 * _pct(embed, 0.5), 2),
-        "retrieve_with_vector": round(1000 * _pct(search, 0.5), 2),
+        "embed_new_text": percentile_ms(embed, 50),
+        "retrieve_with_vector": percentile_ms(search, 50),
     }
 
 
