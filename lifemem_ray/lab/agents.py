@@ -24,6 +24,7 @@ crash produces the same trajectory (and the memory stores it once).
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import random
 import re
@@ -118,11 +119,23 @@ def _words(text: str) -> frozenset[str]:
     return frozenset(_WORD.findall(text.lower()))
 
 
+@functools.lru_cache(maxsize=16_384)
+def _action_words(action: str) -> frozenset[str]:
+    """An action's words, kept: an episode compares the same few actions at every step."""
+    return _words(action)
+
+
+def _observations_before_steps(traj: Trajectory) -> list[frozenset[str]]:
+    """The words of what ``traj`` saw before each of its steps (one set per step)."""
+    seen = [traj.initial_observation] + [step.observation for step in traj.steps]
+    return [_words(text) for text in seen[: len(traj.steps)]]
+
+
 def action_similarity(a: str, b: str) -> float:
     """1 for the same action, else the word overlap (Jaccard) of the two."""
     if a.strip().lower() == b.strip().lower():
         return 1.0
-    wa, wb = _words(a), _words(b)
+    wa, wb = _action_words(a), _action_words(b)
     if not wa or not wb:
         return 0.0
     return len(wa & wb) / len(wa | wb)
@@ -196,6 +209,9 @@ class ExemplarAgent(RandomAgent):
         self.lookahead = lookahead
         self.failed_weight = failed_weight
         self._exemplars: list[tuple[Trajectory, float]] = []
+        # each exemplar's observations as word sets, the one before each of its steps (computed
+        # once at start: every act compares the current observation with all of them)
+        self._seen_before: list[list[frozenset[str]]] = []
         self._pos: list[int] = []
         self.imitated = 0
         self.explored = 0
@@ -217,6 +233,7 @@ class ExemplarAgent(RandomAgent):
                     continue
                 weight = max(hit.score, 0.0) * (1.0 if traj.outcome.success is not False else self.failed_weight)
                 self._exemplars.append((traj, weight))
+        self._seen_before = [_observations_before_steps(traj) for traj, _ in self._exemplars]
         self._pos = [0] * len(self._exemplars)
         self._tried: set[tuple[int, str]] = set()
         self.imitated = self.explored = 0
@@ -246,18 +263,16 @@ class ExemplarAgent(RandomAgent):
         valid = info.get("valid_actions")
         proposals: dict[str, float] = {}
         seen = _words(observation)
-        for (traj, weight), pos in zip(self._exemplars, self._pos, strict=True):
+        for (traj, weight), pos, views in zip(self._exemplars, self._pos, self._seen_before, strict=True):
             if pos < len(traj.steps):
                 wanted = traj.steps[pos].action
                 proposals[wanted] = proposals.get(wanted, 0.0) + weight
             # State matching: where the exemplar saw (almost) this observation, what did it do next?
-            before = _words(traj.initial_observation)
-            for step in traj.steps:
+            for step, before in zip(traj.steps, views, strict=True):
                 if before and seen:
                     sim = len(before & seen) / len(before | seen)
                     if sim >= self.state_match:
                         proposals[step.action] = proposals.get(step.action, 0.0) + weight * sim * 0.5
-                before = _words(step.observation)
         best: tuple[float, str] | None = None
         if proposals:
             if valid:
