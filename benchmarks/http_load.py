@@ -29,11 +29,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import ray
+from cpu_share import cpu_seconds, spent  # benchmarks/ (the script's folder)
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
@@ -76,6 +78,26 @@ class Feed:
             return [next(self._source) for _ in range(n)]
 
 
+class Queries:
+    """What a retrieve asks for: one of the stored tasks (``seed``: texts met again, as a
+    fleet's repeated tasks are; the caches serve them after the first time) or a task never
+    sent before (``new``: each text is a model call)."""
+
+    def __init__(self, mode: str, tasks: list[tuple[str, str]], prefix: str) -> None:
+        self._mode, self._tasks = mode, tasks
+        self._fresh = Feed(f"q-{prefix}", 404 + len(prefix))
+        self._sent: set[str] = {task for task, _ in tasks}
+
+    def next(self, rng: random.Random) -> tuple[str, str]:
+        if self._mode == "seed":
+            return rng.choice(self._tasks)
+        while True:
+            t = self._fresh.batch(1)[0]
+            if t.task not in self._sent:  # a generated task can repeat a template's text
+                self._sent.add(t.task)
+                return t.task, t.env
+
+
 def _summary(
     name: str, latencies: dict[str, list[float]], seconds: float, errors: dict[str, int], extra: dict | None = None
 ) -> dict:
@@ -98,8 +120,17 @@ def _summary(
     return row
 
 
+def with_cpu(phase: Callable[[], dict]) -> dict:
+    """``phase()``'s row, with the CPU milliseconds an operation cost each kind of process."""
+    before = cpu_seconds()
+    row = phase()
+    row["cpu_ms_per_op"] = {k: round(1000 * v, 2) for k, v in spent(before, cpu_seconds(), max(1, row["ops"])).items()}
+    return row
+
+
 def in_ray(client: MemoryClient, tasks: list[tuple[str, str]], args: argparse.Namespace) -> dict:
     feed, latencies, errors = Feed("ray", 101), {"retrieve": [], "add": []}, {}
+    queries = Queries(args.queries, tasks, "ray")
     stop = time.monotonic() + args.seconds
     lock = threading.Lock()
 
@@ -109,7 +140,7 @@ def in_ray(client: MemoryClient, tasks: list[tuple[str, str]], args: argparse.Na
             started = time.perf_counter()
             try:
                 if rng.random() < args.retrieve_share:
-                    task, env = rng.choice(tasks)
+                    task, env = queries.next(rng)
                     client.retrieve_many([task], [env], args.k, tenant=TENANT)
                     op = "retrieve"
                 else:
@@ -141,6 +172,7 @@ async def _http_phase(
     """The HTTP load; ``kill`` (a callable) runs a third of the way in. Adds refused with 503 are
     sent again after Retry-After until acknowledged (every acknowledged id is returned)."""
     feed = Feed("http" if kill is None else "fault", 202 if kill is None else 303)
+    queries = Queries(args.queries, tasks, name)
     latencies: dict[str, list[float]] = {"retrieve": [], "add": []}
     errors: dict[str, int] = {}
     acked: set[str] = set()
@@ -168,7 +200,7 @@ async def _http_phase(
         while time.monotonic() < stop:
             started = time.perf_counter()
             if rng.random() < args.retrieve_share:
-                task, env = rng.choice(tasks)
+                task, env = queries.next(rng)
                 op, r = (
                     "retrieve",
                     await send(http, "/v1/retrieve", {"queries": [{"task": task, "env": env}], "k": args.k}),
@@ -237,14 +269,14 @@ def run(args: argparse.Namespace) -> dict:
         for i in range(0, len(seed), 100):
             client.add_many(seed[i : i + 100]).result()
         tasks = [(t.task, t.env) for t in seed]
-        rows = [in_ray(client, tasks, args)]
-        rows.append(asyncio.run(_http_phase(url, key, tasks, args, "http")))
+        rows = [with_cpu(lambda: in_ray(client, tasks, args))]
+        rows.append(with_cpu(lambda: asyncio.run(_http_phase(url, key, tasks, args, "http"))))
         before = client.stats(tenant=TENANT)["trajectories"]
 
         def kill() -> None:
             ray.kill(client.shards[0], no_restart=False)
 
-        fault = asyncio.run(_http_phase(url, key, tasks, args, "http shard-kill", kill))
+        fault = with_cpu(lambda: asyncio.run(_http_phase(url, key, tasks, args, "http shard-kill", kill)))
         fault["recovered_after_s"] = round(_wait_healthy(url), 2)
         after = MemoryClient(namespace, config).stats(tenant=TENANT)["trajectories"]
         fault["count_check"] = {
@@ -273,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
             "k": args.k,
             "seed": args.seed,
             "retrieve_share": args.retrieve_share,
+            "queries": args.queries,
             "rows": rows,
             "http_over_in_ray": ratios,
         }
@@ -294,6 +327,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--seed", type=int, default=300, help="trajectories stored before the load")
     ap.add_argument("--retrieve-share", type=float, default=0.8)
+    ap.add_argument(
+        "--queries",
+        choices=("seed", "new"),
+        default="seed",
+        help="retrieve the stored tasks (texts met again) or a text never sent before each time",
+    )
     ap.add_argument("--max-wait", type=float, default=1.0, help="most seconds a client waits on Retry-After")
     ap.add_argument(
         "--read-timeout",
@@ -317,6 +356,13 @@ def main() -> None:
             f"{add.get('per_s', 0):>6.1f} {add.get('p50_ms', 0):>7.1f} {add.get('p99_ms', 0):>7.1f} {sum(r['errors'].values()):>8}"
         )
     print(f"HTTP / in-Ray: {json.dumps(result['http_over_in_ray'])}")
+    print("CPU ms an operation cost, by process kind (2 cores: at most 2,000 ms of CPU a second in all):")
+    for r in result["rows"]:
+        cpu = r["cpu_ms_per_op"]
+        print(
+            f"  {r['phase']:<22} {sum(cpu.values()):6.1f} in all: "
+            + ", ".join(f"{k} {v}" for k, v in list(cpu.items())[:7])
+        )
     fault = result["rows"][-1]
     print(
         f"shard killed at {fault.get('killed_at_s')} s: {fault['unavailable_503']['count']} answers 503 "

@@ -1,15 +1,15 @@
 """Timing a load from threads, shared by the benchmarks that drive a memory from several clients
-(``text_path.py``, ``client_path.py``, ``peer_mem0.py``): the standard library only, so that a
+(``text_path.py``, ``client_path.py``, ``peer_mem0.py``, ``http_load.py``): the standard library only, so that a
 benchmark's side running in another environment (``peer_mem0_side.py``) can use it too."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["percentile_ms", "timed", "together"]
+__all__ = ["percentile_ms", "timed", "timed_work", "together"]
 
 
 def percentile_ms(values: list[float], q: float) -> float:
@@ -78,3 +78,49 @@ def together(calls: list[Callable[[], Any]]) -> list[Any]:
         if isinstance(answer, Exception):
             raise answer
     return out
+
+
+def timed_work(op: Callable[[Any], tuple[int, int]], work: Sequence[Any], clients: int) -> dict[str, Any]:
+    """``op`` once per item of ``work``, from ``clients`` threads taking items from one queue;
+    ``op`` returns (items it did, results it returned). Raw figures, for the caller to reduce the
+    same way whichever environment measured them: wall seconds, per-call seconds, items done,
+    errors by exception name, and the mean number of results a call returned."""
+    todo = list(reversed(work))
+    latencies: list[float] = []
+    returned: list[int] = []
+    items = [0]
+    errors: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def loop() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                item = todo.pop()
+            began = time.perf_counter()
+            try:
+                done, results = op(item)
+            except Exception as exc:  # counted; the phase goes on
+                with lock:
+                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                continue
+            took = time.perf_counter() - began
+            with lock:
+                latencies.append(took)
+                returned.append(results)
+                items[0] += done
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=loop) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {
+        "wall_s": time.perf_counter() - began,
+        "items": items[0],
+        "latencies_s": latencies,
+        "errors": errors,
+        "mean_results": sum(returned) / len(returned) if returned else 0.0,
+    }

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import ray
+from cpu_share import cpu_seconds, spent  # benchmarks/ (the script's folder)
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
@@ -69,9 +70,10 @@ def throughput(env_name: str, episodes: int, worker_counts: list[int], seed_task
                 with RolloutPool(n, env_options=options, config=config, worker_cpus=0.25) as pool:
                     pool.run(load[: 2 * n], spec)  # warm: environments created, model loaded
                     spec = EpisodeSpec(**{**spec.__dict__, "run": spec.run + "-m"})
-                    started = time.perf_counter()
+                    started, cpu_before = time.perf_counter(), cpu_seconds()
                     outcomes = pool.run(load, spec)
                     seconds = time.perf_counter() - started
+                    cpu = spent(cpu_before, cpu_seconds(), max(1, len(outcomes)))
                 ok = [o for o in outcomes if o.error is None]
                 steps = sum(o.summary["steps"] for o in ok)
                 retrieve = [o.summary["memory_s"] - o.summary["submit_s"] for o in ok]
@@ -89,6 +91,7 @@ def throughput(env_name: str, episodes: int, worker_counts: list[int], seed_task
                         "retrieve_p99_ms": round(1000 * _pct(retrieve, 0.99), 2),
                         "ack_p50_ms": round(1000 * _pct(ack, 0.5), 2),
                         "ack_p99_ms": round(1000 * _pct(ack, 0.99), 2),
+                        "cpu_ms_per_episode": {k: round(1000 * v, 2) for k, v in cpu.items()},
                     }
                 )
                 print(json.dumps(rows[-1]), file=sys.stderr)
@@ -147,6 +150,13 @@ def main() -> None:
         print(
             f"{r['workers']:>7} {r['memory']!s:>6} {r['episodes_per_s']:>10.2f} {r['steps_per_s']:>8.1f} "
             f"{r.get('ratio_vs_no_memory', 1.0):>6.2f} {r['retrieve_p50_ms']:>10.1f}ms {r['retrieve_p99_ms']:>6.1f}ms {r['ack_p50_ms']:>8.1f}ms"
+        )
+    print("CPU ms an episode cost, by process kind:")
+    for r in result["throughput"]:
+        cpu = r["cpu_ms_per_episode"]
+        label = f"{r['workers']} workers, memory {'on' if r['memory'] else 'off'}"
+        print(
+            f"  {label:<24} {sum(cpu.values()):6.1f} in all: " + ", ".join(f"{k} {v}" for k, v in list(cpu.items())[:7])
         )
     if "success" in result:
         modes = list(result["success"]["per_env"])

@@ -232,7 +232,9 @@ class EmbeddingConfig(Section):
     backend: str = "auto"
     onnx_dir: str = ""  # where the exported ONNX model is kept; empty: ~/.cache/lifemem-ray/onnx
     cache_entries: int = 100_000  # texts whose vectors are kept (about 1.6 KB each); 0: no cache
-    batch_wait_ms: float = 2.0  # how long a text waits for other callers' texts to share a model call
+    # how long a text waits for other callers' texts before a model call starts; 0: at once (texts
+    # that arrive while the model runs still share the next call). Measured on CPU in docs/benchmarks.md.
+    batch_wait_ms: float = 0.0
 
     def validate(self) -> None:
         positive(self, "batch_size", "max_tokens")

@@ -50,7 +50,7 @@ class DynamicBatcher:
         dim: int,
         *,
         batch_size: int = 64,
-        wait_ms: float = 2.0,
+        wait_ms: float = 0.0,
         observe_batch: Callable[[int], None] | None = None,
         name: str = "lifemem-embedding-batcher",
     ) -> None:

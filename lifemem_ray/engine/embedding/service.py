@@ -44,7 +44,7 @@ class EmbeddingService:
         *,
         cache_entries: int = 100_000,
         batch_size: int = 64,
-        batch_wait_ms: float = 2.0,
+        batch_wait_ms: float = 0.0,
         kind: str = "",
         observe_lookups: Callable[[int, int], None] | None = None,
         observe_batch: Callable[[int], None] | None = None,
