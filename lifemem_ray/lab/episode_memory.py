@@ -1,0 +1,332 @@
+"""The memory side of an episode run by someone else's loop: recall at the start, record the
+steps, submit the finished trajectory off the critical path.
+
+Rollout stacks (verl, SkyRL, gymnasium loops) own the episode loop; what they need from a
+memory is three calls: the context for a new task, the trajectory written when the episode
+ends, and, before the process lets go of the environment, the writes acknowledged.
+:class:`EpisodeMemory` gives those over any memory (:class:`~lifemem_ray.engine.memory.Memory`
+in process, or a deployment's ``MemoryClient``), with one failure rule for every adapter: a
+memory that fails degrades that episode to "no memory", is counted, and never raises into the
+rollout. The context is the ReAct prompt's memory sections (:func:`memory_context`): skills
+and exemplars fenced as data, never as instructions.
+
+Example::
+
+    from lifemem_ray.engine.memory import Memory
+    from lifemem_ray.lab.episode_memory import EpisodeMemory, EpisodeRecord
+
+    with Memory.open("/tmp/mem") as memory:
+        episodes = EpisodeMemory(memory, k=4)
+        context = episodes.recall("put a clean mug on the desk", "alfworld")
+        record = EpisodeRecord("alfworld", "put a clean mug on the desk", "You are in a room.")
+        record.step("go to desk 1", "You arrive at desk 1.")
+        episodes.submit(record.trajectory(success=True, reward=1.0))
+        episodes.settle()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError
+from lifemem_ray.core.model import Outcome, Step, Trajectory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT
+from lifemem_ray.engine.retrieval import Retrieval
+from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS, memory_context
+
+__all__ = ["AsyncEpisodeMemory", "EpisodeMemory", "EpisodeRecord", "MemoryCounts"]
+
+log = logging.getLogger(__name__)
+
+MAX_OBSERVATION_CHARS = 4000  # an observation kept in a stored step (the episode loop's own bound)
+MAX_STEPS = 1000  # steps one record keeps; later ones are counted, not stored
+
+
+@dataclass
+class MemoryCounts:
+    """What the memory did for the episodes of one :class:`EpisodeMemory`, failures included."""
+
+    recalls: int = 0  # contexts asked for
+    recall_failures: int = 0  # of those, the memory failed: the episode ran without memory
+    submitted: int = 0  # trajectories handed to the memory
+    acknowledged: int = 0  # of those, the memory acknowledged (stored)
+    submit_failures: int = 0  # of those, the memory failed or did not answer in ack_timeout_s
+    pending: int = 0  # of those, not settled when settle() last returned
+    last_error: str = ""  # the latest failure, "Type: message"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class EpisodeRecord:
+    """One episode's trajectory as it happens: the task, the first observation, each step."""
+
+    env: str
+    task: str
+    initial_observation: str = ""
+    steps: list[Step] = field(default_factory=list)
+    dropped_steps: int = 0  # steps beyond MAX_STEPS (counted in the metadata, not stored)
+    reward: float = 0.0  # the sum of the rewards seen so far
+
+    def step(self, action: str, observation: str, reward: float = 0.0, thought: str = "") -> None:
+        """Record one action and what the environment answered."""
+        self.reward += float(reward or 0.0)
+        if len(self.steps) >= MAX_STEPS:
+            self.dropped_steps += 1
+            return
+        self.steps.append(
+            Step(action=action or "(empty)", thought=thought, observation=observation[:MAX_OBSERVATION_CHARS])
+        )
+
+    def trajectory(
+        self,
+        success: bool | None,
+        reward: float | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        metadata: dict[str, Any] | None = None,
+    ) -> Trajectory:
+        """The finished episode as a trajectory (a new id each call); ``reward`` defaults to the
+        sum of the step rewards."""
+        meta = dict(metadata or {})
+        if self.dropped_steps:
+            meta["dropped_steps"] = self.dropped_steps
+        return Trajectory(
+            env=self.env,
+            task=self.task,
+            steps=tuple(self.steps) or (Step(action="(no action)"),),
+            outcome=Outcome(success=success, reward=self.reward if reward is None else reward),
+            id=f"ep-{uuid.uuid4().hex}",
+            initial_observation=self.initial_observation[:MAX_OBSERVATION_CHARS],
+            metadata=meta,
+            tenant=tenant,
+        )
+
+
+class _EpisodeMemoryRules:
+    """What the thread and the coroutine versions share: bounds, counts, the context's form,
+    the failure rule (count, log, degrade) and what counts as stored."""
+
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "k": (1, 64),
+        "token_budget": (1, 100_000),
+        "ack_timeout_s": (0.1, 3600.0),
+        "max_pending": (1, 100_000),
+    }
+
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        k: int = 4,
+        token_budget: int = DEFAULT_MEMORY_TOKENS,
+        tenant: str = DEFAULT_TENANT,
+        ack_timeout_s: float = 120.0,
+        max_pending: int = 256,
+        same_env: bool = True,
+    ) -> None:
+        for name, value in (
+            ("k", k),
+            ("token_budget", token_budget),
+            ("ack_timeout_s", ack_timeout_s),
+            ("max_pending", max_pending),
+        ):
+            low, high = self.BOUNDS[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise InvalidArgumentError(f"{type(self).__name__}: {name} must be in {low:g}..{high:g}, got {value!r}")
+        if not callable(getattr(memory, "retrieve", None)) or not callable(getattr(memory, "add", None)):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: {type(memory).__name__} has no retrieve() and add(); "
+                "give a Memory, a MemoryClient or an AsyncMemoryClient"
+            )
+        self.memory = memory
+        self.k, self.token_budget, self.tenant = k, token_budget, tenant
+        self.ack_timeout_s, self.max_pending, self.same_env = ack_timeout_s, max_pending, same_env
+        self.counts = MemoryCounts()
+        self._lock = threading.Lock()  # guards counts (and the thread version's pending queue)
+
+    def context_of(self, found: Retrieval) -> str:
+        """``found`` rendered as the fenced memory context (the ReAct prompt's sections)."""
+        exemplars = [hit.trajectory for hit in found.trajectories if hit.trajectory is not None]
+        return memory_context([s.text for s in found.skills], exemplars, self.token_budget)
+
+    def _scope(self, env: str | None) -> str | None:
+        return env if self.same_env else None
+
+    def _count(self, counter: str) -> None:
+        with self._lock:
+            setattr(self.counts, counter, getattr(self.counts, counter) + 1)
+
+    @staticmethod
+    def _check_stored(answer: Any, trajectory: Trajectory) -> None:
+        if getattr(answer, "status", "added") == "conflict":  # another trajectory under this id: never stored
+            raise IdConflictError(f"trajectory {trajectory.id}: another trajectory is stored under this id")
+
+    def _failed(self, counter: str, exc: BaseException) -> None:
+        with self._lock:
+            setattr(self.counts, counter, getattr(self.counts, counter) + 1)
+            self.counts.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        log.warning("memory %s: %s: %s (the episode goes on without it)", counter, type(exc).__name__, exc)
+
+
+class EpisodeMemory(_EpisodeMemoryRules):
+    """Recall and submit for episodes a foreign loop runs, over ``memory`` (anything with the
+    memory's ``retrieve(task, env, k, ...)`` and ``add(trajectory)``: a store, whose add
+    answers when stored, or a deployment's client, whose add answers a future).
+
+    ``submit`` never blocks the episode: the add and the wait for its acknowledgement run on
+    a background thread; at most ``max_pending`` submissions wait at once (one more waits for
+    the oldest: backpressure, never a dropped write). ``settle`` waits for them all; a submit
+    the memory refused or did not acknowledge within ``ack_timeout_s`` is counted and logged,
+    not retried (its id is new each time: ``submit_failures`` says how many are in doubt)."""
+
+    def __init__(self, memory: Any, **options: Any) -> None:
+        super().__init__(memory, **options)
+        self._pending: deque[Future[None]] = deque()  # submissions not yet acknowledged or failed
+        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lifemem-episode-writes")
+
+    def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
+        """The memory context for ``task`` (fenced skills and exemplars; "" when the memory has
+        nothing or failed) and the retrieval it came from (None on failure)."""
+        self._count("recalls")
+        try:
+            found = self.memory.retrieve(task, self._scope(env), self.k, tenant=self.tenant)
+        except Exception as exc:  # noqa: BLE001 - any failure of the memory degrades this episode to no memory
+            self._failed("recall_failures", exc)
+            return "", None
+        return self.context_of(found), found
+
+    def submit(self, trajectory: Trajectory) -> None:
+        """Hand ``trajectory`` to the memory in the background; returns at once (or, with
+        ``max_pending`` submissions in flight, once the oldest of them settled)."""
+        self._count("submitted")
+        with self._lock:
+            oldest = self._pending[0] if len(self._pending) >= self.max_pending else None
+        if oldest is not None:
+            self._wait(oldest, self.ack_timeout_s + 5.0)  # the write bounds itself by ack_timeout_s
+        future = self._writer.submit(self._write, trajectory)
+        with self._lock:
+            self._pending.append(future)
+        future.add_done_callback(self._forget)
+
+    def settle(self, timeout_s: float | None = None) -> MemoryCounts:
+        """Wait until every submission is acknowledged or failed, at most ``timeout_s`` in all
+        (default ``ack_timeout_s`` plus a margin); the counts (``pending``: still unsettled)."""
+        deadline = time.monotonic() + (self.ack_timeout_s + 5.0 if timeout_s is None else timeout_s)
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            self._wait(pending[0], left)
+        with self._lock:
+            self.counts.pending = len(self._pending)
+        return self.counts
+
+    def close(self, timeout_s: float | None = None) -> MemoryCounts:
+        """``settle``, then stop the background writer; safe to call twice."""
+        counts = self.settle(timeout_s)
+        self._writer.shutdown(wait=False, cancel_futures=False)
+        return counts
+
+    def _write(self, trajectory: Trajectory) -> None:
+        try:
+            answer = self.memory.add(trajectory)
+            result: Callable[..., Any] | None = getattr(answer, "result", None)
+            if callable(result):  # a deployment's AddFuture: wait for the acknowledgement here
+                answer = result(timeout=self.ack_timeout_s)
+            self._check_stored(answer, trajectory)
+        except Exception as exc:  # noqa: BLE001 - any failure of a write is counted; the rollout goes on
+            self._failed("submit_failures", exc)
+            return
+        self._count("acknowledged")
+
+    def _forget(self, future: Future[None]) -> None:
+        with self._lock:
+            if future in self._pending:
+                self._pending.remove(future)
+
+    @staticmethod
+    def _wait(future: Future[None], timeout_s: float) -> None:
+        try:
+            future.result(timeout=timeout_s)
+        except FutureTimeout:
+            pass  # still in flight: the caller's deadline decides
+
+
+class AsyncEpisodeMemory(_EpisodeMemoryRules):
+    """:class:`EpisodeMemory` for coroutines, over a memory whose ``retrieve`` is awaitable and
+    whose ``add`` answers an awaitable (``AsyncMemoryClient``): one episode's memory calls
+    never block the event loop the other episodes run on. ``submit`` starts a task that awaits
+    the acknowledgement; ``settle`` awaits them all. Use it from one event loop.
+
+    Example::
+
+        episodes = AsyncEpisodeMemory(await AsyncMemoryClient.connect("lifemem"))
+        context, _ = await episodes.recall(task, "alfworld")
+        ...
+        await episodes.submit(record.trajectory(success=True))
+        await episodes.settle()
+    """
+
+    def __init__(self, memory: Any, **options: Any) -> None:
+        super().__init__(memory, **options)
+        self._tasks: set[asyncio.Task[None]] = set()  # submissions not yet acknowledged or failed
+
+    async def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
+        """As :meth:`EpisodeMemory.recall`, awaited; bounded by ``ack_timeout_s``."""
+        self._count("recalls")
+        try:
+            found = await asyncio.wait_for(
+                self.memory.retrieve(task, self._scope(env), self.k, tenant=self.tenant), self.ack_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure of the memory degrades this episode to no memory
+            self._failed("recall_failures", exc)
+            return "", None
+        return self.context_of(found), found
+
+    async def submit(self, trajectory: Trajectory) -> None:
+        """Send ``trajectory`` and await its acknowledgement in a background task; returns at
+        once (with ``max_pending`` in flight, once the oldest settled)."""
+        self._count("submitted")
+        while len(self._tasks) >= self.max_pending:
+            await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.get_running_loop().create_task(self._write(trajectory))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, timeout_s: float | None = None) -> MemoryCounts:
+        """Await every submission (at most ``timeout_s`` in all; default ``ack_timeout_s`` plus
+        a margin); the counts (``pending``: still unsettled)."""
+        if self._tasks:
+            limit = self.ack_timeout_s + 5.0 if timeout_s is None else timeout_s
+            await asyncio.wait(set(self._tasks), timeout=limit)
+        with self._lock:
+            self.counts.pending = len(self._tasks)
+        return self.counts
+
+    async def _write(self, trajectory: Trajectory) -> None:
+        try:
+            answer = await asyncio.wait_for(self._acknowledged(trajectory), self.ack_timeout_s)
+            self._check_stored(answer, trajectory)
+        except Exception as exc:  # noqa: BLE001 - any failure of a write is counted; the rollout goes on
+            self._failed("submit_failures", exc)
+            return
+        self._count("acknowledged")
+
+    async def _acknowledged(self, trajectory: Trajectory) -> Any:
+        answer = self.memory.add(trajectory)
+        return await answer if inspect.isawaitable(answer) else answer

@@ -1,0 +1,172 @@
+"""A memory around any environment with ``reset`` / ``step``: the project's own environments and
+gymnasium-style ones with text observations.
+
+At ``reset`` the wrapper recalls the memory for the episode's task and puts the fenced context
+into the first observation (before it) or into the info dict (``info["memory"]``), as
+``context_in`` says; it records every step; when the episode ends it submits the trajectory
+with its outcome in the background (the episode never waits on the write), and ``close``
+awaits the acknowledgements before it closes the environment. A failure of the memory makes
+that episode run without memory and is counted (``wrapper.counts``); it never raises into the
+rollout. The rules are :mod:`lifemem_ray.lab.episode_memory`'s, shared with the RL-stack
+adapters.
+
+Example (one of the project's environments, a store in a folder)::
+
+    from lifemem_ray.engine.memory import Memory
+    from lifemem_ray.lab.envs import make_env
+    from lifemem_ray.lab.memory_wrapper import MemoryWrapper
+
+    with Memory.open("/tmp/mem") as memory:
+        env = MemoryWrapper(make_env("sql"), memory)
+        task = env.tasks("train", limit=1)[0]
+        observation, info = env.reset(task)  # the memory's context, then the first observation
+        result = env.step("SELECT 1")
+        env.close()  # the trajectory acknowledged, then the environment closed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.lab.envs.base import Environment, Task
+from lifemem_ray.lab.episode_memory import EpisodeMemory, EpisodeRecord, MemoryCounts
+
+__all__ = ["CONTEXT_PLACES", "MemoryWrapper"]
+
+CONTEXT_PLACES = ("observation", "info")
+
+
+def _task_from_info(observation: Any, info: dict[str, Any]) -> str:
+    """A gymnasium-style environment's task: ``info["task"]`` (or ``instruction`` / ``goal``),
+    else the first observation's text."""
+    for key in ("task", "instruction", "goal"):
+        if isinstance(info.get(key), str) and info[key].strip():
+            return str(info[key])
+    return str(observation)
+
+
+def _lab_success(info: dict[str, Any]) -> bool:
+    """The project's environments say ``success`` in the last step's info (absent: not solved)."""
+    return bool(info.get("success"))
+
+
+def _reported_success(info: dict[str, Any]) -> bool | None:
+    """A gymnasium-style environment's success where its info says it, else unknown."""
+    value = info.get("success", info.get("is_success"))
+    return None if value is None else bool(value)
+
+
+class MemoryWrapper:
+    """``env`` with a memory. ``env`` is one of the project's environments (``reset(task)``,
+    ``step(action) -> StepResult``) or a gymnasium-style one (``reset(seed=, options=)``,
+    ``step(action) -> (observation, reward, terminated, truncated, info)``; its observations
+    text). ``memory`` is a store, a deployment's client, or an :class:`EpisodeMemory` (shared
+    by several wrappers: one background writer, one set of counts). ``env_name`` names the
+    environment in the memory (default: ``env.name``, else the class name); ``task_of``
+    gives a gymnasium-style episode's task from its first (observation, info);
+    ``success_of`` its success from the last info (default ``info["success"]``, else unknown)."""
+
+    def __init__(
+        self,
+        env: Any,
+        memory: Any,
+        *,
+        env_name: str | None = None,
+        context_in: str = "observation",
+        task_of: Callable[[Any, dict[str, Any]], str] = _task_from_info,
+        success_of: Callable[[dict[str, Any]], bool | None] | None = None,
+        close_timeout_s: float | None = None,
+        **memory_options: Any,
+    ) -> None:
+        if context_in not in CONTEXT_PLACES:
+            raise InvalidArgumentError(f"MemoryWrapper: context_in must be one of {CONTEXT_PLACES}, got {context_in!r}")
+        if not callable(getattr(env, "reset", None)) or not callable(getattr(env, "step", None)):
+            raise InvalidArgumentError(f"MemoryWrapper: {type(env).__name__} has no reset() and step()")
+        self.env = env
+        self.lab = isinstance(env, Environment)  # the project's own protocol, else gymnasium's
+        self.episodes = memory if isinstance(memory, EpisodeMemory) else EpisodeMemory(memory, **memory_options)
+        self._owns_episodes = not isinstance(memory, EpisodeMemory)
+        self.env_name = env_name or str(getattr(env, "name", "") or type(env).__name__)
+        self.context_in, self.task_of, self.close_timeout_s = context_in, task_of, close_timeout_s
+        self.success_of = success_of or (_lab_success if self.lab else _reported_success)
+        self._record: EpisodeRecord | None = None  # the episode running now, until it ends
+        self._closed = False
+
+    @property
+    def counts(self) -> MemoryCounts:
+        """What the memory did for this wrapper's episodes (failures included)."""
+        return self.episodes.counts
+
+    def __getattr__(self, name: str) -> Any:  # tasks(), gold_actions(), action_space ... of the inner env
+        return getattr(self.env, name)
+
+    # -- the episode -------------------------------------------------------------------------------
+    def reset(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        """The inner ``reset``, with the memory's context in the observation or the info. An
+        episode left unfinished is submitted first, its outcome unknown."""
+        self._finish(success=None)
+        observation, info = self.env.reset(*args, **kwargs)
+        info = dict(info or {})
+        task = self._task(args, kwargs, observation, info)
+        context, found = self.episodes.recall(task, self.env_name)
+        self._record = EpisodeRecord(self.env_name, task, str(observation))
+        info["memory_hits"] = [hit.id for hit in found.trajectories] if found is not None else []
+        if context and self.context_in == "info":
+            info["memory"] = context
+        elif context:
+            if not isinstance(observation, str):
+                raise InvalidArgumentError(
+                    f"MemoryWrapper({self.env_name}): context_in='observation' needs text observations, "
+                    f"got {type(observation).__name__}; use context_in='info'"
+                )
+            observation = f"{context}\n\nCurrent observation:\n{observation}"
+        return observation, info
+
+    def step(self, action: Any, thought: str = "") -> Any:
+        """The inner ``step``; the step recorded, and the trajectory submitted when it ends."""
+        answer = self.env.step(action)
+        if self.lab:
+            observation, reward, done, info = answer.observation, answer.reward, answer.done, answer.info
+        else:
+            observation, reward, terminated, truncated, info = answer
+            done = bool(terminated or truncated)
+        if self._record is not None:
+            self._record.step(str(action), str(observation), float(reward or 0.0), thought)
+            if done:
+                self._finish(self.success_of(dict(info or {})))
+        return answer
+
+    def close(self) -> MemoryCounts:
+        """Submit an unfinished episode, await the acknowledgements (bounded), close the
+        inner environment; the counts. Safe to call twice."""
+        if self._closed:
+            return self.counts
+        self._closed = True
+        self._finish(success=None)
+        counts = self.episodes.close(self.close_timeout_s) if self._owns_episodes else self.counts
+        self.env.close()
+        return counts
+
+    def __enter__(self) -> MemoryWrapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _task(self, args: tuple[Any, ...], kwargs: dict[str, Any], observation: Any, info: dict[str, Any]) -> str:
+        if self.lab:
+            task = args[0] if args else kwargs.get("task")
+            if isinstance(task, Task):
+                return info.get("instruction") or task.instruction
+        return self.task_of(observation, info)
+
+    def _finish(self, success: bool | None) -> None:
+        record, self._record = self._record, None
+        if record is not None and record.steps:
+            trajectory = record.trajectory(
+                success, tenant=self.episodes.tenant, metadata={"wrapped": type(self.env).__name__}
+            )
+            self.episodes.submit(trajectory)
