@@ -274,6 +274,27 @@ def test_a_failing_memory_never_breaks_the_episode():
     assert (env.counts.recall_failures, env.counts.submit_failures) == (1, 1)
 
 
+def test_pinned_episodes_read_the_version_they_were_given_and_record_it(memory):
+    inner = make_env("sql")
+    tasks = inner.tasks("train", limit=2)
+    version = memory.version()
+    recording = Recording(memory)
+    episodes = EpisodeMemory(recording)
+    episodes.pin(version)
+    with MemoryWrapper(inner, episodes) as env:
+        _gold_episode(env, tasks[0])
+        episodes.settle()
+        _, info = env.reset(tasks[0])  # the same task again: its first run is newer than the version
+    first = recording.stored()[0]
+    assert first.metadata["memory_version"] == version and first.id not in info["memory_hits"]
+    episodes.pin(None)
+    _, found = episodes.recall(tasks[0].instruction, "sql")
+    assert found is not None and first.id in {hit.id for hit in found.trajectories}
+    with pytest.raises(InvalidArgumentError, match="pin"):
+        episodes.pin("yesterday")
+    episodes.close()
+
+
 def test_a_gymnasium_environment_gets_the_same_memory(memory):
     gymnasium = pytest.importorskip("gymnasium")
 

@@ -50,6 +50,7 @@ from lifemem_ray.actors.cluster.client_rules import (
     merge_stats,
     one_round_results,
     prepare_add,
+    shard_pins,
     with_deployment_stats,
 )
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
@@ -62,6 +63,7 @@ from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 from lifemem_ray.engine.protocols import MemoryStats
 from lifemem_ray.engine.retrieval import Retrieval, check_retrieve_args, paused_gc
+from lifemem_ray.engine.versions import format_version
 
 __all__ = ["AsyncAddFuture", "AsyncMemoryClient"]
 
@@ -233,11 +235,12 @@ class AsyncMemoryClient:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> Retrieval:
         """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve` (``env=None``: every environment of the tenant)."""
         vectors = None if vector is None else [vector]
         found = await self.retrieve_many(
-            [task], [env], k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant
+            [task], [env], k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant, as_of=as_of
         )
         return found[0]
 
@@ -251,6 +254,7 @@ class AsyncMemoryClient:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> list[Retrieval]:
         """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve_many`: queries of one tenant
         (``None`` envs: all of its environments); one round for up to
@@ -264,14 +268,17 @@ class AsyncMemoryClient:
             vecs = await self.query_vectors.vectors_async(tasks, self.embed)
         else:
             vecs = np.asarray(vectors, dtype=np.float32)
+        shards = await self.shards()
+        pins = shard_pins(as_of, len(shards))  # each shard's watermark of a pinned read
         if len(tasks) <= self.config.cluster.one_round_max:
-            shards = await self.shards()
             queries = pack_queries(vecs, len(tasks), self.dim)
-            per_shard = await self._answers([s.search_records.remote(targets, k, queries, skills) for s in shards])
+            per_shard = await self._answers(
+                [s.search_records.remote(targets, k, queries, skills, pin) for s, pin in zip(shards, pins, strict=True)]
+            )
             with paused_gc():
                 out = one_round_results(tasks, envs, per_shard, k, self.config.retrieval.max_skills, budget)
         else:
-            out = await self._retrieve_two_rounds(tasks, envs, targets, k, vecs, skills, budget)
+            out = await self._retrieve_two_rounds(tasks, envs, targets, k, vecs, skills, budget, pins)
         RECORDER.observe_latency("retrieve", "client", time.monotonic() - started)
         return out
 
@@ -284,12 +291,16 @@ class AsyncMemoryClient:
         vecs: np.ndarray,
         skills: bool,
         budget: int,
+        pins: list[int | None],
     ) -> list[Retrieval]:
         """Scores and ids first, then only the merged top-k's records, as the blocking client
         (:class:`~lifemem_ray.actors.cluster.client_rules.TwoRoundMerge`)."""
         shards = await self.shards()
         plan = TwoRoundMerge(len(tasks), len(shards), k, self.config.cluster)
-        searches = [[s.search_hits.remote(targets[a:b], k, vecs[a:b]) for s in shards] for a, b in plan.searches]
+        searches = [
+            [s.search_hits.remote(targets[a:b], k, vecs[a:b], pin) for s, pin in zip(shards, pins, strict=True)]
+            for a, b in plan.searches
+        ]
 
         async def fetch(a: int, b: int) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, Any]]]:
             group = plan.group_of(a)
@@ -312,6 +323,11 @@ class AsyncMemoryClient:
         return out
 
     # -- state -----------------------------------------------------------------------------
+    async def version(self) -> str:
+        """As :meth:`MemoryClient.version <lifemem_ray.actors.cluster.client.MemoryClient.version>`."""
+        shards = await self.shards()
+        return format_version(await self._answers([s.watermark.remote() for s in shards], "version"))
+
     async def stats(self, tenant: str | None = None) -> MemoryStats:
         """The deployment's counts, as :meth:`MemoryClient.stats
         <lifemem_ray.actors.cluster.client.MemoryClient.stats>` (``tenant``: that tenant's own)."""

@@ -32,6 +32,7 @@ from lifemem_ray.actors.cluster.client_rules import (
     merge_stats,
     one_round_results,
     prepare_add,
+    shard_pins,
     with_deployment_stats,
 )
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
@@ -44,6 +45,7 @@ from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 from lifemem_ray.engine.protocols import MemoryStats
 from lifemem_ray.engine.retrieval import Retrieval, check_retrieve_args, paused_gc
+from lifemem_ray.engine.versions import format_version
 
 __all__ = ["AddFuture", "MemoryClient"]
 
@@ -257,6 +259,7 @@ class MemoryClient:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> Retrieval:
         """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve` (``env=None``: every environment of the tenant)."""
         return self.retrieve_many(
@@ -267,6 +270,7 @@ class MemoryClient:
             token_budget=token_budget,
             skills=skills,
             tenant=tenant,
+            as_of=as_of,
         )[0]
 
     def retrieve_many(
@@ -279,6 +283,7 @@ class MemoryClient:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> list[Retrieval]:
         """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve_many`: queries of one tenant, which
         see only that tenant's trajectories and skills (``None`` envs: all of its environments)."""
@@ -287,6 +292,7 @@ class MemoryClient:
             tasks, envs, k, token_budget, self.config.retrieval
         )  # the engine's checks
         targets = search_targets(tenant, envs)  # what the shards search: the tenant's scopes
+        pins = shard_pins(as_of, len(self.shards))  # each shard's watermark of a pinned read
         if not tasks:
             return []
         if vectors is None:
@@ -295,9 +301,9 @@ class MemoryClient:
             vecs = np.asarray(vectors, dtype=np.float32)
         with paused_gc():
             if len(tasks) <= self.config.cluster.one_round_max:
-                out = self._retrieve_one_round(tasks, envs, targets, k, vecs, skills, budget)
+                out = self._retrieve_one_round(tasks, envs, targets, k, vecs, skills, budget, pins)
             else:
-                out = self._retrieve_two_rounds(tasks, envs, targets, k, vecs, skills, budget)
+                out = self._retrieve_two_rounds(tasks, envs, targets, k, vecs, skills, budget, pins)
         RECORDER.observe_latency("retrieve", "client", time.monotonic() - started)
         return out
 
@@ -310,10 +316,16 @@ class MemoryClient:
         vecs: np.ndarray,
         skills: bool,
         budget: int,
+        pins: list[int | None],
     ) -> list[Retrieval]:
         """Each shard sends its top-k with their records; the least latency for a few queries."""
         queries = pack_queries(vecs, len(tasks), self.dim)
-        per_shard = self._answers([shard.search_records.remote(targets, k, queries, skills) for shard in self.shards])
+        per_shard = self._answers(
+            [
+                shard.search_records.remote(targets, k, queries, skills, pin)
+                for shard, pin in zip(self.shards, pins, strict=True)
+            ]
+        )
         return one_round_results(tasks, envs, per_shard, k, self.config.retrieval.max_skills, budget)
 
     def _retrieve_two_rounds(
@@ -325,13 +337,17 @@ class MemoryClient:
         vecs: np.ndarray,
         skills: bool,
         budget: int,
+        pins: list[int | None],
     ) -> list[Retrieval]:
         """Scores and ids first, then only the merged top-k's records (:class:`TwoRoundMerge`):
         all searches go out at once; each chunk's records are fetched while the chunk before
         is decoded."""
         shards = self.shards
         plan = TwoRoundMerge(len(tasks), len(shards), k, self.config.cluster)
-        searches = [[s.search_hits.remote(targets[a:b], k, vecs[a:b]) for s in shards] for a, b in plan.searches]
+        searches = [
+            [s.search_hits.remote(targets[a:b], k, vecs[a:b], pin) for s, pin in zip(shards, pins, strict=True)]
+            for a, b in plan.searches
+        ]
 
         def fetch(a: int, b: int) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, Any]]]:
             group = plan.group_of(a)
@@ -353,6 +369,12 @@ class MemoryClient:
         return out
 
     # -- state -----------------------------------------------------------------------------
+    def version(self) -> str:
+        """The deployment's version now: one watermark per shard (:mod:`lifemem_ray.engine.versions`).
+        A retrieve ``as_of`` it sees what the shards had committed when each answered this
+        call; a version read after an add's acknowledgement covers that add."""
+        return format_version(self._answers([s.watermark.remote() for s in self.shards], "version"))
+
     def stats(self, tenant: str | None = None) -> MemoryStats:
         """The deployment's counts (``tenant``: only that tenant's own figures, nothing of the
         deployment as a whole; None: everything, with ``per_tenant``, LLM usage and the

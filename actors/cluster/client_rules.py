@@ -30,6 +30,7 @@ from lifemem_ray.engine.clustering.evolution import ItemBatch
 from lifemem_ray.engine.ingest_rules import AddResult
 from lifemem_ray.engine.memory import pack_trajectories
 from lifemem_ray.engine.retrieval import Retrieval, assemble
+from lifemem_ray.engine.versions import format_version, parse_version
 from lifemem_ray.llm.transport import merge_usage, usage_refusals, usage_totals
 
 __all__ = [
@@ -309,6 +310,11 @@ def _summed(shard_stats: list[dict[str, Any]], key: str) -> dict[str, dict[str, 
     return dict(sorted(table.items()))
 
 
+def shard_pins(as_of: str | None, shards: int) -> list[int | None]:
+    """Each shard's watermark of a read pinned to version ``as_of`` (None: not pinned)."""
+    return [None] * shards if as_of is None else list(parse_version(as_of, shards))
+
+
 def merge_stats(shard_stats: list[dict[str, Any]], tenant: str | None) -> dict[str, Any]:
     """The deployment's counts from its shards' (``tenant``: that tenant's own figures, with
     each shard's counts and nothing of the deployment as a whole; None: the totals, which
@@ -319,6 +325,8 @@ def merge_stats(shard_stats: list[dict[str, Any]], tenant: str | None) -> dict[s
         "pending": sum(st["pending"] for st in shard_stats),
         "mixed_env_clusters": sum(st["mixed_env_clusters"] for st in shard_stats),
         "per_env": _summed(shard_stats, "per_env"),
+        # one watermark per shard, in the deployment's shard order: lifemem_ray.engine.versions
+        "version": format_version([parse_version(st["version"], 1, "a shard's version")[0] for st in shard_stats]),
     }
     if tenant is not None:
         out["tenant"] = tenant

@@ -167,11 +167,16 @@ class MemoryShard(EngineShard):
 
     # -- retrieval: the engine's, with query vectors that may come as raw bytes -------------
     def search_records(
-        self, envs: Sequence[str], k: int, vectors: np.ndarray | bytes, skills: bool = True
+        self,
+        envs: Sequence[str],
+        k: int,
+        vectors: np.ndarray | bytes,
+        skills: bool = True,
+        as_of: int | None = None,
     ) -> list[tuple[list[RecordHit], dict[int, str]]]:
         """The engine's; ``vectors`` may also be the raw float32 bytes the clients send
         (:func:`~lifemem_ray.actors.cluster.ray_shards.pack_queries`: cheaper through Ray)."""
-        return super().search_records(envs, k, unpack_queries(vectors, len(envs), self.memory.dim), skills)
+        return super().search_records(envs, k, unpack_queries(vectors, len(envs), self.memory.dim), skills, as_of)
 
     # -- the calls that change the store: the engine's, then the gauges --------------------
     def commit(

@@ -330,7 +330,7 @@ def _read_routes(app: FastAPI, service: FrontService, principal: Callable[..., A
         """The most similar trajectories of the key's tenant, and their clusters' skills, per query
         (``context`` and each hit's ``trajectory`` only when asked for)."""
         results = await run_in_threadpool(
-            service.retrieve, body.queries, body.k, body.skills, body.context, body.full, who
+            service.retrieve, body.queries, body.k, body.skills, body.context, body.full, who, body.as_of
         )
         return JSONResponse({"results": results})
 

@@ -273,7 +273,14 @@ class FrontService:
 
     # -- reading ---------------------------------------------------------------------------
     def retrieve(
-        self, queries: Sequence[Any], k: int | None, skills: bool, context: bool, full: bool, principal: Principal
+        self,
+        queries: Sequence[Any],
+        k: int | None,
+        skills: bool,
+        context: bool,
+        full: bool,
+        principal: Principal,
+        as_of: str | None = None,
     ) -> list[dict[str, Any]]:
         self.require(principal, "read")
         if len(queries) > self.http.max_queries:
@@ -286,7 +293,9 @@ class FrontService:
             )
         tasks, envs = [q.task for q in queries], [q.env for q in queries]
         try:
-            got = self.read(lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant))
+            got = self.read(
+                lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant, as_of=as_of)
+            )
         except ValueError as exc:
             # the engine's argument checks name tasks[i] / envs[i]: renamed to the request's fields below
             if isinstance(exc, LifeMemError) and not isinstance(exc, (InvalidArgumentError, InvalidTrajectoryError)):

@@ -13,6 +13,7 @@ from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, display_envs,
 from lifemem_ray.engine.clustering.clusters import check_against_members
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
 from lifemem_ray.engine.store.storage import unpack_u64
+from lifemem_ray.engine.versions import format_version
 
 __all__ = ["Audit"]
 
@@ -51,6 +52,7 @@ class Audit:
             counters = s.store.get_meta("counters", txn, {}) or {}
             usage = s.store.get_meta("llm_usage", txn, {}) or {}
             todo = len(s.store.todos(txn))
+            version = format_version([int(s.store.get_meta("next_vid", txn))])
             for vid in pending:
                 brief = s.store.brief(txn, vid)
                 if brief is None:
@@ -77,6 +79,7 @@ class Audit:
             },
             "mixed_env_clusters": sum(1 for r in records if len(r.envs) > 1),
             "index": s.index.stats() if tenant is None else _index_of(s.index.stats(), tenant),
+            "version": version,  # what a retrieve as_of this token sees: lifemem_ray.engine.versions
         }
         if tenant is not None:  # a tenant's view holds its own figures only: nothing of the store or of other tenants
             return {"tenant": tenant, **mine}

@@ -91,18 +91,26 @@ class EngineShard:
 
     # -- reading -----------------------------------------------------------------------------
     def search_records(
-        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True, as_of: int | None = None
     ) -> list[tuple[list[RecordHit], dict[int, str]]]:
+        """The top-k hits with their records; ``as_of``: this store's watermark of a pinned read."""
         started = time.perf_counter()
-        out = self._search.search_records(vectors, envs, k, skills=skills)
+        out = self._search.search_records(vectors, envs, k, skills=skills, as_of=as_of)
         self._state.metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
         return out
 
-    def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_hits(
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, as_of: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Scores and ids of the top-k; ``as_of``: this store's watermark of a pinned read."""
         started = time.perf_counter()
-        out = self._search.search_hits(vectors, envs, k)
+        out = self._search.search_hits(vectors, envs, k, as_of=as_of)
         self._state.metrics.observe_latency("retrieve", "engine", time.perf_counter() - started)
         return out
+
+    def watermark(self) -> int:
+        """This store's watermark now (:mod:`lifemem_ray.engine.versions`)."""
+        return self._search.watermark()
 
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]:
         return self._search.hit_records(ids, skills=skills)

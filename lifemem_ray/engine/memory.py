@@ -53,6 +53,7 @@ from lifemem_ray.engine.parts import EngineParts
 from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.engine.state import WORKFLOW_DIM
 from lifemem_ray.engine.store.storage import MemoryStore
+from lifemem_ray.engine.versions import format_version
 
 __all__ = [
     "WORKFLOW_DIM",
@@ -261,11 +262,13 @@ class Memory:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> Retrieval:
         """Top-k trajectories of ``tenant``'s ``env`` most similar to ``task``, plus the skills of their clusters.
 
         ``env=None`` searches every environment of the tenant (the unstructured-pool baseline
-        the lifelong experiments compare against); ``skills=False`` leaves skills out."""
+        the lifelong experiments compare against); ``skills=False`` leaves skills out;
+        ``as_of`` (a token from :meth:`version`) sees only what was committed then."""
         return self.retrieve_many(
             [task],
             [env],
@@ -274,6 +277,7 @@ class Memory:
             token_budget=token_budget,
             skills=skills,
             tenant=tenant,
+            as_of=as_of,
         )[0]
 
     def retrieve_many(
@@ -286,15 +290,30 @@ class Memory:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> list[Retrieval]:
         """Many queries of one tenant in one embedding call and one batched index search
-        (``None`` envs: every environment of the tenant)."""
+        (``None`` envs: every environment of the tenant; ``as_of``: a version, see :meth:`version`)."""
         started = time.monotonic()
         out = self._search.retrieve_many(
-            tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant
+            tasks, envs, k, vectors=vectors, token_budget=token_budget, skills=skills, tenant=tenant, as_of=as_of
         )
         self._state.metrics.observe_latency("retrieve", "engine", time.monotonic() - started)
         return out
+
+    def version(self) -> str:
+        """The memory's version now: a token a later ``retrieve(..., as_of=token)`` is pinned
+        to (it sees the trajectories committed before this call, whatever is written after).
+        A version read after an add returned covers that add. See :mod:`lifemem_ray.engine.versions`.
+
+        Example::
+
+            >>> import tempfile
+            >>> with Memory.open(tempfile.mkdtemp()) as m:
+            ...     m.version()
+            'v1:1'
+        """
+        return format_version([self._search.watermark()])
 
     # -- reading ---------------------------------------------------------------------------
     def get(self, trajectory_id: str, tenant: str = DEFAULT_TENANT) -> Trajectory | None:

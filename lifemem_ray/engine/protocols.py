@@ -42,6 +42,7 @@ class MemoryStats(TypedDict, total=False):
     # a deployment's embedder actors added up; a store's once it embedded texts itself. Not in a tenant's view.
     embedding: dict[str, Any]
     tenant: str  # in a tenant's view only
+    version: str  # the memory's version now (lifemem_ray.engine.versions): what a retrieve as_of it sees
 
 
 @runtime_checkable
@@ -118,12 +119,16 @@ class ShardProtocol(Protocol):
     def add_items(self, batch: ItemBatch) -> list[AddResult]: ...
 
     def search_records(
-        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, skills: bool = True, as_of: int | None = None
     ) -> list[tuple[list[RecordHit], dict[int, str]]]: ...
 
-    def search_hits(self, envs: Sequence[str], k: int, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def search_hits(
+        self, envs: Sequence[str], k: int, vectors: np.ndarray, as_of: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
     def hit_records(self, ids: np.ndarray, skills: bool = True) -> tuple[list[Any], dict[int, str]]: ...
+
+    def watermark(self) -> int: ...
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]: ...
 

@@ -24,6 +24,7 @@ from lifemem_ray.engine.retrieval import (
     paused_gc,
 )
 from lifemem_ray.engine.state import EngineState
+from lifemem_ray.engine.versions import parse_version, search_as_of
 
 __all__ = ["Search", "search_index"]
 
@@ -42,18 +43,21 @@ class Search:
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = DEFAULT_TENANT,
+        as_of: str | None = None,
     ) -> list[Retrieval]:
         """Many queries of ``tenant`` in one embedding call and one batched index search
-        (``None`` envs: every environment of the tenant)."""
+        (``None`` envs: every environment of the tenant; ``as_of``: a version token, see
+        :mod:`lifemem_ray.engine.versions`)."""
         self.s.check_open()
         tasks, envs, k, budget = check_retrieve_args(tasks, envs, k, token_budget, self.s.config.retrieval)
+        watermark = None if as_of is None else parse_version(as_of, shards=1)[0]
         targets = search_targets(tenant, envs)
         retrieval = self.s.config.retrieval
         if not tasks:
             return []
         if vectors is None:
             vectors = self.s.embedder.embed(tasks)
-        found = self.search_records(vectors, targets, k, skills=skills)
+        found = self.search_records(vectors, targets, k, skills=skills, as_of=watermark)
         with paused_gc():
             return [
                 assemble(task, env, hits, texts, k, retrieval.max_skills, budget)
@@ -61,12 +65,13 @@ class Search:
             ]
 
     def search_records(
-        self, vectors: Any, envs: Sequence[str], k: int, *, skills: bool = True
+        self, vectors: Any, envs: Sequence[str], k: int, *, skills: bool = True, as_of: int | None = None
     ) -> list[tuple[list[RecordHit], dict[int, str]]]:
         """Per query: the top-k hits as (score, cluster id, stored record bytes) and the skills
         of their clusters. What a shard returns to a client that merges several shards: the
-        records travel undecoded and only the merged winners are decoded."""
-        scores, ids = self.search_hits(vectors, envs, k)
+        records travel undecoded and only the merged winners are decoded. ``as_of``: this
+        store's watermark of a pinned read (None: everything committed)."""
+        scores, ids = self.search_hits(vectors, envs, k, as_of=as_of)
         records, skill_texts = self.hit_records(ids.ravel(), skills=skills)
         max_skills = self.s.config.retrieval.max_skills
         out = []
@@ -83,9 +88,12 @@ class Search:
             out.append((hits, texts))
         return out
 
-    def search_hits(self, vectors: Any, envs: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_hits(
+        self, vectors: Any, envs: Sequence[str], k: int, *, as_of: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``(scores (q, k), ids (q, k))`` of each query's top-k, padded with -inf / -1: the first
-        half of a sharded retrieval, which fetches records only for the winners across shards."""
+        half of a sharded retrieval, which fetches records only for the winners across shards.
+        ``as_of``: only trajectories committed below this store's watermark (a pinned read)."""
         self.s.check_open()
         envs = list(envs)
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
@@ -102,7 +110,19 @@ class Search:
         self.s.refresh()
         if not envs:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
-        return search_index(self.s.index, queries, envs, k)
+        if as_of is None:
+            return search_index(self.s.index, queries, envs, k)
+        if isinstance(as_of, bool) or not isinstance(as_of, int) or as_of < 0:
+            raise InvalidArgumentError(f"as_of: a store's watermark is an integer >= 0, got {as_of!r}")
+        index = self.s.index
+        return search_as_of(lambda n: search_index(index, queries, envs, n), k, as_of, len(index))
+
+    def watermark(self) -> int:
+        """How many numbers of its id sequence the store handed out: the trajectories committed
+        so far are the ones below it (:mod:`lifemem_ray.engine.versions`)."""
+        self.s.check_open()
+        with self.s.store.read() as txn:
+            return int(self.s.store.get_meta("next_vid", txn))
 
     def hit_records(
         self, ids: Any, *, skills: bool = True

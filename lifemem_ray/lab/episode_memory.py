@@ -43,6 +43,7 @@ from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.retrieval import Retrieval
+from lifemem_ray.engine.versions import check_version
 from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS, memory_context
 
 __all__ = ["AsyncEpisodeMemory", "EpisodeMemory", "EpisodeRecord", "MemoryCounts"]
@@ -63,6 +64,8 @@ class MemoryCounts:
     acknowledged: int = 0  # of those, the memory acknowledged (stored)
     submit_failures: int = 0  # of those, the memory failed or did not answer in ack_timeout_s
     pending: int = 0  # of those, not settled when settle() last returned
+    recall_s: float = 0.0  # seconds the episodes spent in recall (on their critical path)
+    submit_s: float = 0.0  # seconds the episodes spent handing trajectories over (the writes run apart)
     last_error: str = ""  # the latest failure, "Type: message"
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,6 +139,7 @@ class _EpisodeMemoryRules:
         ack_timeout_s: float = 120.0,
         max_pending: int = 256,
         same_env: bool = True,
+        as_of: str | None = None,
     ) -> None:
         for name, value in (
             ("k", k),
@@ -156,6 +160,22 @@ class _EpisodeMemoryRules:
         self.ack_timeout_s, self.max_pending, self.same_env = ack_timeout_s, max_pending, same_env
         self.counts = MemoryCounts()
         self._lock = threading.Lock()  # guards counts (and the thread version's pending queue)
+        self.as_of = (
+            None if as_of is None else check_version(as_of)
+        )  # recalls pinned to this version (None: the latest)
+
+    def pin(self, version: str | None) -> None:
+        """Pin later recalls to ``version`` (a token from the memory's ``version()``; None: read
+        the latest). A training step pins its rollouts to the memory it started from; each
+        trajectory then records the version its episode read (:meth:`episode_metadata`)."""
+        self.as_of = None if version is None else check_version(version, "pin")
+
+    def episode_metadata(self) -> dict[str, Any]:
+        """What a submitted trajectory records about the memory its episode read."""
+        return {} if self.as_of is None else {"memory_version": self.as_of}
+
+    def _read_options(self) -> dict[str, Any]:
+        return {"tenant": self.tenant} if self.as_of is None else {"tenant": self.tenant, "as_of": self.as_of}
 
     def context_of(self, found: Retrieval) -> str:
         """``found`` rendered as the fenced memory context (the ReAct prompt's sections)."""
@@ -165,9 +185,9 @@ class _EpisodeMemoryRules:
     def _scope(self, env: str | None) -> str | None:
         return env if self.same_env else None
 
-    def _count(self, counter: str) -> None:
+    def _count(self, counter: str, by: float = 1) -> None:
         with self._lock:
-            setattr(self.counts, counter, getattr(self.counts, counter) + 1)
+            setattr(self.counts, counter, getattr(self.counts, counter) + by)
 
     @staticmethod
     def _check_stored(answer: Any, trajectory: Trajectory) -> None:
@@ -201,17 +221,21 @@ class EpisodeMemory(_EpisodeMemoryRules):
         """The memory context for ``task`` (fenced skills and exemplars; "" when the memory has
         nothing or failed) and the retrieval it came from (None on failure)."""
         self._count("recalls")
+        started = time.perf_counter()
         try:
-            found = self.memory.retrieve(task, self._scope(env), self.k, tenant=self.tenant)
+            found = self.memory.retrieve(task, self._scope(env), self.k, **self._read_options())
+            return self.context_of(found), found
         except Exception as exc:  # noqa: BLE001 - any failure of the memory degrades this episode to no memory
             self._failed("recall_failures", exc)
             return "", None
-        return self.context_of(found), found
+        finally:
+            self._count("recall_s", time.perf_counter() - started)
 
     def submit(self, trajectory: Trajectory) -> None:
         """Hand ``trajectory`` to the memory in the background; returns at once (or, with
         ``max_pending`` submissions in flight, once the oldest of them settled)."""
         self._count("submitted")
+        started = time.perf_counter()
         with self._lock:
             oldest = self._pending[0] if len(self._pending) >= self.max_pending else None
         if oldest is not None:
@@ -220,6 +244,7 @@ class EpisodeMemory(_EpisodeMemoryRules):
         with self._lock:
             self._pending.append(future)
         future.add_done_callback(self._forget)
+        self._count("submit_s", time.perf_counter() - started)
 
     def settle(self, timeout_s: float | None = None) -> MemoryCounts:
         """Wait until every submission is acknowledged or failed, at most ``timeout_s`` in all
@@ -289,24 +314,29 @@ class AsyncEpisodeMemory(_EpisodeMemoryRules):
     async def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
         """As :meth:`EpisodeMemory.recall`, awaited; bounded by ``ack_timeout_s``."""
         self._count("recalls")
+        started = time.perf_counter()
         try:
             found = await asyncio.wait_for(
-                self.memory.retrieve(task, self._scope(env), self.k, tenant=self.tenant), self.ack_timeout_s
+                self.memory.retrieve(task, self._scope(env), self.k, **self._read_options()), self.ack_timeout_s
             )
+            return self.context_of(found), found
         except Exception as exc:  # noqa: BLE001 - any failure of the memory degrades this episode to no memory
             self._failed("recall_failures", exc)
             return "", None
-        return self.context_of(found), found
+        finally:
+            self._count("recall_s", time.perf_counter() - started)
 
     async def submit(self, trajectory: Trajectory) -> None:
         """Send ``trajectory`` and await its acknowledgement in a background task; returns at
         once (with ``max_pending`` in flight, once the oldest settled)."""
         self._count("submitted")
+        started = time.perf_counter()
         while len(self._tasks) >= self.max_pending:
             await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
         task = asyncio.get_running_loop().create_task(self._write(trajectory))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._count("submit_s", time.perf_counter() - started)
 
     async def settle(self, timeout_s: float | None = None) -> MemoryCounts:
         """Await every submission (at most ``timeout_s`` in all; default ``ack_timeout_s`` plus

@@ -166,7 +166,6 @@ class MemoryWrapper:
     def _finish(self, success: bool | None) -> None:
         record, self._record = self._record, None
         if record is not None and record.steps:
-            trajectory = record.trajectory(
-                success, tenant=self.episodes.tenant, metadata={"wrapped": type(self.env).__name__}
-            )
+            metadata = {"wrapped": type(self.env).__name__, **self.episodes.episode_metadata()}
+            trajectory = record.trajectory(success, tenant=self.episodes.tenant, metadata=metadata)
             self.episodes.submit(trajectory)

@@ -156,6 +156,11 @@ class RetrieveRequest(_Request):
     skills: bool = Field(True, description="also return the skills of the retrieved trajectories' clusters")
     context: bool = Field(False, description="also return the prompt block an agent would get")
     full: bool = Field(False, description="also return each retrieved trajectory's steps and outcome")
+    as_of: str | None = Field(
+        None,
+        max_length=2048,
+        description="a memory version (GET /v1/stats: version): see only the trajectories committed then",
+    )
 
 
 class RetrievedItem(BaseModel):

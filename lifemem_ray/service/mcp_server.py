@@ -163,6 +163,7 @@ class StatsAnswer(BaseModel):
     clusters: int
     pending: int = Field(description="stored, waiting for the initial clustering")
     per_env: dict[str, EnvCounts]
+    version: str | None = Field(None, description="the memory's version now: give it as_of to pin a retrieval to it")
 
 
 # -- the tools ---------------------------------------------------------------------------------
@@ -267,13 +268,22 @@ class _Tools:
             StrictInt | None,
             Field(description="token budget of the context block, an integer (default: retrieval.token_budget)"),
         ] = None,
+        as_of: Annotated[
+            str | None,
+            Field(
+                description="a memory version from memory_stats: see only the trajectories committed then",
+                max_length=2048,
+            ),
+        ] = None,
     ) -> RetrieveAnswer:
         """Earlier runs of tasks like this one (succeeded and failed), and the skills distilled
         from their workflows: read them before acting. Reads only; changes nothing."""
         principal = self._acting("read")
         try:
             backend = self._backend()
-            got = backend.retrieve_many([task], [env], k, token_budget=token_budget, tenant=principal.tenant)[0]
+            got = backend.retrieve_many(
+                [task], [env], k, token_budget=token_budget, tenant=principal.tenant, as_of=as_of
+            )[0]
         except (LifeMemError, ValueError) as exc:
             raise _problem(exc) from None
         return RetrieveAnswer(
@@ -303,6 +313,7 @@ class _Tools:
             clusters=int(stats.get("clusters", 0)),
             pending=int(stats.get("pending", 0)),
             per_env=per_env,
+            version=stats.get("version"),
         )
 
 
