@@ -24,7 +24,17 @@ from lifemem_ray.core.errors import LifeMemError
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = {"lifemem_ray": "lifemem_ray", "actors": "lifemem_ray.actors"}  # folder -> installed package
-OPTIONAL = {"textworld_express", "alfworld", "scienceworld", "selenium", "tau2", "bfcl_eval", "llama_cpp"}
+OPTIONAL = {
+    "textworld_express",
+    "alfworld",
+    "scienceworld",
+    "selenium",
+    "tau2",
+    "bfcl_eval",
+    "llama_cpp",
+    "skyrl_gym",
+    "verl",
+}
 
 # (file, what is raised as the source spells it) -> why it need not be a LifeMemError.
 ALLOWED: dict[tuple[str, str], str] = {

@@ -62,6 +62,8 @@ OPTIONAL_IMPORTS = frozenset(
         "loguru",
         "orjson",
         "llama_cpp",
+        "skyrl_gym",  # the rl extra (lifemem_ray.actors.integrations.skyrl_env)
+        "verl",  # installed by the user beside ours (lifemem_ray.actors.integrations.verl_loop)
     }
 )
 NAMESPACE = "wheeltest"
