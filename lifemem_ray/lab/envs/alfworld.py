@@ -32,6 +32,7 @@ from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.shared_data import find_data_dir
 
 __all__ = ["TASK_TYPES", "TEST_SOURCES", "TRAIN_SOURCES", "AlfWorldEnv"]
 
@@ -52,17 +53,8 @@ _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 
 
 def _default_data_dir() -> Path | None:
-    """ALFWORLD_DATA, else the shared folder beside the checkout (or LIFEMEM_SHARED_DIR)."""
-    if os.environ.get("ALFWORLD_DATA"):
-        return Path(os.environ["ALFWORLD_DATA"])
-    shared = os.environ.get("LIFEMEM_SHARED_DIR")
-    for base in ([Path(shared)] if shared else []) + [
-        Path(__file__).resolve().parents[4] / "shared",
-        Path("/work/shared"),
-    ]:
-        if (base / "data" / "alfworld" / "json_2.1.1").is_dir():
-            return base / "data" / "alfworld"
-    return None
+    """ALFWORLD_DATA, else the shared folder's ``data/alfworld`` (:mod:`lifemem_ray.lab.envs.shared_data`)."""
+    return find_data_dir("ALFWORLD_DATA", Path("data") / "alfworld", "json_2.1.1")
 
 
 # -- the game index (shared by all instances: it reads 474 files once) ---------------------

@@ -15,12 +15,23 @@ Info keys every adapter fills where it can:
 from __future__ import annotations
 
 import abc
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lifemem_ray.core.errors import EnvStateError, EnvUnavailable, TaskError
+from lifemem_ray.core.errors import EnvStateError, EnvUnavailable, InvalidArgumentError, TaskError
 
-__all__ = ["EnvStateError", "EnvUnavailable", "Environment", "StepResult", "Task", "TaskError"]
+__all__ = [
+    "EnvStateError",
+    "EnvUnavailable",
+    "Environment",
+    "StepResult",
+    "Task",
+    "TaskError",
+    "check_task",
+    "select_tasks",
+]
 
 
 @dataclass(frozen=True)
@@ -73,3 +84,30 @@ class Environment(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def select_tasks(
+    owner: str, by_split: Mapping[str, Sequence[Task]], split: str, limit: int | None, seed: int
+) -> list[Task]:
+    """``Environment.tasks``' rule: the split's tasks in their own order for ``seed=0``, else
+    shuffled by ``seed``; the first ``limit`` (None: all). ``owner`` names the environment in
+    the errors (an unknown split, a bad limit)."""
+    if split not in by_split:
+        raise InvalidArgumentError(
+            f"{owner}.tasks: split must be one of {', '.join(map(repr, by_split))}, got {split!r}"
+        )
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise InvalidArgumentError(f"{owner}.tasks: limit must be None or an integer >= 0, got {limit!r}")
+    out = list(by_split[split])
+    if seed:
+        random.Random(seed).shuffle(out)
+    return out if limit is None else out[:limit]
+
+
+def check_task(owner: str, task: object, env_name: str) -> Task:
+    """``task`` when it is a Task of environment ``env_name``; a TaskError naming ``owner`` otherwise."""
+    if not isinstance(task, Task):
+        raise TaskError(f"{owner}.reset: expected a Task, got {type(task).__name__}")
+    if task.env != env_name:
+        raise TaskError(f"{owner}.reset: task {task.id!r} belongs to environment {task.env!r}, not {env_name!r}")
+    return task

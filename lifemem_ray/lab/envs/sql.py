@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
-from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Task, TaskError, check_task, select_tasks
 
 __all__ = ["TASK_TYPES", "SqlEnv", "normalise_rows", "parse_action"]
 
@@ -922,22 +922,15 @@ class SqlEnv(Environment):
 
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's tasks: generation order for ``seed=0`` (kinds cycle), else shuffled by ``seed``."""
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise InvalidArgumentError(f"SqlEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
         out = [
             t if t.env == self.name else dataclasses.replace(t, env=self.name) for t in self._split(split)
         ]  # under an alias name
-        if seed:
-            random.Random(seed).shuffle(out)
-        return out if limit is None else out[:limit]
+        return select_tasks("SqlEnv", {split: out}, split, limit, seed)
 
     # -- episodes
 
     def _check_task(self, task: Task) -> None:
-        if not isinstance(task, Task):
-            raise TaskError(f"SqlEnv.reset: expected a Task, got {type(task).__name__}")
-        if task.env != self.name:
-            raise TaskError(f"SqlEnv.reset: task {task.id!r} belongs to environment {task.env!r}, not {self.name!r}")
+        check_task("SqlEnv", task, self.name)
         p = task.payload
         missing = [k for k in ("kind", "schema", "tables", "gold_sql") if k not in p]
         if missing:

@@ -17,7 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError
-from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.base import (
+    Environment,
+    EnvStateError,
+    EnvUnavailable,
+    StepResult,
+    Task,
+    TaskError,
+    check_task,
+    select_tasks,
+)
 from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
 
 __all__ = ["DEFAULT_GAME_PARAMS", "VARIANTS", "TextWorldExpressEnv"]
@@ -238,24 +247,14 @@ class TextWorldExpressEnv(Environment):
         Ids are ``<variant>-<split>-<game seed>`` (plus a parameter digest for non-default
         game parameters), so they stay stable across runs and instances.
         """
-        if split not in _FOLDS:
-            raise InvalidArgumentError(f"{self.name}.tasks: split must be 'train' or 'test', got {split!r}")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise InvalidArgumentError(f"{self.name}.tasks: limit must be None or an integer >= 0, got {limit!r}")
-        if split not in self._tasks:
+        if split in _FOLDS and split not in self._tasks:
             self._tasks[split] = self._build_tasks(split)
-        out = list(self._tasks[split])
-        if seed:
-            random.Random(seed).shuffle(out)
-        return out if limit is None else out[:limit]
+        return select_tasks(self.name, {fold: self._tasks.get(fold, ()) for fold in _FOLDS}, split, limit, seed)
 
     # -- episodes -------------------------------------------------------------------------
 
     def _check(self, task: Task) -> tuple[str, int, str, str]:
-        if not isinstance(task, Task):
-            raise TaskError(f"{self.name}: expected a Task, got {type(task).__name__}")
-        if task.env != self.name:
-            raise TaskError(f"{self.name}: task {task.id!r} belongs to environment {task.env!r}")
+        check_task(self.name, task, self.name)
         p = task.payload
         game, seed, fold, params = p.get("game"), p.get("seed"), p.get("fold"), p.get("params", {})
         if game != self.variant:
