@@ -56,4 +56,7 @@ register("bfcl", "lifemem_ray.lab.envs.bfcl:BfclEnv")
 register("sql", "lifemem_ray.lab.envs.sql:SqlEnv")
 register("websearch", "lifemem_ray.lab.envs.websearch:WebSearchEnv")
 register("miniwob", "lifemem_ray.lab.envs.miniwob:MiniWobEnv")
+register("fever", "lifemem_ray.lab.envs.fever:FeverEnv")  # constructed claims over the HotpotQA corpus
+register("webshop", "lifemem_ray.lab.envs.webshop:WebShopEnv")  # a generated catalogue, WebShop's actions and reward
+register("mind2web", "lifemem_ray.lab.envs.mind2web:Mind2WebEnv")  # the step-level offline protocol
 register("faulty", "lifemem_ray.lab.envs.faulty:FaultyEnv")  # fault injection around another environment (tests)
