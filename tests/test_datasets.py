@@ -65,3 +65,30 @@ def test_scienceworld_topics_follow_the_packages_numbering():
     assert scienceworld_topic("boil") == "1-matter"
     with pytest.raises(KeyError):
         scienceworld_topic("not-a-kind")
+
+
+def test_the_paper_environments_added_last_are_labelled_at_every_level():
+    """FEVER, WebShop and Mind2Web feed the cluster benchmark with their own labels (FEVER and
+    Mind2Web read the shared data: skipped without it)."""
+    from lifemem_ray.lab.datasets import LABEL_LEVELS, default_sources
+    from lifemem_ray.lab.envs import EnvUnavailable, make_env
+
+    names = [s.env for s in default_sources(0.01)]
+    assert {"fever", "webshop", "mind2web"} <= set(names)
+    for env in ("fever", "mind2web"):
+        try:
+            make_env(env).close()
+        except EnvUnavailable as exc:
+            pytest.skip(f"{env}: {exc}")
+    sources = [Source(env, env, {}, limit=3) for env in ("fever", "webshop", "mind2web")]
+    result = generate(sources, "report", workers=1, agent="gold")
+    assert not result.unavailable and not result.skipped
+    by_env: dict[str, list] = {}
+    for t in result.trajectories:
+        by_env.setdefault(t.env, []).append(t)
+    assert {env: len(ts) for env, ts in by_env.items()} == {"fever": 3, "webshop": 3, "mind2web": 3}
+    for env, trajectories in by_env.items():
+        for t in trajectories:
+            assert all(label_of(t, level) not in (None, "unknown") for level in LABEL_LEVELS[env]), (env, t.metadata)
+            assert t.outcome.success
+    assert {label_of(t, "task_type") for t in by_env["fever"]} <= {"SUPPORTS", "REFUTES", "NOT ENOUGH INFO"}

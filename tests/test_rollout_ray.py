@@ -460,3 +460,35 @@ def test_test_tasks_skip_overlap_and_ask_gold_only_as_far_as_needed():
     exp.dedupe_test = False
     test, counts = _pick_test(exp, Env(), train, candidates[:3])
     assert [t.id for t in test] == ["t0", "t1", "t2"] and counts["gold"] == 1 and counts["dropped"] == 0
+
+
+def test_the_paper_environments_added_last_run_in_a_lifelong_experiment(ray_local, tmp_path):
+    """WebShop and Mind2Web in the stream beside SQL, FEVER held out for zero-shot evaluation
+    (as the paper uses it): every mode runs every environment to a score. Mind2Web and FEVER
+    read the shared data: skipped without it."""
+    for name in ("fever", "mind2web"):
+        if not _has(name):
+            pytest.skip(f"{name} is unavailable here (its data is in ../shared)")
+    exp = ExperimentConfig(
+        name="paper-last",
+        envs=["sql", "webshop", "mind2web"],
+        eval_envs=["fever"],
+        train_tasks=3,
+        test_tasks=2,
+        workers=1,
+        worker_cpus=0.1,
+        modes=["none", "lifemem"],
+        agent="exemplar",
+        seeds=1,
+        bootstrap=0,
+        self_learn=False,
+        env_options={},
+        output=str(tmp_path / "run"),
+    )
+    report = run_experiment(exp, DeploymentConfig().replace(SMALL_ACTORS), progress=None)
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert {e["env"] for e in episodes} == {"sql", "webshop", "mind2web", "fever"}
+    assert not [e for e in episodes if e.get("error")]
+    for mode in exp.modes:
+        assert sorted(report["modes"][mode]["zero_shot"]) == ["fever"]
+    assert report["memory"]["trajectories"] >= 9  # the learning phase stored the stream's train tasks

@@ -71,6 +71,9 @@ LABEL_LEVELS: dict[str, tuple[str, ...]] = {
     "bfcl": ("task_type",),
     "tau2-retail": ("task_type",),
     "tau2-airline": ("task_type",),
+    "fever": ("task_type",),  # the claim's label
+    "webshop": ("product_type", "task_type"),  # 30 product types under WebShop's 5 categories
+    "mind2web": ("subdomain", "task_type"),  # Mind2Web's subdomains under its domains
 }
 
 # ScienceWorld numbers its 30 task kinds under 10 topics (``scienceworld.constants.ID2TASK``).
@@ -108,7 +111,8 @@ def default_sources(scale: float = 1.0) -> list[Source]:
     At ``scale=1`` a fold holds 3,000 trajectories or more: ScienceWorld up to 20 variations of
     each of its 30 kinds (about 460-600: some kinds have few), TextWorldExpress 200 games of
     each of its 8 kinds, ALFWorld up to 190 games (its unseen fold has 134 solvable), SQL 650
-    tasks, BFCL 100, tau2 retail 57 and airline 25.
+    tasks, BFCL 100, tau2 retail 57 and airline 25, FEVER 100 claims (the test split's all),
+    WebShop 200 goals and Mind2Web 190 steps (its unseen websites' all).
     """
     if not 0 < scale <= 10:
         raise InvalidArgumentError(f"scale: must be in (0, 10], got {scale!r}")
@@ -141,6 +145,9 @@ def default_sources(scale: float = 1.0) -> list[Source]:
     sources.append(Source("bfcl", "bfcl", {"train_fraction": 0.5}, limit=n(100)))
     sources.append(Source("tau2-retail", "tau2-retail", {"train_fraction": 0.5}, limit=n(57)))
     sources.append(Source("tau2-airline", "tau2-airline", {"train_fraction": 0.5}, limit=n(25)))
+    sources.append(Source("fever", "fever", {}, limit=n(100)))
+    sources.append(Source("webshop", "webshop", {}, limit=n(200)))
+    sources.append(Source("mind2web", "mind2web", {}, limit=n(190)))
     return sources
 
 
@@ -169,6 +176,9 @@ def _labels(source: Source, metadata: dict[str, Any]) -> dict[str, str]:
         return {"task_type": kind, "topic": scienceworld_topic(kind)}
     if source.env == "twx":
         return {"game": source.adapter.removeprefix("twx-")}
+    finer = {"webshop": "product_type", "mind2web": "subdomain"}.get(source.env)
+    if finer is not None:
+        return {finer: str(metadata.get(finer, "unknown")), "task_type": kind}
     return {"task_type": kind}
 
 
@@ -395,7 +405,7 @@ def _worker(j: int, job: _Job, messages: Any) -> None:
         traj = episode.trajectory
         meta = {
             **traj.metadata,
-            "labels": _labels(source, dict(traj.metadata)),
+            "labels": _labels(source, {**task.metadata, **traj.metadata}),  # the task says the finer levels
             "source_env": source.adapter,
             "fold": job.fold,
         }
