@@ -37,7 +37,7 @@ def test_server_lists_a_model(server):
     assert server.models(), "GET /v1/models listed no model"
 
 
-@pytest.mark.parametrize("env", ["twx-coin", "sql"])
+@pytest.mark.parametrize("env", ["twx-coin", "sql", "fever", "webshop", "mind2web"])
 def test_react_acts_on_the_memory(server, env):
     import react_real
 

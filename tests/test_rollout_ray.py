@@ -334,6 +334,9 @@ def test_cli_run_writes_the_report(ray_local, tmp_path):
 REAL_ENVS = {
     "sql": {},
     "websearch": {},
+    "fever": {},
+    "webshop": {},
+    "mind2web": {},
     "twx-coin": {},
     "twx-cookingworld": {},
     "bfcl": {},

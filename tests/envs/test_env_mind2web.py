@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.agents import make_agent
 from lifemem_ray.lab.envs import EnvUnavailable, Task, TaskError, make_env
 from lifemem_ray.lab.envs.base import EnvStateError
@@ -420,3 +421,11 @@ def test_shared_random_mostly_fails(shared):
         report = summarise(rows)
         # measured (seed 0): step success 0.17 train, 0.25 test; no trajectory fully right
         assert report["step_sr"] < 0.35 and report["element_acc"] < 0.5 and report["task_sr"] < 0.05, split
+
+
+def test_task_counts_cap_each_split_in_file_order(shared):
+    full = {split: shared.tasks(split) for split in ("train", "test")}
+    capped = Mind2WebEnv(path=str(MIND2WEB), n_train=5, n_test=2)
+    assert capped.tasks("train") == full["train"][:5] and capped.tasks("test") == full["test"][:2]
+    with pytest.raises(InvalidArgumentError, match="n_train"):
+        Mind2WebEnv(path=str(MIND2WEB), n_train=-1)

@@ -206,7 +206,11 @@ class Mind2WebEnv(Environment):
         seed: int = 0,
         max_steps: int = 3,
         previous_k: int = 5,
+        n_train: int | None = None,
+        n_test: int | None = None,
     ) -> None:
+        """``n_train`` / ``n_test``: at most that many steps of each split, the first in file
+        order (None: all of them), as the generated environments take a task count."""
         self.held_out_fraction = _check_fraction(held_out_fraction)
         self.max_steps = _check_count("max_steps", max_steps, 1)
         self.previous_k = _check_count("previous_k", previous_k, 0)
@@ -222,6 +226,9 @@ class Mind2WebEnv(Environment):
                 raise TaskError(f"Mind2WebEnv: {self.path}: two records share source_line {s.source_line}")
             seen.add(task.id)
             self._tasks[task.split].append(task)
+        for split, cap in (("train", n_train), ("test", n_test)):
+            if cap is not None:
+                self._tasks[split] = self._tasks[split][: _check_count(f"n_{split}", cap, 0)]
         self._task: Task | None = None
         self._gold: Action | None = None
         self._valid: list[str] = []
