@@ -157,8 +157,11 @@ def test_every_module_imports_from_the_fresh_environment(venv: Path, cwd: Path):
     expected = {f"lifemem_ray.{m}" for m in _modules("lifemem_ray")} | {
         f"lifemem_ray.actors.{m}" for m in _modules("actors")
     }
-    assert not expected - set(found) - set(failed), (
-        f"not found in the wheel: {sorted(expected - set(found) - set(failed))}"
+    # A package that needs an optional package (skyrl_env: skyrl_gym) cannot be walked into: its
+    # modules are excused, the package itself was checked above.
+    unwalked = {m for m in expected if any(m.startswith(f"{package}.") for package in failed)}
+    assert not expected - set(found) - set(failed) - unwalked, (
+        f"not found in the wheel: {sorted(expected - set(found) - set(failed) - unwalked)}"
     )
     assert "lifemem_ray.engine.memory" in found and "lifemem_ray.actors.frontdoor.app" in found
 
