@@ -1,8 +1,9 @@
 """What the memory costs an episode under each adapter, from the adapters' own counters.
 
-The same episodes (gold actions of a fast environment, so the episode itself is as cheap as
-it gets and the memory's share is as large as it gets) run four ways against one 2-shard
-deployment seeded with earlier episodes of that environment:
+Episodes of one fast environment (gold actions, so the episode itself is as cheap as it gets
+and the memory's share is as large as it gets; each path and repeat plays tasks of its own, so
+no path finds its task texts embedded by another) run six ways against one 2-shard deployment
+seeded with earlier episodes of that environment:
 
 * ``env``: the environment alone (the baseline of ``wrapper``);
 * ``wrapper``: :class:`~lifemem_ray.lab.memory_wrapper.MemoryWrapper` around it: recall at
@@ -23,7 +24,9 @@ For each: episodes/s, the episode's wall time (p50), the memory's time on the ep
 per episode as the adapter counts it (recall; hand-over of the write; for SkyRL also the
 settle in ``close``), and that time's share of the episode. With an LLM policy an episode
 takes seconds (its generations), so the share is far smaller there: the absolute
-milliseconds are the figure to carry over. Repeats give the spread.
+milliseconds are the figure to carry over. Repeats give the spread. A task text seen before is
+served from the client's vector cache; the report says how many distinct texts the measured
+episodes had (TextWorldExpress coin has one; ``--env sql`` has a new one each episode).
 
 Prints JSON, then a table. Usage:
     python benchmarks/episode_memory_cost.py [--env twx-coin] [--episodes 60] [--seed-episodes 60] [--repeats 3]
@@ -54,6 +57,7 @@ from lifemem_ray.lab.memory_wrapper import MemoryWrapper
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
 NAMESPACE = "bench-episode-cost"
+PATHS = ("env", "wrapper", "async-loop", "skyrl-lab", "skyrl-memory", "skyrl-nowait")
 
 
 def gold_episode(env: Any, task: Task, actions: list[str]) -> None:
@@ -199,7 +203,7 @@ def main() -> None:
     if not (1 <= args.episodes <= 2000 and 0 <= args.seed_episodes <= 5000 and 1 <= args.repeats <= 10):
         sys.exit("--episodes 1..2000, --seed-episodes 0..5000, --repeats 1..10")
 
-    total = args.seed_episodes + args.episodes * args.repeats
+    total = args.seed_episodes + args.episodes * args.repeats * len(PATHS)
     inner = {"env": args.env, "options": {"n_train": total, "n_test": 1}}  # LabTextEnv makes the same tasks
     env = make_env(args.env, **inner["options"])
     tasks = env.tasks("train")[:total]
@@ -217,9 +221,7 @@ def main() -> None:
     config = DeploymentConfig().replace(settings)
     dep.deploy(Path(tempfile.mkdtemp(prefix="lifemem-episode-cost-")), config, shards=2)
     client = MemoryClient(NAMESPACE, config)
-    runs: dict[str, list[dict[str, Any]]] = {
-        name: [] for name in ("env", "wrapper", "async-loop", "skyrl-lab", "skyrl-memory", "skyrl-nowait")
-    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PATHS}
     paths: dict[str, Callable[[list[Task]], dict[str, Any]]] = {
         "env": lambda batch: run_env(env, batch, actions, None),
         "wrapper": lambda batch: run_env(env, batch, actions, client),
@@ -233,9 +235,9 @@ def main() -> None:
         for path in paths.values():  # warm: the JVM, the model, the clients
             path(seed[:3] or measured[:3])
         for repeat in range(args.repeats):
-            batch = measured[repeat * args.episodes : (repeat + 1) * args.episodes]
-            for name, path in paths.items():  # interleaved, so a slow moment hits every path
-                runs[name].append(path(batch))
+            for n, (name, path) in enumerate(paths.items()):  # interleaved, so a slow moment hits every path
+                first = (repeat * len(paths) + n) * args.episodes  # tasks of their own: no text embedded before
+                runs[name].append(path(measured[first : first + args.episodes]))
         # Every write handed over must land, the ones closed without waiting included.
         submitted = args.seed_episodes + 4 * min(3, len(seed) or len(measured)) + 4 * args.episodes * args.repeats
         stored, deadline = client.stats()["trajectories"], time.monotonic() + 120
@@ -260,12 +262,16 @@ def main() -> None:
         "episodes": args.episodes,
         "seed_episodes": args.seed_episodes,
         "batch_wait_ms": config.cluster.batch_wait_ms,
+        "distinct_task_texts": len({task.instruction for task in measured}),  # a text seen before is cached
         "submitted": submitted,
         "stored": stored,
         "rows": rows,
     }
     print(json.dumps(report, indent=2))
-    print(f"\nwrites submitted {submitted}, stored {stored} (cluster.batch_wait_ms {config.cluster.batch_wait_ms:g})")
+    print(
+        f"\nwrites submitted {submitted}, stored {stored} (cluster.batch_wait_ms {config.cluster.batch_wait_ms:g}); "
+        f"{report['distinct_task_texts']} distinct task texts in {len(measured)} measured episodes"
+    )
     print(
         f"{'path':<14}{'ep/s':>8}{'p50 ms':>9}{'recall ms':>11}{'submit ms':>11}"
         f"{'settle ms':>11}{'share':>8}{'vs none':>9}"
