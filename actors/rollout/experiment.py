@@ -485,11 +485,7 @@ def run_experiment(
     ) as pool:
         for seed in exp.seed_list:
             tasks = load_tasks(exp, seed)
-            for env, counts in tasks.overlap.items():
-                slot = overlaps.setdefault(env, {"gold": 0, "goal": 0, "dropped": 0, "one_template": False})
-                for key in ("gold", "goal", "dropped"):
-                    slot[key] += counts[key]
-                slot["one_template"] = slot["one_template"] or counts["one_template"]
+            _count_overlaps(overlaps, tasks.overlap)
             phases = build_stream(exp.stream, tasks.train, exp.envs, seed=seed)
             run = _SeedRun(exp, mconf, pool, seed, tasks, out, record)
             results.append(run.run(phases))
@@ -499,7 +495,35 @@ def run_experiment(
     modes = summarise(results, exp.modes, exp.envs, bootstrap=exp.bootstrap, seed=exp.seed)
     for mode, res in modes.items():
         res["failed_tasks"] = failed.get(mode, 0)
-    report: dict[str, Any] = {
+    report = _report(exp, mconf, settings, results, modes, overlaps, failed, memory)
+    report["episodes"] = len(episodes)
+    report["throughput"] = _throughput(episodes, time.perf_counter() - started)
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    _write_outputs(out, report, episodes)
+    return report
+
+
+def _count_overlaps(overlaps: dict[str, dict[str, Any]], seed_overlap: dict[str, dict[str, Any]]) -> None:
+    """Add one seed's train/test overlap counts per environment to the run's."""
+    for env, counts in seed_overlap.items():
+        slot = overlaps.setdefault(env, {"gold": 0, "goal": 0, "dropped": 0, "one_template": False})
+        for key in ("gold", "goal", "dropped"):
+            slot[key] += counts[key]
+        slot["one_template"] = slot["one_template"] or counts["one_template"]
+
+
+def _report(
+    exp: ExperimentConfig,
+    mconf: DeploymentConfig,
+    settings: dict[str, Any],
+    results: list[SeedResult],
+    modes: dict[str, Any],
+    overlaps: dict[str, dict[str, Any]],
+    failed: dict[str, int],
+    memory: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's report: its settings, the modes' figures and the memory's summary."""
+    return {
         "config": exp.to_dict(),
         "memory_config": mconf.to_dict(),
         "memory_settings": settings,
@@ -515,22 +539,22 @@ def run_experiment(
         "per_seed": [r.to_dict() for r in results],
         "failed_learning_tasks": failed.get("learning", 0),
         "memory": memory,
+        "success_by_env": {
+            mode: {env: round(v, 2) for env, v in res["table"]["rows"][-1].items()}
+            for mode, res in modes.items()
+            if res["table"]["rows"]
+        },
     }
-    report["episodes"] = len(episodes)
-    report["success_by_env"] = {
-        mode: {env: round(v, 2) for env, v in res["table"]["rows"][-1].items()}
-        for mode, res in modes.items()
-        if res["table"]["rows"]
-    }
-    report["throughput"] = _throughput(episodes, time.perf_counter() - started)
-    report["seconds"] = round(time.perf_counter() - started, 2)
+
+
+def _write_outputs(out: Path, report: dict[str, Any], episodes: list[dict[str, Any]]) -> None:
+    """``report.json``, ``episodes.jsonl``, ``report.md`` and the plots (listed in ``report["plots"]``)."""
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     with (out / "episodes.jsonl").open("w") as fh:
         for row in episodes:
             fh.write(json.dumps(row, default=str) + "\n")
     (out / "report.md").write_text(render_markdown(report))
     report["plots"] = [str(p) for p in write_plots(report, out)]
-    return report
 
 
 def _throughput(episodes: list[dict[str, Any]], seconds: float) -> dict[str, float]:
