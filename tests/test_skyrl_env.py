@@ -186,9 +186,37 @@ def test_a_failing_memory_passed_in_degrades_and_counts_on_the_shared_episode_me
             env_config, {"task_index": index}, sql.gold_actions(tasks[index]), memory=shared
         )
         assert len(chat) == 2 and outs[-1]["reward"] == 1.0
-        assert after["memory_recall_failures"] == n and after["memory_submit_failures"] == n  # shared: cumulative
+        # The metrics are the episode's own; the shared episode memory counts them all.
+        assert after["memory_recall_failures"] == 1 and after["memory_submit_failures"] == 1
+        assert after["memory_acknowledged"] == after["memory_pending"] == 0
+        assert shared.counts.recall_failures == n and shared.counts.submit_failures == n
     assert "ConnectionError: memory gone" in shared.counts.last_error
     shared.close()
+
+
+def test_environments_of_one_process_share_one_episode_memory(registered, memory, sql_tasks):
+    """SkyRL makes an environment per trajectory: they share the process's episode memory (one
+    writer, one bound on writes in flight) and each reports and waits for its own write."""
+    tasks, sql = sql_tasks
+    env_config = {
+        "inner": LAB_ENV_ID,
+        "inner_config": {"env": "sql"},
+        "memory": {"namespace": memory.namespace, "tenant": "shared-writer"},
+    }
+    envs = []
+    for index in (FIRST, SIMILAR):
+        _, _, _, after, env = episode(env_config, {"task_index": index}, sql.gold_actions(tasks[index]))
+        assert after["memory_submitted"] == after["memory_acknowledged"] == 1 and after["memory_pending"] == 0
+        envs.append(env)
+    assert envs[0].episodes is envs[1].episodes and envs[0].episodes.counts.acknowledged >= 2
+    other = {**env_config, "memory": {**env_config["memory"], "k": 2}}  # other options: an episode memory of their own
+    _, _, _, _, env = episode(other, {"task_index": FIRST}, [])
+    assert env.episodes is not envs[0].episodes
+
+    no_wait = {**env_config, "settle_timeout_s": 0}  # close hands the write over and returns
+    _, _, _, after, env = episode(no_wait, {"task_index": SIMILAR}, sql.gold_actions(tasks[SIMILAR]))
+    assert after["memory_submitted"] == 1
+    assert env._write is not None and env._write.result(timeout=60) is True  # the write still lands
 
 
 def test_lab_env_ends_at_max_turns_unsolved(registered, sql_tasks):

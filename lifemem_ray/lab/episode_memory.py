@@ -214,7 +214,7 @@ class EpisodeMemory(_EpisodeMemoryRules):
 
     def __init__(self, memory: Any, **options: Any) -> None:
         super().__init__(memory, **options)
-        self._pending: deque[Future[None]] = deque()  # submissions not yet acknowledged or failed
+        self._pending: deque[Future[bool]] = deque()  # submissions not yet acknowledged or failed
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lifemem-episode-writes")
 
     def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
@@ -231,9 +231,10 @@ class EpisodeMemory(_EpisodeMemoryRules):
         finally:
             self._count("recall_s", time.perf_counter() - started)
 
-    def submit(self, trajectory: Trajectory) -> None:
+    def submit(self, trajectory: Trajectory) -> Future[bool]:
         """Hand ``trajectory`` to the memory in the background; returns at once (or, with
-        ``max_pending`` submissions in flight, once the oldest of them settled)."""
+        ``max_pending`` submissions in flight, once the oldest of them settled) with the write's
+        future: True once acknowledged, False when it failed (counted either way)."""
         self._count("submitted")
         started = time.perf_counter()
         with self._lock:
@@ -245,6 +246,7 @@ class EpisodeMemory(_EpisodeMemoryRules):
             self._pending.append(future)
         future.add_done_callback(self._forget)
         self._count("submit_s", time.perf_counter() - started)
+        return future
 
     def settle(self, timeout_s: float | None = None) -> MemoryCounts:
         """Wait until every submission is acknowledged or failed, at most ``timeout_s`` in all
@@ -267,7 +269,7 @@ class EpisodeMemory(_EpisodeMemoryRules):
         self._writer.shutdown(wait=False, cancel_futures=False)
         return counts
 
-    def _write(self, trajectory: Trajectory) -> None:
+    def _write(self, trajectory: Trajectory) -> bool:
         try:
             answer = self.memory.add(trajectory)
             result: Callable[..., Any] | None = getattr(answer, "result", None)
@@ -276,16 +278,17 @@ class EpisodeMemory(_EpisodeMemoryRules):
             self._check_stored(answer, trajectory)
         except Exception as exc:  # noqa: BLE001 - any failure of a write is counted; the rollout goes on
             self._failed("submit_failures", exc)
-            return
+            return False
         self._count("acknowledged")
+        return True
 
-    def _forget(self, future: Future[None]) -> None:
+    def _forget(self, future: Future[bool]) -> None:
         with self._lock:
             if future in self._pending:
                 self._pending.remove(future)
 
     @staticmethod
-    def _wait(future: Future[None], timeout_s: float) -> None:
+    def _wait(future: Future[bool], timeout_s: float) -> None:
         try:
             future.result(timeout=timeout_s)
         except FutureTimeout:

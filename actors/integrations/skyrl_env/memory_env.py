@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import skyrl_gym
@@ -106,6 +108,8 @@ class MemoryTextEnv(BaseTextEnv):
         self.max_turns: int = getattr(self.inner, "max_turns", 1)
         self.timings = {"recall_s": 0.0, "submit_s": 0.0, "settle_s": 0.0}  # the episode's time in memory calls
         self.context_chars, self.exemplars, self.skills, self.handoff_failures = 0, 0, 0, 0
+        self.recalls, self.recall_failures = 0, 0  # this episode's (the episode memory may be shared)
+        self._write: Future[bool] | None = None  # this episode's write, once handed over
         self._hits: list[str] = []
         self._record: EpisodeRecord | None = None  # the episode running now, until submitted
         self._closed = False
@@ -115,10 +119,12 @@ class MemoryTextEnv(BaseTextEnv):
         chat, info = self.inner.init(prompt)
         chat, info = [dict(message) for message in chat or []], dict(info or {})
         task = self._task_text(chat, info)
-        env_name = self._envnonempty_name(info)
+        env_name = self._env_name(info)
         started = time.perf_counter()
         context, found = self.episodes.recall(task, env_name)
         self.timings["recall_s"] = time.perf_counter() - started
+        self.recalls += 1
+        self.recall_failures += found is None
         self._hits = [hit.id for hit in found.trajectories] if found is not None else []
         self.exemplars = len(self._hits)
         self.skills = len(found.skills) if found is not None else 0
@@ -141,45 +147,50 @@ class MemoryTextEnv(BaseTextEnv):
         return out
 
     def get_metrics(self) -> dict[str, Any]:
-        """The inner environment's metrics and the memory's: ``memory_recalls``,
+        """The inner environment's metrics and this episode's memory: ``memory_recalls``,
         ``memory_recall_failures``, ``memory_submitted``, ``memory_acknowledged``,
-        ``memory_submit_failures``, ``memory_pending`` (counts: this episode's, or the shared
-        ``EpisodeMemory``'s since it was made), ``memory_exemplars``, ``memory_skills``,
+        ``memory_submit_failures``, ``memory_pending`` (0 or 1 each: the episode's own recall and
+        write, also where the episode memory is shared), ``memory_exemplars``, ``memory_skills``,
         ``memory_context_chars``, ``memory_recall_s``, ``memory_submit_s`` (the episode's time in
-        memory calls) and ``memory_last_error`` (text; SkyRL's averaging drops it)."""
+        memory calls) and ``memory_last_error`` (the episode memory's latest failure, text;
+        SkyRL's averaging drops it)."""
         metrics = dict(self.inner.get_metrics() or {})
-        counts = self.episodes.counts
-        submit_failures = counts.submit_failures + self.handoff_failures
+        write = self._write
+        settled = write is not None and write.done()
+        acknowledged = settled and write is not None and write.result() is True
         metrics.update(
-            memory_recalls=counts.recalls,
-            memory_recall_failures=counts.recall_failures,
-            memory_submitted=counts.submitted,
-            memory_acknowledged=counts.acknowledged,
-            memory_submit_failures=submit_failures,
-            memory_pending=max(0, counts.submitted - counts.acknowledged - counts.submit_failures),
+            memory_recalls=self.recalls,
+            memory_recall_failures=self.recall_failures,
+            memory_submitted=int(write is not None) + self.handoff_failures,
+            memory_acknowledged=int(acknowledged),
+            memory_submit_failures=int(settled and not acknowledged) + self.handoff_failures,
+            memory_pending=int(write is not None and not settled),
             memory_exemplars=self.exemplars,
             memory_skills=self.skills,
             memory_context_chars=self.context_chars,
             memory_recall_s=self.timings["recall_s"],
             memory_submit_s=self.timings["submit_s"],
-            memory_last_error=counts.last_error,
+            memory_last_error=self.episodes.counts.last_error,
         )
         return metrics
 
     def close(self) -> None:
-        """Submit an episode closed before ``done`` (outcome unknown), wait for the
-        acknowledgements (at most ``settle_timeout_s``), close the inner environment; safe to
-        call twice."""
+        """Submit an episode closed before ``done`` (outcome unknown), wait for its write's
+        acknowledgement (at most ``settle_timeout_s``; 0: not at all, the write goes on in the
+        background), close the inner environment; safe to call twice."""
         if self._closed:
             return
         self._closed = True
         try:
             self._submit(None, ended="closed before done")
             started = time.perf_counter()
+            if self._write is not None and self.settle_timeout_s > 0:
+                try:
+                    self._write.result(timeout=self.settle_timeout_s)
+                except FutureTimeout:
+                    pass  # still in flight: get_metrics says pending
             if self._owns_episodes:
-                self.episodes.close(self.settle_timeout_s)
-            else:
-                self.episodes.settle(self.settle_timeout_s)
+                self.episodes.close(0.0)  # its writer finishes what it holds, in the background
             self.timings["settle_s"] = time.perf_counter() - started
         finally:
             self.inner.close()
@@ -193,7 +204,7 @@ class MemoryTextEnv(BaseTextEnv):
         first = self.task_from == "first_user"
         return message_text(last_message(chat[::-1] if first else chat, "user"))
 
-    def _envnonempty_name(self, info: Mapping[str, Any]) -> str:
+    def _env_name(self, info: Mapping[str, Any]) -> str:
         for name in (self.memory_env, info.get("env"), self.extras.get("data_source"), self.extras.get("env_class")):
             if isinstance(name, str) and name.strip():
                 return name.strip()
@@ -210,7 +221,9 @@ class MemoryTextEnv(BaseTextEnv):
             metadata["data_source"] = self.extras["data_source"]
         started = time.perf_counter()
         try:
-            self.episodes.submit(record.trajectory(success, tenant=self.episodes.tenant, metadata=metadata))
+            self._write = self.episodes.submit(
+                record.trajectory(success, tenant=self.episodes.tenant, metadata=metadata)
+            )
         except Exception as exc:  # noqa: BLE001 - the memory's failure never fails the rollout
             self.handoff_failures += 1
             log.warning("memory submit: %s: %s (the episode goes on without it)", type(exc).__name__, exc)

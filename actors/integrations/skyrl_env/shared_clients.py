@@ -56,6 +56,7 @@ class SharedClients:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, str, str], Any] = {}
         self._failures: dict[tuple[str, str, str], tuple[float, str]] = {}
+        self._episodes: dict[tuple[int, str], EpisodeMemory] = {}  # (client, options) -> its episode memory
 
     def get(self, namespace: str, address: str | None, config: DeploymentConfig, reconnect_after_s: float) -> Any:
         key = (namespace, address or "", json.dumps(config.to_dict(), sort_keys=True, default=repr))
@@ -78,6 +79,28 @@ class SharedClients:
             self._failures.pop(key, None)
             self._clients[key] = client
             return client
+
+    def episodes(
+        self,
+        namespace: str,
+        address: str | None,
+        config: DeploymentConfig,
+        reconnect_after_s: float,
+        options: Mapping[str, Any],
+    ) -> tuple[EpisodeMemory, bool]:
+        """The process's :class:`EpisodeMemory` over the deployment's client with ``options``
+        (one background writer and one bound on writes in flight for every environment of the
+        process), and False: nobody's environment owns it. While the deployment is unreachable,
+        an episode memory of the environment's own over the failing stand-in (True: it owns it)."""
+        client = self.get(namespace, address, config, reconnect_after_s)
+        if isinstance(client, UnreachableMemory):
+            return EpisodeMemory(client, **options), True
+        key = (id(client), json.dumps(dict(options), sort_keys=True, default=repr))
+        with self._lock:
+            episodes = self._episodes.get(key)
+            if episodes is None:
+                episodes = self._episodes[key] = EpisodeMemory(client, **options)
+        return episodes, False
 
 
 SHARED_CLIENTS = SharedClients()
@@ -104,9 +127,10 @@ def check_episode_options(options: Mapping[str, Any], where: str) -> dict[str, A
 def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tuple[EpisodeMemory, bool]]:
     """Checks ``spec`` now (nothing connects); the call it returns gives the episode memory of
     one environment and whether the environment owns it: ``memory`` as given (an
-    :class:`EpisodeMemory`, shared; or a memory object, wrapped), else this process's client of
-    the deployment ``spec`` names (``namespace``, ``address``, ``overrides``: dotted
-    DeploymentConfig settings of the client), wrapped with ``spec``'s episode options."""
+    :class:`EpisodeMemory`, shared; or a memory object, wrapped for this environment), else the
+    process's shared episode memory over its client of the deployment ``spec`` names
+    (``namespace``, ``address``, ``overrides``: dotted DeploymentConfig settings of the client)
+    with ``spec``'s episode options."""
     options = as_mapping(spec, where)
     check_keys(options, CONNECTION_KEYS | EPISODE_KEYS, where)
     episode_options = check_episode_options(options, where)
@@ -126,4 +150,4 @@ def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tu
     overrides = as_mapping(options.get("overrides"), f"{where}['overrides']")
     config = DeploymentConfig().replace(overrides, source=f"{where}['overrides']")
     retry = bounded_number(options.get("reconnect_after_s", 30.0), 0.0, 86_400.0, f"{where}['reconnect_after_s']")
-    return lambda: (EpisodeMemory(SHARED_CLIENTS.get(namespace, address, config, retry), **episode_options), True)
+    return lambda: SHARED_CLIENTS.episodes(namespace, address, config, retry, episode_options)
