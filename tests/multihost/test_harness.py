@@ -298,6 +298,30 @@ def test_a_snapshot_into_shared_storage_holds_every_shard(deployment):
     assert copied == deployment.total(), f"the snapshot holds {copied} trajectories, {deployment.total()} acknowledged"
 
 
+def test_the_snapshot_restores_onto_another_number_of_shards_across_hosts(deployment):
+    """Resharding from the shared snapshot (the test before): a new deployment of one shard,
+    restored on a worker from the shared folder, holds every acknowledged trajectory."""
+    hosts, ray_nodes = deployment.hosts, deployment.ray_nodes
+    snapshot = hosts.shared / "snapshot"
+    if not (snapshot / "snapshot.json").is_file():
+        deployment.lifemem("snapshot", str(snapshot))
+    namespace = f"{NAMESPACE}-resharded"
+    ns = ["--address", ray_nodes.address, "--namespace", namespace, "--json"]
+    restore = ["restore", str(snapshot), "--store", str(hosts.local / "resharded"), "--shards", "1"]
+    restored = _ok(ray_nodes.run(HEAD, "lifemem-ray", *restore, *ns, timeout=CLI_TIMEOUT_S), "restore --shards 1")
+    try:
+        assert restored["trajectories"] == deployment.total() and len(restored["shards"]) == 1, restored
+        stats = _ok(ray_nodes.run(HEAD, "lifemem-ray", "stats", *ns, timeout=CLI_TIMEOUT_S), "stats of the restored")
+        assert stats["trajectories"] == deployment.total(), stats
+        checked = _ok(ray_nodes.run(HEAD, "lifemem-ray", "check", "--deep", *ns, timeout=CLI_TIMEOUT_S), "check")
+        assert checked["ok"] is True and len(checked["shards"]) == 1, checked
+        places = deployment.python(ACTOR_PLACES, ray_nodes.address, namespace)
+        shard_hosts = {deployment.host_of(places[name]["address"]) for name in restored["shards"]}
+        assert len(shard_hosts) == 1 and HEAD not in shard_hosts, places  # the one shard runs on a worker
+    finally:
+        _ok(ray_nodes.run(HEAD, "lifemem-ray", "stop", *ns, timeout=CLI_TIMEOUT_S), "stop the restored")
+
+
 def test_a_client_without_the_token_is_refused(cluster, venv):
     hosts, ray_nodes = cluster
     tokenless = hosts.run(
