@@ -239,7 +239,14 @@ def test_tiny_invalid_actions_are_observed(tiny, tmp_path):
 def test_tiny_options_and_missing_corpus(tiny, tmp_path, monkeypatch):
     assert tiny.tasks("train", limit=2) == tiny.tasks("train")[:2]
     assert sorted(t.id for t in tiny.tasks("test", seed=5)) == sorted(t.id for t in tiny.tasks("test"))
-    for bad in ({"n_train": -1}, {"n_test": 1.5}, {"max_steps": 0}, {"seed": "a"}):
+    for bad in (
+        {"n_train": -1},
+        {"n_test": 1.5},
+        {"max_steps": 0},
+        {"seed": "a"},
+        {"n_train": 10_001},
+        {"max_steps": 1001},
+    ):
         with pytest.raises(InvalidArgumentError):
             FeverEnv(corpus_path=tiny.corpus_path, **bad)
     with pytest.raises(InvalidArgumentError, match="split"):

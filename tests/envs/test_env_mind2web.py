@@ -429,3 +429,6 @@ def test_task_counts_cap_each_split_in_file_order(shared):
     assert capped.tasks("train") == full["train"][:5] and capped.tasks("test") == full["test"][:2]
     with pytest.raises(InvalidArgumentError, match="n_train"):
         Mind2WebEnv(path=str(MIND2WEB), n_train=-1)
+    for bad in ({"max_steps": 101}, {"previous_k": 101}, {"max_steps": 0}):
+        with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
+            Mind2WebEnv(path=str(MIND2WEB), **bad)

@@ -212,7 +212,16 @@ def test_tasks_split_by_goal(env):
     assert capped.tasks("test") == test[:3]
     with pytest.raises(InvalidArgumentError):
         env.tasks("dev")
-    for bad in ({"max_steps": 0}, {"products_per_type": 1}, {"test_fraction": 1.0}, {"n_test": -1}, {"seed": "x"}):
+    bad_options = (
+        {"max_steps": 0},
+        {"max_steps": 1001},
+        {"products_per_type": 1},
+        {"products_per_type": 1001},
+        {"test_fraction": 1.0},
+        {"n_test": -1},
+        {"seed": "x"},
+    )
+    for bad in bad_options:
         with pytest.raises(InvalidArgumentError):
             WebShopEnv(**bad)
 

@@ -63,6 +63,7 @@ from lifemem_ray.lab.envs.wiki_tools import (
 __all__ = ["MAX_ACTION_CHARS", "FeverEnv", "parse_label"]
 
 MAX_ACTION_CHARS = 2000  # the ReAct agent's own bound on one action
+MAX_CLAIMS = 10_000  # claims asked for per split (a corpus of HotpotQA's size gives a few hundred)
 _ALIASES = {
     "SUPPORTS": "SUPPORTS",
     "SUPPORT": "SUPPORTS",
@@ -131,10 +132,14 @@ class FeverEnv(Environment):
         seed: int = 0,
         max_steps: int = 8,
     ) -> None:
-        for arg, value in (("n_train", n_train), ("n_test", n_test), ("max_steps", max_steps)):
+        for arg, value, high in (
+            ("n_train", n_train, MAX_CLAIMS),
+            ("n_test", n_test, MAX_CLAIMS),
+            ("max_steps", max_steps, 1000),
+        ):
             low = 1 if arg == "max_steps" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgumentError(f"FeverEnv: {arg} must be an integer >= {low}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidArgumentError(f"FeverEnv: {arg} must be an integer in {low}..{high}, got {value!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError(f"FeverEnv: seed must be an integer, got {seed!r}")
         self.corpus_path = resolve_corpus_path(corpus_path, owner="FeverEnv")

@@ -188,9 +188,9 @@ def _check_fraction(value: Any) -> float:
     return float(value)
 
 
-def _check_count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgumentError(f"Mind2WebEnv: {name} must be an integer >= {low}, got {value!r}")
+def _check_count(name: str, value: Any, low: int, high: int = 100_000) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidArgumentError(f"Mind2WebEnv: {name} must be an integer in {low}..{high}, got {value!r}")
     return value
 
 
@@ -212,8 +212,8 @@ class Mind2WebEnv(Environment):
         """``n_train`` / ``n_test``: at most that many steps of each split, the first in file
         order (None: all of them), as the generated environments take a task count."""
         self.held_out_fraction = _check_fraction(held_out_fraction)
-        self.max_steps = _check_count("max_steps", max_steps, 1)
-        self.previous_k = _check_count("previous_k", previous_k, 0)
+        self.max_steps = _check_count("max_steps", max_steps, 1, 100)
+        self.previous_k = _check_count("previous_k", previous_k, 0, 100)
         self.seed = seed
         self.path = resolve_path(path)
         steps = load_steps(self.path)

@@ -118,9 +118,12 @@ class WebShopEnv(Environment):
         n_test: int | None = None,
         max_steps: int = 15,
     ) -> None:
-        for label, value, low in (("products_per_type", products_per_type, 2), ("max_steps", max_steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgumentError(f"WebShopEnv: {label} must be an integer >= {low}, got {value!r}")
+        for label, value, low, high in (
+            ("products_per_type", products_per_type, 2, 1000),
+            ("max_steps", max_steps, 1, 1000),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidArgumentError(f"WebShopEnv: {label} must be an integer in {low}..{high}, got {value!r}")
         for label, cap in (("n_train", n_train), ("n_test", n_test)):
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
                 raise InvalidArgumentError(f"WebShopEnv: {label} must be None or an integer >= 0, got {cap!r}")
