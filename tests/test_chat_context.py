@@ -18,6 +18,11 @@ def test_system_place_joins_the_first_system_message_or_makes_one():
     blank = [{"role": "system", "content": "  "}, *BARE]
     assert with_context(blank, "CTX", "system")[0] == {"role": "system", "content": "CTX"}
     assert with_context([], "CTX", "system") == [{"role": "system", "content": "CTX"}]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Solve it."}]}, *BARE]
+    assert with_context(parts, "CTX", "system") == [
+        {"role": "system", "content": [{"type": "text", "text": "Solve it."}, {"type": "text", "text": "CTX"}]},
+        *BARE,
+    ]
 
 
 def test_user_place_goes_before_the_first_user_text():

@@ -69,6 +69,20 @@ def test_a_pinned_search_asks_for_more_until_k_visible_ones():
     assert padded.tolist() == [[0, 10, 20, 30, -1]]
     assert MAX_OVERFETCH >= 40
 
+    # A scope of 6 trajectories in a large index: its row comes back padded at once, and the
+    # search stops there instead of growing to the whole index.
+    small = np.array([[0, 1000, 1001, 10, 1002, 1003, -1, -1]], dtype=np.int64)
+    calls.clear()
+
+    def scoped(n: int) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(n)
+        got = np.full((1, n), -1, dtype=np.int64)
+        got[:, : min(n, 6)] = small[:, : min(n, 6)]
+        return np.zeros((1, n), dtype=np.float32), got
+
+    _, few = search_as_of(scoped, 4, 1000, available=1_000_000)
+    assert few.tolist() == [[0, 10, -1, -1]] and calls == [4, 16]
+
 
 # -- the engine ------------------------------------------------------------------------------------------
 @pytest.fixture
@@ -97,6 +111,8 @@ def test_the_engine_reads_as_of_a_version_while_newer_writes_are_there(store):
 def test_the_engine_refuses_a_version_of_another_layout(store):
     with pytest.raises(InvalidArgumentError, match="as_of"):
         store.retrieve("anything", "shop", as_of="v1:3.4")
+    with pytest.raises(InvalidArgumentError, match="not a version of this store"):  # newer than it: not its own
+        store.retrieve("anything", "shop", as_of="v1:9999999999999")
 
 
 # -- a deployment, writes going on -------------------------------------------------------------------------

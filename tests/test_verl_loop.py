@@ -266,6 +266,18 @@ def test_verls_manager_runs_the_loop_in_worker_actors(memory, model_dir, tokeniz
     assert hits_for(memory, APPLES, env)[APPLES].steps[0].action == REPLY
 
 
+def test_rows_pinned_to_a_version_read_it_and_record_it(memory, model_dir, replica, tmp_path):
+    env = "verl-gsm8k-pinned"
+    version = memory.version()
+    config = verl_config(model_dir, tmp_path, memory_namespace=memory.namespace, env=env, as_of=version)
+    worker = AgentLoopWorker(config, LLMServerClient(config, load_balancer_handle=replica[1]), None, None)
+
+    (out,), counts = rollout(worker, batch([APPLES], ["42"]))
+
+    assert not memory_fields(out)[0]["recall_failed"] and counts[-1]["recall_failures"] == 0
+    assert hits_for(memory, APPLES, env)[APPLES].metadata["memory_version"] == version
+
+
 def test_a_memory_that_is_not_there_degrades_to_no_memory(ray_local, model_dir, tokenizer, replica, tmp_path):
     config = verl_config(
         model_dir, tmp_path, memory_namespace=f"no-memory-here-{os.getpid()}", env="verl-none", reconnect_after_s=60

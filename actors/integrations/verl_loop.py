@@ -175,10 +175,11 @@ class LazyMemoryClient:
                     raise
         return self._client
 
-    async def retrieve(self, task: str, env: str | None, k: int, *, tenant: str) -> Retrieval:
+    async def retrieve(self, task: str, env: str | None, k: int, **options: Any) -> Retrieval:
+        """The client's retrieve (``options``: ``tenant``, ``as_of`` ...)."""
         client = await self.client()
         try:
-            return await client.retrieve(task, env, k, tenant=tenant)
+            return await client.retrieve(task, env, k, **options)
         except ray.exceptions.RayActorError:
             self._client = None  # the deployment went away: look it up again next time
             raise
@@ -266,6 +267,7 @@ class MemoryAgentLoop(AgentLoopBase):
         env = self.env_of(kwargs)
         memory = self.worker_memory()
         context, found = ("", None)
+        pinned = memory.episodes.as_of  # the version this row's recall reads
         if task:
             context, found = await memory.episodes.recall(task, env)
         recall_s = time.monotonic() - started
@@ -277,7 +279,8 @@ class MemoryAgentLoop(AgentLoopBase):
         output.reward_score = self.reward_of(memory, response, kwargs)
         submit_started = time.monotonic()
         if task:
-            await self.submit(memory, task, env, messages, response, output.reward_score, kwargs)
+            read = memory.episodes.episode_metadata(pinned, found)
+            await self.submit(memory, task, env, messages, response, output.reward_score, kwargs, read)
         output.extra_fields["lifemem"] = {
             "task_chars": len(task),
             "hits": len(found.trajectories) if found is not None else 0,
@@ -391,13 +394,15 @@ class MemoryAgentLoop(AgentLoopBase):
         response: str,
         reward: float | None,
         row: dict[str, Any],
+        read: dict[str, Any],
     ) -> None:
-        """The row as a one-step trajectory, handed to the memory in the background."""
+        """The row as a one-step trajectory, handed to the memory in the background; ``read``:
+        what its recall read (:meth:`AsyncEpisodeMemory.episode_metadata`)."""
         try:
             record = EpisodeRecord(env, task, render_messages(messages))
             record.step(response, "")
             metadata = {"source": "verl", "agent_loop": AGENT_NAME, "data_source": str(row.get("data_source") or "")}
-            metadata.update(memory.episodes.episode_metadata())  # the memory version read, when pinned
+            metadata.update(read)  # the memory version the row's recall read, when pinned
             success = None if reward is None else reward > 0
             trajectory = record.trajectory(success, reward, tenant=self.options.tenant, metadata=metadata)
         except InvalidTrajectoryError as exc:  # an env name or text the memory refuses: the row goes on

@@ -112,8 +112,11 @@ class Search:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
         if as_of is None:
             return search_index(self.s.index, queries, envs, k)
-        if isinstance(as_of, bool) or not isinstance(as_of, int) or as_of < 0:
-            raise InvalidArgumentError(f"as_of: a store's watermark is an integer >= 0, got {as_of!r}")
+        if isinstance(as_of, bool) or not isinstance(as_of, int) or not 0 <= as_of <= self.watermark():
+            raise InvalidArgumentError(
+                f"as_of: {as_of!r} is not a version of this store (its watermark is {self.watermark()}); "
+                "read the version from this memory's version() or stats()"
+            )
         index = self.s.index
         return search_as_of(lambda n: search_index(index, queries, envs, n), k, as_of, len(index))
 

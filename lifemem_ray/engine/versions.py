@@ -2,17 +2,21 @@
 
 A store gives each trajectory it commits the next number of its id sequence (the low bits of
 the vector id, :data:`~lifemem_ray.engine.store.storage.ID_SEQ_BITS`), so a store's *watermark*
-(its ``next_vid``: how many numbers it handed out) says which trajectories it had committed: those
-whose number is below it. A memory's version is one watermark per shard, read at one moment,
+(its ``next_vid``: the next number it will hand out) says which trajectories it had committed:
+those whose number is below it (numbers are handed out inside the write transaction that
+commits them, and LMDB has one writer at a time). A memory's version is one watermark per shard, read at one moment,
 written as a token (``"v1:1200"`` for a store, ``"v1:1200.977"`` for a 2-shard deployment). A
 retrieval ``as_of`` a token searches only the trajectories each shard had committed at its
-watermark, however many writes came after: the same query as of the same version gets the same
-trajectories, as long as none of them was deleted since (a deleted trajectory is gone from every
-version). Clusters and skills are not versioned: a pinned read returns the clusters and skills
+watermark, however many writes came after: with exact search the same query as of the same
+version gets the same trajectories, as long as none of them was deleted since (a deleted
+trajectory is gone from every version); an environment on an IVF index may differ after the
+index is trained again (its probes are approximate). Clusters and skills are not versioned: a pinned read returns the clusters and skills
 of its hits as they are now.
 
-A token is valid for the layout it was read from: a deployment resharded, a store absorbed into
-another or restored from a snapshot starts new sequences; read a new version after those.
+A token is valid for the layout it was read from. A token of another shard count is refused,
+and one above what a store has handed out (another memory's, or mistyped) too; but an absorb,
+a restore or a reshard onto the same shard count keeps the absorbed trajectories' numbers, so
+an old token is accepted and may show some of them: read a new version after those.
 
 Example::
 
@@ -81,13 +85,14 @@ def search_as_of(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The top-``k`` of ``search(n) -> (scores, ids)`` (each row best first, padded with -inf / -1)
     among the ids visible at ``watermark``: asks for more candidates (4x each time) until every
-    row has ``k`` visible ones, the search has no more to give (``available``), or
-    :data:`MAX_OVERFETCH`; rows with fewer are padded."""
+    row has ``k`` visible ones or came back padded (its scope holds no more), the search has no
+    more to give (``available``), or :data:`MAX_OVERFETCH`; rows with fewer are padded."""
     wanted = k
     while True:
         scores, ids = search(wanted)
         keep = visible(ids, watermark)
-        if wanted >= min(available, MAX_OVERFETCH) or bool((keep.sum(axis=1) >= k).all()):
+        done = (keep.sum(axis=1) >= k) | (ids < 0).any(axis=1)  # a padded row had all its scope had
+        if wanted >= min(available, MAX_OVERFETCH) or bool(done.all()):
             break
         wanted = min(max(available, k), MAX_OVERFETCH, wanted * 4)
     out_scores = np.full((ids.shape[0], k), -np.inf, dtype=np.float32)

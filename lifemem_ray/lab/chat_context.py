@@ -44,8 +44,9 @@ def last_message(chat: Sequence[Mapping[str, Any]], role: str) -> Mapping[str, A
 def with_context(chat: Sequence[Mapping[str, Any]], context: str, place: str) -> list[dict[str, Any]]:
     """A copy of ``chat`` with ``context`` in it (``place`` is one of :data:`CONTEXT_PLACES`).
 
-    ``system``: after the text of the chat's first message when it is a system message with
-    text, else as a new first system message. ``user``: before the text of the first user
+    ``system``: after the text of the chat's first message when it is a system message (as a
+    last text part when its content is a list of parts), else as a new first system message:
+    one system message, first, either way. ``user``: before the text of the first user
     message (as a first text part when its content is a list of parts), else as a new user
     message at the end. An empty ``context`` gives the chat's copy unchanged."""
     if place not in CONTEXT_PLACES:
@@ -55,10 +56,13 @@ def with_context(chat: Sequence[Mapping[str, Any]], context: str, place: str) ->
         return out
     if place == "system":
         first = out[0] if out else {}
-        if first.get("role") == "system" and isinstance(first.get("content"), str) and first["content"].strip():
-            out[0] = {**first, "content": f"{first['content']}\n\n{context}"}
-        else:
+        if first.get("role") != "system":
             out.insert(0, {"role": "system", "content": context})
+        elif isinstance(first.get("content"), (list, tuple)):  # text parts: one more, last
+            out[0] = {**first, "content": [*first["content"], {"type": "text", "text": context}]}
+        else:
+            text = message_text(first)
+            out[0] = {**first, "content": f"{text}\n\n{context}" if text.strip() else context}
         return out
     for n, message in enumerate(out):
         if message.get("role") != "user":

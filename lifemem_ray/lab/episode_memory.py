@@ -170,9 +170,12 @@ class _EpisodeMemoryRules:
         trajectory then records the version its episode read (:meth:`episode_metadata`)."""
         self.as_of = None if version is None else check_version(version, "pin")
 
-    def episode_metadata(self) -> dict[str, Any]:
-        """What a submitted trajectory records about the memory its episode read."""
-        return {} if self.as_of is None else {"memory_version": self.as_of}
+    @staticmethod
+    def episode_metadata(read_as_of: str | None, found: Retrieval | None) -> dict[str, Any]:
+        """What a submitted trajectory records about the memory its episode read: the version
+        its recall was pinned to (``as_of`` taken when the recall started, since ``pin`` may
+        move before the episode ends), when that recall answered."""
+        return {} if read_as_of is None or found is None else {"memory_version": read_as_of}
 
     def _read_options(self) -> dict[str, Any]:
         return {"tenant": self.tenant} if self.as_of is None else {"tenant": self.tenant, "as_of": self.as_of}

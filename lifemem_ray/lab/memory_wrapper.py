@@ -92,6 +92,7 @@ class MemoryWrapper:
         self.context_in, self.task_of, self.close_timeout_s = context_in, task_of, close_timeout_s
         self.success_of = success_of or (_lab_success if self.lab else _reported_success)
         self._record: EpisodeRecord | None = None  # the episode running now, until it ends
+        self._read: dict[str, Any] = {}  # what the running episode's recall read (its pinned version)
         self._closed = False
 
     @property
@@ -110,8 +111,10 @@ class MemoryWrapper:
         observation, info = self.env.reset(*args, **kwargs)
         info = dict(info or {})
         task = self._task(args, kwargs, observation, info)
+        pinned = self.episodes.as_of  # the version this recall reads (pin may move before the end)
         context, found = self.episodes.recall(task, self.env_name)
         self._record = EpisodeRecord(self.env_name, task, str(observation))
+        self._read = self.episodes.episode_metadata(pinned, found)
         info["memory_hits"] = [hit.id for hit in found.trajectories] if found is not None else []
         if context and self.context_in == "info":
             info["memory"] = context
@@ -166,6 +169,6 @@ class MemoryWrapper:
     def _finish(self, success: bool | None) -> None:
         record, self._record = self._record, None
         if record is not None and record.steps:
-            metadata = {"wrapped": type(self.env).__name__, **self.episodes.episode_metadata()}
+            metadata = {"wrapped": type(self.env).__name__, **self._read}
             trajectory = record.trajectory(success, tenant=self.episodes.tenant, metadata=metadata)
             self.episodes.submit(trajectory)

@@ -111,6 +111,7 @@ class MemoryTextEnv(BaseTextEnv):
         self.recalls, self.recall_failures = 0, 0  # this episode's (the episode memory may be shared)
         self._write: Future[bool] | None = None  # this episode's write, once handed over
         self._hits: list[str] = []
+        self._read: dict[str, Any] = {}  # what this episode's recall read (its pinned version)
         self._record: EpisodeRecord | None = None  # the episode running now, until submitted
         self._closed = False
 
@@ -121,7 +122,9 @@ class MemoryTextEnv(BaseTextEnv):
         task = self._task_text(chat, info)
         env_name = self._env_name(info)
         started = time.perf_counter()
+        pinned = self.episodes.as_of  # the version this recall reads (pin may move before done)
         context, found = self.episodes.recall(task, env_name)
+        self._read = self.episodes.episode_metadata(pinned, found)
         self.timings["recall_s"] = time.perf_counter() - started
         self.recalls += 1
         self.recall_failures += found is None
@@ -216,7 +219,7 @@ class MemoryTextEnv(BaseTextEnv):
         if record is None or not record.steps:
             return
         metadata = {"source": "skyrl", "inner": self.inner_id, "ended": ended, "memory_hits": self._hits}
-        metadata.update(self.episodes.episode_metadata())  # the memory version the episode read, when pinned
+        metadata.update(self._read)  # the memory version the episode read, when pinned
         if isinstance(self.extras.get("data_source"), str):
             metadata["data_source"] = self.extras["data_source"]
         started = time.perf_counter()
