@@ -9,7 +9,8 @@ task?), a random agent (how often does chance succeed?) and the offline agents w
   folder) filled with the ``noisy-gold`` agent's episodes of the train split (successes and
   failures, as a data-collection run leaves them);
 * ``exemplar`` and ``skill-guided`` on both splits with that memory (k = 4 from the same
-  environment; on a train task its own stored episode is left out of what it retrieves).
+  environment; on a train task its own stored episode is left out of what it retrieves, and
+  so are the skills of clusters only that episode brought in).
 
 Per agent and split: episodes, success rate, mean reward, and the environment's own scores
 where its ``info`` has them (Mind2Web's element accuracy and operation F1). Seeds fix every
@@ -57,7 +58,7 @@ class LastInfo:
 
 def play(env: Environment, agent_name: str, tasks: list[Task], seed: int, memory: Memory | None) -> dict[str, Any]:
     """Every task once with a fresh agent; success, reward and the environment's own scores."""
-    rows = []
+    rows, finals = [], []
     recorder: Any = LastInfo(env)
     for task in tasks:
         agent = make_agent(agent_name, seed=seed)
@@ -67,7 +68,10 @@ def play(env: Environment, agent_name: str, tasks: list[Task], seed: int, memory
             def retrieve(t: Task, memory: Memory = memory) -> Retrieval:
                 found = memory.retrieve(t.instruction, env=t.env, k=5)
                 kept = [h for h in found.trajectories if h.trajectory.metadata.get("task_id") != t.id][:4]
-                return dataclasses.replace(found, trajectories=kept)
+                clusters = {h.cluster_id for h in kept}  # the skills of the clusters still shown
+                return dataclasses.replace(
+                    found, trajectories=kept, skills=[s for s in found.skills if s.cluster_id in clusters]
+                )
 
         recorder.info = {}
         result = run_episode(
@@ -79,6 +83,7 @@ def play(env: Environment, agent_name: str, tasks: list[Task], seed: int, memory
             limits=EpisodeLimits(),
         )
         rows.append({"success": result.success, "reward": result.reward, **{s: recorder.info.get(s) for s in SCORES}})
+        finals.append((task, recorder.info))
     out: dict[str, Any] = {
         "episodes": len(rows),
         "success": sum(r["success"] for r in rows) / max(1, len(rows)),
@@ -88,6 +93,12 @@ def play(env: Environment, agent_name: str, tasks: list[Task], seed: int, memory
         values = [float(r[score]) for r in rows if r[score] is not None]
         if values:
             out[score] = sum(values) / len(values)
+    if env.name == "mind2web":  # Mind2Web's task success: every step of a recorded task right
+        from lifemem_ray.lab.envs.mind2web.env import summarise
+
+        task_sr = summarise(finals)["task_sr"]
+        if task_sr is not None:
+            out["task_success"] = task_sr
     return out
 
 
@@ -130,10 +141,9 @@ def main() -> None:
                 ("exemplar", True),
                 ("skill-guided", True),
             ):
+                seeds = args.seeds[:1] if agent_name == "gold" else args.seeds  # gold has no randomness
                 for split, tasks in splits.items():
-                    runs = [play(env, agent_name, tasks, seed, memory if with_memory else None) for seed in args.seeds]
-                    if agent_name == "gold":
-                        runs = runs[:1]  # no randomness
+                    runs = [play(env, agent_name, tasks, seed, memory if with_memory else None) for seed in seeds]
                     row = {"episodes": runs[0]["episodes"]}
                     for key in runs[0]:
                         if key == "episodes":
@@ -146,7 +156,7 @@ def main() -> None:
         report["envs"][name] = rows
     print(json.dumps(report, indent=2))
     print(
-        f"\n{'env':<10}{'agent':<14}{'split':<7}{'n':>5}{'success':>9}{'range':>14}{'reward':>8}{'elem':>7}{'op F1':>7}"
+        f"\n{'env':<10}{'agent':<14}{'split':<7}{'n':>5}{'success':>9}{'range':>14}{'reward':>8}{'elem':>7}{'op F1':>7}{'task':>7}"
     )
     for name, rows in report["envs"].items():
         if "unavailable" in rows:
@@ -161,6 +171,7 @@ def main() -> None:
                 f"{name:<10}{agent_name:<14}{split:<7}{row['episodes']:>5}{row['success']:>9.3f}"
                 f"{f'{low:.3f}-{high:.3f}':>14}{row['reward']:>8.3f}"
                 f"{row.get('element_correct', float('nan')):>7.3f}{row.get('operation_f1', float('nan')):>7.3f}"
+                f"{row.get('task_success', float('nan')):>7.3f}"
             )
 
 

@@ -1,9 +1,9 @@
 """What the memory costs an episode under each adapter, from the adapters' own counters.
 
 Episodes of one fast environment (gold actions, so the episode itself is as cheap as it gets
-and the memory's share is as large as it gets; each path and repeat plays tasks of its own, so
-no path finds its task texts embedded by another) run six ways against one 2-shard deployment
-seeded with earlier episodes of that environment:
+and the memory's share is as large as it gets; each path and repeat plays tasks of its own,
+though tasks may share a text) run six ways against one 2-shard deployment seeded with earlier
+episodes of that environment (it grows as the paths write):
 
 * ``env``: the environment alone (the baseline of ``wrapper``);
 * ``wrapper``: :class:`~lifemem_ray.lab.memory_wrapper.MemoryWrapper` around it: recall at
@@ -122,7 +122,7 @@ def run_skyrl(
     """The episodes as SkyRL's generator runs them: make, init, step until done, metrics, close."""
     import skyrl_gym
 
-    walls, recall, submit, settle, failures = [], [], [], [], 0
+    walls, recall, submit, settle, failures, submitted = [], [], [], [], 0, 0
     for task in tasks:
         started = time.perf_counter()
         if memory:
@@ -147,7 +147,20 @@ def run_skyrl(
             submit.append(metrics["memory_submit_s"])
             settle.append(env.timings["settle_s"])
             failures += metrics["memory_recall_failures"] + metrics["memory_submit_failures"]
-    return {"walls": walls, "recall": recall, "submit": submit, "settle": settle, "failures": failures}
+            submitted += metrics["memory_submitted"]
+    return {
+        "walls": walls,
+        "recall": recall,
+        "submit": submit,
+        "settle": settle,
+        "failures": failures,
+        "submitted": submitted,
+    }
+
+
+def submitted_by(run: dict[str, Any]) -> int:
+    """How many writes a path's run handed over, from the adapter's own counts."""
+    return int(run["counts"].get("submitted", 0)) if "counts" in run else int(run.get("submitted", 0))
 
 
 def summarise(path: str, runs: list[dict[str, Any]], baseline: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -231,15 +244,14 @@ def main() -> None:
         "skyrl-nowait": lambda batch: run_skyrl(inner, batch, actions, memory=True, settle_s=0.0),
     }
     try:
-        run_env(env, seed, actions, client)  # the memory holds earlier episodes of this environment
-        for path in paths.values():  # warm: the JVM, the model, the clients
-            path(seed[:3] or measured[:3])
+        # The memory holds earlier episodes of this environment; then warm the JVM, the model, the clients.
+        warm = [run_env(env, seed, actions, client), *(path(seed[:3] or measured[:3]) for path in paths.values())]
         for repeat in range(args.repeats):
             for n, (name, path) in enumerate(paths.items()):  # interleaved, so a slow moment hits every path
-                first = (repeat * len(paths) + n) * args.episodes  # tasks of their own: no text embedded before
+                first = (repeat * len(paths) + n) * args.episodes  # tasks of their own (texts may still repeat)
                 runs[name].append(path(measured[first : first + args.episodes]))
         # Every write handed over must land, the ones closed without waiting included.
-        submitted = args.seed_episodes + 4 * min(3, len(seed) or len(measured)) + 4 * args.episodes * args.repeats
+        submitted = sum(submitted_by(run) for run in [*warm, *(r for rs in runs.values() for r in rs)])
         stored, deadline = client.stats()["trajectories"], time.monotonic() + 120
         while stored < submitted and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -1,10 +1,11 @@
 """Where an environment finds data that does not ship with the package (the HotpotQA corpus,
 the released Mind2Web trajectories, ALFWorld's game files): one rule for every adapter.
 
-In order: the path the caller gives; the environment variable the adapter names; the
-``shared/`` folder of ``$LIFEMEM_SHARED_DIR``; the ``shared/`` folder beside the checkout
-(the project's layout, ``../shared``); ``/work/shared``. What is not found is an
-:class:`EnvUnavailable` that names every place looked in and how to point at the data.
+In order: the path the caller gives; the environment variable the adapter names; the folder
+``$LIFEMEM_SHARED_DIR``; the ``shared/`` folder beside the checkout (the project's layout,
+``../shared``; only when running from a checkout, not from an installed wheel);
+``/work/shared``. A data file not found is an :class:`EnvUnavailable` that names every place
+looked in and how to point at it; a data folder not found is None, for its adapter to say.
 
 Example::
 
@@ -34,7 +35,9 @@ FALLBACK_SHARED = Path("/work/shared")
 def shared_candidates(relative: Path) -> list[Path]:
     """``relative`` under every shared folder the rule looks in, in order."""
     bases = [Path(os.environ[SHARED_DIR_ENV_VAR])] if os.environ.get(SHARED_DIR_ENV_VAR) else []
-    bases += [CHECKOUT_ROOT.parent / "shared", FALLBACK_SHARED]
+    if (CHECKOUT_ROOT / "pyproject.toml").is_file():  # a checkout, not site-packages
+        bases.append(CHECKOUT_ROOT.parent / "shared")
+    bases.append(FALLBACK_SHARED)
     return [base / relative for base in bases]
 
 

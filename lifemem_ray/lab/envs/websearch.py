@@ -4,25 +4,15 @@ ReAct's HotpotQA environment searches live Wikipedia; here the corpus is the uni
 of the questions' own context paragraphs (HotpotQA distractor setting: the gold
 paragraphs plus distractors), so episodes run offline and reproducibly.
 
-* ``Search[entity]``: the paragraph whose title matches ``entity`` (exact title,
-  case- and space-insensitive; else the same title without punctuation, accents or
-  a parenthesised qualifier; else a near spelling; else the best BM25 hit over
-  titles and text when the query contains its title, or most of it). The
-  observation is the paragraph's first five sentences (prefixed by the page title
-  when the match was not exact). No match: ``Could not find <entity>. Similar:
-  [titles]`` with the five best BM25 titles.
-* ``Lookup[keyword]``: ReAct semantics: ``(Result i / n) <sentence>``, the next
-  sentence of the current paragraph containing ``keyword`` (case-insensitive);
-  the same keyword again moves on; ``No more results.`` at the end.
+* ``Search[entity]``, ``Lookup[keyword]``: ReAct's tools, whose rules (matching, what each
+  observes) live in :mod:`lifemem_ray.lab.envs.wiki_tools`, shared with the FEVER
+  environment (:mod:`lifemem_ray.lab.envs.fever`);
 * ``Finish[answer]``: ends the episode; reward 1 on an exact match after HotpotQA's
   answer normalisation (lower case, no punctuation or articles); ``info["f1"]``
   has HotpotQA's token F1.
 
 An action may carry a ReAct label (``Action 2: Search[x]``) or a preceding
 thought; the first ``Search[...]``/``Lookup[...]``/``Finish[...]`` is taken.
-
-The corpus and the Search/Lookup rules live in :mod:`lifemem_ray.lab.envs.wiki_tools`,
-shared with the FEVER environment (:mod:`lifemem_ray.lab.envs.fever`).
 """
 
 from __future__ import annotations

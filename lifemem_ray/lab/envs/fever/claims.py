@@ -370,9 +370,4 @@ def build_claims(pages: dict[str, list[str]], *, n_train: int, n_test: int, seed
                 exhausted.add(label)
             else:
                 claims.append(claim)
-    withheld = {
-        t: [i for i in range(len(s)) if s[i] not in builder.checker.served.get(t, ())]
-        for t, s in pages.items()
-        if builder.checker.served.get(t) != s
-    }
-    return ClaimSet(claims, builder.checker.served, withheld)
+    return ClaimSet(claims, builder.checker.served)

@@ -16,7 +16,7 @@ observations), over the paragraphs of the same HotpotQA distractor file:
 
 **How it differs from FEVER.** No FEVER claims with their Wikipedia text can be installed
 here, so the claims are constructed (:mod:`lifemem_ray.lab.envs.fever.claims`) from the
-file's 1,000 paragraphs, not written by people over Wikipedia's 5.4 million pages: a
+file's paragraphs (1,000 in the shipped one), not written by people over Wikipedia's 5.4 million pages: a
 SUPPORTS claim is a sentence of a paragraph (lightly rewritten: a leading *He/She/It*
 replaced by the subject, a trailing clause cut), a REFUTES claim the same with one fact
 changed (a year, number, month or nationality), a NOT ENOUGH INFO claim a sentence whose
@@ -25,7 +25,8 @@ therefore right by construction and checked against what is served, where FEVER'
 annotated; the claims are wordier than FEVER's (whole sentences) and their evidence is
 always one sentence of one page. Construction leaves cues that FEVER lacks: with the
 defaults, about a quarter of the NOT ENOUGH INFO claims name a subject that has no page
-(Search finds none, which never happens to the other labels), and most of the others have
+(no page has that name: Search finds none, or a near spelling's page, which never happens to
+the other labels), and most of the others have
 their page's first sentence withheld (the page then opens mid-story). The claims' wording
 does not give the label away: an agent that copies the label of the most similar stored
 claim scores at chance. Success rates here measure the same skill (search the subject, read,
@@ -51,7 +52,6 @@ from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Ta
 from lifemem_ray.lab.envs.fever.claims import build_claims, validate_claims
 from lifemem_ray.lab.envs.fever.facts import LABELS, NEI, ClaimSet
 from lifemem_ray.lab.envs.wiki_tools import (
-    MAX_ECHO,
     SEARCH_SENTENCES,
     Corpus,
     WikiBrowser,
@@ -206,16 +206,16 @@ class FeverEnv(Environment):
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
         reward, done = 0.0, False
-        parsed = parse_action(action) if not isinstance(action, str) or len(action) <= MAX_ACTION_CHARS else None
-        if isinstance(action, str) and len(action) > MAX_ACTION_CHARS:
+        too_long = isinstance(action, str) and len(action) > MAX_ACTION_CHARS
+        parsed = None if too_long else parse_action(action)
+        if too_long:
             obs = f"Invalid action: longer than {MAX_ACTION_CHARS} characters. {_USAGE}"
         elif parsed is None:
             obs = f"Invalid action: {shown_action(action)}. {_USAGE}"
         elif parsed[0] == "finish":
             label = parse_label(parsed[1])
             if label is None:
-                shown = parsed[1][:MAX_ECHO]
-                obs = f"Invalid answer: {shown}. Finish with SUPPORTS, REFUTES or NOT ENOUGH INFO."
+                obs = f"Invalid answer: {shown_action(parsed[1])}. Finish with SUPPORTS, REFUTES or NOT ENOUGH INFO."
             else:
                 correct = label == self._task.payload["label"]
                 reward, done = (1.0 if correct else 0.0), True
@@ -235,8 +235,8 @@ class FeverEnv(Environment):
         """Search the claim's subject (its page's title), Lookup its sentence when Search does not
         show it, then Finish with the label; within the step limit (Lookups, then the Search, dropped)."""
         payload = task.payload
-        if payload.get("label") not in LABELS:
-            return None
+        if payload.get("label") not in LABELS or not isinstance(payload.get("search"), str):
+            return None  # not one of this environment's constructed claims
         plan = [f"Search[{payload['search']}]", *payload.get("lookups", []), f"Finish[{payload['label']}]"]
         if len(plan) > self.max_steps:
             plan = [plan[0], plan[-1]][-self.max_steps :]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import functools
 import html
+import math
 import random
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lifemem_ray.lab.envs.wiki_tools import tokens
 
@@ -117,7 +118,6 @@ class ClaimSet:
 
     claims: list[Claim]
     pages: dict[str, list[str]]
-    withheld: dict[str, list[int]] = field(default_factory=dict)  # title -> sentence indices withheld
 
     def split(self, name: str) -> list[Claim]:
         """The claims of split ``name``, in construction order."""
@@ -261,7 +261,7 @@ def _alternatives(fact: Fact, claim: str, demonyms: dict[str, int], rng: random.
         top = 28 if re.match(r"\s+(?:" + "|".join(_MONTHS) + r")\b", claim[fact.end :]) else None  # a day
         out = []
         for share in (0.2, 0.3, 0.5, 1.0):
-            step = max(1, round(n * share))
+            step = max(1, math.ceil(n * share))  # at least ``share`` of n: a change of 20 % or more
             for m in (n + step, n - step):
                 if m >= 2 and m != n and (top is None or m <= top):
                     out.append(f"{m:,}" if "," in fact.text else str(m))
