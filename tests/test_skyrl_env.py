@@ -9,6 +9,7 @@ degrades the episode and is counted; bad configurations fail with errors naming 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -307,3 +308,32 @@ def test_recalls_pinned_to_a_version_see_only_what_it_held(registered, memory, s
         skyrl_gym.make(
             MEMORY_ENV_ID, env_config={**live, "memory": {**live["memory"], "as_of": "yesterday"}}, extras=row
         )
+
+
+def test_a_deployment_served_again_is_found_by_the_next_episodes(registered, ray_local, sql_tasks, tmp_path):
+    """The process's client outlives a deployment: after `stop` and a new `serve` in the same
+    namespace, an episode that meets the dead actors drops the connection and the next ones
+    recall and store again."""
+    tasks, sql = sql_tasks
+    ns = f"skyrl-again-{os.getpid()}"
+    config = DeploymentConfig().replace({**SMALL_ACTORS, "cluster.namespace": ns, "cluster.batch_wait_ms": 5})
+    env_config = {
+        "inner": LAB_ENV_ID,
+        "inner_config": {"env": "sql"},
+        "memory": {"namespace": ns, "reconnect_after_s": 0},
+    }
+    row = {"task_index": FIRST, "max_turns": 8}
+    dep.deploy(tmp_path / "first", config, shards=1)
+    try:
+        _, _, _, after, _ = episode(env_config, row, sql.gold_actions(tasks[FIRST]))
+        assert after["memory_recall_failures"] == 0 and after["memory_acknowledged"] == 1
+        dep.stop(ns)
+        dep.deploy(tmp_path / "second", config, shards=1)
+        outcomes: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 180  # the old writes' resends to the dead coordinator run out first
+        while (not outcomes or outcomes[-1] != (0, 1)) and time.monotonic() < deadline:
+            _, _, _, after, _ = episode(env_config, row, sql.gold_actions(tasks[FIRST]))
+            outcomes.append((after["memory_recall_failures"], after["memory_acknowledged"]))
+        assert outcomes[-1] == (0, 1), outcomes  # recalled and stored again, on the new deployment
+    finally:
+        dep.stop(ns)

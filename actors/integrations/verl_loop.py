@@ -65,24 +65,22 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import uuid4
 
-import ray
 from verl.experimental.agent_loop import agent_loop as verl_agent_loop
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 from verl.utils.reward_score import default_compute_score
 from verl.utils.rollout_trace import rollout_trace_op
 
-from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.core.errors import DeploymentNotFoundError, InvalidArgumentError, InvalidTrajectoryError
+from lifemem_ray.actors.integrations.lazy_clients import AsyncLazyMemoryClient
+from lifemem_ray.core.errors import InvalidArgumentError, InvalidTrajectoryError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
-from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.engine.versions import check_version
 from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS
 from lifemem_ray.lab.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
 from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeRecord
 
-__all__ = ["AGENT_NAME", "LazyMemoryClient", "MemoryAgentLoop", "MemoryLoopOptions"]
+__all__ = ["AGENT_NAME", "MemoryAgentLoop", "MemoryLoopOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -140,64 +138,11 @@ class MemoryLoopOptions:
         )
 
 
-class LazyMemoryClient:
-    """The deployment's :class:`AsyncMemoryClient`, connected on first use. A failed connect
-    raises (the episode memory counts it as that episode's failure) and is not tried again
-    for ``reconnect_after_s``; a call that finds an actor dead drops the connection, so a
-    restarted deployment is found again."""
-
-    def __init__(self, namespace: str, address: str | None, config: DeploymentConfig, reconnect_after_s: float) -> None:
-        self.namespace, self.address, self.config = namespace, address, config
-        self.reconnect_after_s = reconnect_after_s
-        self.connects = 0  # connections made
-        self._client: AsyncMemoryClient | None = None
-        self._retry_at = 0.0
-        self._last_error = ""
-        self._lock = asyncio.Lock()
-
-    async def client(self) -> AsyncMemoryClient:
-        """The connected client (connecting now if needed)."""
-        if self._client is not None:
-            return self._client
-        async with self._lock:
-            if self._client is None:
-                if time.monotonic() < self._retry_at:
-                    raise DeploymentNotFoundError(
-                        f"lifemem memory in Ray namespace {self.namespace!r}: the last connect failed "
-                        f"({self._last_error}); retrying after reconnect_after_s = {self.reconnect_after_s:g} s"
-                    )
-                try:
-                    self._client = await AsyncMemoryClient.connect(self.namespace, self.address, self.config)
-                    self.connects += 1
-                except Exception as exc:
-                    self._retry_at = time.monotonic() + self.reconnect_after_s
-                    self._last_error = f"{type(exc).__name__}: {exc}"[:300]
-                    raise
-        return self._client
-
-    async def retrieve(self, task: str, env: str | None, k: int, **options: Any) -> Retrieval:
-        """The client's retrieve (``options``: ``tenant``, ``as_of`` ...)."""
-        client = await self.client()
-        try:
-            return await client.retrieve(task, env, k, **options)
-        except ray.exceptions.RayActorError:
-            self._client = None  # the deployment went away: look it up again next time
-            raise
-
-    async def add(self, trajectory: Any) -> Any:
-        client = await self.client()
-        try:
-            return await client.add(trajectory)
-        except ray.exceptions.RayActorError:
-            self._client = None
-            raise
-
-
 @dataclass
 class _WorkerMemory:
     """One memory connection of a worker process, on one event loop, shared by its rows."""
 
-    client: LazyMemoryClient
+    client: AsyncLazyMemoryClient
     episodes: AsyncEpisodeMemory
     unscored: int = 0  # rows with a ground truth that default_compute_score could not score
     unrecorded: int = 0  # finished rows that could not become a trajectory (never submitted)
@@ -232,7 +177,7 @@ class MemoryAgentLoop(AgentLoopBase):
         if key not in per_loop:
             o = self.options
             config = DeploymentConfig.load(o.memory_config)
-            client = LazyMemoryClient(o.memory_namespace, o.memory_address, config, o.reconnect_after_s)
+            client = AsyncLazyMemoryClient(o.memory_namespace, o.memory_address, config, o.reconnect_after_s)
             episodes = AsyncEpisodeMemory(
                 client,
                 k=o.k,

@@ -98,7 +98,7 @@ class MemoryTextEnv(BaseTextEnv):
         self.memory_env = None if memory_env is None else nonempty_name(memory_env, f"{where}['memory_env']")
         open_memory = episode_memory_opener(config.get("memory"), memory, f"{where}['memory']")
         self.inner_id, make_inner = inner_env_maker(config, self.extras, inner, where)
-        self.episodes, self._owns_episodes = open_memory()  # everything checked: now connect
+        self.episodes, self._owns_episodes = open_memory()  # everything checked (a client connects on first use)
         try:
             self.inner = make_inner()
         except BaseException:

@@ -1,17 +1,16 @@
-"""The memory of a SkyRL process: one client per deployment shared by every environment the
-process makes, a remembered connection failure, and the episode memory each environment
-gets from its ``memory`` block."""
+"""The memory of a SkyRL process: one lazy client per deployment and one episode memory per
+deployment and options, shared by every environment the process makes, and the checks of
+each environment's ``memory`` block."""
 
 from __future__ import annotations
 
 import json
-import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.integrations.lazy_clients import LazyMemoryClient
 from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
     CONNECTION_KEYS,
     EPISODE_KEYS,
@@ -20,65 +19,35 @@ from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
     check_keys,
     nonempty_name,
 )
-from lifemem_ray.core.errors import ConfigError, DeploymentNotFoundError, InvalidArgumentError
+from lifemem_ray.core.errors import ConfigError, InvalidArgumentError
 from lifemem_ray.core.tenancy import check_tenant
 from lifemem_ray.engine.versions import check_version
 from lifemem_ray.lab.episode_memory import EpisodeMemory
 
-__all__ = ["SHARED_CLIENTS", "SharedClients", "UnreachableMemory", "check_episode_options", "episode_memory_opener"]
-
-log = logging.getLogger(__name__)
-
-
-class UnreachableMemory:
-    """Stands for a deployment this process could not connect to: every call fails, so each
-    episode degrades to no memory and is counted (the connection is tried again later)."""
-
-    def __init__(self, namespace: str, error: str, retry_after_s: float) -> None:
-        self.message = (
-            f"the memory deployment in Ray namespace {namespace!r} is unreachable from this process ({error}); "
-            f"the connection is tried again {retry_after_s:g} s after the failure"
-        )
-
-    def retrieve(self, *args: Any, **kwargs: Any) -> Any:
-        raise DeploymentNotFoundError(self.message)
-
-    def add(self, *args: Any, **kwargs: Any) -> Any:
-        raise DeploymentNotFoundError(self.message)
+__all__ = ["SHARED_CLIENTS", "SharedClients", "check_episode_options", "episode_memory_opener"]
 
 
 class SharedClients:
-    """One ``MemoryClient`` per deployment for the whole process (SkyRL makes one environment
-    per trajectory; the client's handles and vector cache are shared). A failed connection is
-    remembered for ``reconnect_after_s`` (episodes meanwhile run without memory)."""
+    """One lazy client per deployment for the whole process, and one :class:`EpisodeMemory`
+    per deployment and episode options (SkyRL makes an environment per trajectory; they share
+    the client's handles and vector cache, one background writer and one bound on writes in
+    flight). The client connects on first use, remembers a failed connect for
+    ``reconnect_after_s`` and finds a deployment served again
+    (:class:`~lifemem_ray.actors.integrations.lazy_clients.LazyMemoryClient`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._clients: dict[tuple[str, str, str], Any] = {}
-        self._failures: dict[tuple[str, str, str], tuple[float, str]] = {}
+        self._clients: dict[tuple[str, str, str], LazyMemoryClient] = {}
         self._episodes: dict[tuple[int, str], EpisodeMemory] = {}  # (client, options) -> its episode memory
 
-    def get(self, namespace: str, address: str | None, config: DeploymentConfig, reconnect_after_s: float) -> Any:
+    def get(
+        self, namespace: str, address: str | None, config: DeploymentConfig, reconnect_after_s: float
+    ) -> LazyMemoryClient:
         key = (namespace, address or "", json.dumps(config.to_dict(), sort_keys=True, default=repr))
         with self._lock:
-            client = self._clients.get(key)
-            if client is not None:
-                return client
-            failed = self._failures.get(key)
-            if failed is not None and time.monotonic() - failed[0] < reconnect_after_s:
-                return UnreachableMemory(namespace, failed[1], reconnect_after_s)
-            from lifemem_ray.actors.cluster.client import MemoryClient
-
-            try:
-                client = MemoryClient.connect(namespace=namespace, address=address, config=config)
-            except Exception as exc:  # noqa: BLE001 - an unreachable memory degrades episodes, never the rollout
-                error = f"{type(exc).__name__}: {exc}"[:500]
-                self._failures[key] = (time.monotonic(), error)
-                log.warning("memory in namespace %r unreachable: %s (episodes run without memory)", namespace, error)
-                return UnreachableMemory(namespace, error, reconnect_after_s)
-            self._failures.pop(key, None)
-            self._clients[key] = client
-            return client
+            if key not in self._clients:
+                self._clients[key] = LazyMemoryClient(namespace, address, config, reconnect_after_s)
+            return self._clients[key]
 
     def episodes(
         self,
@@ -87,20 +56,14 @@ class SharedClients:
         config: DeploymentConfig,
         reconnect_after_s: float,
         options: Mapping[str, Any],
-    ) -> tuple[EpisodeMemory, bool]:
-        """The process's :class:`EpisodeMemory` over the deployment's client with ``options``
-        (one background writer and one bound on writes in flight for every environment of the
-        process), and False: nobody's environment owns it. While the deployment is unreachable,
-        an episode memory of the environment's own over the failing stand-in (True: it owns it)."""
+    ) -> EpisodeMemory:
+        """The process's :class:`EpisodeMemory` over the deployment's client with ``options``."""
         client = self.get(namespace, address, config, reconnect_after_s)
-        if isinstance(client, UnreachableMemory):
-            return EpisodeMemory(client, **options), True
         key = (id(client), json.dumps(dict(options), sort_keys=True, default=repr))
         with self._lock:
-            episodes = self._episodes.get(key)
-            if episodes is None:
-                episodes = self._episodes[key] = EpisodeMemory(client, **options)
-        return episodes, False
+            if key not in self._episodes:
+                self._episodes[key] = EpisodeMemory(client, **options)
+            return self._episodes[key]
 
 
 SHARED_CLIENTS = SharedClients()
@@ -150,4 +113,4 @@ def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tu
     overrides = as_mapping(options.get("overrides"), f"{where}['overrides']")
     config = DeploymentConfig().replace(overrides, source=f"{where}['overrides']")
     retry = bounded_number(options.get("reconnect_after_s", 30.0), 0.0, 86_400.0, f"{where}['reconnect_after_s']")
-    return lambda: SHARED_CLIENTS.episodes(namespace, address, config, retry, episode_options)
+    return lambda: (SHARED_CLIENTS.episodes(namespace, address, config, retry, episode_options), False)
