@@ -193,6 +193,62 @@ def test_search_ranks_matching_products_first():
     )
 
 
+def _bm25_product_by_product(engine: SearchEngine, query: str, k: int = 50) -> list[str]:
+    """WebShop's BM25 as a loop over each word's products (what SearchEngine computed before it
+    kept each word's weights as arrays): the reference its answers must equal, ties included."""
+    from collections import Counter
+    from math import log
+
+    from lifemem_ray.lab.envs.webshop.catalogue import MAX_QUERY_TOKENS, analyze
+
+    postings: dict[str, list[tuple[int, int]]] = {}
+    lengths = []
+    for i, p in enumerate(engine.products):
+        option_text = ", and ".join(f"{name}: {', '.join(values)}" for name, values in p.options)
+        tokens = analyze(" ".join([p.title, p.description, p.bullets[0] if p.bullets else "", option_text]))
+        lengths.append(len(tokens))
+        for tok, n in Counter(tokens).items():
+            postings.setdefault(tok, []).append((i, n))
+    avg, n_docs, k1, b = sum(lengths) / len(lengths), len(engine.products), engine.k1, engine.b
+    scores: dict[int, float] = {}
+    for tok in dict.fromkeys(analyze(query)[:MAX_QUERY_TOKENS]):
+        post = postings.get(tok, [])
+        if post:
+            idf = log(1 + (n_docs - len(post) + 0.5) / (len(post) + 0.5))
+            for doc, tf in post:
+                norm = k1 * (1 - b + b * lengths[doc] / avg)
+                scores[doc] = scores.get(doc, 0.0) + idf * tf * (k1 + 1) / (tf + norm)
+    return [engine.products[d].asin for d, _ in sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
+
+
+def test_search_answers_what_bm25_product_by_product_answers(env):
+    engine = env.catalogue.engine
+    queries = [search_words(t.instruction) for t in env.tasks("train", limit=60) + env.tasks("test", limit=20)]
+    queries += ["usb", "gluten free", "black", "size xl black", "zzzz qqqq", "", "the and of"]  # ties, none, stop words
+    for query in queries:
+        assert [p.asin for p in engine.search(query)] == _bm25_product_by_product(engine, query), query
+    assert [p.asin for p in engine.search("black", k=7)] == _bm25_product_by_product(engine, "black", 7)
+    assert engine.search("black", k=0) == []
+
+
+@pytest.mark.slow  # about 7 s of CPU to build 30,000 products, then 30 gold episodes (it took 10 minutes)
+def test_a_catalogue_of_1000_products_a_type_builds_and_serves_its_goals():
+    """Issue 32.9: products_per_type=1000, the top of its range, builds (it took minutes: each
+    goal's search looped over every matching product in Python) and its goals are reachable."""
+    big = WebShopEnv(products_per_type=1000)
+    products = big.catalogue.products
+    assert len(products) == 1000 * len(PRODUCT_TYPES)  # asins unique: one record each
+    train, test = big.tasks("train"), big.tasks("test")
+    assert len(train) + len(test) == len(big.catalogue.goals) > 5_000
+    assert {t.payload["asin"] for t in train}.isdisjoint({t.payload["asin"] for t in test})
+    gold = make_agent("gold")
+    for task in train[:15] + test[:15]:
+        actions = big.gold_actions(task)
+        assert actions is not None and actions[0] == f"search[{search_words(task.instruction)}]"
+        result = run_episode(big, gold, task, trajectory_id=f"gold/{task.id}")
+        assert result.success and result.reward == 1.0, task.id
+
+
 # --------------------------------------------------------------------------- tasks and splits
 
 

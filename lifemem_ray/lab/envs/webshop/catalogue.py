@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lifemem_ray.core.errors import TaskError
 from lifemem_ray.lab.envs.webshop.product_types import NEUTRAL_LINES, PRODUCT_TYPES, ProductType
 
@@ -320,32 +322,57 @@ def analyze(text: str) -> list[str]:
 
 
 class SearchEngine:
-    """BM25 (k1=0.9, b=0.4, pyserini's defaults) over WebShop's indexed text of each product."""
+    """BM25 (k1=0.9, b=0.4, pyserini's defaults) over WebShop's indexed text of each product.
+
+    Each word's BM25 weight in each product that holds it depends only on the catalogue, so it
+    is computed once here (per word: the products' positions and their weights, as arrays); a
+    search adds up its words' weights in a dense score array. The sums and the order are the
+    ones a product-by-product loop gives (the same floating-point operations, in query order),
+    at a cost that grows with the matching products rather than with Python's per-item loop:
+    a catalogue of 30,000 products ranks every goal in seconds."""
 
     def __init__(self, products: Sequence[Product], k1: float = 0.9, b: float = 0.4) -> None:
         self.products = list(products)
         self.k1, self.b = k1, b
-        self.postings: dict[str, list[tuple[int, int]]] = {}
-        self.lengths: list[int] = []
+        postings: dict[str, tuple[list[int], list[int]]] = {}  # word -> (products, counts)
+        lengths: list[int] = []
         for i, p in enumerate(self.products):
             option_text = ", and ".join(f"{name}: {', '.join(values)}" for name, values in p.options)
             tokens = analyze(" ".join([p.title, p.description, p.bullets[0] if p.bullets else "", option_text]))
-            self.lengths.append(len(tokens))
+            lengths.append(len(tokens))
             for tok, n in Counter(tokens).items():
-                self.postings.setdefault(tok, []).append((i, n))
-        self.avg_len = sum(self.lengths) / max(1, len(self.lengths))
+                docs, counts = postings.setdefault(tok, ([], []))
+                docs.append(i)
+                counts.append(n)
+        self.avg_len = sum(lengths) / max(1, len(lengths))
+        # k1 * (1 - b + b * length / avg_len) per product, in the loop's order of operations
+        norms = k1 * (1 - b + b * np.asarray(lengths, dtype=np.float64) / self.avg_len)
+        n = len(self.products)
+        self.weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # word -> (products, BM25 weights)
+        for tok, (docs, counts) in postings.items():
+            at = np.asarray(docs, dtype=np.int64)
+            tf = np.asarray(counts, dtype=np.float64)
+            idf = math.log(1 + (n - len(docs) + 0.5) / (len(docs) + 0.5))
+            self.weights[tok] = (at, idf * tf * (k1 + 1) / (tf + norms[at]))
 
     def search(self, query: str, k: int = SEARCH_RETURN_N) -> list[Product]:
         """The ``k`` best products for ``query`` (score, then catalogue order); [] when no word matches."""
-        n = len(self.products)
-        scores: dict[int, float] = {}
+        scores = np.zeros(len(self.products), dtype=np.float64)
         for tok in dict.fromkeys(analyze(query)[:MAX_QUERY_TOKENS]):
-            post = self.postings.get(tok)
-            if not post:
-                continue
-            idf = math.log(1 + (n - len(post) + 0.5) / (len(post) + 0.5))
-            for doc, tf in post:
-                norm = self.k1 * (1 - self.b + self.b * self.lengths[doc] / self.avg_len)
-                scores[doc] = scores.get(doc, 0.0) + idf * tf * (self.k1 + 1) / (tf + norm)
-        best = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-        return [self.products[doc] for doc, _ in best]
+            got = self.weights.get(tok)
+            if got is not None:
+                docs, weights = got
+                scores[docs] += weights  # a word's products are distinct: one addition each
+        # every weight is > 0 (idf > 0, tf > 0): the products that matched a word are those scoring > 0
+        return [self.products[doc] for doc in _top(np.flatnonzero(scores > 0), scores, k)]
+
+
+def _top(docs: np.ndarray, scores: np.ndarray, k: int) -> list[int]:
+    """The ``k`` of ``docs`` (ascending) with the highest ``scores``, ties in ``docs`` order."""
+    if k <= 0 or docs.size == 0:
+        return []
+    got = -scores[docs]
+    if docs.size > k:  # only the products that score at least the k-th best can be among the top k
+        keep = got <= np.partition(got, k - 1)[k - 1]
+        docs, got = docs[keep], got[keep]
+    return [int(d) for d in docs[np.argsort(got, kind="stable")[:k]]]

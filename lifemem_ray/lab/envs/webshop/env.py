@@ -84,14 +84,21 @@ class Catalogue:
         if key not in cls._cache:
             products = generate_products(seed, per_type)
             engine = SearchEngine(products)
-            goals = [g for g in generate_goals(products, seed) if _rank(engine, g) is not None]
+            found: dict[str, list[str]] = {}  # gold query -> its results: goals of one type share many queries
+            goals = [g for g in generate_goals(products, seed) if _rank(engine, g, found) is not None]
             cls._cache[key] = cls({p.asin: p for p in products}, engine, goals)
         return cls._cache[key]
 
 
-def _rank(engine: SearchEngine, goal: Goal) -> int | None:
-    """Where the goal's product ranks for the gold query (0-based), None past the top 50."""
-    asins = [p.asin for p in engine.search(search_words(goal.instruction))]
+def _rank(engine: SearchEngine, goal: Goal, found: dict[str, list[str]] | None = None) -> int | None:
+    """Where the goal's product ranks for the gold query (0-based), None past the top 50;
+    ``found`` keeps each query's results for the next goal with the same query."""
+    query = search_words(goal.instruction)
+    asins = None if found is None else found.get(query)
+    if asins is None:
+        asins = [p.asin for p in engine.search(query)]
+        if found is not None:
+            found[query] = asins
     return asins.index(goal.asin) if goal.asin in asins else None
 
 
