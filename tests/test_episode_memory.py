@@ -1,22 +1,36 @@
-"""The memory side of episodes run by a foreign loop (lifemem_ray.lab.episode_memory) and the
-memory wrapper around any reset/step environment (lifemem_ray.lab.memory_wrapper): against a
-real store (LMDB, FAISS, the embedding model), the project's SQL environment and a gymnasium
-environment. Behaviour only: writes off the episode's path, failures degrade and are counted,
-the context fenced, acknowledgements awaited at close."""
+"""The memory side of episodes run by a foreign loop (lifemem_ray.lab.episode_memory), the rule
+that makes an episode's data storable (lifemem_ray.lab.episode_data) and the memory wrapper
+around any reset/step environment (lifemem_ray.lab.memory_wrapper): against a real store
+(LMDB, FAISS, the embedding model), the project's SQL environment, a gymnasium environment,
+environments that hand over hostile data (NaN rewards, NUL bytes, lone surrogates, 50 MB
+texts), and a real deployment on Ray. Behaviour only: writes off the episode's path, failures
+degrade and are counted, hostile data is stored valid or counted, never raised, the context
+fenced, acknowledgements awaited at close."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 
-from lifemem_ray.core.errors import InvalidArgumentError
-from lifemem_ray.core.model import Outcome, Trajectory
+from lifemem_ray.core.errors import InvalidArgumentError, InvalidTrajectoryError
+from lifemem_ray.core.model import MAX_TEXT_CHARS, Outcome, Trajectory
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.envs import make_env
-from lifemem_ray.lab.episode_memory import MAX_STEPS, AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
+from lifemem_ray.lab.episode_data import (
+    MADE_VALID_KINDS,
+    MAX_STEPS,
+    NOT_STORED_REASONS,
+    storable_reward,
+    storable_success,
+    storable_text,
+)
+from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
 from lifemem_ray.lab.memory_wrapper import MemoryWrapper
 from lifemem_ray.lab.synthetic import generate
 
@@ -324,3 +338,334 @@ def test_an_environment_without_reset_and_step_or_a_wrong_place_is_refused(memor
         MemoryWrapper(make_env("sql"), memory, context_in="prompt")
     with pytest.raises(InvalidArgumentError, match="reset"):
         MemoryWrapper(object(), memory)
+
+
+# -- hostile episode data ----------------------------------------------------------------------------
+BIG = 50_000_000  # characters: a 50 MB action or task
+NAN, INF = float("nan"), float("inf")
+
+
+@dataclass
+class Hostile:
+    """A gymnasium-style environment (reset / step / close) handing over whatever a case says:
+    ``task`` in the info at reset, ``first`` as the first observation, and for each step
+    ``observation``, ``reward`` and, at the last of ``length`` steps, ``success`` in the info;
+    or ``answer`` as the whole step answer; ``fail`` makes its step raise."""
+
+    task: Any = "count the rows of the orders table"
+    first: Any = "Tables: orders(id, total)."
+    observation: Any = "[(3,)]"
+    reward: Any = 1.0
+    success: Any = True
+    answer: Any = None
+    length: int = 1
+    name: str = "hostile"
+    fail: bool = False
+
+    def __post_init__(self) -> None:
+        self.turns = 0
+
+    def reset(self, *, seed: Any = None, options: Any = None) -> tuple[Any, dict[str, Any]]:
+        self.turns = 0
+        return self.first, {"task": self.task}
+
+    def step(self, action: Any) -> Any:
+        if self.fail:
+            raise RuntimeError("the environment's own failure")
+        self.turns += 1
+        if self.answer is not None:
+            return self.answer
+        done = self.turns >= self.length
+        return self.observation, self.reward, done, False, {"success": self.success} if done else {}
+
+    def close(self) -> None:
+        pass
+
+
+def _made_valid(*kinds: str) -> dict[str, int]:
+    return {kind: int(kind in kinds) for kind in MADE_VALID_KINDS}
+
+
+def _not_stored(*reasons: str) -> dict[str, int]:
+    return {reason: int(reason in reasons) for reason in NOT_STORED_REASONS}
+
+
+def _still_valid(t: Trajectory) -> None:
+    """``t`` as read back passes the data model's checks again (no NUL, no lone surrogate,
+    every text within its bound)."""
+    Trajectory.from_dict(t.to_dict())
+
+
+def _play(env: MemoryWrapper, action: Any) -> list[Any]:
+    """One episode: reset, then ``action`` until the environment says done; the step answers."""
+    env.reset(seed=0)
+    answers = []
+    while True:
+        answers.append(env.step(action))
+        answer = answers[-1]
+        if not isinstance(answer, tuple) or len(answer) != 5 or answer[2] or answer[3]:
+            return answers
+
+
+MARKER_50MB = "[... cut by the episode memory: 50,000,000 characters in all]"
+
+# (case, the environment, the action, what the stored trajectory holds, the kinds of change)
+HOSTILE_STORED: list[tuple[str, Hostile, Any, Any, tuple[str, ...]]] = [
+    ("nan reward", Hostile(reward=NAN), "Answer: 3", lambda t: t.outcome.reward is None, ("reward",)),
+    ("inf reward", Hostile(reward=INF), "Answer: 3", lambda t: t.outcome.reward is None, ("reward",)),
+    ("-inf reward", Hostile(reward=-INF), "Answer: 3", lambda t: t.outcome.reward is None, ("reward",)),
+    ("text reward", Hostile(reward="high"), "Answer: 3", lambda t: t.outcome.reward is None, ("reward",)),
+    ("dict reward", Hostile(reward={"points": 1}), "Answer: 3", lambda t: t.outcome.reward is None, ("reward",)),
+    (
+        "NUL in the observation",
+        Hostile(observation="row\x00count: 3"),
+        "Answer: 3",
+        lambda t: t.steps[0].observation == "row\ufffdcount: 3",
+        ("nul",),
+    ),
+    (
+        "lone surrogate in the observation",
+        Hostile(observation="caf\udce9 rows: 3"),
+        "Answer: 3",
+        lambda t: t.steps[0].observation == "caf\ufffd rows: 3",
+        ("surrogate",),
+    ),
+    (
+        "lone surrogate in the action",
+        Hostile(),
+        "Answer: 3 \ud800",
+        lambda t: t.steps[0].action == "Answer: 3 \ufffd",
+        ("surrogate",),
+    ),
+    (
+        "lone surrogate in the task",
+        Hostile(task="count the \udfff rows"),
+        "Answer: 3",
+        lambda t: t.task == "count the \ufffd rows",
+        ("surrogate",),
+    ),
+    (
+        "NUL in the task",
+        Hostile(task="count the\x00 rows"),
+        "Answer: 3",
+        lambda t: t.task == "count the\ufffd rows",
+        ("nul",),
+    ),
+    (
+        "50 MB action",
+        Hostile(),
+        "a" * BIG,
+        lambda t: len(t.steps[0].action) == MAX_TEXT_CHARS and t.steps[0].action.endswith(MARKER_50MB),
+        ("truncated",),
+    ),
+    (
+        "50 MB task",
+        Hostile(task="t" * BIG),
+        "Answer: 3",
+        lambda t: len(t.task) == MAX_TEXT_CHARS and t.task.startswith("tttt") and t.task.endswith(MARKER_50MB),
+        ("truncated",),
+    ),
+    (
+        "dict observation",
+        Hostile(observation={"rows": 3}),
+        "Answer: 3",
+        lambda t: t.steps[0].observation == "{'rows': 3}",
+        ("not_text",),
+    ),
+    (
+        "bytes observation",
+        Hostile(observation=b"caf\xc3\xa9 \xff\x00"),
+        "Answer: 3",
+        lambda t: t.steps[0].observation == "café \ufffd\ufffd",
+        ("not_text", "nul"),
+    ),
+    (
+        "numpy observation",
+        Hostile(observation=np.arange(3)),
+        "Answer: 3",
+        lambda t: t.steps[0].observation == "[0 1 2]",
+        ("not_text",),
+    ),
+    (
+        "success that is an array",
+        Hostile(success=np.array([True, False])),
+        "Answer: 3",
+        lambda t: t.outcome.success is None and t.outcome.reward == 1.0,
+        ("success",),
+    ),
+    ("blank action", Hostile(), "   ", lambda t: t.steps[0].action == "(empty)", ()),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "action", "holds", "kinds"),
+    [case[1:] for case in HOSTILE_STORED],
+    ids=[case[0] for case in HOSTILE_STORED],
+)
+def test_hostile_episode_data_is_stored_made_valid_and_counted(memory, env, action, holds, kinds):
+    recording = Recording(memory)
+    with MemoryWrapper(env, recording) as wrapped:
+        answers = _play(wrapped, action)  # never raises: the episode goes on
+    assert answers[-1][2] is True  # the environment's own answer, unchanged
+    (stored,) = recording.stored()  # read back from the store
+    _still_valid(stored)
+    assert holds(stored)
+    counts = wrapped.counts
+    assert counts.made_valid == _made_valid(*kinds) and counts.not_stored == _not_stored()
+    assert (counts.submitted, counts.acknowledged, counts.submit_failures) == (1, 1, 0)
+    assert counts.recall_failures == 0  # the recall asked with the task made valid too
+    assert set(stored.metadata.get("made_valid", {})) == set(kinds)  # the trajectory says what was changed
+
+
+HOSTILE_NOT_STORED: list[tuple[str, Hostile, str]] = [
+    ("a step answer not of gymnasium's shape", Hostile(answer=("3", 1.0, True, {})), "unreadable"),
+    ("an environment name the memory refuses", Hostile(name="hostile\nenv"), "env_name"),
+    ("neither a task nor a first observation", Hostile(task="", first=""), "no_task"),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"), [case[1:] for case in HOSTILE_NOT_STORED], ids=[case[0] for case in HOSTILE_NOT_STORED]
+)
+def test_hostile_episodes_that_cannot_be_stored_are_counted_with_the_reason(memory, env, reason):
+    recording = Recording(memory)
+    with MemoryWrapper(env, recording) as wrapped:
+        answers = _play(wrapped, "Answer: 3")
+    assert answers == [env.answer] if env.answer is not None else answers[-1][2]  # unchanged
+    assert recording.added == []
+    counts = wrapped.counts
+    assert counts.not_stored == _not_stored(reason) and counts.submitted == 0
+    assert counts.last_error.startswith(f"not stored ({reason})")
+
+
+def test_an_episode_of_too_many_steps_and_an_overflowing_reward_is_stored_bounded(memory):
+    recording = Recording(memory)
+    with MemoryWrapper(Hostile(reward=1e308, length=MAX_STEPS + 200), recording) as wrapped:
+        answers = _play(wrapped, "Operation: SELECT 1")
+    assert len(answers) == MAX_STEPS + 200
+    (stored,) = recording.stored()
+    assert len(stored.steps) == MAX_STEPS and stored.metadata["dropped_steps"] == 200
+    assert stored.outcome.reward is None and stored.outcome.success is True  # the sum overflowed: unknown
+    assert wrapped.counts.made_valid == _made_valid("steps", "reward")
+
+
+def test_the_environments_own_error_propagates_and_its_steps_are_kept(memory):
+    """What the environment raises is its own: the wrapper passes it on unchanged; the steps
+    recorded before it are stored at close, their outcome unknown."""
+    env = Hostile(length=3)
+    recording = Recording(memory)
+    with MemoryWrapper(env, recording) as wrapped:
+        wrapped.reset(seed=0)
+        wrapped.step("Operation: SELECT 1")
+        env.fail = True
+        with pytest.raises(RuntimeError, match="the environment's own failure"):
+            wrapped.step("Operation: SELECT 2")
+    (stored,) = recording.stored()
+    assert [s.action for s in stored.steps] == ["Operation: SELECT 1"] and stored.outcome.success is None
+
+
+def test_a_success_of_that_raises_makes_the_outcome_unknown_and_counted(memory):
+    def broken(info: dict[str, Any]) -> bool:
+        raise KeyError("solved")
+
+    recording = Recording(memory)
+    with MemoryWrapper(Hostile(), recording, success_of=broken) as wrapped:
+        _play(wrapped, "Answer: 3")
+    (stored,) = recording.stored()
+    assert stored.outcome.success is None and wrapped.counts.made_valid == _made_valid("success")
+
+
+def test_the_rule_for_one_value():
+    assert storable_text("plain") == ("plain", [])
+    assert storable_text(None) == ("", [])
+    assert storable_text("\ud83d\ude00 and \ud800") == ("\U0001f600 and \ufffd", ["surrogate"])  # a pair joins
+    text, kinds = storable_text("x" * (MAX_TEXT_CHARS + 1))
+    assert len(text) == MAX_TEXT_CHARS and kinds == ["truncated"] and "1,000,001 characters in all" in text
+
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    assert storable_text(Unprintable()) == ("<Unprintable>", ["not_text"])
+    assert storable_text("o" * 10_000, keep=4000) == ("o" * 4000, [])  # a record's own bound: not a repair
+    for number, stored in ((1, 1.0), (True, 1.0), (np.float32(0.5), 0.5), (None, None)):
+        assert storable_reward(number) == (stored, False)
+    for bad in (NAN, -INF, "1.0", {"r": 1}, [1.0], np.array([1.0, 2.0]), 10**400):
+        assert storable_reward(bad) == (None, True), bad
+    for value, stored in ((True, True), (None, None), (np.bool_(False), False), (1, True)):
+        assert storable_success(value) == (stored, False)
+    for bad in ("yes", [True], np.array([True, False]), NAN):
+        assert storable_success(bad) == (None, True), bad
+
+
+def test_a_record_says_why_it_cannot_be_stored_and_trajectory_raises_it():
+    record = EpisodeRecord("sql", "count the rows", "Tables: t.")
+    record.step("Answer: 3", "ok", 1.0)
+    refused = record.storable(True, metadata={"score": math.inf})  # metadata the rule does not mend
+    assert refused.trajectory is None and refused.not_stored == "refused" and "non-finite" in refused.problem
+    with pytest.raises(InvalidTrajectoryError, match="refused"):
+        record.trajectory(success=True, metadata={"score": math.inf})
+    stored = record.storable(True, metadata={"data_source": "gsm\x008k", "memory_hits": ["a\ud800"]})
+    assert stored.trajectory is not None and stored.made_valid == {"nul": 1, "surrogate": 1}
+    assert stored.trajectory.metadata["data_source"] == "gsm\ufffd8k"
+    assert record.made_valid == {}  # building a trajectory leaves the record's own tally as it was
+
+
+def test_a_tenant_the_memory_refuses_is_refused_when_the_episode_memory_is_made(memory):
+    with pytest.raises(InvalidArgumentError, match="tenant"):
+        EpisodeMemory(memory, tenant="no tenant")
+
+
+def test_a_closed_episode_memory_counts_a_submit_as_failed_and_never_raises(memory):
+    episodes = EpisodeMemory(memory)
+    episodes.close()
+    assert episodes.submit(_finished("after the close")).result(timeout=5) is False
+    assert episodes.counts.submit_failures == 1 and "RuntimeError" in episodes.counts.last_error
+
+
+# -- hostile episode data through a deployment on Ray -----------------------------------------------
+def _read_back(client: Any, t: Trajectory) -> Trajectory:
+    """``t`` as the deployment holds it (found by its own task, in its environment)."""
+    hits = client.retrieve(t.task, t.env, 8, tenant=t.tenant).trajectories
+    found = [hit.trajectory for hit in hits if hit.id == t.id and hit.trajectory is not None]
+    assert found, f"{t.id} was not stored"
+    return found[0]
+
+
+def test_hostile_episode_data_through_a_deployment(deployment):
+    """The wrapper over a deployment's MemoryClient, and the verl loop's calls
+    (AsyncEpisodeMemory over AsyncMemoryClient: a one-step record of the row, its reward)."""
+    from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
+
+    client, _ = deployment(shards=1)
+    recording = Recording(client)
+    with MemoryWrapper(Hostile(reward=NAN, observation="row\x00count"), recording, env_name="hostile-ray") as env:
+        _play(env, "Answer: 3 \ud800")
+    with MemoryWrapper(Hostile(task="t" * BIG), recording, env_name="hostile-ray") as env:
+        _play(env, "Answer: 3")
+    assert recording.added and len(recording.added) == 2
+    first, second = (_read_back(client, t) for t in recording.added)
+    assert first.outcome.reward is None and first.steps[0].observation == "row\ufffdcount"
+    assert first.steps[0].action == "Answer: 3 \ufffd" and len(second.task) == MAX_TEXT_CHARS
+    for t in (first, second):
+        _still_valid(t)
+
+    async def verl_row() -> tuple[Any, Any]:
+        episodes = AsyncEpisodeMemory(await AsyncMemoryClient.connect(client.namespace, config=client.config))
+        task = "how many\x00 apples \udc80"
+        _, found = await episodes.recall(task, "hostile-verl")  # asked with the task made valid
+        assert found is not None
+        record = EpisodeRecord("hostile-verl", task, "user: " + task)
+        record.step("#### 42\x00", "")
+        result = episodes.storable(record, None, NAN, metadata={"source": "verl", "data_source": "gsm\udc80"})
+        assert result.trajectory is not None
+        await episodes.submit(result.trajectory)
+        return result, await episodes.settle()
+
+    result, counts = asyncio.run(verl_row())
+    assert counts.acknowledged == 1 and counts.recall_failures == 0
+    assert counts.made_valid == _made_valid("nul", "surrogate", "reward")
+    row = _read_back(client, result.trajectory)
+    _still_valid(row)
+    assert row.task == "how many\ufffd apples \ufffd" and row.steps[0].action == "#### 42\ufffd"
+    assert row.outcome.reward is None and row.metadata["data_source"] == "gsm\ufffd"

@@ -4,7 +4,9 @@ DictConfig, extras=row)``, ``init``, ``step`` until done, ``get_metrics``, ``clo
 project's SQL environment inside the memory wrapper, against a real two-shard deployment
 (Ray, LMDB, FAISS, the embedder actor). Gold actions solve the tasks; the trajectory lands in
 the memory; a similar task then sees it as a fenced example; an unreachable or failing memory
-degrades the episode and is counted; bad configurations fail with errors naming the key."""
+degrades the episode and is counted; hostile data (NaN rewards, NUL bytes, lone surrogates,
+50 MB texts, step outputs of the wrong shape) is stored valid or counted, never raised; bad
+configurations fail with errors naming the key."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ skyrl_gym = pytest.importorskip("skyrl_gym")
 
 from conftest import SMALL_ACTORS  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402  (a dependency of skyrl-gym)
+from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from skyrl_gym.envs.registration import EnvSpec  # noqa: E402
 
 from lifemem_ray.actors.cluster import deployment as dep  # noqa: E402
@@ -31,7 +34,9 @@ from lifemem_ray.actors.integrations.skyrl_env import (  # noqa: E402
     register_skyrl_envs,
 )
 from lifemem_ray.core.errors import ConfigError, EnvStateError, TaskError, UnknownNameError  # noqa: E402
+from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory  # noqa: E402
 from lifemem_ray.lab.envs import make_env  # noqa: E402
+from lifemem_ray.lab.episode_data import MADE_VALID_KINDS, NOT_STORED_REASONS, storable_text  # noqa: E402
 from lifemem_ray.lab.episode_memory import EpisodeMemory  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You solve SQL tasks, one action per turn."}
@@ -337,3 +342,98 @@ def test_a_deployment_served_again_is_found_by_the_next_episodes(registered, ray
         assert outcomes[-1] == (0, 1), outcomes  # recalled and stored again, on the new deployment
     finally:
         dep.stop(ns)
+
+
+# -- hostile episode data -----------------------------------------------------------------------------
+class HostileTextEnv(BaseTextEnv):
+    """A SkyRL text environment that hands over whatever a case says: ``instruction`` and
+    ``env`` in ``init``'s info, ``output`` as every step's output, as it is."""
+
+    def __init__(self, output: Any, instruction: Any = "count the rows of the orders table", env: Any = None):
+        super().__init__()
+        self.output, self.instruction, self.env = output, instruction, env
+
+    def init(self, prompt: Any) -> tuple[Any, dict[str, Any]]:
+        info = {"instruction": self.instruction}
+        if self.env is not None:
+            info["env"] = self.env
+        return prompt, info
+
+    def step(self, action: str) -> Any:
+        return self.output
+
+
+def hostile_episode(memory: MemoryClient, case: str, env: HostileTextEnv, action: str, **config: Any) -> Any:
+    """One episode of ``env`` under lifemem-memory over the deployment (tenant ``hostile``):
+    (step outputs, metrics after close); the row's data_source names the case."""
+    env_config = {"memory": {"namespace": memory.namespace, "tenant": "hostile"}, **config}
+    wrapped = skyrl_gym.make(MEMORY_ENV_ID, env_config=env_config, extras={"data_source": case}, inner=env)
+    wrapped.init([dict(SYSTEM)])
+    outs = [wrapped.step(action)]  # one step: the output says done, or cannot be read at all
+    wrapped.close()
+    return outs, wrapped.get_metrics()
+
+
+def stored_case(memory: MemoryClient, task: str, env: str, case: str) -> Trajectory:
+    """The trajectory the case stored, read back from the deployment."""
+    hits = memory.retrieve(task, env, 8, tenant="hostile").trajectories
+    found = [h.trajectory for h in hits if h.trajectory and h.trajectory.metadata.get("data_source") == case]
+    assert len(found) == 1, f"{case}: {len(found)} stored"
+    Trajectory.from_dict(found[0].to_dict())  # as read back, it passes the data model's checks again
+    return found[0]
+
+
+def flags(metrics: dict[str, Any]) -> dict[str, int]:
+    """The episode's made-valid and not-stored flags that are set (totals and by kind or reason)."""
+    names = ["memory_made_valid", "memory_not_stored"]
+    names += [f"memory_made_valid_{k}" for k in MADE_VALID_KINDS] + [
+        f"memory_not_stored_{r}" for r in NOT_STORED_REASONS
+    ]
+    return {name: metrics[name] for name in names if metrics[name]}
+
+
+def test_hostile_data_is_stored_made_valid_and_counted(registered, memory):
+    """NaN reward, NUL in the observation, lone surrogates in the task and the action, a
+    success that is not true/false: the episode goes on; the trajectory is stored valid."""
+    output = {
+        "observations": [{"role": "user", "content": "row\x00count: 3"}],
+        "reward": float("nan"),
+        "done": True,
+        "metadata": {"success": "maybe"},
+    }
+    env = HostileTextEnv(output, instruction="count the \udfff rows")
+    outs, after = hostile_episode(memory, "nan-nul-surrogate", env, "Answer: 3 \ud800", memory_env="hostile-skyrl")
+    assert outs == [output]  # the inner environment's output, unchanged
+    assert after["memory_acknowledged"] == 1 and after["memory_recall_failures"] == 0
+    kinds = ("nul", "surrogate", "reward", "success")
+    assert flags(after) == {"memory_made_valid": 1, **{f"memory_made_valid_{k}": 1 for k in kinds}}
+    t = stored_case(memory, "count the \ufffd rows", "hostile-skyrl", "nan-nul-surrogate")
+    assert t.steps[0].observation == "row\ufffdcount: 3" and t.steps[0].action == "Answer: 3 \ufffd"
+    assert t.outcome.reward is None and t.outcome.success is None
+
+
+def test_hostile_50_mb_task_and_action_are_stored_cut_and_counted(registered, memory):
+    output = {"observations": [b"\xff"], "reward": "high", "done": True, "metadata": "not a mapping"}
+    task = "t" * 50_000_000
+    env = HostileTextEnv(output, instruction=task)
+    outs, after = hostile_episode(memory, "50mb", env, "a" * 50_000_000, memory_env="hostile-skyrl")
+    assert outs == [output] and after["memory_acknowledged"] == 1 and after["memory_recall_failures"] == 0
+    assert flags(after) == {"memory_made_valid": 1, "memory_made_valid_truncated": 1, "memory_made_valid_reward": 1}
+    t = stored_case(memory, storable_text(task)[0], "hostile-skyrl", "50mb")
+    assert len(t.task) == len(t.steps[0].action) == MAX_TEXT_CHARS
+    assert t.task.endswith("[... cut by the episode memory: 50,000,000 characters in all]")
+    assert t.outcome.reward is None and t.steps[0].observation == "b'\\xff'"
+
+
+def test_hostile_episodes_that_cannot_be_stored_are_counted_with_the_reason(registered, memory):
+    unreadable = ["not", "a", "step", "output"]
+    outs, after = hostile_episode(
+        memory, "unreadable", HostileTextEnv(unreadable), "Answer: 3", memory_env="hostile-skyrl"
+    )
+    assert outs == [unreadable] and after["memory_submitted"] == 0
+    assert flags(after) == {"memory_not_stored": 1, "memory_not_stored_unreadable": 1}
+
+    done = {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+    _, after = hostile_episode(memory, "env-name", HostileTextEnv(done, env="hostile\nenv"), "Answer: 3")
+    assert after["memory_submitted"] == 0 and flags(after) == {"memory_not_stored": 1, "memory_not_stored_env_name": 1}
+    assert after["memory_last_error"].startswith("not stored (env_name)")

@@ -338,6 +338,43 @@ def test_a_stored_observation_cannot_close_the_fence(memory, model_dir, tokenize
     assert prompt.count("<example ") == prompt.count("</example>")
 
 
+def test_hostile_rows_are_stored_made_valid_or_counted(memory, model_dir, replica, tmp_path):
+    """The row's task (here a row field: the prompt verl tokenizes stays plain) with a NUL and a
+    lone surrogate, or 3 million characters: stored made valid, counted in the row's fields and
+    the worker's counts. A data_source that is no environment name: the row goes on, not
+    stored, counted with the reason."""
+    env = "verl-hostile"
+    questions = ["how many\x00 apples \udc80", "q" * 3_000_000]
+    config = verl_config(
+        model_dir, tmp_path, memory_namespace=memory.namespace, env=env, task_field="extra_info.question"
+    )
+    worker = AgentLoopWorker(config, LLMServerClient(config, load_balancer_handle=replica[1]), None, None)
+    rows = batch([APPLES, PEARS], ["42", "42"])
+    rows.non_tensor_batch["extra_info"] = np.array([{"question": q} for q in questions], dtype=object)
+
+    (out,), counts = rollout(worker, rows)
+
+    assert out.batch["rm_scores"].sum(-1).tolist() == [1.0, 1.0]  # the rows completed and were scored
+    fields = memory_fields(out)
+    assert [f["made_valid"] for f in fields] == [{"nul": 1, "surrogate": 1}, {"truncated": 1}]
+    assert [f["not_stored"] for f in fields] == ["", ""] and not any(f["recall_failed"] for f in fields)
+    assert counts[-1]["acknowledged"] == 2 and counts[-1]["unrecorded"] == 0
+    assert {k: v for k, v in counts[-1]["made_valid"].items() if v} == {"nul": 1, "surrogate": 1, "truncated": 1}
+    stored = hits_for(memory, "how many\ufffd apples \ufffd", env)
+    row = stored["how many\ufffd apples \ufffd"]
+    Trajectory.from_dict(row.to_dict())  # read back, it passes the data model's checks again
+    assert row.steps[0].action == REPLY and row.outcome == Outcome(success=True, reward=1.0)
+
+    config = verl_config(model_dir, tmp_path, memory_namespace=memory.namespace)  # env: the row's data_source
+    worker = AgentLoopWorker(config, LLMServerClient(config, load_balancer_handle=replica[1]), None, None)
+    rows = batch([APPLES], ["42"])
+    rows.non_tensor_batch["data_source"] = np.array(["openai/gsm8k\nsecond line"], dtype=object)
+    (out,), counts = rollout(worker, rows)
+    (field,) = memory_fields(out)
+    assert field["not_stored"] == "env_name" and counts[-1]["unrecorded"] == 1
+    assert counts[-1]["not_stored"]["env_name"] == 1 and counts[-1]["submitted"] == 0
+
+
 def test_options_are_checked():
     with pytest.raises(InvalidArgumentError, match="context_in"):
         MemoryLoopOptions(context_in="assistant")

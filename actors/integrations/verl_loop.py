@@ -21,10 +21,14 @@ verl (PyPI ``verl``, checked with 0.9.1) runs each rollout row through an agent 
 
 A memory that fails (no deployment in the namespace, a killed actor, a timeout) degrades that
 row to "no memory"; it is counted and logged and never raises into the rollout (the rules of
-:mod:`lifemem_ray.lab.episode_memory`). Each output carries ``extra_fields["lifemem"]``: the
-row's recall (hits, context characters, seconds, failed) and the worker's running counts
-(``MemoryCounts`` plus ``unscored`` and ``unrecorded``); verl puts it in the batch's
-``non_tensor_batch["lifemem"]``.
+:mod:`lifemem_ray.lab.episode_memory`). What the row hands over is made valid by the episode
+data rule (:mod:`lifemem_ray.lab.episode_data`: a NaN reward, a NUL, a lone surrogate, a 50 MB
+response or task) and counted; a row that cannot be stored is counted with its reason. Each
+output carries ``extra_fields["lifemem"]``: the row's recall (hits, context characters,
+seconds, failed), what the rule changed in its trajectory (``made_valid``: kind -> values) or
+why it was not stored (``not_stored``), and the worker's running counts (``MemoryCounts``,
+with ``made_valid`` and ``not_stored`` by kind and reason, plus ``unscored`` and
+``unrecorded``); verl puts it in the batch's ``non_tensor_batch["lifemem"]``.
 
 This module imports verl: import it only where verl is installed (the rest of lifemem-ray
 never imports it). Registering: verl's ``@register`` registry is per process, so the name
@@ -73,11 +77,12 @@ from verl.utils.rollout_trace import rollout_trace_op
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.integrations.lazy_clients import AsyncLazyMemoryClient
-from lifemem_ray.core.errors import InvalidArgumentError, InvalidTrajectoryError
+from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.versions import check_version
 from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS
 from lifemem_ray.lab.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
+from lifemem_ray.lab.episode_data import StorableEpisode, storable_reward
 from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeRecord
 
 __all__ = ["AGENT_NAME", "MemoryAgentLoop", "MemoryLoopOptions"]
@@ -145,10 +150,12 @@ class _WorkerMemory:
     client: AsyncLazyMemoryClient
     episodes: AsyncEpisodeMemory
     unscored: int = 0  # rows with a ground truth that default_compute_score could not score
-    unrecorded: int = 0  # finished rows that could not become a trajectory (never submitted)
 
     def counts(self) -> dict[str, Any]:
-        return {**self.episodes.counts.as_dict(), "unscored": self.unscored, "unrecorded": self.unrecorded}
+        """The episode memory's counts, ``unscored``, and ``unrecorded``: finished rows that did
+        not become a trajectory (the sum of ``not_stored``)."""
+        counts = self.episodes.counts.as_dict()
+        return {**counts, "unscored": self.unscored, "unrecorded": sum(counts["not_stored"].values())}
 
 
 class MemoryAgentLoop(AgentLoopBase):
@@ -223,14 +230,17 @@ class MemoryAgentLoop(AgentLoopBase):
         response = tokenizer.decode(output.response_ids, skip_special_tokens=True)
         output.reward_score = self.reward_of(memory, response, kwargs)
         submit_started = time.monotonic()
+        stored: StorableEpisode | None = None
         if task:
             read = memory.episodes.episode_metadata(pinned, found)
-            await self.submit(memory, task, env, messages, response, output.reward_score, kwargs, read)
+            stored = await self.submit(memory, task, env, messages, response, output.reward_score, kwargs, read)
         output.extra_fields["lifemem"] = {
             "task_chars": len(task),
             "hits": len(found.trajectories) if found is not None else 0,
             "context_chars": len(context),
             "recall_failed": bool(task) and found is None,
+            "made_valid": dict(stored.made_valid) if stored is not None else {},
+            "not_stored": stored.not_stored if stored is not None else "",
             "recall_s": recall_s,
             "submit_s": time.monotonic() - submit_started,
             "episode_s": time.monotonic() - started,
@@ -316,7 +326,9 @@ class MemoryAgentLoop(AgentLoopBase):
     def reward_of(self, memory: _WorkerMemory, response: str, row: dict[str, Any]) -> float | None:
         """``default_compute_score`` of the response when the row has a ground truth (and
         ``compute_reward`` is on); None otherwise, and when verl has no scorer for the row's
-        data_source (counted as ``unscored``): verl's reward workers then score it."""
+        data_source or its score is not a number (counted as ``unscored``): verl's reward
+        workers then score it. A score that is NaN or infinite is verl's, as it is; the memory
+        stores no reward for it (``made_valid["reward"]``)."""
         ground_truth = (row.get("reward_model") or {}).get("ground_truth")
         if not self.options.compute_reward or ground_truth is None:
             return None
@@ -328,7 +340,12 @@ class MemoryAgentLoop(AgentLoopBase):
             memory.unscored += 1
             log.debug("lifemem verl loop: no default scorer (%s); the reward is left to verl", exc)
             return None
-        return float(score["score"] if isinstance(score, dict) else score)
+        try:
+            return float(score["score"] if isinstance(score, dict) else score)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # a score that is not a number
+            memory.unscored += 1
+            log.warning("lifemem verl loop: the score %r is not a number (%s); the reward is left to verl", score, exc)
+            return None
 
     async def submit(
         self,
@@ -340,21 +357,24 @@ class MemoryAgentLoop(AgentLoopBase):
         reward: float | None,
         row: dict[str, Any],
         read: dict[str, Any],
-    ) -> None:
-        """The row as a one-step trajectory, handed to the memory in the background; ``read``:
-        what its recall read (:meth:`AsyncEpisodeMemory.episode_metadata`)."""
-        try:
-            record = EpisodeRecord(env, task, render_messages(messages))
-            record.step(response, "")
-            metadata = {"source": "verl", "agent_loop": AGENT_NAME, "data_source": str(row.get("data_source") or "")}
-            metadata.update(read)  # the memory version the row's recall read, when pinned
-            success = None if reward is None else reward > 0
-            trajectory = record.trajectory(success, reward, tenant=self.options.tenant, metadata=metadata)
-        except InvalidTrajectoryError as exc:  # an env name or text the memory refuses: the row goes on
-            memory.unrecorded += 1
-            log.warning("lifemem verl loop: the episode was not recorded: %s", exc)
-            return
-        await memory.episodes.submit(trajectory)
+    ) -> StorableEpisode:
+        """The row as a one-step trajectory, made valid by the episode data rule and handed to
+        the memory in the background (or counted with the reason it is not stored); ``read``:
+        what its recall read (:meth:`AsyncEpisodeMemory.episode_metadata`). Never raises.
+
+        Returns:
+            What the rule made of the row (its trajectory None when it is not stored).
+        """
+        record = EpisodeRecord(env, task, render_messages(messages))
+        record.step(response, "")
+        metadata = {"source": "verl", "agent_loop": AGENT_NAME, "data_source": str(row.get("data_source") or "")}
+        metadata.update(read)  # the memory version the row's recall read, when pinned
+        number, _ = storable_reward(reward)  # NaN, inf: no reward, so no success either
+        success = None if number is None else number > 0
+        result = memory.episodes.storable(record, success, reward, metadata=metadata)
+        if result.trajectory is not None:
+            await memory.episodes.submit(result.trajectory)
+        return result
 
 
 def render_messages(messages: list[dict[str, Any]]) -> str:

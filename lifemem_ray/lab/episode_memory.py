@@ -8,7 +8,10 @@ ends, and, before the process lets go of the environment, the writes acknowledge
 in process, or a deployment's ``MemoryClient``), with one failure rule for every adapter: a
 memory that fails degrades that episode to "no memory", is counted, and never raises into the
 rollout. The context is the ReAct prompt's memory sections (:func:`memory_context`): skills
-and exemplars fenced as data, never as instructions.
+and exemplars fenced as data, never as instructions. What an episode hands over is made valid
+by one rule (:mod:`lifemem_ray.lab.episode_data`): a NaN reward, a NUL byte, a lone surrogate or
+a 50 MB action is mended and counted (``MemoryCounts.made_valid``), and an episode that cannot
+be stored is counted with its reason (``MemoryCounts.not_stored``); neither raises.
 
 Example::
 
@@ -19,8 +22,10 @@ Example::
         episodes = EpisodeMemory(memory, k=4)
         context = episodes.recall("put a clean mug on the desk", "alfworld")
         record = EpisodeRecord("alfworld", "put a clean mug on the desk", "You are in a room.")
-        record.step("go to desk 1", "You arrive at desk 1.")
-        episodes.submit(record.trajectory(success=True, reward=1.0))
+        record.step("go to desk 1", "You arrive at desk 1.", reward=1.0)
+        result = episodes.storable(record, success=True)  # made valid and counted, or why not
+        if result.trajectory is not None:
+            episodes.submit(result.trajectory)
         episodes.settle()
 """
 
@@ -31,7 +36,6 @@ import inspect
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,19 +43,23 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError
-from lifemem_ray.core.model import Outcome, Step, Trajectory
-from lifemem_ray.core.tenancy import DEFAULT_TENANT
+from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError, TenantError
+from lifemem_ray.core.model import Trajectory
+from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
 from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.engine.versions import check_version
 from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS, memory_context
+from lifemem_ray.lab.episode_data import (
+    MADE_VALID_KINDS,
+    NOT_STORED_REASONS,
+    EpisodeRecord,
+    StorableEpisode,
+    storable_text,
+)
 
-__all__ = ["AsyncEpisodeMemory", "EpisodeMemory", "EpisodeRecord", "MemoryCounts"]
+__all__ = ["AsyncEpisodeMemory", "EpisodeMemory", "EpisodeRecord", "MemoryCounts", "StorableEpisode"]
 
 log = logging.getLogger(__name__)
-
-MAX_OBSERVATION_CHARS = 4000  # an observation kept in a stored step (the episode loop's own bound)
-MAX_STEPS = 1000  # steps one record keeps; later ones are counted, not stored
 
 
 @dataclass
@@ -67,55 +75,16 @@ class MemoryCounts:
     recall_s: float = 0.0  # seconds the episodes spent in recall (on their critical path)
     submit_s: float = 0.0  # seconds the episodes spent handing trajectories over (the writes run apart)
     last_error: str = ""  # the latest failure, "Type: message"
+    # Trajectories submitted after the episode data rule changed something, by kind of change
+    # (episode_data.MADE_VALID_KINDS: not_text, nul, surrogate, truncated, reward, success, steps).
+    made_valid: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MADE_VALID_KINDS, 0))
+    # Episodes never submitted, by reason (episode_data.NOT_STORED_REASONS: env_name, no_task,
+    # refused, unreadable); the latest one's message is last_error.
+    not_stored: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOT_STORED_REASONS, 0))
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class EpisodeRecord:
-    """One episode's trajectory as it happens: the task, the first observation, each step."""
-
-    env: str
-    task: str
-    initial_observation: str = ""
-    steps: list[Step] = field(default_factory=list)
-    dropped_steps: int = 0  # steps beyond MAX_STEPS (counted in the metadata, not stored)
-    reward: float = 0.0  # the sum of the rewards seen so far
-
-    def step(self, action: str, observation: str, reward: float = 0.0, thought: str = "") -> None:
-        """Record one action and what the environment answered."""
-        self.reward += float(reward or 0.0)
-        if len(self.steps) >= MAX_STEPS:
-            self.dropped_steps += 1
-            return
-        self.steps.append(
-            Step(action=action or "(empty)", thought=thought, observation=observation[:MAX_OBSERVATION_CHARS])
-        )
-
-    def trajectory(
-        self,
-        success: bool | None,
-        reward: float | None = None,
-        *,
-        tenant: str = DEFAULT_TENANT,
-        metadata: dict[str, Any] | None = None,
-    ) -> Trajectory:
-        """The finished episode as a trajectory (a new id each call); ``reward`` defaults to the
-        sum of the step rewards."""
-        meta = dict(metadata or {})
-        if self.dropped_steps:
-            meta["dropped_steps"] = self.dropped_steps
-        return Trajectory(
-            env=self.env,
-            task=self.task,
-            steps=tuple(self.steps) or (Step(action="(no action)"),),
-            outcome=Outcome(success=success, reward=self.reward if reward is None else reward),
-            id=f"ep-{uuid.uuid4().hex}",
-            initial_observation=self.initial_observation[:MAX_OBSERVATION_CHARS],
-            metadata=meta,
-            tenant=tenant,
-        )
+        """The counts as plain values (the two tallies copied)."""
+        return {key: dict(value) if isinstance(value, dict) else value for key, value in self.__dict__.items()}
 
 
 class _EpisodeMemoryRules:
@@ -155,6 +124,10 @@ class _EpisodeMemoryRules:
                 f"{type(self).__name__}: {type(memory).__name__} has no retrieve() and add(); "
                 "give a Memory, a MemoryClient or an AsyncMemoryClient"
             )
+        try:
+            check_tenant(tenant, f"{type(self).__name__}: tenant")
+        except TenantError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         self.memory = memory
         self.k, self.token_budget, self.tenant = k, token_budget, tenant
         self.ack_timeout_s, self.max_pending, self.same_env = ack_timeout_s, max_pending, same_env
@@ -176,6 +149,46 @@ class _EpisodeMemoryRules:
         its recall was pinned to (``as_of`` taken when the recall started, since ``pin`` may
         move before the episode ends), when that recall answered."""
         return {} if read_as_of is None or found is None else {"memory_version": read_as_of}
+
+    def storable(
+        self, record: EpisodeRecord, success: Any, reward: Any = None, *, metadata: dict[str, Any] | None = None
+    ) -> StorableEpisode:
+        """``record`` as a trajectory of this memory's tenant, made valid
+        (:meth:`EpisodeRecord.storable`), and counted: each kind of change in
+        ``counts.made_valid``, or the reason it is not stored in ``counts.not_stored`` (its
+        message in ``last_error``). Never raises. Submit ``result.trajectory`` when it is not None.
+
+        Args:
+            record: the finished episode.
+            success: whether it succeeded (None: unknown).
+            reward: the outcome's reward (default: the record's summed step rewards).
+            metadata: stored with the trajectory.
+
+        Returns:
+            The :class:`~lifemem_ray.lab.episode_data.StorableEpisode`.
+        """
+        result = record.storable(success, reward, tenant=self.tenant, metadata=metadata)
+        if result.trajectory is None:
+            self.count_not_stored(result.not_stored, result.problem)
+            return result
+        with self._lock:
+            for kind in result.made_valid:
+                self.counts.made_valid[kind] = self.counts.made_valid.get(kind, 0) + 1
+        return result
+
+    def count_not_stored(self, reason: str, problem: str) -> None:
+        """Count an episode that is not submitted, with its ``reason`` (one of
+        ``episode_data.NOT_STORED_REASONS``) and ``problem`` (the latest, in ``last_error``)."""
+        with self._lock:
+            self.counts.not_stored[reason] = self.counts.not_stored.get(reason, 0) + 1
+            self.counts.last_error = f"not stored ({reason}): {problem}"[:500]
+        log.warning("memory: an episode was not stored (%s): %s (the episode goes on)", reason, problem[:200])
+
+    @staticmethod
+    def _query(task: Any) -> str:
+        """The text a recall asks with: ``task`` made valid by the episode data rule (the
+        change is counted when the episode's trajectory is)."""
+        return storable_text(task)[0]
 
     def _read_options(self) -> dict[str, Any]:
         return {"tenant": self.tenant} if self.as_of is None else {"tenant": self.tenant, "as_of": self.as_of}
@@ -222,11 +235,12 @@ class EpisodeMemory(_EpisodeMemoryRules):
 
     def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
         """The memory context for ``task`` (fenced skills and exemplars; "" when the memory has
-        nothing or failed) and the retrieval it came from (None on failure)."""
+        nothing or failed) and the retrieval it came from (None on failure). The task is asked
+        as the episode data rule makes it valid (a NUL, a lone surrogate, a 50 MB text)."""
         self._count("recalls")
         started = time.perf_counter()
         try:
-            found = self.memory.retrieve(task, self._scope(env), self.k, **self._read_options())
+            found = self.memory.retrieve(self._query(task), self._scope(env), self.k, **self._read_options())
             return self.context_of(found), found
         except Exception as exc:  # noqa: BLE001 - any failure of the memory degrades this episode to no memory
             self._failed("recall_failures", exc)
@@ -237,14 +251,21 @@ class EpisodeMemory(_EpisodeMemoryRules):
     def submit(self, trajectory: Trajectory) -> Future[bool]:
         """Hand ``trajectory`` to the memory in the background; returns at once (or, with
         ``max_pending`` submissions in flight, once the oldest of them settled) with the write's
-        future: True once acknowledged, False when it failed (counted either way)."""
+        future: True once acknowledged, False when it failed (counted either way; a writer
+        already closed is such a failure). Never raises."""
         self._count("submitted")
         started = time.perf_counter()
         with self._lock:
             oldest = self._pending[0] if len(self._pending) >= self.max_pending else None
         if oldest is not None:
             self._wait(oldest, self.ack_timeout_s + 5.0)  # the write bounds itself by ack_timeout_s
-        future = self._writer.submit(self._write, trajectory)
+        try:
+            future = self._writer.submit(self._write, trajectory)
+        except RuntimeError as exc:  # closed: the write fails, counted; the episode goes on
+            self._failed("submit_failures", exc)
+            future = Future()
+            future.set_result(False)
+            return future
         with self._lock:
             self._pending.append(future)
         future.add_done_callback(self._forget)
@@ -323,7 +344,8 @@ class AsyncEpisodeMemory(_EpisodeMemoryRules):
         started = time.perf_counter()
         try:
             found = await asyncio.wait_for(
-                self.memory.retrieve(task, self._scope(env), self.k, **self._read_options()), self.ack_timeout_s
+                self.memory.retrieve(self._query(task), self._scope(env), self.k, **self._read_options()),
+                self.ack_timeout_s,
             )
             return self.context_of(found), found
         except Exception as exc:  # noqa: BLE001 - any failure of the memory degrades this episode to no memory

@@ -7,8 +7,13 @@ into the first observation (before it) or into the info dict (``info["memory"]``
 with its outcome in the background (the episode never waits on the write), and ``close``
 awaits the acknowledgements before it closes the environment. A failure of the memory makes
 that episode run without memory and is counted (``wrapper.counts``); it never raises into the
-rollout. The rules are :mod:`lifemem_ray.lab.episode_memory`'s, shared with the RL-stack
-adapters.
+rollout. Nor does what the environment hands over: a NaN or non-numeric reward, a NUL byte or
+a lone surrogate, a non-text observation, a 50 MB action is made valid by the episode data rule
+(:mod:`lifemem_ray.lab.episode_data`) and counted in ``counts.made_valid``; an episode that still
+cannot be stored, or a step answer the wrapper cannot read, is counted in ``counts.not_stored``
+and the episode goes on. What the environment itself raises is its own: it propagates unchanged
+(the steps recorded so far are submitted at the next ``reset`` or ``close``, outcome unknown).
+The rules are :mod:`lifemem_ray.lab.episode_memory`'s, shared with the RL-stack adapters.
 
 Example (one of the project's environments, a store in a folder)::
 
@@ -26,36 +31,39 @@ Example (one of the project's environments, a store in a folder)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.lab.envs.base import Environment, Task
+from lifemem_ray.lab.episode_data import UNREADABLE
 from lifemem_ray.lab.episode_memory import EpisodeMemory, EpisodeRecord, MemoryCounts
 
 __all__ = ["CONTEXT_PLACES", "MemoryWrapper"]
 
 CONTEXT_PLACES = ("observation", "info")
 
+log = logging.getLogger(__name__)
 
-def _task_from_info(observation: Any, info: dict[str, Any]) -> str:
+
+def _task_from_info(observation: Any, info: dict[str, Any]) -> Any:
     """A gymnasium-style environment's task: ``info["task"]`` (or ``instruction`` / ``goal``),
-    else the first observation's text."""
+    else the first observation (stored as its text)."""
     for key in ("task", "instruction", "goal"):
         if isinstance(info.get(key), str) and info[key].strip():
             return str(info[key])
-    return str(observation)
+    return observation
 
 
-def _lab_success(info: dict[str, Any]) -> bool:
+def _lab_success(info: dict[str, Any]) -> Any:
     """The project's environments say ``success`` in the last step's info (absent: not solved)."""
-    return bool(info.get("success"))
+    return info.get("success", False)
 
 
-def _reported_success(info: dict[str, Any]) -> bool | None:
-    """A gymnasium-style environment's success where its info says it, else unknown."""
-    value = info.get("success", info.get("is_success"))
-    return None if value is None else bool(value)
+def _reported_success(info: dict[str, Any]) -> Any:
+    """A gymnasium-style environment's success where its info says it, else unknown (None)."""
+    return info.get("success", info.get("is_success"))
 
 
 class MemoryWrapper:
@@ -66,7 +74,9 @@ class MemoryWrapper:
     by several wrappers: one background writer, one set of counts). ``env_name`` names the
     environment in the memory (default: ``env.name``, else the class name); ``task_of``
     gives a gymnasium-style episode's task from its first (observation, info);
-    ``success_of`` its success from the last info (default ``info["success"]``, else unknown)."""
+    ``success_of`` its success from the last info (default ``info["success"]``, else unknown;
+    a value that is not true/false, or a ``success_of`` that raises, makes it unknown, counted
+    in ``counts.made_valid["success"]``)."""
 
     def __init__(
         self,
@@ -75,7 +85,7 @@ class MemoryWrapper:
         *,
         env_name: str | None = None,
         context_in: str = "observation",
-        task_of: Callable[[Any, dict[str, Any]], str] = _task_from_info,
+        task_of: Callable[[Any, dict[str, Any]], Any] = _task_from_info,
         success_of: Callable[[dict[str, Any]], bool | None] | None = None,
         close_timeout_s: float | None = None,
         **memory_options: Any,
@@ -110,10 +120,9 @@ class MemoryWrapper:
         self._finish(success=None)
         observation, info = self.env.reset(*args, **kwargs)
         info = dict(info or {})
-        task = self._task(args, kwargs, observation, info)
+        self._record = EpisodeRecord(self.env_name, self._task(args, kwargs, observation, info), observation)
         pinned = self.episodes.as_of  # the version this recall reads (pin may move before the end)
-        context, found = self.episodes.recall(task, self.env_name)
-        self._record = EpisodeRecord(self.env_name, task, str(observation))
+        context, found = self.episodes.recall(self._record.task, self.env_name)  # the task made valid
         self._read = self.episodes.episode_metadata(pinned, found)
         info["memory_hits"] = [hit.id for hit in found.trajectories] if found is not None else []
         if context and self.context_in == "info":
@@ -128,17 +137,27 @@ class MemoryWrapper:
         return observation, info
 
     def step(self, action: Any, thought: str = "") -> Any:
-        """The inner ``step``; the step recorded, and the trajectory submitted when it ends."""
-        answer = self.env.step(action)
-        if self.lab:
-            observation, reward, done, info = answer.observation, answer.reward, answer.done, answer.info
-        else:
-            observation, reward, terminated, truncated, info = answer
-            done = bool(terminated or truncated)
+        """The inner ``step``; the step recorded, and the trajectory submitted when it ends.
+
+        Args:
+            action: passed to the inner environment as it is; recorded as text.
+            thought: the agent's reasoning before the action, recorded with it.
+
+        Returns:
+            The inner environment's answer, unchanged.
+
+        Raises:
+            Whatever the inner ``step`` raises (the environment's own error); recording the
+            step never raises: its data is made valid and counted, and an answer the wrapper
+            cannot read drops the episode's record (``counts.not_stored["unreadable"]``).
+        """
+        answer = self.env.step(action)  # the environment's own errors are its caller's
         if self._record is not None:
-            self._record.step(str(action), str(observation), float(reward or 0.0), thought)
-            if done:
-                self._finish(self.success_of(dict(info or {})))
+            try:
+                self._record_step(self._record, answer, action, thought)
+            except Exception as exc:  # noqa: BLE001 - recording never fails the rollout: the record is dropped
+                self._record = None
+                self.episodes.count_not_stored("unreadable", f"{type(exc).__name__}: {exc}")
         return answer
 
     def close(self) -> MemoryCounts:
@@ -159,16 +178,43 @@ class MemoryWrapper:
         self.close()
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _task(self, args: tuple[Any, ...], kwargs: dict[str, Any], observation: Any, info: dict[str, Any]) -> str:
-        if self.lab:
-            task = args[0] if args else kwargs.get("task")
-            if isinstance(task, Task):
-                return info.get("instruction") or task.instruction
-        return self.task_of(observation, info)
+    def _task(self, args: tuple[Any, ...], kwargs: dict[str, Any], observation: Any, info: dict[str, Any]) -> Any:
+        """The episode's task (any value: the record keeps it as text); "" when ``task_of``
+        raises (the first observation then stands in for it)."""
+        try:
+            if self.lab:
+                task = args[0] if args else kwargs.get("task")
+                if isinstance(task, Task):
+                    return info.get("instruction") or task.instruction
+            return self.task_of(observation, info)
+        except Exception as exc:  # noqa: BLE001 - reading the task never fails the rollout
+            log.warning("MemoryWrapper(%s): the task could not be read: %s: %s", self.env_name, type(exc).__name__, exc)
+            return ""
 
-    def _finish(self, success: bool | None) -> None:
+    def _record_step(self, record: EpisodeRecord, answer: Any, action: Any, thought: Any) -> None:
+        """Record the inner environment's ``answer`` to ``action`` in ``record``; submit when
+        the episode ends."""
+        if self.lab:
+            observation, reward, done, info = answer.observation, answer.reward, answer.done, answer.info
+        else:
+            observation, reward, terminated, truncated, info = answer
+            done = bool(terminated or truncated)
+        record.step(action, observation, reward, thought)
+        if done:
+            self._finish(self._success(info))
+
+    def _success(self, info: Any) -> Any:
+        """``success_of`` of the last info (:data:`UNREADABLE` when it raises)."""
+        try:
+            return self.success_of(dict(info) if isinstance(info, Mapping) else {})
+        except Exception as exc:  # noqa: BLE001 - an outcome that cannot be read is unknown, counted
+            log.warning("MemoryWrapper(%s): success_of raised %s: %s", self.env_name, type(exc).__name__, exc)
+            return UNREADABLE
+
+    def _finish(self, success: Any) -> None:
         record, self._record = self._record, None
         if record is not None and record.steps:
             metadata = {"wrapped": type(self.env).__name__, **self._read}
-            trajectory = record.trajectory(success, tenant=self.episodes.tenant, metadata=metadata)
-            self.episodes.submit(trajectory)
+            trajectory = self.episodes.storable(record, success, metadata=metadata).trajectory
+            if trajectory is not None:
+                self.episodes.submit(trajectory)

@@ -24,6 +24,7 @@ from lifemem_ray.actors.integrations.skyrl_env.lab_env import LAB_ENV_ID
 from lifemem_ray.actors.integrations.skyrl_env.shared_clients import episode_memory_opener
 from lifemem_ray.core.errors import ConfigError, InvalidArgumentError
 from lifemem_ray.lab.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
+from lifemem_ray.lab.episode_data import MADE_VALID_KINDS, NOT_STORED_REASONS
 from lifemem_ray.lab.episode_memory import EpisodeRecord
 
 __all__ = ["MEMORY_ENV_ID", "MemoryTextEnv"]
@@ -62,7 +63,11 @@ class MemoryTextEnv(BaseTextEnv):
     The trajectory stored: the task, the last user message at ``init`` as the first
     observation, each (action, observation) step, the summed reward, and success: the last
     step's ``metadata["success"]`` when the inner environment gives one, else reward > 0.
-    An episode closed before ``done`` is stored with its outcome unknown.
+    An episode closed before ``done`` is stored with its outcome unknown. What the inner
+    environment and the policy hand over is made valid by the episode data rule
+    (:mod:`lifemem_ray.lab.episode_data`: a NaN reward, a NUL, a lone surrogate, a 50 MB
+    action) and counted; an episode that cannot be stored, or a step output that cannot be
+    read, is counted with its reason (``get_metrics``); neither raises into the rollout.
 
     Example::
 
@@ -113,17 +118,19 @@ class MemoryTextEnv(BaseTextEnv):
         self._hits: list[str] = []
         self._read: dict[str, Any] = {}  # what this episode's recall read (its pinned version)
         self._record: EpisodeRecord | None = None  # the episode running now, until submitted
+        self._made_valid: dict[str, int] = {}  # what the rule changed in this episode's trajectory
+        self._not_stored = ""  # why this episode was not stored ("" when it was, or is not finished)
         self._closed = False
 
     def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The inner ``init``, with the memory's fenced context in the chat (see ``context_in``)."""
         chat, info = self.inner.init(prompt)
         chat, info = [dict(message) for message in chat or []], dict(info or {})
-        task = self._task_text(chat, info)
         env_name = self._env_name(info)
+        self._record = EpisodeRecord(env_name, self._task_text(chat, info), message_text(last_message(chat, "user")))
         started = time.perf_counter()
         pinned = self.episodes.as_of  # the version this recall reads (pin may move before done)
-        context, found = self.episodes.recall(task, env_name)
+        context, found = self.episodes.recall(self._record.task, env_name)  # the task made valid
         self._read = self.episodes.episode_metadata(pinned, found)
         self.timings["recall_s"] = time.perf_counter() - started
         self.recalls += 1
@@ -132,21 +139,30 @@ class MemoryTextEnv(BaseTextEnv):
         self.exemplars = len(self._hits)
         self.skills = len(found.skills) if found is not None else 0
         self.context_chars = len(context)
-        self._record = EpisodeRecord(env_name, task, message_text(last_message(chat, "user")))
         info["memory_hits"] = list(self._hits)
         return with_context(chat, context, self.context_in), info
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
-        """The inner ``step``; recorded, and the trajectory submitted when it says ``done``."""
+        """The inner ``step``; recorded, and the trajectory submitted when it says ``done``.
+
+        Args:
+            action: the policy's text, passed to the inner environment as it is.
+
+        Returns:
+            The inner environment's output, unchanged.
+
+        Raises:
+            Whatever the inner ``step`` raises (the environment's own error); recording never
+            raises: the data is made valid and counted, and an output that cannot be read
+            drops the episode's record (``memory_not_stored_unreadable``).
+        """
         out = self.inner.step(action)
         if self._record is not None:
-            metadata = out.get("metadata") or {}
-            observation = "\n".join(message_text(m) for m in out.get("observations") or [])
-            self._record.step(str(action), observation or str(metadata.get("observation", "")), step_reward(out))
-            if out.get("done"):
-                reported = metadata.get("success")
-                success = bool(reported) if reported is not None else self._record.reward > 0
-                self._submit(success, ended="done")
+            try:
+                self._record_step(self._record, out, action)
+            except Exception as exc:  # noqa: BLE001 - recording never fails the rollout: the record is dropped
+                self._record, self._not_stored = None, "unreadable"
+                self.episodes.count_not_stored("unreadable", f"{type(exc).__name__}: {exc}")
         return out
 
     def get_metrics(self) -> dict[str, Any]:
@@ -155,8 +171,12 @@ class MemoryTextEnv(BaseTextEnv):
         ``memory_submit_failures``, ``memory_pending`` (0 or 1 each: the episode's own recall and
         write, also where the episode memory is shared), ``memory_exemplars``, ``memory_skills``,
         ``memory_context_chars``, ``memory_recall_s``, ``memory_submit_s`` (the episode's time in
-        memory calls) and ``memory_last_error`` (the episode memory's latest failure, text;
-        SkyRL's averaging drops it)."""
+        memory calls), ``memory_made_valid`` and ``memory_made_valid_<kind>`` for each of
+        ``episode_data.MADE_VALID_KINDS`` (1 when the episode's trajectory was stored after that
+        kind of change), ``memory_not_stored`` and ``memory_not_stored_<reason>`` for each of
+        ``episode_data.NOT_STORED_REASONS`` (1 when the episode was not stored, for that reason),
+        and ``memory_last_error`` (the episode memory's latest failure, text; SkyRL's averaging
+        drops it)."""
         metrics = dict(self.inner.get_metrics() or {})
         write = self._write
         settled = write is not None and write.done()
@@ -173,8 +193,12 @@ class MemoryTextEnv(BaseTextEnv):
             memory_context_chars=self.context_chars,
             memory_recall_s=self.timings["recall_s"],
             memory_submit_s=self.timings["submit_s"],
+            memory_made_valid=int(bool(self._made_valid)),
+            memory_not_stored=int(bool(self._not_stored)),
             memory_last_error=self.episodes.counts.last_error,
         )
+        metrics.update({f"memory_made_valid_{kind}": int(kind in self._made_valid) for kind in MADE_VALID_KINDS})
+        metrics.update({f"memory_not_stored_{why}": int(why == self._not_stored) for why in NOT_STORED_REASONS})
         return metrics
 
     def close(self) -> None:
@@ -213,7 +237,21 @@ class MemoryTextEnv(BaseTextEnv):
                 return name.strip()
         return self.inner_id
 
-    def _submit(self, success: bool | None, ended: str) -> None:
+    def _record_step(self, record: EpisodeRecord, out: Any, action: Any) -> None:
+        """Record the inner environment's output ``out`` to ``action`` in ``record``; submit
+        when it says ``done`` (success: its ``metadata["success"]``, else reward > 0)."""
+        metadata = out.get("metadata") or {}
+        metadata = metadata if isinstance(metadata, Mapping) else {}
+        messages = out.get("observations") or []
+        observation = "\n".join(message_text(m) if isinstance(m, Mapping) else str(m) for m in messages)
+        record.step(action, observation or metadata.get("observation", ""), out.get("reward"))
+        if out.get("done"):
+            reported = metadata.get("success")
+            total = record.total_reward
+            success = reported if reported is not None else (None if total is None else total > 0)
+            self._submit(success, ended="done")
+
+    def _submit(self, success: Any, ended: str) -> None:
         """Hand the episode to the memory in the background (never raises into the rollout)."""
         record, self._record = self._record, None
         if record is None or not record.steps:
@@ -223,10 +261,11 @@ class MemoryTextEnv(BaseTextEnv):
         if isinstance(self.extras.get("data_source"), str):
             metadata["data_source"] = self.extras["data_source"]
         started = time.perf_counter()
+        result = self.episodes.storable(record, success, metadata=metadata)  # made valid and counted, or why not
+        self._made_valid, self._not_stored = result.made_valid, result.not_stored
         try:
-            self._write = self.episodes.submit(
-                record.trajectory(success, tenant=self.episodes.tenant, metadata=metadata)
-            )
+            if result.trajectory is not None:
+                self._write = self.episodes.submit(result.trajectory)
         except Exception as exc:  # noqa: BLE001 - the memory's failure never fails the rollout
             self.handoff_failures += 1
             log.warning("memory submit: %s: %s (the episode goes on without it)", type(exc).__name__, exc)
@@ -269,10 +308,3 @@ def inner_env_maker(
         raise ConfigError(f"{where}['inner']: {inner_id!r} is the memory wrapper itself; name the environment to wrap")
     inner_config = as_mapping(config.get("inner_config"), f"{where}['inner_config']")
     return inner_id, lambda: skyrl_gym.make(inner_id, env_config=inner_config, extras=dict(extras))
-
-
-def step_reward(out: Mapping[str, Any]) -> float:
-    try:
-        return float(out.get("reward") or 0.0)
-    except (TypeError, ValueError):  # a reward SkyRL itself would reject: recorded as none
-        return 0.0
