@@ -7,8 +7,8 @@ import pytest
 
 ray_exceptions = pytest.importorskip("ray.exceptions")
 
-from lifemem_ray.actors.cluster.remote_errors import raise_remote, remote_cause
-from lifemem_ray.core.errors import IdConflictError, ShardUnavailableError
+from lifemem_ray.actors.cluster.remote_errors import own_error, raise_remote, remote_cause
+from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError, ShardUnavailableError
 
 
 def wrapped(cause: BaseException | None) -> BaseException:
@@ -33,6 +33,15 @@ def test_raise_remote_raises_the_cause_in_place_of_the_wrapper():
     assert info.value.__suppress_context__  # the wrapper is not chained onto it
     with pytest.raises(ValueError, match="plain"):
         raise_remote(ValueError("plain"))
+
+
+def test_own_error_is_the_librarys_error_and_leaves_a_bug_wrapped_with_its_traceback():
+    refused = InvalidArgumentError("as_of: 99 is not a version of this store (its watermark is 3)")
+    assert own_error(wrapped(refused)) is refused
+    bug = wrapped(KeyError("cluster 7"))  # not the library's: the remote traceback stays for the report
+    assert own_error(bug) is bug
+    plain = ValueError("not from Ray")
+    assert own_error(plain) is plain
 
 
 def test_a_failed_snapshot_raises_its_own_error_when_the_resume_fails_too(tmp_path, monkeypatch, caplog):

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import ray
 from front_harness import serve_front
 from mcp import Client
 
@@ -17,7 +18,14 @@ from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.memory import Memory
-from lifemem_ray.engine.versions import MAX_OVERFETCH, format_version, parse_version, search_as_of, visible
+from lifemem_ray.engine.versions import (
+    MAX_OVERFETCH,
+    check_version,
+    format_version,
+    parse_version,
+    search_as_of,
+    visible,
+)
 from lifemem_ray.lab.synthetic import generate
 from lifemem_ray.service.mcp_server import build_mcp_server
 from lifemem_ray.service.principal import Principal
@@ -45,6 +53,22 @@ def test_tokens_round_trip_and_bad_ones_are_refused_by_name():
             parse_version(bad, 1)
     with pytest.raises(InvalidArgumentError, match="2 shard"):
         parse_version("v1:3.4", 1)
+
+
+# Digits Python's int() and str.isdigit() take but no token holds (issue 32.9): full-width,
+# Arabic-Indic, Devanagari, mathematical bold; a superscript (isdigit, not int).
+NOT_ASCII_DIGITS = ("\uff11\uff12", "\u0661\u0662", "\u0967", "\U0001d7cf", "\u00b2")
+
+
+def test_a_version_takes_ascii_digits_only():
+    for digits in NOT_ASCII_DIGITS:
+        assert digits.isdigit()  # what made them pass
+        for bad in (f"v1:{digits}", f"v1:12.{digits}", f"v1:{digits}.3"):
+            with pytest.raises(InvalidArgumentError, match="ASCII digits"):
+                parse_version(bad, len(bad.split(".")))
+            with pytest.raises(InvalidArgumentError, match=r"^pin: "):
+                check_version(bad, "pin")
+    assert parse_version("v1:0012.3", 2) == [12, 3]
 
 
 def test_the_filter_keeps_ids_below_the_watermark_whatever_their_namespace():
@@ -186,6 +210,10 @@ def test_rest_and_mcp_take_a_version(ray_local, tmp_path):
             assert not any(i.startswith("rest-new") for i in pinned_ids)
             bad = rw.post("/v1/retrieve", json={**body, "as_of": "v1:1"})
             assert bad.status_code == 422 and "as_of" in bad.text
+            wide = version.replace("v1:", "v1:\uff10").replace(".", ".\u0660")  # leading zeros int() takes
+            bad = rw.post("/v1/retrieve", json={**body, "as_of": wide})
+            assert bad.status_code == 422 and bad.json()["error"]["where"] == "as_of", bad.text
+            assert "ASCII digits" in bad.json()["error"]["message"]
         _mcp_reads_as_of(client, version)
 
 
@@ -204,5 +232,51 @@ def _mcp_reads_as_of(client: Any, version: str) -> None:
             ).structured_content
             assert "rest-old" in {h["id"] for h in got["trajectories"]}
             assert not any(h["id"].startswith("rest-new") for h in got["trajectories"])
+            wide = version.replace("v1:", "v1:\uff10")  # a full-width leading zero: the same number to int()
+            refused = await mcp.call_tool("retrieve_experience", {"task": "scarf", "env": "shop", "as_of": wide})
+            text = " ".join(getattr(block, "text", "") for block in refused.content)
+            assert refused.is_error and "as_of" in text and "ASCII digits" in text
 
     asyncio.run(scenario())
+
+
+def test_a_refused_call_reaches_client_callers_as_the_librarys_own_error(deployment):
+    """Issue 32.9: a version a shard refuses (above its watermark), or query vectors it refuses,
+    reach MemoryClient and AsyncMemoryClient callers as the library's own error with its
+    message, not as Ray's RayTaskError led by the shard's traceback."""
+    client, _ = deployment(shards=2)
+    client.add_many(list(generate(12, seed=31, envs=["shop"], length_scale=0.1, id_prefix="own"))).result(120)
+    above = "v1:9999999.9999999"  # of this layout, but above what each shard handed out
+    many = client.config.cluster.one_round_max + 1  # the two-round path: ids first, then records
+    nan = np.full(client.dim, np.nan, dtype=np.float32)
+    refusals = [
+        (r"^as_of: 9999999 is not a version of this store", lambda c: c.retrieve("scarf", "shop", as_of=above)),
+        (
+            r"^as_of: 9999999 is not a version",
+            lambda c: c.retrieve_many(["scarf"] * many, ["shop"] * many, as_of=above),
+        ),
+        (r"^vectors\[0\]: contains NaN", lambda c: c.retrieve("scarf", "shop", vector=nan)),
+        (r"^as_of: .*ASCII digits", lambda c: c.retrieve("scarf", "shop", as_of="v1:\uff11.2")),
+        (r"^as_of: version 'v1:5' is of a memory with 1 shard", lambda c: c.retrieve("scarf", "shop", as_of="v1:5")),
+    ]
+    for match, call in refusals:
+        with pytest.raises(InvalidArgumentError, match=match) as info:
+            call(client)
+        assert not isinstance(info.value, ray.exceptions.RayTaskError) and "Traceback" not in str(info.value)
+
+    async def through_async() -> None:
+        memory = await AsyncMemoryClient.connect(client.namespace, config=client.config)
+        try:
+            for match, call in refusals:
+                with pytest.raises(InvalidArgumentError, match=match) as info:
+                    await _awaited(call(memory))
+                assert not isinstance(info.value, ray.exceptions.RayTaskError)
+        finally:
+            memory.close()
+
+    asyncio.run(through_async())
+    assert len(client.retrieve("scarf", "shop", as_of=client.version()).trajectories) > 0  # and a good one reads
+
+
+async def _awaited(got: Any) -> Any:
+    return await got

@@ -57,7 +57,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
-from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, own_error, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
@@ -183,6 +183,8 @@ class AsyncMemoryClient:
             self._shards = None
             why = f"no answer within cluster.call_timeout_s = {limit:g} s" if isinstance(exc, TimeoutError) else exc
             raise ShardUnavailableError(f"a shard is unavailable for {what}: {type(exc).__name__}: {why}") from exc
+        except ray.exceptions.RayTaskError as exc:  # a shard's own refusal as itself, as the blocking client
+            raise own_error(exc) from None
 
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AsyncAddFuture:
@@ -222,7 +224,12 @@ class AsyncMemoryClient:
                 "no embedder actors in this deployment (deployed with cluster.embedders = 0); pass vectors, or deploy with embedders"
             )
         plan = embed_plan(texts, len(self.embedders), self.config.cluster.embed_chunk)
-        answers = await _gather([self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan])
+        try:
+            answers = await _gather(
+                [self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]
+            )
+        except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
+            raise own_error(exc) from None
         return gather_rows(texts, plan, answers)
 
     async def retrieve(
@@ -336,7 +343,7 @@ class AsyncMemoryClient:
         shard_stats = await self._answers([s.stats.remote(tenant) for s in await self.shards()], "stats")
         out = merge_stats(shard_stats, tenant)
         if tenant is None:
-            out = with_deployment_stats(out, shard_stats, await self.coordinator.stats.remote())
+            out = with_deployment_stats(out, shard_stats, await _coordinator_answer(self.coordinator.stats.remote()))
         return out  # type: ignore[return-value]
 
     async def clusters(

@@ -11,6 +11,7 @@ embedding for another thread right now (:class:`~.query_vectors.QueryVectors`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
-from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_remote
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, own_error, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
@@ -56,6 +57,16 @@ def _coordinator_answer(ref: Any) -> Any:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
         raise_remote(exc)
+
+
+def _read_the_rest(refs: list[Any], wait_s: float = 1.0) -> None:
+    """Read the answers of ``refs`` that come within ``wait_s`` after one of them failed: every
+    shard usually refuses the same call, and an error never read is printed by Ray, with its
+    traceback, when its ref is dropped (an "Unhandled error" on the caller's stderr)."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for ref in ready:
+        with contextlib.suppress(Exception):  # read only so that Ray does not print it; the first error is raised
+            ray.get(ref, timeout=0)
 
 
 @dataclass(eq=False)  # a future is itself: compared and hashed by identity
@@ -192,12 +203,17 @@ class MemoryClient:
 
     def _answers(self, refs: list[Any], what: str = "retrieval") -> list[Any]:
         """The shards' answers, within cluster.call_timeout_s; a shard that died, or did not
-        answer, is a ShardUnavailableError, and the handles are looked up again next time."""
+        answer, is a ShardUnavailableError, and the handles are looked up again next time; a
+        shard's own refusal (a version above its watermark...) is raised as itself
+        (:func:`~.remote_errors.own_error`), not as Ray's wrapper led by the shard's traceback."""
         try:
             return ray.get(refs, timeout=self.config.cluster.call_timeout_s)
         except actor_failures(ray.exceptions.GetTimeoutError) as exc:
             self._shards = None
             raise ShardUnavailableError(f"a shard is unavailable for {what}: {type(exc).__name__}: {exc}") from exc
+        except ray.exceptions.RayTaskError as exc:
+            _read_the_rest(refs)
+            raise own_error(exc) from None
 
     @classmethod
     def connect(
@@ -247,7 +263,11 @@ class MemoryClient:
             )
         plan = embed_plan(texts, len(self.embedders), self.config.cluster.embed_chunk)
         refs = [self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]
-        return gather_rows(texts, plan, ray.get(refs))
+        try:
+            answers = ray.get(refs)
+        except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
+            raise own_error(exc) from None
+        return gather_rows(texts, plan, answers)
 
     def retrieve(
         self,
@@ -384,7 +404,7 @@ class MemoryClient:
         shard_stats = self._answers([s.stats.remote(tenant) for s in self.shards], "stats")
         out = merge_stats(shard_stats, tenant)
         if tenant is None:
-            out = with_deployment_stats(out, shard_stats, ray.get(self.coordinator.stats.remote()))
+            out = with_deployment_stats(out, shard_stats, _coordinator_answer(self.coordinator.stats.remote()))
         return out  # type: ignore[return-value]
 
     def clusters(

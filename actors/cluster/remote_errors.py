@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from lifemem_ray.core.errors import DeploymentNotFoundError, OverloadedError, ShardUnavailableError
+from lifemem_ray.core.errors import DeploymentNotFoundError, LifeMemError, OverloadedError, ShardUnavailableError
 
 __all__ = [
     "DeploymentNotFoundError",
     "OverloadedError",
     "ShardUnavailableError",
     "actor_failures",
+    "own_error",
     "raise_remote",
     "remote_cause",
 ]
@@ -33,6 +34,22 @@ def remote_cause(exc: BaseException) -> BaseException:
 
     cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
     return cause if isinstance(cause, Exception) else exc
+
+
+def own_error(exc: BaseException) -> BaseException:
+    """What a caller of the memory should get for a remote call's failure ``exc``.
+
+    Args:
+        exc: what ``ray.get`` (or awaiting a ref) raised.
+
+    Returns:
+        The library's own error that the remote task raised (a :class:`LifeMemError`: a version
+        a shard refused, a store's failure), without Ray's wrapping, so the caller reads its
+        message rather than a shard's traceback; any other error as Ray gave it (with the
+        remote traceback, which a bug report needs).
+    """
+    cause = remote_cause(exc)
+    return cause if isinstance(cause, LifeMemError) else exc
 
 
 def raise_remote(exc: BaseException) -> NoReturn:

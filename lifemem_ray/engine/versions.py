@@ -42,7 +42,7 @@ __all__ = ["MAX_OVERFETCH", "check_version", "format_version", "parse_version", 
 PREFIX = "v1:"
 MAX_TOKEN_CHARS = 2048  # about 100 shards' watermarks
 MAX_OVERFETCH = 65_536  # most candidates a pinned search looks at per query before it answers with fewer than k
-_TOKEN = re.compile(r"v1:\d{1,13}(\.\d{1,13})*")
+_TOKEN = re.compile(r"v1:[0-9]{1,13}(\.[0-9]{1,13})*")  # ASCII digits only: \d and int() take any script's
 _SEQ_MASK = (1 << ID_SEQ_BITS) - 1
 
 
@@ -52,12 +52,26 @@ def format_version(watermarks: Sequence[int]) -> str:
 
 
 def check_version(token: object, where: str = "as_of") -> str:
-    """``token`` if it has the form of a version token (of any number of shards), else a clear
-    error naming ``where``."""
+    """``token`` if it has the form of a version token (of any number of shards).
+
+    Only ASCII digits make a number: Python's ``\\d``, ``str.isdigit`` and ``int`` also take
+    full-width digits (U+FF10..U+FF19) and other scripts' (Arabic-Indic U+0660..U+0669...), which no
+    token ever holds.
+
+    Args:
+        token: what the caller gave as a version.
+        where: the argument's name, for the error.
+
+    Returns:
+        ``token`` itself.
+
+    Raises:
+        InvalidArgumentError: not a string of the token's form, naming ``where``.
+    """
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS or not _TOKEN.fullmatch(token):
         raise InvalidArgumentError(
             f"{where}: {str(token)[:80]!r} is not a memory version; give a token read from version() or stats() "
-            "(like 'v1:1200.977')"
+            "as it was given ('v1:' then one number per shard in ASCII digits, joined by dots: 'v1:1200.977')"
         )
     return token
 
