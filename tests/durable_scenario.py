@@ -17,6 +17,7 @@ import ray
 from scenario_cluster import ACTORS, emit_report, local_cluster
 
 from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.restore import restore
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
@@ -80,7 +81,7 @@ def adds_after(client: MemoryClient) -> list[str] | str:
 def resharded(root: Path, trajs: list, vecs: np.ndarray, queries: list[int], final: list[list[str]]) -> dict:
     """The whole deployment from its durable address alone, on three shards (a reshard)."""
     config = DeploymentConfig().replace({**SETTINGS, "cluster.namespace": "durable3"})
-    restored = dep.restore(root / "shared" / "durable", root / "resharded", config, shards=3)
+    restored = restore(root / "shared" / "durable", root / "resharded", config, shards=3)
     client = MemoryClient("durable3", config)
     report = {
         "shards": len(restored["shards"]),

@@ -16,6 +16,7 @@ import ray
 from scenario_cluster import ACTORS, emit_report, local_cluster
 
 from lifemem_ray.actors.cluster import deployment as dep
+from lifemem_ray.actors.cluster.restore import restore
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
@@ -46,7 +47,7 @@ def node_lost(client: MemoryClient, trajs: list, vecs: np.ndarray) -> dict:
 def restored_from_snapshot(root: Path, trajs: list, vecs: np.ndarray) -> dict:
     """Back from the last snapshot, on the nodes that are left."""
     config = DeploymentConfig().replace({"cluster.namespace": "mn2", **ACTORS})
-    restored = dep.restore(root / "snap", root / "restored", config, shards=2)
+    restored = restore(root / "snap", root / "restored", config, shards=2)
     client = MemoryClient("mn2", config)
     report = {
         "restored": {k: restored[k] for k in ("trajectories", "clusters", "nodes")},

@@ -74,7 +74,7 @@ def test_sharded_ingest_spreads_clusters_and_matches_the_engine(deployment, data
 
 
 def test_restore_from_an_engine_store_retrieves_the_same(deployment, data, tmp_path):
-    from lifemem_ray.actors.cluster.deployment import restore
+    from lifemem_ray.actors.cluster.restore import restore
 
     trajs, vecs = data
     with Memory.open(tmp_path / "single") as memory:
@@ -131,7 +131,9 @@ def test_snapshot_and_restore_with_another_shard_count(deployment, data, tmp_pat
     client.add_many(trajs[600:700], vecs[600:700]).result(timeout=300)
     ns = client.namespace + "-three"
     config = DeploymentConfig().replace({"cluster.namespace": ns, **SMALL_ACTORS})
-    info = dep.restore(tmp_path / "snap", tmp_path / "three", config, shards=3)
+    from lifemem_ray.actors.cluster.restore import restore as restore_deployment
+
+    info = restore_deployment(tmp_path / "snap", tmp_path / "three", config, shards=3)
     try:
         three = MemoryClient(ns, config)
         assert three.stats()["trajectories"] == 600 and info["trajectories"] == 600

@@ -17,8 +17,17 @@ from lifemem_ray.core.errors import StoreError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
+from lifemem_ray.engine.store.log_errors import LogDamagedError
 from lifemem_ray.engine.store.redo import RecordingTxn
-from lifemem_ray.engine.store.shared_log import LogForkedError, SharedLog, SharedLogError, decode_entry, encode_entry
+from lifemem_ray.engine.store.shared_log import (
+    Entry,
+    LogForkedError,
+    SharedLog,
+    SharedLogError,
+    Writer,
+    decode_entry,
+    encode_entry,
+)
 
 ACTIONS = [
     ("search[x]", "click[B1]", "click[Buy Now]"),
@@ -38,8 +47,12 @@ def durable(uri: str, endpoint: str = "", **extra: object) -> MemoryConfig:
     )
 
 
+FENCE_KEYS = (b"writer", b"redo_seq")  # each opening for writing appends its own fence entry
+
+
 def tables(path: Path) -> dict[str, dict[bytes, bytes]]:
-    """Every key and value of every table of the store at ``path`` (redo_seq and generation included)."""
+    """Every key and value of every table of the store at ``path`` (generation included), but
+    the fence keys: each opening for writing takes the log over with a fence entry of its own."""
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=32)
     try:
         out: dict[str, dict[bytes, bytes]] = {}
@@ -47,7 +60,7 @@ def tables(path: Path) -> dict[str, dict[bytes, bytes]]:
             names = [k for k, _ in txn.cursor()]
             for name in names:
                 db = env.open_db(name, txn=txn, create=False)
-                out[name.decode()] = dict(txn.cursor(db=db))
+                out[name.decode()] = {k: v for k, v in txn.cursor(db=db) if name != b"meta" or k not in FENCE_KEYS}
         return out
     finally:
         env.close()
@@ -97,7 +110,8 @@ def test_checkpoint_prunes_the_log_and_rebuild_starts_from_it(tmp_path):
     assert [c.seq for c in log.checkpoints()] == sorted(c.seq for c in log.checkpoints()) and len(
         log.checkpoints()
     ) == 2
-    assert log.sequence_numbers()[0] == status["checkpoint_seq"] + 1 and status["head"] == status["local_seq"]
+    # The entries after the *older* kept checkpoint stay: a damaged newest one falls back to it.
+    assert log.sequence_numbers()[0] == log.checkpoints()[0].seq + 1 and status["head"] == status["local_seq"]
     with Memory.open(tmp_path / "b", config) as rebuilt:
         assert rebuilt.stats()["trajectories"] == 70
     assert tables(tmp_path / "b") == tables(tmp_path / "a")
@@ -129,7 +143,7 @@ def test_nothing_is_stored_when_the_log_cannot_be_written(tmp_path, monkeypatch)
     with Memory.open(tmp_path / "a", config) as memory:
         fill(memory, 0, 10, seed=1)
 
-        def unreachable(self, seq, ops):
+        def unreachable(self, seq, ops, writer):
             raise SharedLogError("shared log: storage unreachable (test)")
 
         monkeypatch.setattr(SharedLog, "append", unreachable)
@@ -190,7 +204,7 @@ def test_two_writers_of_one_log_are_refused(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "twin")
     with Memory.open(tmp_path / "a", config) as first, Memory.open(tmp_path / "twin", config) as twin:
         fill(twin, 10, 5, seed=2)  # the twin took the shard over
-        with pytest.raises(LogForkedError, match="another writer"):
+        with pytest.raises(LogForkedError, match="took this store over"):
             fill(first, 20, 5, seed=3)
     with Memory.open(tmp_path / "lone", MemoryConfig(), dim=8):
         pass  # a store of its own, then pointed at the same log
@@ -213,21 +227,30 @@ def test_durability_turned_on_for_an_existing_store_checkpoints_it_first(tmp_pat
 
 
 def test_entries_are_framed_and_checked(tmp_path):
-    data = encode_entry(7, [("traj", b"\x00\x01", b"value"), ("tid", b"id", None)])
-    assert decode_entry(data, "here") == (7, [("traj", b"\x00\x01", b"value"), ("tid", b"id", None)])
-    with pytest.raises(SharedLogError, match="damaged"):
-        decode_entry(data[:-1] + b"X", "here")
+    writer = Writer("deployment-a", 3)
+    data = encode_entry(7, [("traj", b"\x00\x01", b"value"), ("tid", b"id", None)], writer)
+    assert decode_entry(data, "here", 7) == Entry(7, [("traj", b"\x00\x01", b"value"), ("tid", b"id", None)], writer)
+    with pytest.raises(LogDamagedError, match="entry 7 is damaged") as damaged:
+        decode_entry(data[:-1] + b"X", "here", 7)
+    assert (damaged.value.uri, damaged.value.seq) == ("here", 7)
+    with pytest.raises(LogDamagedError, match="holds entry 7"):
+        decode_entry(data, "here", 8)
     log = SharedLog(str(tmp_path))
-    log.append(1, [("meta", b"a", b"1")])
-    log.append(2, [("meta", b"b", b"2")])
-    (tmp_path / "log" / f"{3:020d}.txn").write_bytes(data[:10])  # a writer died writing entry 3
-    assert log.drop_torn_tail() == 3 and log.head() == 2
+    log.append(1, [("meta", b"a", b"1")], writer)
+    log.append(2, [("meta", b"b", b"2")], writer)
+    (tmp_path / "log" / f"{3:020d}.txn").write_bytes(data[:10])  # damaged: it stays, and is named
+    assert log.damaged(0, 3) == {3: "checksum mismatch"} and log.head() == 3
+    with pytest.raises(LogDamagedError, match="entry 3"):
+        list(log.entries(after=0))
     (tmp_path / "log" / f"{2:020d}.txn").unlink()
-    log.append(3, [("meta", b"c", b"3")])
+    log.append(4, [("meta", b"c", b"3")], writer)
     with pytest.raises(SharedLogError, match="entry 2 is missing"):
         list(log.entries(after=0))
-    with pytest.raises(LogForkedError):
-        log.append(3, [])
+    log.append(4, [("meta", b"c", b"3")], writer)  # the same entry again: an append retried after a lost answer
+    with pytest.raises(LogForkedError, match="another writer"):
+        log.append(4, [], writer)
+    with pytest.raises(LogForkedError, match="took this store over"):
+        log.append(4, [], Writer("deployment-a", 2))
 
 
 def test_a_logged_transaction_refuses_writes_replay_could_not_repeat(tmp_path):
@@ -261,7 +284,7 @@ def test_rebuild_through_an_s3_compatible_server(tmp_path, monkeypatch):
         assert tables(tmp_path / "b") == tables(tmp_path / "a")
         log = SharedLog(s3.uri("lifemem", "shard-00"), endpoint_url=s3.endpoint_url)
         with pytest.raises(LogForkedError):  # exclusive create on S3 too (If-None-Match)
-            log.append(log.head(), [])
+            log.append(log.head(), [], Writer())
 
 
 def test_a_checkpoint_keeping_one_leaves_no_deleted_byte_in_the_durable_storage(tmp_path):

@@ -17,9 +17,19 @@ import lmdb
 
 from lifemem_ray.core.errors import LifeMemError
 
-__all__ = ["CheckpointSchedule", "shard_log_uri"]
+__all__ = ["CheckpointSchedule", "deployment_address", "shard_log_uri"]
 
 log = logging.getLogger(__name__)
+
+
+def deployment_address(durable_uri: str, namespace: str) -> str:
+    """Where the deployment in ``namespace`` keeps its shards' logs and checkpoints (and its
+    ownership record: :mod:`lifemem_ray.actors.cluster.durable_owner`).
+
+    >>> deployment_address("s3://bucket/lifemem/", "exp 1")
+    's3://bucket/lifemem/exp%201'
+    """
+    return f"{durable_uri.rstrip('/')}/{quote(namespace, safe='-_.')}"
 
 
 def shard_log_uri(durable_uri: str, namespace: str, index: int) -> str:
@@ -28,7 +38,7 @@ def shard_log_uri(durable_uri: str, namespace: str, index: int) -> str:
     >>> shard_log_uri("s3://bucket/lifemem/", "exp 1", 3)
     's3://bucket/lifemem/exp%201/shard-03'
     """
-    return f"{durable_uri.rstrip('/')}/{quote(namespace, safe='-_.')}/shard-{index:02d}"
+    return f"{deployment_address(durable_uri, namespace)}/shard-{index:02d}"
 
 
 class CheckpointSchedule:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator import Coordinator
+from lifemem_ray.actors.cluster.durable_owner import claim_durable_address
 from lifemem_ray.actors.cluster.embedder import EmbedderActor
 from lifemem_ray.actors.cluster.placement import alive_nodes, place_shards, shard_name, start_shard
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError
@@ -32,28 +33,31 @@ from lifemem_ray.core.errors import (
     ConfigError,
     DeploymentExistsError,
     PathExistsError,
-    PathNotFoundError,
     ResourcesUnavailableError,
 )
 from lifemem_ray.engine.embedding import DIM as MINILM_DIM
-from lifemem_ray.engine.store.durable_copy import materialize
-from lifemem_ray.engine.store.shared_log import shard_logs
-from lifemem_ray.engine.store.storage import MemoryStore
 
 __all__ = [
     "COORDINATOR",
+    "RESTORE_MARKER",
+    "DeploymentPlan",
     "compact",
     "deploy",
+    "ending_on_failure",
     "find_coordinator",
-    "restore",
+    "plan_deployment",
     "snapshot",
+    "start_coordinator",
+    "start_workers",
     "stop",
+    "wait_ready",
 ]
 
 log = logging.getLogger(__name__)
 
 COORDINATOR = "lifemem-coordinator"
 SNAPSHOT_MANIFEST = "snapshot.json"
+RESTORE_MARKER = "restoring.json"  # in a store folder while a restore fills it (actors/cluster/restore.py)
 
 
 def _embedder_name(i: int) -> str:
@@ -75,12 +79,40 @@ def find_coordinator(namespace: str) -> Any:
         ) from None
 
 
-def deploy(
-    store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None
-) -> dict[str, Any]:
-    """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """What a start needs, read from (or first written to) the store's routing table."""
 
-    Call after ``ray.init``. An existing store keeps its shard count and node placement.
+    store: Path  # the store folder (its routing table on this node, each shard's folder on its node)
+    config: DeploymentConfig  # validated; store.shared_log_owner set to the deployment's id
+    deployment_id: str  # the deployment's identity, kept in its routing table (its durable address's owner)
+    dim: int  # the vectors' dimension
+    nodes: list[str]  # the node of each shard
+    shard_names: list[str]  # the shard actors' names
+    embedder_names: list[str]  # the embedder actors' names (one per GPU where the cluster has GPUs)
+    gpus: int  # GPUs in the cluster now
+
+    @property
+    def namespace(self) -> str:
+        return self.config.cluster.namespace
+
+
+def plan_deployment(
+    store_dir: str | Path,
+    config: DeploymentConfig | None = None,
+    *,
+    shards: int | None = None,
+    dim: int | None = None,
+    restoring: bool = False,
+) -> DeploymentPlan:
+    """The deployment of ``store_dir``: its shard count, dimension, placement and id, its
+    durable address claimed for it (before any actor starts).
+
+    Raises:
+        DeploymentExistsError: a deployment already runs in the namespace.
+        PathExistsError: the folder holds an interrupted restore (and this is not its rerun).
+        DurableAddressOwnedError: another deployment owns ``<durable_uri>/<namespace>``.
+        ConfigError: ``shards`` differs from the store's.
     """
     config = (config or DeploymentConfig()).validate()
     ns = config.cluster.namespace
@@ -93,9 +125,16 @@ def deploy(
         pass
     store = Path(store_dir).resolve()
     store.mkdir(parents=True, exist_ok=True)
+    if (store / RESTORE_MARKER).exists() and not restoring:
+        raise PathExistsError(
+            f"{store}: a restore into this folder was interrupted ({RESTORE_MARKER}); run the same "
+            "`lifemem-ray restore` command again to finish it, or remove the folder"
+        )
     routing = RoutingTable(store / "coordinator")  # refused while another deployment serves this store
     try:
         saved = routing.get_meta("deployment")
+        deployment_id = (saved or {}).get("deployment_id") or uuid.uuid4().hex
+        claim_durable_address(config.cluster, deployment_id, store)
         if saved is not None:
             count = saved["shards"]
             if shards is not None and shards != count:
@@ -108,49 +147,110 @@ def deploy(
             count = shards or config.cluster.shards
             dim = dim or MINILM_DIM
             nodes = place_shards(count, None)
-        routing.put_meta(
-            "deployment", {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()}
-        )
+        record = {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()}
+        routing.put_meta("deployment", {**record, "deployment_id": deployment_id})
         routing.put_meta("store", str(store))
         routing.put_meta("nodes", nodes)
     finally:
         routing.close()  # the coordinator takes the store over
-
-    common = {"namespace": ns, "lifetime": "detached"}
-    shard_names = [shard_name(i) for i in range(count)]
     gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()))
-    embedder_names = [_embedder_name(i) for i in range(max(config.cluster.embedders, gpus))]
+    return DeploymentPlan(
+        store=store,
+        config=config.replace({"store.shared_log_owner": deployment_id}),
+        deployment_id=deployment_id,
+        dim=dim,
+        nodes=nodes,
+        shard_names=[shard_name(i) for i in range(count)],
+        embedder_names=[_embedder_name(i) for i in range(max(config.cluster.embedders, gpus))],
+        gpus=gpus,
+    )
+
+
+@contextmanager
+def ending_on_failure(namespace: str) -> Iterator[list[str]]:
+    """The names of the actors started in the block (the block appends them); if the block
+    fails, those actors, and only those, are ended: a start that fails never ends actors it
+    did not create (a live deployment's, or those of an interrupted restore)."""
+    started: list[str] = []
     try:
-        for i in range(count):
-            start_shard(i, nodes[i], store, config, dim)
-        for i, name in enumerate(embedder_names):
-            ray.remote(EmbedderActor).options(
-                name=name, **EmbedderActor.ray_options(config, gpu=i < gpus), **common
-            ).remote(config.embedding, ns)
-        # The coordinator opens the routing table in the store folder of the node that started the
-        # deployment (a node-local disk, like the shards'): it runs there, and restarts there.
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        ray.remote(Coordinator).options(
-            name=COORDINATOR, scheduling_strategy=here, **Coordinator.ray_options(config), **common
-        ).remote(str(store), config, shard_names, embedder_names, dim)
-        coordinator = _actor(COORDINATOR, ns)
-        pings = [_actor(n, ns).ping.remote() for n in shard_names + embedder_names] + [coordinator.ping.remote()]
-        ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=config.cluster.start_timeout_s)
-        if waiting:
-            need = (
-                count * config.cluster.shard_cpus
-                + len(embedder_names) * config.cluster.embedder_cpus
-                + config.cluster.coordinator_cpus
-            )
-            raise ResourcesUnavailableError(
-                f"the deployment's actors did not start within {config.cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
-                f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: {ray.available_resources().get('CPU', 0):g} CPUs"
-            )
-        ray.get(ready)
-        ray.get(coordinator.resync.remote())
-        return ray.get(coordinator.deployment.remote())
+        yield started
+    except BaseException:
+        _kill_named(namespace, started)
+        raise
+
+
+def start_workers(plan: DeploymentPlan, started: list[str]) -> None:
+    """The shard and embedder actors of the plan (not waited for)."""
+    config = plan.config
+    for i in range(len(plan.shard_names)):
+        start_shard(i, plan.nodes[i], plan.store, config, plan.dim)
+        started.append(plan.shard_names[i])
+    for i, name in enumerate(plan.embedder_names):
+        ray.remote(EmbedderActor).options(
+            name=name,
+            namespace=plan.namespace,
+            lifetime="detached",
+            **EmbedderActor.ray_options(config, gpu=i < plan.gpus),
+        ).remote(config.embedding, plan.namespace)
+        started.append(name)
+
+
+def start_coordinator(plan: DeploymentPlan, started: list[str]) -> Any:
+    """The coordinator (not waited for). It opens the routing table in the store folder of the
+    node that started the deployment (a node-local disk, like the shards'): it runs there, and
+    restarts there."""
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    ray.remote(Coordinator).options(
+        name=COORDINATOR,
+        namespace=plan.namespace,
+        lifetime="detached",
+        scheduling_strategy=here,
+        **Coordinator.ray_options(plan.config),
+    ).remote(str(plan.store), plan.config, plan.shard_names, plan.embedder_names, plan.dim)
+    started.append(COORDINATOR)
+    return _actor(COORDINATOR, plan.namespace)
+
+
+def wait_ready(plan: DeploymentPlan, names: list[str]) -> None:
+    """Every named actor answers a ping within ``cluster.start_timeout_s``.
+
+    Raises:
+        ResourcesUnavailableError: some did not start (what the deployment needs is named).
+    """
+    cluster = plan.config.cluster
+    pings = [_actor(n, plan.namespace).ping.remote() for n in names]
+    ready, waiting = ray.wait(pings, num_returns=len(pings), timeout=cluster.start_timeout_s)
+    if waiting:
+        need = (
+            len(plan.shard_names) * cluster.shard_cpus
+            + len(plan.embedder_names) * cluster.embedder_cpus
+            + cluster.coordinator_cpus
+        )
+        raise ResourcesUnavailableError(
+            f"the deployment's actors did not start within {cluster.start_timeout_s:.0f} s; it needs {need:g} CPUs "
+            f"(cluster.shard_cpus, embedder_cpus, coordinator_cpus) and each shard its node; available now: "
+            f"{ray.available_resources().get('CPU', 0):g} CPUs"
+        )
+    ray.get(ready)
+
+
+def deploy(
+    store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None
+) -> dict[str, Any]:
+    """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
+
+    Call after ``ray.init``. An existing store keeps its shard count, node placement and id.
+    A start that fails ends the actors it started, and only those.
+    """
+    plan = plan_deployment(store_dir, config, shards=shards, dim=dim)
+    try:
+        with ending_on_failure(plan.namespace) as started:
+            start_workers(plan, started)
+            coordinator = start_coordinator(plan, started)
+            wait_ready(plan, started)
+            ray.get(coordinator.resync.remote())
+            return dict(ray.get(coordinator.deployment.remote()))
     except BaseException as exc:
-        _kill_named(ns, shard_names + embedder_names + [COORDINATOR])  # nothing of a failed start is left running
         cause = getattr(exc, "cause", None)
         if isinstance(cause, DeploymentExistsError):  # the coordinator could not take the store: served meanwhile
             raise DeploymentExistsError(str(cause)) from None
@@ -268,101 +368,6 @@ def compact(namespace: str = "lifemem", *, timeout_s: float = 600.0) -> dict[str
         "bytes_before": sum(s["bytes_before"] for s in shards),
         "bytes_after": sum(s["bytes_after"] for s in shards),
     }
-
-
-def restore(
-    snapshot_dir: str | Path,
-    store_dir: str | Path,
-    config: DeploymentConfig | None = None,
-    *,
-    shards: int | None = None,
-) -> dict[str, Any]:
-    """A new deployment in ``store_dir`` holding the snapshot's memory, on ``shards`` shards.
-
-    Whole clusters move: each keeps its id, trajectories, vectors and skill, and goes to
-    the shard with the fewest trajectories so far (largest clusters first). A single-
-    process store folder is accepted as a snapshot of one shard, and so is a deployment's
-    durable address (``<cluster.durable_uri>/<namespace>``: each shard's newest checkpoint plus
-    its log, read only), for a deployment lost whole or moved to another shard count.
-    """
-    config = (config or DeploymentConfig()).validate()
-    target = Path(store_dir).resolve()
-    if target.exists() and any(target.iterdir()):
-        raise PathExistsError(f"{target}: restore needs a new, empty store folder")
-    with restore_sources(str(snapshot_dir), config.cluster.durable_endpoint_url) as (sources, readable, dim):
-        # Which clusters are where, and how big.
-        plan: list[tuple[int, int, int]] = []  # (size, source position, cluster id)
-        pending_at: list[int] = []
-        for at, folder in enumerate(readable):
-            store = MemoryStore(folder, read_only=True)
-            try:
-                with store.read() as txn:
-                    plan += [(r.count, at, r.id) for r in store.iter_clusters(txn) if r.live]
-                    if store.get_meta("pending", txn):
-                        pending_at.append(at)
-            finally:
-                store.close()
-        info = deploy(target, config, shards=shards or config.cluster.shards, dim=dim)
-        count = len(info["shards"])
-        loads = [0] * count
-        assignment: dict[tuple[int, int], list[int]] = {}
-        for size, at, cid in sorted(plan, key=lambda p: (-p[0], p[2])):
-            shard = loads.index(min(loads))
-            loads[shard] += size
-            assignment.setdefault((shard, at), []).append(cid)
-        ns = config.cluster.namespace
-        handles = [_actor(n, ns) for n in info["shards"]]
-        moved = ray.get(
-            [handles[shard].absorb.remote(sources[at], ids, False) for (shard, at), ids in assignment.items()]
-        )
-        if pending_at:
-            ray.get([handles[0].absorb.remote(sources[at], [], True) for at in pending_at])
-    coordinator = find_coordinator(ns)
-    routes = ray.get(coordinator.resync.remote())
-    return {
-        **info,
-        "restored_from": str(snapshot_dir),
-        "clusters": len(plan),
-        "trajectories": sum(m["trajectories"] - m["skipped"] for m in moved),
-        "routes": routes,
-        "shard_trajectories": loads,
-    }
-
-
-@contextmanager
-def restore_sources(source: str, endpoint_url: str = "") -> Iterator[tuple[list[str], list[Path], int]]:
-    """``(sources, readable, dim)`` of a restore: what the shards absorb from (snapshot shard
-    folders, or shared-log addresses each shard copies from itself), the same as folders this
-    process reads to plan (a durable address is copied into a temporary folder, removed after),
-    and the vectors' dimension."""
-    logs = shard_logs(source, endpoint_url) if "://" in source or (Path(source) / "shard-00").is_dir() else []
-    if logs:
-        staging = Path(tempfile.mkdtemp(prefix="lifemem-restore-"))
-        try:
-            readable = [materialize(uri, staging / f"source-{i:02d}", endpoint_url) for i, uri in enumerate(logs)]
-            yield logs, readable, _dim_of(readable[0])
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return
-    folder = Path(source).resolve()
-    if (folder / SNAPSHOT_MANIFEST).exists():
-        manifest = json.loads((folder / SNAPSHOT_MANIFEST).read_text())
-        readable = [folder / d for d in manifest["shard_dirs"]]
-        yield [str(p) for p in readable], readable, int(manifest["dim"])
-    elif (folder / "data.mdb").exists():
-        yield [str(folder)], [folder], _dim_of(folder)
-    else:
-        raise PathNotFoundError(
-            f"{folder}: neither a snapshot ({SNAPSHOT_MANIFEST}), a store (data.mdb) nor a durable address (shard-NN logs)"
-        )
-
-
-def _dim_of(folder: Path) -> int:
-    store = MemoryStore(folder, read_only=True)
-    try:
-        return store.dim
-    finally:
-        store.close()
 
 
 def remove_store(store_dir: str | Path) -> None:

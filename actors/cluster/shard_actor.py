@@ -213,13 +213,18 @@ class MemoryShard(EngineShard):
         self._publish_sizes()
         return done
 
-    def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
+    def absorb(
+        self, source: str, cluster_ids: list[int] | None, pending: bool, accept_loss_from: int | None = None
+    ) -> dict[str, int]:
         """Copy clusters from a snapshot's store folder, or from a shard's shared log (a durable
-        address: the store it holds is first made in a temporary folder beside this shard's)."""
+        address: the store it holds is first made in a temporary folder beside this shard's,
+        from the entries before ``accept_loss_from`` when the operator accepted a loss)."""
         if "://" in source or (Path(source) / "identity.json").exists():
             staging = Path(tempfile.mkdtemp(prefix=".absorb-", dir=self.path.parent))
             try:
-                folder = materialize(source, staging / "store", self.durable_endpoint_url)
+                folder = materialize(
+                    source, staging / "store", self.durable_endpoint_url, accept_loss_from=accept_loss_from
+                )
                 out = super().absorb(str(folder), cluster_ids, pending)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -1,7 +1,8 @@
 """What an operator needs to see of a running deployment (``lifemem-ray status``): per shard,
-its node and address, whether it answers, what it holds, and its durability (the shared log's
+its node and address, whether it answers (up, down, or deposed: another writer took its
+shared log over, and it refuses writes), what it holds, and its durability (the shared log's
 head, the newest checkpoint and its age, the entries a rebuild would replay, how far this
-copy is behind the log), beside what the shard keeper did."""
+copy is behind the log, this writer's epoch), beside what the shard keeper did."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def deployment_status(namespace: str, *, timeout_s: float = 30.0) -> dict[str, A
                 clusters=details["clusters"],
                 durable=_durable_row(details.get("durable")),
             )
+            if (row["durable"] or {}).get("deposed"):  # another writer took its log over: it refuses writes
+                row.update(health="deposed", why=row["durable"]["deposed"])
         except actor_failures(ValueError, ray.exceptions.GetTimeoutError) as exc:
             down = (kept.get(i) or {}).get("down")
             row.update(health="down", why=down or f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -70,6 +73,9 @@ def _durable_row(durable: dict[str, Any] | None) -> dict[str, Any] | None:
         "checkpoint_age_s": None if created is None else round(time.time() - created, 1),
         "entries_after_checkpoint": durable["entries_after_checkpoint"],
         "checkpoint_error": schedule.get("last_error"),
+        "writer": durable.get("writer"),
+        "deposed": durable.get("deposed"),
+        "repaired_entries": durable.get("repaired_entries") or [],
     }
 
 
@@ -91,6 +97,8 @@ def status_table(status: dict[str, Any]) -> str:
             f"{s.get('trajectories', '-')!s:>9}  {checkpoint:<22}{d.get('entries_after_checkpoint', '-')!s:>10}"
             f"{d.get('behind_log', '-')!s:>8}"
         )
-        if s["health"] == "down":
-            lines.append(f"      down: {s['why']}")
+        if s["health"] in ("down", "deposed"):
+            lines.append(f"      {s['health']}: {s['why']}")
+        if d.get("repaired_entries"):
+            lines.append(f"      damaged log entries {d['repaired_entries']} replaced by a checkpoint of this copy")
     return "\n".join(lines)

@@ -148,16 +148,26 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from lifemem_ray.actors.cluster.deployment import restore
+    from lifemem_ray.actors.cluster.restore import parse_accepted_loss, restore
 
     config = config_from_args(args)
     namespace = connect(args, config, start_local=True)
-    info = restore(args.snapshot, args.store, config.replace({"cluster.namespace": namespace}), shards=args.shards)
+    accepted = parse_accepted_loss(args.accept_loss or [])
+    info = restore(
+        args.snapshot,
+        args.store,
+        config.replace({"cluster.namespace": namespace}),
+        shards=args.shards,
+        accept_loss=accepted,
+    )
+    loss = "; ".join(f"{name}: entries from {entry} lost, as accepted" for name, entry in info["accepted_loss"].items())
     emit(
         args,
         info,
         lambda: (
             f"restored {info['trajectories']} trajectories in {info['clusters']} clusters onto {len(info['shards'])} shards"
+            + (" (an interrupted restore, finished)" if info["resumed"] else "")
+            + (f"; {loss}" if loss else "")
         ),
     )
     return 0

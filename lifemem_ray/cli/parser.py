@@ -221,6 +221,18 @@ def deployment_commands(
         "restore", parents=[remote, common, llm], help="a new deployment from a snapshot (any shard count)"
     )
     p.add_argument("snapshot", metavar="SNAPSHOT_DIR")
-    p.add_argument("--store", required=True, metavar="DIR", help="a new, empty folder for the restored deployment")
+    p.add_argument(
+        "--store",
+        required=True,
+        metavar="DIR",
+        help="a new, empty folder for the restored deployment (or the folder of an interrupted run of the same restore)",
+    )
     p.add_argument("--shards", type=int, default=None)
+    p.add_argument(
+        "--accept-loss",
+        action="append",
+        metavar="SHARD_LOG:ENTRY",
+        help="from a durable address: accept the loss of a damaged entry of a shard log and of every later entry "
+        "(e.g. shard-01:12, as a refused rebuild names it); repeat per shard",
+    )
     p.set_defaults(func=cmd_restore)

@@ -260,10 +260,13 @@ class StoreConfig(Section):
     # Empty: off. A Ray shard sets its own from cluster.durable_uri.
     shared_log_uri: str = ""
     shared_log_endpoint_url: str = ""  # an S3-compatible server's address (empty: AWS, or AWS_ENDPOINT_URL)
+    # Who writes the shared log: a deployment sets its id (a log last written by another owner is
+    # refused, so two deployments never write one store's log). Empty: a store used on its own.
+    shared_log_owner: str = ""
 
     def validate(self) -> None:
         positive(self, "map_size_mb", "max_map_size_gb")
-        for key in ("shared_log_uri", "shared_log_endpoint_url"):
+        for key in ("shared_log_uri", "shared_log_endpoint_url", "shared_log_owner"):
             value = getattr(self, key)
             if len(value) > 4096 or not value.isprintable():
                 raise ConfigError(f"store.{key}: must be at most 4096 printable characters, got {value[:80]!r}")

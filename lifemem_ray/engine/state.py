@@ -84,7 +84,11 @@ class EngineState:
             dim = embedder.dim if embedder is not None else None
         embedder_name = embedder.name if embedder is not None else None
         store = self.config.store
-        shared = open_shared_log(store.shared_log_uri, store.shared_log_endpoint_url) if not read_only else None
+        shared = (
+            open_shared_log(store.shared_log_uri, store.shared_log_endpoint_url, owner=store.shared_log_owner)
+            if not read_only
+            else None
+        )
         rebuilt = shared is not None and not shared.is_empty()  # the log holds the store: its meta says the dims
         if not (self.path / "data.mdb").exists() and dim is None and not rebuilt:
             dim = MINILM_DIM

@@ -66,6 +66,7 @@ from lifemem_ray.engine.store.lmdb_rewrite import (
     replace_data_file,
     write_fresh_copy,
 )
+from lifemem_ray.engine.store.log_errors import LogDamagedError
 from lifemem_ray.engine.store.redo import RecordingTxn, RedoLogger
 from lifemem_ray.engine.store.shared_log import SharedLog
 
@@ -172,10 +173,16 @@ class _Environment:
         max_map_size_gb: int = 4096,
         sync: bool = True,
         shared_log: SharedLog | None = None,
+        replay_before: int | None = None,
     ) -> None:
         self.path = Path(path)
-        # Writable with a shared log: every write transaction is appended there before it commits.
-        self._redo = RedoLogger(shared_log, self.path) if shared_log is not None and not read_only else None
+        # Writable with a shared log: every write transaction is appended there before it commits
+        # (``replay_before``: only the entries before it are replayed, a loss the operator accepted).
+        self._redo = (
+            RedoLogger(shared_log, self.path, stop_before=replay_before)
+            if shared_log is not None and not read_only
+            else None
+        )
         self.read_only = read_only
         self._max_map = max_map_size_gb << 30
         self._write_lock = threading.RLock()
@@ -226,9 +233,11 @@ class _Environment:
             self._recover_from_log()
         self._check_or_init_schema(dim, workflow_dim, embedder, namespace)
         if self._redo is not None:
-            with self.read() as txn:
-                holds_content = txn.stat(self.db["traj"])["entries"] > 0 or txn.stat(self.db["clusters"])["entries"] > 0
-            self._redo.bind(self.store_id, self.env, self.db["meta"], holds_content)
+            try:
+                self._redo.bind(self.store_id, self.env, self.db["meta"])
+            except BaseException:
+                self.close()
+                raise
 
     def _recover_from_log(self) -> None:
         """The local copy brought up to its shared log (see :mod:`lifemem_ray.engine.store.redo`)."""
@@ -237,17 +246,30 @@ class _Environment:
             with self.read() as txn:
                 behind = self._redo.behind_reach(txn, self.db["meta"])
             if behind:
-                map_size = self.env.info()["map_size"]
-                self.env.close()
-                self._redo.set_aside()
-                self._redo.prepare_folder()
-                self._open_lmdb(map_size)
-            replayed = self._redo.recover(self.env, self.db, self._grow)
+                self._start_from_checkpoint()
+            try:
+                replayed = self._redo.recover(self.env, self.db, self._grow)
+            except LogDamagedError as exc:  # an entry it needs is damaged, but a newer checkpoint holds it
+                if not self._redo.covered(exc.seq):
+                    raise
+                self._start_from_checkpoint()
+                replayed = self._redo.recover(self.env, self.db, self._grow)
+            if not self._redo.shared.read_only:
+                self._redo.take_over(self.env, self.db, self._grow)
         except BaseException:
             self.close()
             raise
         if replayed:
             _log.info("%s: %d transactions replayed from %s", self.path, replayed, self._redo.shared.uri)
+
+    def _start_from_checkpoint(self) -> None:
+        """The local copy moved aside (kept) and replaced by the newest whole checkpoint."""
+        assert self._redo is not None
+        map_size = self.env.info()["map_size"]
+        self.env.close()
+        self._redo.set_aside()
+        self._redo.prepare_folder()
+        self._open_lmdb(map_size)
 
     def _open_lmdb(self, map_size: int) -> None:
         """Open the LMDB environment and its tables (at least ``map_size`` bytes mapped). A
@@ -515,8 +537,8 @@ class _Environment:
         return {"bytes_before": before, "bytes_after": copy.bytes, "records": copy.records}
 
     def checkpoint(self, keep: int = 3) -> dict[str, Any]:
-        """A checkpoint of the store in its shared log (the last ``keep`` kept, the log entries the
-        newest covers removed). StoreError without a shared log."""
+        """A checkpoint of the store in its shared log (the last ``keep`` kept, the log entries
+        before the oldest kept removed). StoreError without a shared log."""
         if self._redo is None:
             raise StoreError(f"{self.path}: this store has no shared log (store.shared_log_uri) to checkpoint to")
         return self._redo.checkpoint(self.env, self.db["meta"], keep)
@@ -526,7 +548,7 @@ class _Environment:
         (None without a shared log)."""
         if self._redo is None:
             return None
-        return {**self._redo.shared.status(), "local_seq": self._redo.seq}
+        return self._redo.status()
 
     def close(self) -> None:
         if getattr(self, "env", None) is not None:
