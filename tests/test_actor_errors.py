@@ -7,7 +7,7 @@ import pytest
 
 ray_exceptions = pytest.importorskip("ray.exceptions")
 
-from lifemem_ray.actors.cluster.remote_errors import own_error, raise_remote, remote_cause
+from lifemem_ray.actors.cluster.remote_errors import raise_own, raise_remote, remote_cause
 from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError, ShardUnavailableError
 
 
@@ -35,13 +35,17 @@ def test_raise_remote_raises_the_cause_in_place_of_the_wrapper():
         raise_remote(ValueError("plain"))
 
 
-def test_own_error_is_the_librarys_error_and_leaves_a_bug_wrapped_with_its_traceback():
+def test_raise_own_raises_the_librarys_error_and_leaves_a_bug_wrapped_with_its_traceback():
     refused = InvalidArgumentError("as_of: 99 is not a version of this store (its watermark is 3)")
-    assert own_error(wrapped(refused)) is refused
+    with pytest.raises(InvalidArgumentError) as info:
+        raise_own(wrapped(refused))
+    assert info.value is refused and info.value.__suppress_context__
     bug = wrapped(KeyError("cluster 7"))  # not the library's: the remote traceback stays for the report
-    assert own_error(bug) is bug
-    plain = ValueError("not from Ray")
-    assert own_error(plain) is plain
+    with pytest.raises(ray_exceptions.RayTaskError) as info:
+        raise_own(bug)
+    assert info.value is bug
+    with pytest.raises(ValueError, match="not from Ray"):
+        raise_own(ValueError("not from Ray"))
 
 
 def test_a_failed_snapshot_raises_its_own_error_when_the_resume_fails_too(tmp_path, monkeypatch, caplog):

@@ -57,7 +57,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
-from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, own_error, raise_remote
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_own, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
@@ -184,7 +184,7 @@ class AsyncMemoryClient:
             why = f"no answer within cluster.call_timeout_s = {limit:g} s" if isinstance(exc, TimeoutError) else exc
             raise ShardUnavailableError(f"a shard is unavailable for {what}: {type(exc).__name__}: {why}") from exc
         except ray.exceptions.RayTaskError as exc:  # a shard's own refusal as itself, as the blocking client
-            raise own_error(exc) from None
+            raise_own(exc)
 
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AsyncAddFuture:
@@ -229,7 +229,7 @@ class AsyncMemoryClient:
                 [self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]
             )
         except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
-            raise own_error(exc) from None
+            raise_own(exc)
         return gather_rows(texts, plan, answers)
 
     async def retrieve(

@@ -40,7 +40,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
-from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, own_error, raise_remote
+from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_own, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
@@ -205,7 +205,7 @@ class MemoryClient:
         """The shards' answers, within cluster.call_timeout_s; a shard that died, or did not
         answer, is a ShardUnavailableError, and the handles are looked up again next time; a
         shard's own refusal (a version above its watermark...) is raised as itself
-        (:func:`~.remote_errors.own_error`), not as Ray's wrapper led by the shard's traceback."""
+        (:func:`~.remote_errors.raise_own`), not as Ray's wrapper led by the shard's traceback."""
         try:
             return ray.get(refs, timeout=self.config.cluster.call_timeout_s)
         except actor_failures(ray.exceptions.GetTimeoutError) as exc:
@@ -213,7 +213,7 @@ class MemoryClient:
             raise ShardUnavailableError(f"a shard is unavailable for {what}: {type(exc).__name__}: {exc}") from exc
         except ray.exceptions.RayTaskError as exc:
             _read_the_rest(refs)
-            raise own_error(exc) from None
+            raise_own(exc)
 
     @classmethod
     def connect(
@@ -266,7 +266,7 @@ class MemoryClient:
         try:
             answers = ray.get(refs)
         except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
-            raise own_error(exc) from None
+            raise_own(exc)
         return gather_rows(texts, plan, answers)
 
     def retrieve(

@@ -11,7 +11,7 @@ __all__ = [
     "OverloadedError",
     "ShardUnavailableError",
     "actor_failures",
-    "own_error",
+    "raise_own",
     "raise_remote",
     "remote_cause",
 ]
@@ -36,20 +36,25 @@ def remote_cause(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, Exception) else exc
 
 
-def own_error(exc: BaseException) -> BaseException:
-    """What a caller of the memory should get for a remote call's failure ``exc``.
+def raise_own(exc: BaseException) -> NoReturn:
+    """Raise what a caller of the memory should get for a remote call's failure ``exc``.
+
+    The library's own error that the remote task raised (a :class:`LifeMemError`: a version a
+    shard refused, a store's failure) is raised without Ray's wrapping, so the caller reads its
+    message rather than a shard's traceback; any other error is raised as Ray gave it (with the
+    remote traceback, which a bug report needs).
 
     Args:
         exc: what ``ray.get`` (or awaiting a ref) raised.
 
-    Returns:
-        The library's own error that the remote task raised (a :class:`LifeMemError`: a version
-        a shard refused, a store's failure), without Ray's wrapping, so the caller reads its
-        message rather than a shard's traceback; any other error as Ray gave it (with the
-        remote traceback, which a bug report needs).
+    Raises:
+        LifeMemError: the remote task's own error.
+        BaseException: ``exc`` itself, for any other.
     """
     cause = remote_cause(exc)
-    return cause if isinstance(cause, LifeMemError) else exc
+    if isinstance(cause, LifeMemError):
+        raise cause from None
+    raise exc
 
 
 def raise_remote(exc: BaseException) -> NoReturn:
