@@ -12,9 +12,15 @@ IdConflictError                                     409    conflict
 body over http.max_body_bytes                       413    too_large
 body late (http.body_timeout_s, body_min_rate)      408    timeout (+ Connection: close)
 tenant at http.max_ongoing_per_tenant               429    too_many_requests (+ Retry-After, Connection: close)
+StoreError (SharedLogError too): storage failed     503    unavailable (+ Retry-After)
 overload, a shard / the coordinator unavailable     503    unavailable (+ Retry-After)
 anything else                                       500    internal
 =================================================  ======  ====================
+
+A tenant never reads the server's paths (:mod:`lifemem_ray.service.public_errors`): a storage
+failure answers one sentence naming which storage is unavailable, its full message (the path,
+the cause) goes to the replica's log; the other 503 and 500 messages have their paths replaced.
+Every 503 carries ``Retry-After: http.retry_after_s`` (1-3,600 s).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import ray
 
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, ShardUnavailableError, actor_failures
 from lifemem_ray.core.errors import AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError
+from lifemem_ray.service.public_errors import storage_failure, without_paths
 
 __all__ = ["ApiError", "error_detail", "split_where", "unavailable_errors", "validation_detail"]
 
@@ -76,9 +83,20 @@ def _detail(type_: str, message: str, where: str | None, what_to_do: str) -> dic
 
 
 def error_detail(exc: BaseException, retry_after_s: int) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """``(status, error detail, extra headers)`` of an exception."""
+    """The answer to an exception, in the one error shape.
+
+    Args:
+        exc: what a route (or the middleware, or an add answered 202) raised.
+        retry_after_s: the ``Retry-After`` of a 503 (``http.retry_after_s``).
+
+    Returns:
+        ``(status, error detail, extra headers)``; no detail names a server path.
+    """
     from starlette.exceptions import HTTPException
 
+    storage = storage_failure(exc)
+    if storage is not None:
+        return _storage_answer(exc, storage, retry_after_s)
     if isinstance(exc, ApiError):
         return exc.status, _detail(exc.type, str(exc), exc.where, exc.what_to_do), {}
     if isinstance(exc, AuthError):
@@ -109,7 +127,7 @@ def error_detail(exc: BaseException, retry_after_s: int) -> tuple[int, dict[str,
             503,
             _detail(
                 "unavailable",
-                f"{type(exc).__name__}: {exc}",
+                without_paths(f"{type(exc).__name__}: {exc}"),
                 None,
                 f"retry after {retry_after_s} s; resending the same ids is safe (adds are idempotent)",
             ),
@@ -130,11 +148,30 @@ def error_detail(exc: BaseException, retry_after_s: int) -> tuple[int, dict[str,
         500,
         _detail(
             "internal",
-            f"{type(exc).__name__}: {exc}",
+            without_paths(f"{type(exc).__name__}: {exc}"),
             None,
             "this is a bug: report it; the replica's log has the traceback",
         ),
         {},
+    )
+
+
+def _storage_answer(
+    exc: BaseException, sentence: str, retry_after_s: int
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """503 for a failure of the memory's storage: the tenant reads ``sentence`` (which storage,
+    no path); the replica's log keeps the full message for the operator."""
+    log.warning("answered 503, the memory's storage failed: %s: %s", type(exc).__name__, exc)
+    return (
+        503,
+        _detail(
+            "unavailable",
+            sentence,
+            None,
+            f"retry after {retry_after_s} s: what the memory acknowledged is kept, and resending the same ids is "
+            "safe (adds are idempotent); if it lasts, tell the memory's operator (the server's log says what failed)",
+        ),
+        {"Retry-After": str(retry_after_s)},
     )
 
 

@@ -81,6 +81,7 @@ from lifemem_ray.core.errors import (
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.retrieval import RetrievedTrajectory
 from lifemem_ray.service.principal import Principal
+from lifemem_ray.service.public_errors import storage_failure, without_paths
 
 __all__ = ["McpHttp", "build_mcp_server", "mcp_http", "run_stdio", "streamable_http_app"]
 
@@ -178,18 +179,24 @@ class ToolRefusal(LifeMemError, ToolError):
 def _problem(exc: BaseException) -> ToolRefusal:
     """A tool error whose text says what is wrong, where, and what to do (the SDK puts
     "Error executing tool <name>: " in front)."""
+    storage = storage_failure(exc)
+    if storage is not None:  # which storage failed, never its path (the log keeps the full message)
+        log.warning("a tool call failed, the memory's storage failed: %s: %s", type(exc).__name__, exc)
+        return ToolRefusal(f"{storage}: what the memory acknowledged is kept, and sending the same id again is safe")
     if isinstance(exc, (AuthError, ForbiddenError)):
         return ToolRefusal(f"not allowed: {exc}")
     if isinstance(exc, IdConflictError):
         return ToolRefusal(f"id conflict: {exc}; send the record under another id, or without one (a content hash)")
     if isinstance(exc, (OverloadedError, ShardUnavailableError)):
         return ToolRefusal(
-            f"the memory is busy or a part of it is restarting ({exc}); what it acknowledged is kept: "
-            "retry in a few seconds"
+            f"the memory is busy or a part of it is restarting ({without_paths(str(exc))}); what it acknowledged "
+            "is kept: retry in a few seconds"
         )
     if isinstance(exc, ValueError):  # InvalidTrajectoryError, TenantError, argument checks: the caller's to fix
         return ToolRefusal(f"invalid argument: {exc}; correct it and call again")
-    return ToolRefusal(f"{type(exc).__name__}: {exc}")
+    if not isinstance(exc, LifeMemError):  # not one raised on purpose: the log has its traceback
+        log.error("a tool call failed unexpectedly", exc_info=exc)
+    return ToolRefusal(without_paths(f"{type(exc).__name__}: {exc}"))
 
 
 def _settled(answer: Any) -> Any:
@@ -251,7 +258,7 @@ class _Tools:
         try:
             trajectory = Trajectory.from_dict(record)
             result = _settled(self._backend().add_many([trajectory]))[0]
-        except (LifeMemError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure as a tool error without server paths
             raise _problem(exc) from None
         return AddAnswer(id=result.id, status=result.status, cluster_id=result.cluster_id, tenant=principal.tenant)
 
@@ -284,7 +291,7 @@ class _Tools:
             got = backend.retrieve_many(
                 [task], [env], k, token_budget=token_budget, tenant=principal.tenant, as_of=as_of
             )[0]
-        except (LifeMemError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure as a tool error without server paths
             raise _problem(exc) from None
         return RetrieveAnswer(
             task=task,
@@ -301,7 +308,7 @@ class _Tools:
         principal = self._acting("read")
         try:
             stats = self._backend().stats(tenant=principal.tenant)
-        except LifeMemError as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure as a tool error without server paths
             raise _problem(exc) from None
         per_env = {
             env: EnvCounts(trajectories=int(c.get("trajectories", 0)), clusters=int(c.get("clusters", 0)))
