@@ -208,17 +208,9 @@ CASES: dict[str, tuple[Callable[[Storage], Any], str, bool]] = {  # name: (failu
     "durable-full": (lambda s: full(s.durable), DURABLE_UNAVAILABLE, True),
     "store-full": (lambda s: full(s.store), STORAGE_UNAVAILABLE, True),
 }
-STORE_REPLAY_ON_A_FULL_DISK = pytest.mark.xfail(
-    reason="the store's write replays its shared log (redo catch_up) before its disk-error check: after the "
-    "first refused add, the next write on a full disk raises lmdb's DiskError itself (500 'internal'; no path) "
-    "instead of a StoreError; engine/store's to fix",
-    strict=False,
-)
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=STORE_REPLAY_ON_A_FULL_DISK) if c == "store-full" else c for c in CASES]
-)
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_failing_storage_answers_503_with_retry_after_and_no_server_path(storage: Storage, case: str):
     failure, sentence, needs_mounts = CASES[case]
     if needs_mounts and not storage.mounted:

@@ -297,7 +297,8 @@ class SharedLog:
         seqs = []
         for name in names:
             base = str(name).rsplit("/", 1)[-1]
-            if base.endswith(ENTRY_SUFFIX) and base[: -len(ENTRY_SUFFIX)].isdigit():
+            number = base[: -len(ENTRY_SUFFIX)]
+            if base.endswith(ENTRY_SUFFIX) and number.isascii() and number.isdigit():
                 seqs.append(int(base[: -len(ENTRY_SUFFIX)]))
         return sorted(seqs)
 
@@ -363,7 +364,7 @@ class SharedLog:
             for name in self.fs.ls(base, detail=False):
                 tail = str(name).rstrip("/").rsplit("/", 1)[-1]
                 done = f"{base}/{tail}/{CHECKPOINT_DONE}"
-                if tail.isdigit() and self.fs.exists(done):
+                if tail.isascii() and tail.isdigit() and self.fs.exists(done):
                     found.append(_checkpoint_of(int(tail), self.fs.cat_file(done)))
         except Exception as exc:
             raise self._storage("listing its checkpoints", exc) from exc

@@ -428,7 +428,12 @@ class _Environment:
         with self._write_lock:
             redo = self._redo
             if redo is not None:
-                redo.catch_up(self.env, self.db, self._grow)
+                try:
+                    redo.catch_up(self.env, self.db, self._grow)
+                except lmdb.Error as exc:  # replaying what an earlier failed commit left: the same device
+                    if _is_disk_error(exc):
+                        raise self._disk_error(exc) from None
+                    raise
             while True:
                 try:
                     with self._gate.reading(), self.env.begin(write=True) as raw:
@@ -446,11 +451,14 @@ class _Environment:
                     self._grow()
                 except lmdb.Error as exc:
                     if _is_disk_error(exc):
-                        raise StoreError(
-                            f"no space left on the device (or a write error) in {self.path}: {exc}; nothing of this batch "
-                            "was stored; free space (or fix the device) and retry"
-                        ) from None
+                        raise self._disk_error(exc) from None
                     raise
+
+    def _disk_error(self, exc: lmdb.Error) -> StoreError:
+        return StoreError(
+            f"no space left on the device (or a write error) in {self.path}: {exc}; nothing of this batch "
+            "was stored; free space (or fix the device) and retry"
+        )
 
     def _grow(self) -> None:
         current = self.env.info()["map_size"]
