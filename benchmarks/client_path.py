@@ -56,6 +56,7 @@ from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.client_rules import one_round_results
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, search_targets
 from lifemem_ray.engine.embedding import open_embedder
@@ -414,7 +415,7 @@ def main() -> None:
     args.overrides = dict(item.split("=", 1) for item in args.set)
     data = prepare(args)
     gc.freeze()  # the benchmark's own data (trajectories, texts) out of the collector's way
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    private_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
         rows = text_path(data, args)
         scale = at_scale(args.scale, args.overrides) if args.scale else None

@@ -36,6 +36,7 @@ from shard_probes import (  # benchmarks/ (the script's folder)
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 LENGTH_SCALE = 1.2  # mean ~2.9 kB per trajectory as JSON, like the released data (2.9 kB)
@@ -327,7 +328,7 @@ def main() -> None:
     overrides = {"cluster.namespace": "scale", "cluster.batch_size": args.request, "cluster.embedders": 1}
     overrides.update(dict(item.split("=", 1) for item in args.set))
     config = DeploymentConfig.load(overrides=overrides)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING", namespace="scale")
+    private_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING", namespace="scale")
     report: dict = {"n": args.n, "shards": args.shards, "request": args.request, "store": str(store)}
     try:
         dep.deploy(store / "memory", config, shards=args.shards)

@@ -51,6 +51,7 @@ from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.lab.envs import Environment, Task, make_env
 from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
 from lifemem_ray.lab.memory_wrapper import MemoryWrapper
@@ -227,7 +228,7 @@ def main() -> None:
     from lifemem_ray.actors.integrations.skyrl_env import register_skyrl_envs
 
     register_skyrl_envs()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    private_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     settings: dict[str, Any] = {**ACTORS, "cluster.namespace": NAMESPACE}
     if args.batch_wait_ms is not None:
         settings["cluster.batch_wait_ms"] = args.batch_wait_ms

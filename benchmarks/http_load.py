@@ -40,6 +40,7 @@ from cpu_share import cpu_seconds, spent  # benchmarks/ (the script's folder)
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.actors.frontdoor.app import start_http, stop_http
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.lab.synthetic import generate
@@ -247,7 +248,7 @@ def _wait_healthy(url: str, timeout_s: float = 300) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    ray.init(num_cpus=max(4, args.clients), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    private_ray(num_cpus=max(4, args.clients), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     namespace = "bench-http"
     config = DeploymentConfig().replace(
         {

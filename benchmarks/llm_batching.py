@@ -37,6 +37,7 @@ from shard_probes import label_purity
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--serial-n", type=int, default=60)
     parser.add_argument("--latency", type=float, default=0.3)
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    private_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     report: dict = {"latency_s": args.latency}
     with OpenAIStub(sensible=True, latency_s=args.latency) as stub:
         report["batched"] = run(

@@ -26,6 +26,7 @@ from cpu_share import cpu_seconds, spent  # benchmarks/ (the script's folder)
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.actors.rollout.experiment import run_experiment
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool
 from lifemem_ray.lab.envs import make_env
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=30)
     ap.add_argument("--test", type=int, default=20)
     args = ap.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    private_ray(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     result = {"env": args.env, "throughput": throughput(args.env, args.episodes, args.workers, args.seed_tasks)}
     if args.success_envs:
         result["success"] = success(args.success_envs, args.train, args.test, max(args.workers))

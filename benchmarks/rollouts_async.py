@@ -35,6 +35,7 @@ from openai_stub import OpenAIStub, Reply
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool, TaskOutcome
 from lifemem_ray.lab.envs import Task, make_env
 
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--seed-tasks", type=int, default=20, help="gold runs stored before the measurements")
     ap.add_argument("--latency-s", type=float, default=0.5, help="the stub's delay per LLM call")
     args = ap.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    private_ray(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     started = time.perf_counter()
     rows = run(args)
     ray.shutdown()

@@ -36,6 +36,7 @@ from load_timing import percentile_ms, timed  # benchmarks/ (the script's folder
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.embedding import open_embedder
 from lifemem_ray.engine.memory_config import EmbeddingConfig
@@ -248,7 +249,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     args = ap.parse_args()
     data = prepare(args)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    private_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         rows = {
             "before": one_deployment("before", BEFORE, data, args),

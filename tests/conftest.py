@@ -78,7 +78,10 @@ def ray_local():
     """One local Ray instance for the whole session (token authentication stays on)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        from lifemem_ray.actors.cluster.ray_address import private_ray
+
+        # A Ray of the session's own: never RAY_ADDRESS or a cluster Ray's address file names.
+        private_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 

@@ -1,5 +1,6 @@
 """The command line against a running deployment (``--address`` / ``--namespace``): bad input
-gets the same answers as local ingest, and standard input works."""
+gets the same answers as local ingest, standard input works, and joining by address keeps Ray's
+token authentication on."""
 
 from __future__ import annotations
 
@@ -81,3 +82,30 @@ def test_remote_ingest_answers_bad_input_as_local_ingest(deployment, ray_local, 
     deep = _cli("check", "--deep", *remote)
     assert deep.returncode == 0 and deep.stdout.startswith("ok: 42 trajectories"), deep.stdout + deep.stderr[-1000:]
     assert client.verify(deep=True)["ok"]
+
+
+def test_joining_by_address_sends_the_token(deployment, ray_local):
+    """Ray turns token authentication on by itself only for a cluster it found by searching; a
+    command given --address (with RAY_AUTH_MODE unset) turns it on where a token exists, so the
+    session's token-protected cluster accepts it. Before: refused ("Authentication token is
+    missing"). A client that sends no token is still refused, and told why."""
+    client, _ = deployment(shards=1)
+    remote = ["--address", ray_local.get_runtime_context().gcs_address, "--namespace", client.namespace, "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "stats", *remote],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0 and json.loads(done.stdout)["trajectories"] == 0, done.stderr[-2000:]
+    tokenless = subprocess.run(
+        [sys.executable, "-m", "lifemem_ray.cli", "stats", *remote],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"},
+    )
+    assert tokenless.returncode == 1 and "refused this client" in tokenless.stderr, tokenless.stderr[-2000:]
+    assert "RAY_AUTH_MODE=disabled" in tokenless.stderr

@@ -76,3 +76,27 @@ def test_serves_http_address_is_reachable_where_serve_keeps_it():
     from ray.serve import context
 
     assert callable(getattr(context, "_get_global_client", None)), "ray.serve.context._get_global_client moved"
+
+
+def test_an_address_is_dialled_as_ray_init_dials_it():
+    """Ray dials localhost as this node's outward address; any other host as given. Never a search."""
+    assert ray_internals.dialled_address("10.1.2.3:6379") == "10.1.2.3:6379"
+    assert ray_internals.dialled_address("127.0.0.1:6379").endswith(":6379")
+    for word in ("auto", "local", "no-port"):
+        with pytest.raises(ValueError):
+            ray_internals.dialled_address(word)
+
+
+def test_token_authentication_is_kept_on_and_ray_leaves_sigterm_to_python(ray_local):
+    """The session's Ray runs with token authentication, so this process has it on (an explicit
+    RAY_AUTH_MODE is kept as it is); the constant Ray reads for its failure-signal handler is
+    where it is set."""
+    from ray._private import ray_constants
+
+    assert ray_internals.keep_token_auth() is True
+    before = ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    try:
+        ray_internals.keep_python_signal_handlers()
+        assert ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER is True
+    finally:
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = before

@@ -10,11 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lifemem_ray.core.errors import UsageError
+from lifemem_ray.core.errors import InvalidArgumentError, UsageError
 
 __all__ = [
     "actor_alive",
     "address_file",
+    "dialled_address",
+    "keep_python_signal_handlers",
+    "keep_token_auth",
     "metrics_report_interval_s",
     "named_actor_states",
     "serve_http_address",
@@ -29,6 +32,68 @@ def address_file() -> Path:
     from ray._common.utils import get_ray_address_file
 
     return Path(get_ray_address_file(None))
+
+
+def dialled_address(address: str) -> str:
+    """``address`` (``host:port``) as ``ray.init`` dials it: ``localhost``, ``127.0.0.1`` and
+    ``::1`` become this node's IP, everything else stays. Private: Ray's
+    ``canonicalize_bootstrap_address``, called only with a concrete address (given None or
+    "auto" it would search this machine for a cluster, which is what its callers avoid).
+
+    Args:
+        address: a concrete ``host:port``.
+
+    Returns:
+        The ``host:port`` Ray will connect to.
+
+    Raises:
+        InvalidArgumentError: ``address`` is not ``host:port``, or is "auto" or "local".
+    """
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if address in ("auto", "local"):
+        raise InvalidArgumentError(f"ray_internals.dialled_address: {address!r} is not a concrete host:port")
+    try:
+        dialled = canonicalize_bootstrap_address(address)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"ray_internals.dialled_address: {address!r} is not host:port ({exc})") from None
+    return str(dialled)
+
+
+def keep_token_auth() -> bool:
+    """Turn Ray's token authentication on in this process where a token exists and
+    ``RAY_AUTH_MODE`` is not set: ``ray.init`` does so itself only for a cluster it found by
+    searching ("auto"), never for an address it was given, so a client joining by address
+    would otherwise send no token and be refused. Sets ``RAY_AUTH_MODE=token`` (inherited by
+    child processes) and reloads Ray's config, as Ray does; an explicit ``RAY_AUTH_MODE`` is
+    kept as it is. Private: ``ray._private.authentication``.
+
+    Returns:
+        Whether token authentication is on now.
+    """
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as setup
+
+    quiet = logging.getLogger(setup.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # Ray logs "token authentication is enabled" as a warning: not news here
+    try:
+        return bool(setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+    finally:
+        quiet.setLevel(level)
+
+
+def keep_python_signal_handlers() -> None:
+    """Leave Ray's C++ failure-signal handler out of the core worker this process starts next:
+    it takes SIGTERM, prints a stack trace, and can abort the process (exit -6) before Python's
+    handler has run the command's cleanup. Private: ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` is
+    read once, when Ray is imported, into ``ray_constants``, which Ray reads when it starts a
+    worker; setting the constant keeps it to this process (the variable would also reach
+    every process started from here)."""
+    from ray._private import ray_constants
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
 
 
 def session_dir() -> Path:

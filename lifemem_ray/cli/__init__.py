@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from lifemem_ray.cli.options import printable
 from lifemem_ray.cli.parser import build_parser
+from lifemem_ray.cli.ray_session import command_lifetime, interrupting_signal
 from lifemem_ray.core.errors import CommandError, ConfigError
 from lifemem_ray.core.model import InvalidTrajectoryError
 
@@ -28,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return int(args.func(args) or 0)
+        with command_lifetime():  # SIGINT and SIGTERM end the command; a head it started and did not hand over stops
+            return int(args.func(args) or 0)
     except (ConfigError, InvalidTrajectoryError, CommandError, ValueError, OSError) as exc:
         print(printable(f"lifemem-ray {args.command}: error: {exc}"), file=sys.stderr)
         return 1
@@ -38,5 +41,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(printable(f"lifemem-ray {args.command}: error: {type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"lifemem-ray {args.command}: interrupted; everything acknowledged so far is stored", file=sys.stderr)
-        return 130
+        how, code = ("terminated (SIGTERM)", 143) if interrupting_signal() == signal.SIGTERM else ("interrupted", 130)
+        print(f"lifemem-ray {args.command}: {how}; everything acknowledged so far is stored", file=sys.stderr)
+        return code

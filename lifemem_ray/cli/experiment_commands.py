@@ -13,6 +13,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The lifelong experiment: rollout workers on Ray against a memory per mode."""
     import ray
 
+    from lifemem_ray.actors.cluster.ray_address import join, named_address, private_ray
     from lifemem_ray.actors.rollout.experiment import run_experiment
     from lifemem_ray.actors.rollout.workers import print_progress
     from lifemem_ray.lab.experiment_config import ExperimentConfig
@@ -32,12 +33,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if config.llm.backend == "openai" and "agent" not in overrides:
         overrides["agent"] = "react"  # an endpoint is configured: the LLM agent acts
     exp = ExperimentConfig.load(args.config, overrides=overrides)
-    if args.address:
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    # --address or RAY_ADDRESS, joined within seconds or not at all; else a Ray of its own for the run
+    # (never one found by searching, and not the head `serve` started: the run brings its own memories).
+    target = named_address(args.address, own_head_counts=False)
+    if target.address is not None:
+        join(target, log_to_driver=args.verbose, logging_level=logging.WARNING)
     else:
-        # A local Ray for this run: logical CPUs leave room for the workers beside the memory's actors.
+        # Logical CPUs leave room for the workers beside the memory's actors.
         cpus = max(4, (os.cpu_count() or 2) + exp.workers)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=args.verbose, logging_level=logging.WARNING)
+        private_ray(num_cpus=cpus, include_dashboard=False, log_to_driver=args.verbose, logging_level=logging.WARNING)
     try:
         report = run_experiment(exp, config, progress=None if args.quiet else print_progress)
     finally:

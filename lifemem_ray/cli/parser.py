@@ -52,7 +52,11 @@ def shared_options() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     common.add_argument("--quiet", action="store_true", help="no progress bar")
     common.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument("--address", help="Ray address of a running deployment (default: auto, the local cluster)")
+    remote.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="the Ray cluster of the deployment (default: RAY_ADDRESS, else the head `serve` started on this machine; never one found by searching)",
+    )
     remote.add_argument("--namespace", help="Ray namespace of the deployment (default: cluster.namespace)")
     llm = argparse.ArgumentParser(add_help=False)
     llm.add_argument("--llm-base-url", metavar="URL", help="OpenAI-compatible endpoint; turns on the LLM backend")
@@ -68,7 +72,11 @@ def experiment_commands(sub: Any, common: argparse.ArgumentParser, llm: argparse
     p = sub.add_parser(
         "run", parents=[common, llm], help="run a lifelong experiment (rollout workers, OP/BwT table, plots)"
     )
-    p.add_argument("--address", help="Ray cluster to run on (default: a local Ray started for the run)")
+    p.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="Ray cluster to run on (default: RAY_ADDRESS, else a Ray of its own started for the run)",
+    )
     p.add_argument("--envs", nargs="+", metavar="ENV", help="environments in stream order (default: experiment.envs)")
     p.add_argument(
         "--eval-envs",
