@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from lifemem_ray.actors.cluster import deployment
+from lifemem_ray.actors.cluster import deployment, ray_address
 from lifemem_ray.actors.cluster.client_rules import (
     AddRequest,
     InDoubtLedger,
@@ -158,7 +158,7 @@ class AsyncMemoryClient:
         """Attach to the deployment in ``namespace`` (starting a Ray connection if needed, as
         :meth:`MemoryClient.connect <lifemem_ray.actors.cluster.client.MemoryClient.connect>`)."""
         if not ray.is_initialized():
-            ray.init(address=address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False)
+            ray_address.connect(address, namespace, include_dashboard=False, log_to_driver=False)  # never a scan
         coordinator = await asyncio.to_thread(deployment.find_coordinator, namespace)
         info = await coordinator.deployment.remote()
         embedders = await asyncio.to_thread(_named_actors, info["embedders"], namespace)

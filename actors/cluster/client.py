@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from lifemem_ray.actors.cluster import deployment
+from lifemem_ray.actors.cluster import deployment, ray_address
 from lifemem_ray.actors.cluster.client_rules import (
     AddRequest,
     InDoubtLedger,
@@ -221,7 +221,7 @@ class MemoryClient:
     ) -> MemoryClient:
         """Attach to the deployment in ``namespace`` (starting a Ray connection if needed)."""
         if not ray.is_initialized():
-            ray.init(address=address or "auto", namespace=namespace, include_dashboard=False, log_to_driver=False)
+            ray_address.connect(address, namespace, include_dashboard=False, log_to_driver=False)  # never a scan
         return cls(namespace, config or DeploymentConfig())
 
     # -- adding ----------------------------------------------------------------------------
