@@ -42,6 +42,17 @@ def _log_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
+def _writers(address: Path) -> set[str]:
+    """The owners of every entry of every shard log under ``address``."""
+    from lifemem_ray.engine.store.shared_log import SharedLog
+
+    owners = set()
+    for folder in sorted(p for p in address.iterdir() if p.is_dir()):
+        log = SharedLog(str(folder))
+        owners |= {log.read_entry(seq).writer.owner for seq in log.sequence_numbers()}
+    return owners
+
+
 def test_a_second_deployment_on_one_durable_address_is_refused_naming_the_owner(deployment, ray_local, tmp_path):
     from lifemem_ray.actors.cluster import deployment as dep
 
@@ -66,7 +77,8 @@ def test_a_second_deployment_on_one_durable_address_is_refused_naming_the_owner(
     assert served.returncode != 0, served.stdout
     assert f"belongs to deployment {owner['deployment_id']}" in served.stderr and "Traceback" not in served.stderr
     assert str((tmp_path / "first").resolve()) in served.stderr
-    assert _log_files(durable) == before, "nothing was written to the first deployment's logs"
+    assert _writers(durable / client.namespace) == {owner["deployment_id"]}, "no entry of another deployment"
+    assert {p.split("/")[1] for p in _log_files(durable)} == {p.split("/")[1] for p in before}, "no shard log added"
     assert client.stats()["trajectories"] == 60  # the first one serves on, untouched
 
     # The same, stopped first: still refused (the address belongs to the first store folder).
