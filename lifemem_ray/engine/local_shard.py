@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from lifemem_ray.core.errors import ConfigError
+from lifemem_ray.core.errors import ConfigError, InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.clustering.evolution import CandidateArrays, ItemBatch, Placement
@@ -174,8 +174,20 @@ class EngineShard:
             s.save_index()
         return {"path": str(s.path), **out}
 
-    def absorb(self, source: str, cluster_ids: list[int] | None, pending: bool) -> dict[str, int]:
-        """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot store."""
+    def absorb(
+        self, source: str, cluster_ids: list[int] | None, pending: bool, accept_loss_from: int | None = None
+    ) -> dict[str, int]:
+        """Copy whole clusters (and, with ``pending``, unclustered trajectories) from a snapshot
+        store. ``accept_loss_from`` is for a source that is a shared log (a Ray shard reads those);
+        a store folder has no log entries to leave out.
+
+        Raises:
+            InvalidArgumentError: ``accept_loss_from`` given for a store folder.
+        """
+        if accept_loss_from is not None:
+            raise InvalidArgumentError(
+                f"absorb({source!r}): accept_loss_from is for a shared log, and this source is a store folder"
+            )
         return self._parts.transfer.absorb(source, cluster_ids, include_pending=pending)
 
     def close(self) -> None:
