@@ -16,10 +16,10 @@ import ray
 from scenario_cluster import ACTORS, emit_report, local_cluster
 
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.restore import restore
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
+from lifemem_ray.actors.cluster.restore import restore
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 

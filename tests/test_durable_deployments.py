@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_ACTORS
 
-from lifemem_ray.core.errors import DeploymentNotFoundError, PathExistsError
+from lifemem_ray.core.errors import DeploymentExistsError, DeploymentNotFoundError, PathExistsError
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.store.log_errors import DurableAddressOwnedError, LogForkedError
 from lifemem_ray.lab.synthetic import generate, text_vectors
@@ -133,7 +133,7 @@ def test_a_shard_whose_log_was_taken_over_is_deposed_and_status_says_so(deployme
         assert other.stats()["trajectories"] == 20
 
 
-@pytest.mark.parametrize("killed_at", ["restore.shards_started", "restore.absorbed"])
+@pytest.mark.parametrize("killed_at", ["restore.shards_started", "restore.absorbed", "restore.served"])
 def test_an_interrupted_restore_serves_nothing_and_the_same_command_finishes_it(ray_local, tmp_path, killed_at):
     from lifemem_ray.actors.cluster import deployment as dep
     from lifemem_ray.actors.cluster.client import MemoryClient
@@ -152,10 +152,14 @@ def test_an_interrupted_restore_serves_nothing_and_the_same_command_finishes_it(
     killed = _cli(*command, env={"LIFEMEM_FAILPOINTS": killed_at})
     assert killed.returncode == -9, killed.stderr[-2000:]
     try:
-        with pytest.raises(DeploymentNotFoundError):  # nothing a client can reach
-            dep.find_coordinator(namespace)
         served = DeploymentConfig().replace({"cluster.namespace": namespace, **SMALL_ACTORS})
-        with pytest.raises(PathExistsError, match="interrupted"):
+        if killed_at == "restore.served":  # all of it reachable: only the marker was left to remove
+            assert MemoryClient(namespace, served).stats()["trajectories"] == 300
+        else:
+            with pytest.raises(DeploymentNotFoundError):  # nothing a client can reach
+                dep.find_coordinator(namespace)
+        refusal = DeploymentExistsError if killed_at == "restore.served" else PathExistsError
+        with pytest.raises(refusal, match="already runs" if killed_at == "restore.served" else "interrupted"):
             dep.deploy(tmp_path / "restored", served)
         other = _cli(*[a if a != "3" else "2" for a in command])  # another restore into that folder: refused
         assert other.returncode != 0 and "run that same command again" in other.stderr

@@ -77,7 +77,9 @@ def test_a_damaged_last_entry_loses_nothing_acknowledged(tmp_path, monkeypatch, 
         assert shared.head() == newest, "an acknowledged entry is never removed"
 
         # The node's intact copy opens with all 30 and repairs the log with a checkpoint.
-        assert count(tmp_path / "node", config) == 30
+        with Memory.open(tmp_path / "node", config) as memory:
+            assert memory.stats()["trajectories"] == 30
+            assert memory.parts.state.store.shared_log_status()["repaired_entries"] == [newest]
         assert shared.checkpoints()[-1].seq >= newest
         assert count(tmp_path / "rebuilt", config) == 30  # the refused folder starts from it now
         assert count(tmp_path / "fresh", config) == 30

@@ -31,6 +31,7 @@ from lifemem_ray.actors.cluster.deployment import (
     SNAPSHOT_MANIFEST,
     DeploymentPlan,
     ending_on_failure,
+    find_coordinator,
     plan_deployment,
     start_coordinator,
     start_workers,
@@ -114,25 +115,30 @@ def restore(
         sources, readable, dim, losses = found
         resumed = _begin(target, request)
         placement, pending_at = _clusters_of(readable)
-        plan = plan_deployment(target, config, shards=count, dim=dim, restoring=True)
-        with ending_on_failure(plan.namespace) as started:
-            start_workers(plan, started)
-            wait_ready(plan, started)
-            failpoint("restore.shards_started")
-            loads = _absorb(plan, sources, placement, pending_at, accept_loss or {})
-            failpoint("restore.absorbed")
-            coordinator = start_coordinator(plan, started)
-            wait_ready(plan, [COORDINATOR])
-            routes = ray.get(coordinator.resync.remote())
-            info = dict(ray.get(coordinator.deployment.remote()))
+        loads: list[int] = []
+        if resumed == "finished":  # killed after the coordinator started: only the marker was left
+            coordinator = find_coordinator(config.cluster.namespace)
+        else:
+            plan = plan_deployment(target, config, shards=count, dim=dim, restoring=True)
+            with ending_on_failure(plan.namespace) as started:
+                start_workers(plan, started)
+                wait_ready(plan, started)
+                failpoint("restore.shards_started")
+                loads = _absorb(plan, sources, placement, pending_at, accept_loss or {})
+                failpoint("restore.absorbed")
+                coordinator = start_coordinator(plan, started)
+                wait_ready(plan, [COORDINATOR])
+        routes = ray.get(coordinator.resync.remote())
+        info = dict(ray.get(coordinator.deployment.remote()))
+    failpoint("restore.served")
     _finish(target)
     held: list[dict[str, Any]] = ray.get(
-        [ray.get_actor(n, namespace=plan.namespace).info.remote() for n in plan.shard_names]
+        [ray.get_actor(n, namespace=config.cluster.namespace).info.remote() for n in info["shards"]]
     )
     return {
         **info,
         "restored_from": str(snapshot_dir),
-        "resumed": resumed,
+        "resumed": resumed != "new",
         "clusters": len(placement),
         "trajectories": sum(h["trajectories"] for h in held),
         "routes": routes,
@@ -141,9 +147,10 @@ def restore(
     }
 
 
-def _begin(target: Path, request: dict[str, Any]) -> bool:
-    """The marker of this restore written into a new folder (True: an interrupted run of the
-    same restore is resumed, its leftover actors ended).
+def _begin(target: Path, request: dict[str, Any]) -> str:
+    """The marker of this restore written into a new folder ("new"), or an interrupted run of
+    the same restore found: "resumed" (its leftover actors ended) or "finished" (it was killed
+    after its coordinator started: everything was absorbed).
 
     Raises:
         PathExistsError: the folder is not empty and holds no interrupted run of this restore.
@@ -159,9 +166,10 @@ def _begin(target: Path, request: dict[str, Any]) -> bool:
                 f"shards in namespace {earlier.get('namespace')!r}; run that same command again to finish it, "
                 "or remove the folder"
             )
-        _end_leftovers(request["namespace"], target)
+        if _end_leftovers(request["namespace"], target):
+            return "finished"
         log.warning("%s: resuming an interrupted restore of %s", target, request["source"])
-        return True
+        return "resumed"
     target.mkdir(parents=True, exist_ok=True)
     staging = target / (RESTORE_MARKER + ".tmp")
     with open(staging, "w") as out:
@@ -170,7 +178,7 @@ def _begin(target: Path, request: dict[str, Any]) -> bool:
         os.fsync(out.fileno())
     staging.replace(marker)
     fsync_dir(target)
-    return False
+    return "new"
 
 
 def _finish(target: Path) -> None:
@@ -179,21 +187,25 @@ def _finish(target: Path) -> None:
     fsync_dir(target)
 
 
-def _end_leftovers(namespace: str, target: Path) -> None:
+def _end_leftovers(namespace: str, target: Path) -> bool:
     """End the actors an interrupted restore into ``target`` left in ``namespace``: its shards
     (each asked where its files are: only those under ``target``) and its embedders (no
-    coordinator runs, so they serve no deployment).
+    coordinator runs, so they serve no deployment). Returns True, ending nothing, when the
+    restore's own coordinator runs (it was killed after everything was absorbed).
 
     Raises:
-        DeploymentExistsError: a deployment (a coordinator) runs in the namespace, or a shard
-            actor there holds files elsewhere.
+        DeploymentExistsError: another deployment (a coordinator) runs in the namespace, or a
+            shard actor there holds files elsewhere.
     """
     named: list[Any] = ray.util.list_named_actors(all_namespaces=True)
     names = [str(a["name"]) for a in named if a["namespace"] == namespace]
     if COORDINATOR in names:
+        store = ray.get(find_coordinator(namespace).deployment.remote(), timeout=LEFTOVER_INFO_TIMEOUT_S)["store"]
+        if Path(store).resolve() == target:
+            return True
         raise DeploymentExistsError(
-            f"a lifemem-ray deployment runs in namespace {namespace!r}; stop it (`lifemem-ray stop`) before "
-            "finishing the interrupted restore there"
+            f"a lifemem-ray deployment of {store} runs in namespace {namespace!r}; stop it (`lifemem-ray stop`) "
+            "before finishing the interrupted restore there"
         )
     for name in names:
         handle: Any = ray.get_actor(name, namespace=namespace)
@@ -208,6 +220,7 @@ def _end_leftovers(namespace: str, target: Path) -> None:
             continue
         ray.kill(handle, no_restart=True)
         log.warning("ended %s, left by the interrupted restore into %s", name, target)
+    return False
 
 
 def _clusters_of(readable: list[Path]) -> tuple[list[tuple[int, int, int]], list[int]]:

@@ -143,6 +143,7 @@ class RedoLogger:
         self.writer: Writer | None = None  # this opening's (owner, epoch), once it took the log over
         self.deposed: LogForkedError | None = None  # set when another writer took over: every write refused
         self.repairs: dict[int, str] = {}  # damaged entries this copy held: a checkpoint replaces them
+        self.repaired: list[int] = []  # damaged entries a checkpoint of this copy replaced (reported)
 
     # -- opening ---------------------------------------------------------------------------
     def prepare_folder(self) -> bool:
@@ -352,6 +353,7 @@ class RedoLogger:
         if self.repairs and not self.shared.read_only:
             damaged = sorted(self.repairs)
             done = self.checkpoint(env, meta, keep=0)
+            self.repaired = sorted(set(self.repaired) | set(damaged))
             log.warning(
                 "%s: checkpoint %d written to %s replaces damaged entries %s",
                 self.path,
@@ -405,7 +407,8 @@ class RedoLogger:
             "local_seq": self.seq,
             "writer": None if self.writer is None else {"owner": self.writer.owner, "epoch": self.writer.epoch},
             "deposed": None if self.deposed is None else str(self.deposed),
-            "repaired_entries": sorted(self.repairs),
+            "repaired_entries": self.repaired,  # replaced by a checkpoint of this copy
+            "damaged_entries": sorted(self.repairs),  # found, a checkpoint not written yet
         }
 
     # -- checkpoints -----------------------------------------------------------------------
