@@ -30,6 +30,7 @@ Example (in a process of the Ray cluster that runs ``lifemem-ray serve --namespa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -54,6 +55,7 @@ from lifemem_ray.actors.cluster.client_rules import (
     with_deployment_stats,
 )
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
@@ -66,14 +68,6 @@ from lifemem_ray.engine.retrieval import Retrieval, check_retrieve_args, paused_
 from lifemem_ray.engine.versions import format_version
 
 __all__ = ["AsyncAddFuture", "AsyncMemoryClient"]
-
-
-async def _coordinator_answer(ref: Any) -> Any:
-    """A coordinator call's answer, its own errors without Ray's wrapping."""
-    try:
-        return await ref
-    except ray.exceptions.RayTaskError as exc:
-        raise_remote(exc)
 
 
 class AsyncAddFuture:
@@ -100,12 +94,13 @@ class AsyncAddFuture:
 
     async def result(self, attempt_timeout_s: float | None = None) -> Any:
         """The per-trajectory results. ``attempt_timeout_s``: how long each attempt may wait
-        (as ``AddFuture.result(timeout)``; None: no limit); past it, ``TimeoutError``. A wait
+        (as ``AddFuture.result(timeout)``; None: ``cluster.call_timeout_s``); past it, ``TimeoutError``. A wait
         cancelled from outside (``asyncio.timeout``, a cancelled task) also leaves the ids in
         doubt: the request may still commit."""
         async with self._lock:
             if not self._settled:
-                self._results = self.request.answered(await self._acknowledged(attempt_timeout_s))
+                limit = self.request.wait_s if attempt_timeout_s is None else attempt_timeout_s
+                self._results = self.request.answered(await self._acknowledged(limit))
                 self._settled = True
         return self._results
 
@@ -138,15 +133,21 @@ class AsyncMemoryClient:
     event loop."""
 
     def __init__(
-        self, namespace: str, config: DeploymentConfig, coordinator: Any, info: dict[str, Any], embedders: list[Any]
+        self,
+        namespace: str,
+        config: DeploymentConfig,
+        coordinator: CoordinatorRef,
+        info: dict[str, Any],
+        embedders: list[Any],
     ) -> None:
         self.namespace = namespace
         self.config = config
-        self.coordinator = coordinator  # actor handles, typed Any: Ray types their methods as Never
+        self._coordinator = coordinator  # by name, found again after it died (coordinator_ref's rule)
         self.dim: int = info["dim"]
         self.shard_names: list[str] = info["shards"]
         self._shards: list[Any] | None = None  # looked up again after a shard failed
-        self.embedders = embedders
+        self.embedder_names: list[str] = info["embedders"]
+        self.embedders = embedders  # actor handles, typed Any: Ray types their methods as Never
         self.in_doubt = InDoubtLedger()  # ids of adds whose answer was lost
         # Recent retrieval texts' vectors, and the texts in flight (cluster.client_vector_cache).
         self.query_vectors = QueryVectors(config.cluster.client_vector_cache, self.dim)
@@ -159,10 +160,16 @@ class AsyncMemoryClient:
         :meth:`MemoryClient.connect <lifemem_ray.actors.cluster.client.MemoryClient.connect>`)."""
         if not ray.is_initialized():
             ray_address.connect(address, namespace, include_dashboard=False, log_to_driver=False)  # never a scan
-        coordinator = await asyncio.to_thread(deployment.find_coordinator, namespace)
-        info = await coordinator.deployment.remote()
+        config = config or DeploymentConfig()
+        coordinator = CoordinatorRef(namespace, config.cluster.call_timeout_s)
+        info = await coordinator.acall("deployment")
         embedders = await asyncio.to_thread(_named_actors, info["embedders"], namespace)
-        return cls(namespace, config or DeploymentConfig(), coordinator, info, embedders)
+        return cls(namespace, config, coordinator, info, embedders)
+
+    @property
+    def coordinator(self) -> Any:
+        """The coordinator's actor handle in use (looked up by name again after it died)."""
+        return self._coordinator.handle
 
     async def shards(self) -> list[Any]:
         """The shard actors' handles (looked up on first use, and after a shard failed)."""
@@ -203,9 +210,10 @@ class AsyncMemoryClient:
             vectors,
             dim=self.dim,
             features=self.config.evolution.workflow_features,
-            coordinator=self.coordinator,
+            coordinator=self._coordinator,
             ledger=self.in_doubt,
             resends=self.config.cluster.add_resends,
+            wait_s=self.config.cluster.call_timeout_s,
         )
         return AsyncAddFuture(send(), request, resend=send)
 
@@ -224,12 +232,21 @@ class AsyncMemoryClient:
                 "no embedder actors in this deployment (deployed with cluster.embedders = 0); pass vectors, or deploy with embedders"
             )
         plan = embed_plan(texts, len(self.embedders), self.config.cluster.embed_chunk)
+        limit = self.config.cluster.call_timeout_s
         try:
-            answers = await _gather(
-                [self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]
+            answers = await asyncio.wait_for(
+                _gather([self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]), limit
             )
         except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
             raise_own(exc)
+        except actor_failures(TimeoutError) as exc:  # its node is gone, or restarting
+            if not isinstance(exc, TimeoutError):  # a new deployment's embedders, by name
+                with contextlib.suppress(ValueError):
+                    self.embedders = await asyncio.to_thread(_named_actors, self.embedder_names, self.namespace)
+            raise EmbeddingError(
+                f"the deployment's embedders did not answer within {limit:g} s (cluster.call_timeout_s): "
+                f"{type(exc).__name__}; retry later, or pass vectors"
+            ) from None
         return gather_rows(texts, plan, answers)
 
     async def retrieve(
@@ -343,7 +360,7 @@ class AsyncMemoryClient:
         shard_stats = await self._answers([s.stats.remote(tenant) for s in await self.shards()], "stats")
         out = merge_stats(shard_stats, tenant)
         if tenant is None:
-            out = with_deployment_stats(out, shard_stats, await _coordinator_answer(self.coordinator.stats.remote()))
+            out = with_deployment_stats(out, shard_stats, await self._coordinator.acall("stats"))
         return out  # type: ignore[return-value]
 
     async def clusters(
@@ -365,12 +382,12 @@ class AsyncMemoryClient:
     # -- deleting ----------------------------------------------------------------------------
     async def remove(self, ids: Sequence[str], *, tenant: str = DEFAULT_TENANT) -> int:
         """Delete ``tenant``'s trajectories of these ids (through the coordinator; idempotent)."""
-        return await _coordinator_answer(self.coordinator.remove.remote(check_remove(ids, tenant), tenant))
+        return int(await self._coordinator.acall("remove", check_remove(ids, tenant), tenant))
 
     async def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` on every shard (see :meth:`remove`)."""
         check_tenant(tenant, "tenant", stored=True)
-        return await _coordinator_answer(self.coordinator.purge_tenant.remote(tenant))
+        return int(await self._coordinator.acall("purge_tenant", tenant))
 
     async def verify(self, deep: bool = False) -> dict[str, Any]:
         """Every shard's invariants (``deep``: also every record's fingerprint, recomputed)."""

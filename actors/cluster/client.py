@@ -37,6 +37,7 @@ from lifemem_ray.actors.cluster.client_rules import (
     with_deployment_stats,
 )
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
@@ -49,14 +50,6 @@ from lifemem_ray.engine.retrieval import Retrieval, check_retrieve_args, paused_
 from lifemem_ray.engine.versions import format_version
 
 __all__ = ["AddFuture", "MemoryClient"]
-
-
-def _coordinator_answer(ref: Any) -> Any:
-    """A coordinator call's answer, its own errors without Ray's wrapping."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        raise_remote(exc)
 
 
 def _read_the_rest(refs: list[Any], wait_s: float = 1.0) -> None:
@@ -99,14 +92,16 @@ class AddFuture:
         self.request.single = value
 
     def result(self, timeout: float | None = None) -> Any:
-        """The per-trajectory results (``timeout``: per attempt). A request whose coordinator
-        died is sent again (up to ``cluster.add_resends`` times, the coordinator restarts by
-        itself): ids its first attempt committed then come back ``duplicate`` and are
-        reported ``added``."""
+        """The per-trajectory results (``timeout``: per attempt; None: ``cluster.call_timeout_s``).
+        A request whose coordinator died is sent again (up to ``cluster.add_resends`` times, to
+        the coordinator found by name again): ids its first attempt committed then come back
+        ``duplicate`` and are reported ``added``. No answer in time: ``TimeoutError`` (the ids
+        are in doubt: the request may still commit)."""
         self._resend_due(wait=True)
+        limit = self.request.wait_s if timeout is None else timeout
         while True:
             try:
-                out = ray.get(self.ref, timeout=timeout)
+                out = ray.get(self.ref, timeout=limit)
                 break
             except ray.exceptions.RayError as exc:
                 delay = self.request.failed(exc, self.resend is not None)
@@ -179,17 +174,24 @@ class MemoryClient:
     def __init__(self, namespace: str, config: DeploymentConfig) -> None:
         self.namespace = namespace
         self.config = config
-        self.coordinator = deployment.find_coordinator(namespace)
-        info = ray.get(self.coordinator.deployment.remote())
+        # The coordinator by name, found again after it died, every call bounded (one rule: coordinator_ref).
+        self._coordinator = CoordinatorRef(namespace, config.cluster.call_timeout_s)
+        info = self._coordinator.call("deployment")
         self.dim = info["dim"]
         self.shard_names = info["shards"]
         # Actor handles, typed Any: Ray types an actor's methods (ActorHandle.__getattr__) as Never.
         # Looked up again after a shard failed: the deployment may have started it anew elsewhere.
         self._shards: list[Any] | None = None
-        self.embedders: list[Any] = [ray.get_actor(n, namespace=namespace) for n in info["embedders"]]
+        self.embedder_names: list[str] = info["embedders"]
+        self.embedders: list[Any] = [ray.get_actor(n, namespace=namespace) for n in self.embedder_names]
         self.in_doubt = InDoubtLedger()  # ids of adds whose answer was lost
         # Recent retrieval texts' vectors, and the texts in flight (cluster.client_vector_cache).
         self.query_vectors = QueryVectors(config.cluster.client_vector_cache, self.dim)
+
+    @property
+    def coordinator(self) -> Any:
+        """The coordinator's actor handle in use (looked up by name again after it died)."""
+        return self._coordinator.handle
 
     @property
     def shards(self) -> list[Any]:
@@ -241,9 +243,10 @@ class MemoryClient:
             vectors,
             dim=self.dim,
             features=self.config.evolution.workflow_features,
-            coordinator=self.coordinator,
+            coordinator=self._coordinator,
             ledger=self.in_doubt,
             resends=self.config.cluster.add_resends,
+            wait_s=self.config.cluster.call_timeout_s,
         )
         return AddFuture(send(), request, resend=send)
 
@@ -264,9 +267,17 @@ class MemoryClient:
         plan = embed_plan(texts, len(self.embedders), self.config.cluster.embed_chunk)
         refs = [self.embedders[replica].embed.remote([texts[i] for i in at]) for replica, at in plan]
         try:
-            answers = ray.get(refs)
+            answers = ray.get(refs, timeout=self.config.cluster.call_timeout_s)
         except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
             raise_own(exc)
+        except actor_failures(ray.exceptions.GetTimeoutError) as exc:  # its node is gone, or restarting
+            if not isinstance(exc, ray.exceptions.GetTimeoutError):  # a new deployment's embedders, by name
+                with contextlib.suppress(ValueError):
+                    self.embedders = [ray.get_actor(n, namespace=self.namespace) for n in self.embedder_names]
+            raise EmbeddingError(
+                f"the deployment's embedders did not answer within {self.config.cluster.call_timeout_s:g} s "
+                f"(cluster.call_timeout_s): {type(exc).__name__}; retry later, or pass vectors"
+            ) from None
         return gather_rows(texts, plan, answers)
 
     def retrieve(
@@ -404,7 +415,7 @@ class MemoryClient:
         shard_stats = self._answers([s.stats.remote(tenant) for s in self.shards], "stats")
         out = merge_stats(shard_stats, tenant)
         if tenant is None:
-            out = with_deployment_stats(out, shard_stats, _coordinator_answer(self.coordinator.stats.remote()))
+            out = with_deployment_stats(out, shard_stats, self._coordinator.call("stats"))
         return out  # type: ignore[return-value]
 
     def clusters(
@@ -427,13 +438,13 @@ class MemoryClient:
         through the coordinator, which runs it between its micro-batches (never beside a batch
         that may name the same clusters) on every shard; durable when this returns, and
         idempotent: sending it again is safe (unknown ids are ignored)."""
-        return _coordinator_answer(self.coordinator.remove.remote(check_remove(ids, tenant), tenant))
+        return int(self._coordinator.call("remove", check_remove(ids, tenant), tenant))
 
     def purge_tenant(self, tenant: str) -> int:
         """Delete everything of ``tenant`` on every shard (see :meth:`remove`); each shard
         records the intent first and finishes an interrupted purge when it restarts."""
         check_tenant(tenant, "tenant", stored=True)
-        return _coordinator_answer(self.coordinator.purge_tenant.remote(tenant))
+        return int(self._coordinator.call("purge_tenant", tenant))
 
     def verify(self, deep: bool = False) -> dict[str, Any]:
         """Every shard's invariants (``deep``: also every record's fingerprint, recomputed)."""

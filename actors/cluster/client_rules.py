@@ -20,6 +20,7 @@ import numpy as np
 import ray
 
 from lifemem_ray.actors.cluster.cluster_config import ClusterConfig
+from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, remote_cause
 from lifemem_ray.core.errors import ArgumentTypeError
@@ -104,12 +105,15 @@ class BatchSender:
     Picklable (an actor handle and the batch), so a request can travel to another process
     and be sent again from there (a rollout worker hands its add to the pool)."""
 
-    coordinator: Any
+    coordinator: CoordinatorRef
     batch: ItemBatch
     embedded: bool
+    sent: int = 0  # attempts so far: a resend looks the coordinator up by name again (it may be a new actor)
 
     def __call__(self) -> Any:
-        return self.coordinator.add_batch.options(max_task_retries=0).remote(self.batch, self.embedded)
+        handle = self.coordinator.handle if self.sent == 0 else self.coordinator.refreshed()
+        self.sent += 1
+        return handle.add_batch.options(max_task_retries=0).remote(self.batch, self.embedded)
 
 
 @dataclass
@@ -128,6 +132,7 @@ class AddRequest:
     single: bool = False
     started: float | None = None
     attempts: int = 0
+    wait_s: float | None = None  # how long an attempt waits when the caller gives no bound (cluster.call_timeout_s)
 
     def failed(self, exc: BaseException, can_resend: bool = True) -> float | None:
         """What a failed attempt means: seconds to wait before sending it again, or None when
@@ -181,9 +186,10 @@ def prepare_add(
     *,
     dim: int,
     features: str,
-    coordinator: Any,
+    coordinator: CoordinatorRef,
     ledger: InDoubtLedger,
     resends: int,
+    wait_s: float | None = None,
 ) -> tuple[AddRequest, BatchSender]:
     """One request of ``add_many``: the trajectories encoded and their workflows abstracted in
     the caller's process (the coordinator only routes and decides), and its policy."""
@@ -195,6 +201,7 @@ def prepare_add(
         ledger,
         resends=resends,
         started=started,
+        wait_s=wait_s,
     )
     return request, BatchSender(coordinator, batch, vectors is not None)
 

@@ -55,6 +55,7 @@ __all__ = ["Coordinator", "RayShards"]  # RayShards: re-exported from ray_shards
 log = logging.getLogger(__name__)
 
 MAX_EARLY_RESUMES = 1_024  # resumes remembered whose pause has not started yet
+RECOVERY_WAIT_S = 30.0  # the first batch after a start waits this long at most for the routes rebuilt from the shards
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Coordinator:
         self.embedder_names = embedder_names
         self.keeper: ShardKeeper | None = None  # restarts and rebuilds shards whose node went (Ray deployments)
         self._keeper_task: asyncio.Task | None = None
+        self._recovery: asyncio.Task | None = None  # the routing state rebuilt from the shards after a start
+        self.store_dir = Path(store_dir)  # the deployment's store folder (its routing table is in coordinator/)
         if shards is None:
             ray_shards = RayShards(
                 shard_names, self.namespace, config.cluster.call_timeout_s, check_s=config.cluster.health_check_s
@@ -291,7 +294,9 @@ class Coordinator:
         return len(self.routing)
 
     async def resync(self) -> int:
-        """Rebuild the routing table from what the shards hold (after a restore or a split)."""
+        """Rebuild the routing table from what the shards hold (after a restore, a split, or a
+        restart of this actor, also on a head node that came back with an empty disk): the
+        routes, the shard loads, whether the memory is initialised, and where each shard runs."""
         shards = range(len(self.shards))
         lists = await asyncio.gather(*[self.shards.call(s, "cluster_ids") for s in shards])
         routes = {cid: i for i, ids in enumerate(lists) for cid in ids}
@@ -301,7 +306,40 @@ class Coordinator:
         self.ingest.initialised = any(info["initialised"] for info in infos)
         self.routing.put_meta("initialised", self.ingest.initialised)
         self.routing.put_meta("shard_loads", self.ingest.loads)
+        nodes = [info.get("node_id") for info in infos]
+        if all(nodes) and self.keeper is not None:  # where the shards run now (a Ray deployment)
+            self.routing.put_meta("nodes", nodes)
+        if self.routing.get_meta("store") is None:  # the routing table was lost with its disk
+            self.routing.put_meta("store", str(self.store_dir))
         return len(routes)
+
+    async def _recover(self) -> None:
+        """After this actor starts (also restarted by Ray, on a head node that came back): the
+        routing state rebuilt from the live shards, tried until they answer (each try bounded
+        by ``cluster.call_timeout_s``, then a growing pause up to 30 s)."""
+        pause = 1.0
+        while True:
+            try:
+                routes = await asyncio.wait_for(self.resync(), self.config.cluster.call_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - shards not reachable yet: try again
+                log.warning(
+                    "routes not rebuilt from the shards yet (%s: %s); again in %.0f s", type(exc).__name__, exc, pause
+                )
+                await asyncio.sleep(pause)
+                pause = min(30.0, pause * 2)
+            else:
+                log.info("routing state rebuilt from the shards: %d routes", routes)
+                return
+
+    async def _recovered(self) -> None:
+        """Wait (at most :data:`RECOVERY_WAIT_S`) for :meth:`_recover` before the first batch:
+        a batch planned on routes the shards no longer agree with would fail; past it (a shard
+        still down), batches go on with the routing table as it was."""
+        if self._recovery is not None and not self._recovery.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._recovery), RECOVERY_WAIT_S)
+            except TimeoutError:
+                log.warning("first batch planned before the routes were rebuilt from the shards")
 
     async def ping(self) -> str:
         self._ensure_keeper()
@@ -319,9 +357,11 @@ class Coordinator:
         }
 
     def _ensure_keeper(self) -> None:
-        """The shard keeper's loop, started with the first call the actor serves (also after a restart)."""
+        """The shard keeper's loop and the routing state's recovery from the shards, started with
+        the first call the actor serves (also after a restart)."""
         if self.keeper is not None and self._keeper_task is None:
             self._keeper_task = asyncio.get_running_loop().create_task(self.keeper.run())
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
 
     # -- the batching loop -----------------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -340,6 +380,7 @@ class Coordinator:
         assert self._wake is not None and self._space is not None and self._idle is not None
         wait = self.config.cluster.batch_wait_ms / 1000.0
         previous: Committed | None = None
+        await self._recovered()
         while True:
             await self._wake.wait()
             self._wake.clear()

@@ -13,21 +13,26 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator import Coordinator
 from lifemem_ray.actors.cluster.durable_owner import claim_durable_address
 from lifemem_ray.actors.cluster.embedder import EmbedderActor
-from lifemem_ray.actors.cluster.placement import alive_nodes, place_shards, shard_name, start_shard
-from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError
+from lifemem_ray.actors.cluster.placement import (
+    alive_nodes,
+    home_node_resource,
+    place_shards,
+    shard_name,
+    start_shard,
+)
+from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, actor_failures
 from lifemem_ray.actors.cluster.routing import RoutingTable
 from lifemem_ray.core.errors import (
     ConfigError,
@@ -45,6 +50,7 @@ __all__ = [
     "deploy",
     "ending_on_failure",
     "find_coordinator",
+    "live_workers",
     "plan_deployment",
     "snapshot",
     "start_coordinator",
@@ -179,13 +185,54 @@ def ending_on_failure(namespace: str) -> Iterator[list[str]]:
         raise
 
 
-def start_workers(plan: DeploymentPlan, started: list[str]) -> None:
-    """The shard and embedder actors of the plan (not waited for)."""
+def live_workers(plan: DeploymentPlan) -> list[str]:
+    """The plan's shard and embedder actors that already run although no coordinator does (it
+    died with its node, or was killed): a new start adopts them instead of failing on their
+    names, and never ends them. A shard is adopted only if it serves this store's folder.
+
+    Raises:
+        DeploymentExistsError: an actor of a shard's name serves another store folder.
+    """
+    adopted: list[str] = []
+    for i, name in enumerate(plan.shard_names):
+        try:
+            handle = _actor(name, plan.namespace)
+        except ValueError:
+            continue
+        try:
+            path = ray.get(handle.info.remote(), timeout=plan.config.cluster.start_timeout_s)["path"]
+        except actor_failures(ray.exceptions.GetTimeoutError):  # restarting: its name is held, adopt it
+            adopted.append(name)
+            continue
+        if Path(path).resolve() != (plan.store / f"shard-{i:02d}").resolve():
+            raise DeploymentExistsError(
+                f"actor {name} in namespace {plan.namespace!r} serves {path}, not {plan.store}: another "
+                "deployment's shard; give this one another --namespace, or stop that one first"
+            )
+        adopted.append(name)
+    for name in plan.embedder_names:
+        try:
+            _actor(name, plan.namespace)
+        except ValueError:
+            continue
+        adopted.append(name)
+    if adopted:
+        log.warning(
+            "namespace %r: adopting %d live actors of %s (%s)", plan.namespace, len(adopted), plan.store, adopted
+        )
+    return adopted
+
+
+def start_workers(plan: DeploymentPlan, started: list[str], adopted: Sequence[str] = ()) -> None:
+    """The shard and embedder actors of the plan (not waited for), but those ``adopted``."""
     config = plan.config
     for i in range(len(plan.shard_names)):
-        start_shard(i, plan.nodes[i], plan.store, config, plan.dim)
-        started.append(plan.shard_names[i])
+        if plan.shard_names[i] not in adopted:
+            start_shard(i, plan.nodes[i], plan.store, config, plan.dim)
+            started.append(plan.shard_names[i])
     for i, name in enumerate(plan.embedder_names):
+        if name in adopted:
+            continue
         ray.remote(EmbedderActor).options(
             name=name,
             namespace=plan.namespace,
@@ -198,15 +245,14 @@ def start_workers(plan: DeploymentPlan, started: list[str]) -> None:
 def start_coordinator(plan: DeploymentPlan, started: list[str]) -> Any:
     """The coordinator (not waited for). It opens the routing table in the store folder of the
     node that started the deployment (a node-local disk, like the shards'): it runs there, and
-    restarts there."""
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    ray.remote(Coordinator).options(
-        name=COORDINATOR,
-        namespace=plan.namespace,
-        lifetime="detached",
-        scheduling_strategy=here,
-        **Coordinator.ray_options(plan.config),
-    ).remote(str(plan.store), plan.config, plan.shard_names, plan.embedder_names, plan.dim)
+    restarts there, also after that node was lost and started again (placed by
+    :func:`~.placement.home_node_resource`, which a restarted head has again, not by node id);
+    a restarted coordinator rebuilds its routes from the live shards."""
+    options = Coordinator.ray_options(plan.config)
+    options["resources"] = {**options.get("resources", {}), home_node_resource(): 0.001}
+    ray.remote(Coordinator).options(name=COORDINATOR, namespace=plan.namespace, lifetime="detached", **options).remote(
+        str(plan.store), plan.config, plan.shard_names, plan.embedder_names, plan.dim
+    )
     started.append(COORDINATOR)
     return _actor(COORDINATOR, plan.namespace)
 
@@ -240,14 +286,16 @@ def deploy(
     """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
 
     Call after ``ray.init``. An existing store keeps its shard count, node placement and id.
+    Shard and embedder actors of this store that still run without a coordinator are adopted.
     A start that fails ends the actors it started, and only those.
     """
     plan = plan_deployment(store_dir, config, shards=shards, dim=dim)
     try:
+        adopted = live_workers(plan)
         with ending_on_failure(plan.namespace) as started:
-            start_workers(plan, started)
+            start_workers(plan, started, adopted)
             coordinator = start_coordinator(plan, started)
-            wait_ready(plan, started)
+            wait_ready(plan, [*adopted, *started])
             ray.get(coordinator.resync.remote())
             return dict(ray.get(coordinator.deployment.remote()))
     except BaseException as exc:
@@ -267,11 +315,14 @@ def _kill_named(namespace: str, names: list[str]) -> None:
 
 
 def stop(namespace: str = "lifemem", *, timeout_s: float = 120.0) -> bool:
-    """Close every shard (saving its index cache) and end the deployment's actors."""
+    """Close every shard (saving its index cache) and end the deployment's actors; a deployment
+    whose coordinator is gone has its live shards and embedders ended too."""
     try:
         coordinator = find_coordinator(namespace)
     except DeploymentNotFoundError:
-        return False
+        from lifemem_ray.actors.cluster.orphans import stop_orphans
+
+        return bool(stop_orphans(namespace, timeout_s))
     info = ray.get(coordinator.deployment.remote(), timeout=timeout_s)
     try:
         ray.get(coordinator.pause.remote(), timeout=timeout_s)

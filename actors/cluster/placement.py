@@ -46,6 +46,23 @@ def this_node_resource() -> str:
     return f"node:{ray.util.get_node_ip_address()}"
 
 
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node, and again to a head restarted after a loss
+
+
+def home_node_resource() -> str:
+    """The resource an actor asks a sliver of (0.001) to live on this process's node, and to
+    come back there after that node was restarted: the head's own (:data:`HEAD_RESOURCE`, which
+    a head restarted after a loss declares again whatever its address or node id) when this is
+    the head node, else this node's ``node:<address>`` (a node started again at the same
+    address has it again). Never the node id: a restarted node gets a new one, and an actor
+    pinned to the old id is marked dead ("actor_unschedulable")."""
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here and HEAD_RESOURCE in node.get("Resources", {}):
+            return HEAD_RESOURCE
+    return this_node_resource()
+
+
 def alive_nodes() -> list[dict[str, Any]]:
     return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
 

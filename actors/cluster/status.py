@@ -12,7 +12,8 @@ from typing import Any
 import ray
 
 from lifemem_ray.actors.cluster.deployment import find_coordinator
-from lifemem_ray.actors.cluster.remote_errors import actor_failures
+from lifemem_ray.actors.cluster.orphans import orphan_status
+from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, actor_failures
 
 __all__ = ["deployment_status", "status_table"]
 
@@ -22,10 +23,26 @@ def _node_addresses() -> dict[str, dict[str, Any]]:
 
 
 def deployment_status(namespace: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
-    """The deployment in ``namespace``: per shard, placement, health and durability."""
-    coordinator = find_coordinator(namespace)
-    info = ray.get(coordinator.deployment.remote(), timeout=timeout_s)
-    health = ray.get(coordinator.health.remote(), timeout=timeout_s)
+    """The deployment in ``namespace``: per shard, placement, health and durability. When its
+    coordinator is gone but shards run, says so, with their counts and the command that serves
+    it again (:func:`~.orphans.orphan_status`).
+
+    Raises:
+        DeploymentNotFoundError: neither a coordinator nor a shard runs in the namespace.
+    """
+    try:
+        coordinator = find_coordinator(namespace)
+    except DeploymentNotFoundError:
+        orphaned = orphan_status(namespace, timeout_s)
+        if orphaned is None:
+            raise
+        return orphaned
+    try:
+        info = ray.get(coordinator.deployment.remote(), timeout=timeout_s)
+        health = ray.get(coordinator.health.remote(), timeout=timeout_s)
+    except actor_failures(ray.exceptions.GetTimeoutError) as exc:  # it is being restarted, or its node is gone
+        orphaned = orphan_status(namespace, timeout_s) or {"namespace": namespace, "store": None, "shards": []}
+        return {**orphaned, "coordinator": f"not answering ({type(exc).__name__}): its node may be restarting"}
     nodes = _node_addresses()
     kept = {h["index"]: h for h in health["shards"]}
     shards = []
@@ -56,7 +73,13 @@ def deployment_status(namespace: str, *, timeout_s: float = 30.0) -> dict[str, A
             down = (kept.get(i) or {}).get("down")
             row.update(health="down", why=down or f"{type(exc).__name__}: {str(exc)[:200]}")
         shards.append(row)
-    return {"namespace": namespace, "store": info.get("store"), "dim": info.get("dim"), "shards": shards}
+    return {
+        "namespace": namespace,
+        "store": info.get("store"),
+        "dim": info.get("dim"),
+        "coordinator": "up",
+        "shards": shards,
+    }
 
 
 def _durable_row(durable: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -82,7 +105,12 @@ def _durable_row(durable: dict[str, Any] | None) -> dict[str, Any] | None:
 def status_table(status: dict[str, Any]) -> str:
     """The status as a text table, one row per shard."""
     head = f"{'shard':<6}{'health':<8}{'address':<16}{'node':<14}{'traj':>9}  {'checkpoint':<22}{'log after':>10}{'behind':>8}"
-    lines = [f"deployment {status['namespace']!r}, store {status['store']}", head]
+    lines = [f"deployment {status['namespace']!r}, store {status['store']}"]
+    if status.get("coordinator", "up") != "up":
+        lines.append(f"coordinator: {status['coordinator']}; shards still running hold what was acknowledged")
+        if status.get("recover"):
+            lines.append(f"to serve it again (the live shards are adopted): {status['recover']}")
+    lines.append(head)
     for s in status["shards"]:
         d = s.get("durable") or {}
         checkpoint = (

@@ -49,7 +49,7 @@ from starlette.types import Message, Receive, Scope, Send
 from lifemem_ray import __version__
 from lifemem_ray.actors.cluster import ray_internals
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.cluster.placement import this_node_resource
+from lifemem_ray.actors.cluster.placement import home_node_resource
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
 from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, unavailable_errors, validation_detail
@@ -421,7 +421,7 @@ def start_http(
             max_ongoing_requests=http.max_ongoing_requests,
             # On serve's node, beside the coordinator and Serve's proxy there: a replica on a worker
             # node would answer 500 for as long as Ray takes to declare that node dead.
-            ray_actor_options={"num_cpus": http.replica_cpus, "resources": {this_node_resource(): 0.001}},
+            ray_actor_options={"num_cpus": http.replica_cpus, "resources": {home_node_resource(): 0.001}},
         )
         .bind(namespace, config, keyring, host)
     )

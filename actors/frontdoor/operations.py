@@ -17,8 +17,8 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from lifemem_ray.actors.cluster.placement import home_node_resource
 from lifemem_ray.core.errors import OverloadedError
 from lifemem_ray.service.http_config import HttpConfig
 
@@ -120,8 +120,8 @@ class Operations:
 def operations_actor(namespace: str, http: HttpConfig) -> Any:
     """The namespace's operations actor (created on first use with ``http``'s limits; every
     replica shares it). It runs on the node that creates it (serve's, where the replicas run):
-    a worker node's loss does not take the front door's operations with it."""
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    a worker node's loss does not take the front door's operations with it, and it comes back
+    on that node after the node was restarted (:func:`~lifemem_ray.actors.cluster.placement.home_node_resource`)."""
     return (
         ray.remote(Operations)
         .options(
@@ -130,7 +130,7 @@ def operations_actor(namespace: str, http: HttpConfig) -> Any:
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
-            scheduling_strategy=here,
+            resources={home_node_resource(): 0.001},
             max_concurrency=1,
             max_restarts=-1,
         )

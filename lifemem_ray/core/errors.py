@@ -19,6 +19,7 @@ __all__ = [
     "AuthError",
     "CommandError",
     "ConfigError",
+    "CoordinatorUnavailableError",
     "DeploymentExistsError",
     "DeploymentNotFoundError",
     "EmbeddingError",
@@ -206,6 +207,11 @@ class OverloadedError(LifeMemError, RuntimeError):
 class ShardUnavailableError(LifeMemError, RuntimeError):
     """A shard (or the node it is pinned to) is gone; what it acknowledged is in its store
     and in the last snapshot, and what it did not acknowledge may be retried."""
+
+
+class CoordinatorUnavailableError(LifeMemError, RuntimeError):
+    """The deployment's coordinator did not answer in time (its node is being restarted, or it
+    is overloaded); what it acknowledged is stored, and the call may be retried."""
 
 
 class DeploymentNotFoundError(LifeMemError, RuntimeError):
