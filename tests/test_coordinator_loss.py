@@ -7,6 +7,11 @@ opened before find the new coordinator by name, a failed start ends nothing it d
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -17,7 +22,13 @@ from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.status import deployment_status, status_table
-from lifemem_ray.core.errors import DeploymentExistsError, DeploymentNotFoundError
+from lifemem_ray.core.errors import (
+    CoordinatorUnavailableError,
+    DeploymentExistsError,
+    DeploymentNotFoundError,
+    EmbeddingError,
+    ShardUnavailableError,
+)
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 
@@ -30,9 +41,37 @@ def _pids(namespace: str, names: list[str]) -> dict[str, int]:
     return {n: ray.get(ray.get_actor(n, namespace=namespace).info.remote())["pid"] for n in names}
 
 
+WATCH_OFF = {
+    "cluster.replace_dead_actors": False
+}  # Ray restarts it instead; killed for good here, nothing brings it back
+
+
+def test_a_coordinator_that_died_is_started_anew_by_the_shards_and_clients_find_it(deployment, tmp_path):
+    client, _ = deployment(shards=2, store=tmp_path / "store", **{"cluster.health_check_s": 0.5})
+    trajs, vecs = _batch(60, 4)
+    client.add_many(trajs[:20], vecs[:20]).result(timeout=300)
+    aio = asyncio.run(AsyncMemoryClient.connect(client.namespace, config=client.config))
+    old = client.coordinator._actor_id
+    ray.kill(client.coordinator, no_restart=True)  # as when it died with its node
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if ray.get_actor("lifemem-coordinator", namespace=client.namespace)._actor_id != old:
+                break
+        except ValueError:
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("no new coordinator within 120 s")
+    # The clients opened before find the new one by name; it rebuilt its routes from the shards.
+    assert [r.status for r in client.add_many(trajs[20:40], vecs[20:40]).result(timeout=300)] == ["added"] * 20
+    assert asyncio.run(_add_and_count(aio, trajs[40:60], vecs[40:60])) == (["added"] * 20, 60)
+    assert client.stats()["trajectories"] == 60 and client.verify()["ok"]
+
+
 def test_a_lost_coordinator_is_told_by_status_and_serve_adopts_the_live_shards(deployment, tmp_path):
     store = tmp_path / "store"
-    client, info = deployment(shards=2, store=store)
+    client, info = deployment(shards=2, store=store, **WATCH_OFF)
     trajs, vecs = _batch(80, 1)
     client.add_many(trajs[:40], vecs[:40]).result(timeout=300)
     namespace, config = client.namespace, client.config
@@ -50,7 +89,7 @@ def test_a_lost_coordinator_is_told_by_status_and_serve_adopts_the_live_shards(d
     with pytest.raises(DeploymentNotFoundError):  # an add finds no coordinator by name, and says so
         client.add_many(trajs[40:50], vecs[40:50]).result(timeout=60)
 
-    dep.deploy(store, DeploymentConfig().replace({"cluster.namespace": namespace, **SMALL_ACTORS}))
+    dep.deploy(store, DeploymentConfig().replace({"cluster.namespace": namespace, **SMALL_ACTORS, **WATCH_OFF}))
     assert _pids(namespace, info["shards"]) == pids, "the live shards were adopted, not restarted"
     # The clients opened before find the new coordinator by name.
     assert [r.status for r in client.add_many(trajs[40:60], vecs[40:60]).result(timeout=300)] == ["added"] * 20
@@ -66,14 +105,14 @@ async def _add_and_count(aio: AsyncMemoryClient, trajs, vecs) -> tuple[list[str]
 
 
 def test_a_failed_start_ends_nothing_it_did_not_start_and_stop_ends_orphans(deployment, tmp_path):
-    client, info = deployment(shards=2, store=tmp_path / "first")
+    client, info = deployment(shards=2, store=tmp_path / "first", **WATCH_OFF)
     trajs, vecs = _batch(20, 2)
     client.add_many(trajs, vecs).result(timeout=300)
     namespace = client.namespace
     pids = _pids(namespace, info["shards"])
     ray.kill(client.coordinator, no_restart=True)
     other = DeploymentConfig().replace({"cluster.namespace": namespace, **SMALL_ACTORS})
-    with pytest.raises(DeploymentExistsError, match="serves .*first"):
+    with pytest.raises(DeploymentExistsError, match=r"serves .*first"):
         dep.deploy(tmp_path / "second", other, shards=2)
     assert _pids(namespace, info["shards"]) == pids, "the other store's live shards were left alone"
     assert deployment_status(namespace)["coordinator"] == "down"
@@ -98,3 +137,42 @@ def test_every_client_wait_is_bounded(deployment, tmp_path):
     finally:
         ray.get(client.coordinator.resume.remote())
     assert [r.status for r in future.result(timeout=120)] == ["added"] * 10
+
+
+@contextlib.contextmanager
+def _hung(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, as a node that hangs, then continued."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_a_call_to_a_hung_actor_fails_with_the_librarys_error_within_its_bound(deployment, tmp_path):
+    client, _ = deployment(shards=1, store=tmp_path / "store")
+    trajs, vecs = _batch(10, 5)
+    client.add_many(trajs, vecs).result(timeout=300)
+    bounded = MemoryClient(client.namespace, client.config.replace({"cluster.call_timeout_s": 2}))
+    aio = asyncio.run(AsyncMemoryClient.connect(client.namespace, config=bounded.config))
+    assert bounded.embedders, "the deployment has an embedder"
+    with _hung(_pid(bounded.shards[0])):
+        with pytest.raises(ShardUnavailableError):
+            bounded.retrieve(trajs[0].task, None, vector=vecs[0])
+        with pytest.raises(ShardUnavailableError):
+            asyncio.run(aio.retrieve(trajs[0].task, None, vector=vecs[0]))
+    with _hung(_pid(bounded.embedders[0])), pytest.raises(EmbeddingError, match="call_timeout_s"):
+        bounded.embed(["a task"])
+    with _hung(_pid(bounded.coordinator)):
+        with pytest.raises(CoordinatorUnavailableError, match="call_timeout_s"):
+            bounded.stats()
+        with pytest.raises(CoordinatorUnavailableError, match="call_timeout_s"):
+            asyncio.run(aio.stats())
+    # Once they answer again, so do the same clients.
+    assert bounded.retrieve(trajs[0].task, None, vector=vecs[0]).trajectories
+    assert bounded.embed(["a task"]).shape == (1, client.dim)
+    assert bounded.stats()["trajectories"] == 10

@@ -45,7 +45,7 @@ def declared_floor() -> Version:
     return Version(rays[0].split(">=", 1)[1].split(",")[0].strip())
 
 
-def tested_floor() -> Version:
+def floor_ci_installs() -> Version:
     """The Ray version .ci/run's range step installs (``RAY_FLOOR=X``)."""
     found = re.findall(r"^RAY_FLOOR=([0-9.]+)\s*(?:#.*)?$", (ROOT / ".ci" / "run").read_text(), flags=re.MULTILINE)
     assert len(found) == 1, "one RAY_FLOOR=X line in .ci/run"
@@ -53,7 +53,7 @@ def tested_floor() -> Version:
 
 
 def test_the_declared_floor_is_the_one_ci_tests():
-    assert declared_floor() == tested_floor(), "pyproject's ray>= and .ci/run's RAY_FLOOR name the same version"
+    assert declared_floor() == floor_ci_installs(), "pyproject's ray>= and .ci/run's RAY_FLOOR name the same version"
 
 
 def test_the_installed_ray_is_within_the_declared_range():

@@ -30,7 +30,6 @@ Example (in a process of the Ray cluster that runs ``lifemem-ray serve --namespa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -51,6 +50,7 @@ from lifemem_ray.actors.cluster.client_rules import (
     merge_stats,
     one_round_results,
     prepare_add,
+    send_again,
     shard_pins,
     with_deployment_stats,
 )
@@ -58,7 +58,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
-from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
+from lifemem_ray.actors.cluster.ray_shards import embed_plan, find_embedders_again, gather_rows, pack_queries
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_own, raise_remote
 from lifemem_ray.core.errors import EmbeddingError
 from lifemem_ray.core.model import Trajectory
@@ -116,7 +116,7 @@ class AsyncAddFuture:
                 if delay is None or self.resend is None:
                     raise_remote(exc)  # the coordinator's own error without Ray's wrapping, or exc as it came
                 await asyncio.sleep(delay)
-                self.ref = self.resend()
+                self.ref = await asyncio.to_thread(send_again, self.resend, self.request)
 
     async def _answer(self) -> Any:
         return await self.ref
@@ -240,9 +240,9 @@ class AsyncMemoryClient:
         except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
             raise_own(exc)
         except actor_failures(TimeoutError) as exc:  # its node is gone, or restarting
-            if not isinstance(exc, TimeoutError):  # a new deployment's embedders, by name
-                with contextlib.suppress(ValueError):
-                    self.embedders = await asyncio.to_thread(_named_actors, self.embedder_names, self.namespace)
+            self.embedders = await asyncio.to_thread(
+                find_embedders_again, self.embedders, self.embedder_names, self.namespace
+            )
             raise EmbeddingError(
                 f"the deployment's embedders did not answer within {limit:g} s (cluster.call_timeout_s): "
                 f"{type(exc).__name__}; retry later, or pass vectors"

@@ -33,6 +33,7 @@ from lifemem_ray.actors.cluster.client_rules import (
     merge_stats,
     one_round_results,
     prepare_add,
+    send_again,
     shard_pins,
     with_deployment_stats,
 )
@@ -40,9 +41,9 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.query_vectors import QueryVectors
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
-from lifemem_ray.actors.cluster.ray_shards import embed_plan, gather_rows, pack_queries
+from lifemem_ray.actors.cluster.ray_shards import embed_plan, find_embedders_again, gather_rows, pack_queries
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, raise_own, raise_remote
-from lifemem_ray.core.errors import EmbeddingError
+from lifemem_ray.core.errors import DeploymentNotFoundError, EmbeddingError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant, search_targets
 from lifemem_ray.engine.protocols import MemoryStats
@@ -108,7 +109,7 @@ class AddFuture:
                 if delay is None or self.resend is None:
                     raise_remote(exc)  # the coordinator's own error without Ray's wrapping, or exc as it came
                 time.sleep(delay)
-                self.ref = self.resend()
+                self.ref = send_again(self.resend, self.request)
         return self.request.answered(out)
 
     def poll(self) -> Any | None:
@@ -141,7 +142,17 @@ class AddFuture:
             return False
         time.sleep(max(0.0, self.resend_at - time.monotonic()))
         self.resend_at = None
-        self.ref = self.resend()
+        if wait:
+            self.ref = send_again(self.resend, self.request)
+            return True
+        try:  # poll never waits: no coordinator found by name yet is another delay
+            self.ref = self.resend()
+        except DeploymentNotFoundError as exc:
+            delay = self.request.failed(exc)
+            if delay is None:
+                raise
+            self.resend_at = time.monotonic() + delay
+            return False
         return True
 
     @staticmethod
@@ -271,9 +282,7 @@ class MemoryClient:
         except ray.exceptions.RayTaskError as exc:  # an embedder's own error (EmbeddingError...) as itself
             raise_own(exc)
         except actor_failures(ray.exceptions.GetTimeoutError) as exc:  # its node is gone, or restarting
-            if not isinstance(exc, ray.exceptions.GetTimeoutError):  # a new deployment's embedders, by name
-                with contextlib.suppress(ValueError):
-                    self.embedders = [ray.get_actor(n, namespace=self.namespace) for n in self.embedder_names]
+            self.embedders = find_embedders_again(self.embedders, self.embedder_names, self.namespace)
             raise EmbeddingError(
                 f"the deployment's embedders did not answer within {self.config.cluster.call_timeout_s:g} s "
                 f"(cluster.call_timeout_s): {type(exc).__name__}; retry later, or pass vectors"

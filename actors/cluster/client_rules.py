@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from lifemem_ray.actors.cluster.cluster_config import ClusterConfig
 from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, remote_cause
-from lifemem_ray.core.errors import ArgumentTypeError
+from lifemem_ray.core.errors import ArgumentTypeError, DeploymentNotFoundError
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import check_tenant
 from lifemem_ray.engine.clustering.clusters import check_listing_limit
@@ -48,6 +48,7 @@ __all__ = [
     "one_round_results",
     "prepare_add",
     "resend_delay",
+    "send_again",
     "with_deployment_stats",
 ]
 
@@ -97,6 +98,23 @@ def resend_delay(attempt: int) -> float:
     return min(5.0, 0.5 * 2 ** (attempt - 1))
 
 
+def send_again(resend: Callable[[], Any], request: AddRequest) -> Any:
+    """``resend()``'s new ref; while no coordinator is found by name (the shards are starting a
+    new one), waits and looks again, within the request's resends.
+
+    Raises:
+        DeploymentNotFoundError: still none once the resends are spent.
+    """
+    while True:
+        try:
+            return resend()
+        except DeploymentNotFoundError as exc:
+            delay = request.failed(exc)
+            if delay is None:
+                raise
+            time.sleep(delay)
+
+
 @dataclass
 class BatchSender:
     """Sends one packed request to the coordinator; again on each call (a new object ref).
@@ -142,9 +160,10 @@ class AddRequest:
         * the coordinator's own error: raised; in doubt when a shard was unavailable (part
           of the batch may have committed);
         * no answer in time (a ``TimeoutError``): in doubt, not resent (it may still commit);
-        * the coordinator died, or the process that owned the answer: in doubt, resent up
-          to ``resends`` times (the restarted coordinator answers ``duplicate`` for what the
-          first attempt committed, settled as ``added``);
+        * the coordinator died, or the process that owned the answer, or a resend found no
+          coordinator by name (a new one is being started): in doubt, resent up to ``resends``
+          times (the new coordinator answers ``duplicate`` for what the first attempt
+          committed, settled as ``added``);
         * anything else: raised as it is."""
         if isinstance(exc, ray.exceptions.RayTaskError):
             if isinstance(remote_cause(exc), ShardUnavailableError):
@@ -153,7 +172,8 @@ class AddRequest:
         if isinstance(exc, TimeoutError):
             self.ledger.remember(self.sent)
             return None
-        if isinstance(exc, actor_failures(ray.exceptions.OwnerDiedError)):
+        if isinstance(exc, actor_failures(ray.exceptions.OwnerDiedError, DeploymentNotFoundError)):
+            # (DeploymentNotFoundError: a resend found no coordinator by name, a new one is being started)
             self.ledger.remember(self.sent)
             if not can_resend or self.attempts >= self.resends:
                 return None

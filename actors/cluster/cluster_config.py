@@ -86,6 +86,12 @@ class ClusterConfig(Section):
     # A shard Ray restarts on its live node (a crashed process) is waited for this long before
     # calls to it are refused: a restart takes seconds, a node that died takes Ray ~30 s to see.
     restart_wait_s: float = 5.0
+    # The coordinator and the embedders are replaced by new actors when they die (the shards'
+    # watch starts a coordinator on the node that served the deployment, the coordinator's keeper
+    # the embedders: actors/cluster/coordinator_watch.py), instead of restarted by Ray: a driver
+    # connected before a head loss keeps calling a restarted actor at its old address. Off: Ray
+    # restarts them.
+    replace_dead_actors: bool = True
 
     def validate(self) -> None:
         for key, low, high in (("one_round_max", 0, 4_096), ("search_chunk", 1, 65_536), ("retrieve_chunk", 1, 65_536)):

@@ -35,6 +35,8 @@ import numpy as np
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.batching import BatchIngest, Committed, Stage
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.coordinator_watch import CoordinatorSpec
+from lifemem_ray.actors.cluster.placement import HEAD_RESOURCE
 from lifemem_ray.actors.cluster.ray_shards import RayEmbedders, RayShards
 from lifemem_ray.actors.cluster.remote_errors import OverloadedError
 from lifemem_ray.actors.cluster.routing import RoutingTable
@@ -79,12 +81,15 @@ class Coordinator:
     @classmethod
     def ray_options(cls, config: DeploymentConfig) -> dict[str, Any]:
         """Ray actor options of the coordinator (besides name, namespace and lifetime)."""
+        # With the shards' coordinator watch on, a coordinator that died is started anew by them
+        # (a new actor clients find by name, see coordinator_watch.py); else Ray restarts it.
+        watched = config.cluster.replace_dead_actors
         return {
             "num_cpus": config.cluster.coordinator_cpus,
             # An async actor: every waiting add_many is a pending call.
             "max_concurrency": 1000,
-            "max_restarts": -1,
-            "max_task_retries": -1,
+            "max_restarts": 0 if watched else -1,
+            "max_task_retries": 0 if watched else -1,
         }
 
     def __init__(
@@ -115,7 +120,16 @@ class Coordinator:
             ray_shards = RayShards(
                 shard_names, self.namespace, config.cluster.call_timeout_s, check_s=config.cluster.health_check_s
             )
-            self.keeper = ShardKeeper(shard_names, Path(store_dir), config, dim, self.routing, ray_shards.mark)
+            spec = CoordinatorSpec(
+                str(store_dir),
+                config,
+                shard_names,
+                embedder_names,
+                dim,
+                self.routing.get_meta("home", HEAD_RESOURCE),
+                Coordinator,
+            )
+            self.keeper = ShardKeeper(shard_names, Path(store_dir), config, dim, self.routing, ray_shards.mark, spec)
             shards = ray_shards
         self.shards = shards
         if embed is None and embedder_names:

@@ -18,13 +18,15 @@ The coordinator's own refusals come back as themselves, not in Ray's wrapper.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import ray
 
 from lifemem_ray.actors.cluster.deployment import find_coordinator
+from lifemem_ray.actors.cluster.ray_internals import forget_dead_actor
 from lifemem_ray.actors.cluster.remote_errors import actor_failures, raise_remote
-from lifemem_ray.core.errors import CoordinatorUnavailableError
+from lifemem_ray.core.errors import CoordinatorUnavailableError, DeploymentNotFoundError
 
 __all__ = ["CoordinatorRef"]
 
@@ -51,11 +53,19 @@ class CoordinatorRef:
         return self._handle
 
     def forget(self) -> None:
-        """The handle is gone (its actor died): the next call looks the name up again."""
-        self._handle = None
+        """The handle is gone (its actor died): the next call looks the name up again. A dead
+        actor is forgotten by this process's Ray too, else a process connected before a GCS
+        restart keeps finding it under the name (:func:`~.ray_internals.forget_dead_actor`)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            with contextlib.suppress(Exception):  # the GCS unreachable now: the next lookup tries again
+                forget_dead_actor(handle)
 
     def refreshed(self) -> Any:
         """A handle looked up by name now (what a request sent again uses)."""
+        if self._handle is None:
+            with contextlib.suppress(ValueError, DeploymentNotFoundError):
+                self._handle = find_coordinator(self.namespace)
         self.forget()
         return self.handle
 
@@ -69,7 +79,8 @@ class CoordinatorRef:
             DeploymentNotFoundError: no coordinator of that name runs any more.
         """
         limit = self.timeout_s if timeout_s is None else timeout_s
-        for attempt in range(2):
+        gone: BaseException | None = None
+        for _ in range(2):
             ref = getattr(self.handle, method).remote(*args)
             try:
                 return ray.get(ref, timeout=limit)
@@ -79,14 +90,14 @@ class CoordinatorRef:
                 raise_remote(exc)
             except actor_failures() as exc:
                 self.forget()
-                if attempt:
-                    raise self._gone(method, exc) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+                gone = exc
+        raise self._gone(method, gone)
 
     async def acall(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """:meth:`call` for an event loop (the lookup runs off the loop)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        for attempt in range(2):
+        gone: BaseException | None = None
+        for _ in range(2):
             handle = self._handle if self._handle is not None else await asyncio.to_thread(lambda: self.handle)
             try:
                 return await asyncio.wait_for(
@@ -98,9 +109,8 @@ class CoordinatorRef:
                 raise_remote(exc)
             except actor_failures() as exc:
                 self.forget()
-                if attempt:
-                    raise self._gone(method, exc) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+                gone = exc
+        raise self._gone(method, gone)
 
     def _late(self, method: str, limit: float) -> CoordinatorUnavailableError:
         return CoordinatorUnavailableError(
@@ -108,7 +118,7 @@ class CoordinatorRef:
             "(cluster.call_timeout_s): its node may be restarting; what it acknowledged is stored, retry later"
         )
 
-    def _gone(self, method: str, exc: BaseException) -> CoordinatorUnavailableError:
+    def _gone(self, method: str, exc: BaseException | None) -> CoordinatorUnavailableError:
         return CoordinatorUnavailableError(
             f"the coordinator of deployment {self.namespace!r} is gone ({type(exc).__name__}) and its replacement "
             f"did not answer {method}; `lifemem-ray status --namespace {self.namespace}` says what runs"

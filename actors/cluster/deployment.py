@@ -23,13 +23,14 @@ import ray
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.coordinator import Coordinator
+from lifemem_ray.actors.cluster.coordinator_watch import COORDINATOR, CoordinatorSpec, start_coordinator_actor
 from lifemem_ray.actors.cluster.durable_owner import claim_durable_address
-from lifemem_ray.actors.cluster.embedder import EmbedderActor
 from lifemem_ray.actors.cluster.placement import (
-    alive_nodes,
+    cluster_gpus,
     home_node_resource,
     place_shards,
     shard_name,
+    start_embedder,
     start_shard,
 )
 from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, actor_failures
@@ -46,6 +47,7 @@ __all__ = [
     "COORDINATOR",
     "RESTORE_MARKER",
     "DeploymentPlan",
+    "arm_watches",
     "compact",
     "deploy",
     "ending_on_failure",
@@ -61,7 +63,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-COORDINATOR = "lifemem-coordinator"
 SNAPSHOT_MANIFEST = "snapshot.json"
 RESTORE_MARKER = "restoring.json"  # in a store folder while a restore fills it (actors/cluster/restore.py)
 
@@ -97,10 +98,18 @@ class DeploymentPlan:
     shard_names: list[str]  # the shard actors' names
     embedder_names: list[str]  # the embedder actors' names (one per GPU where the cluster has GPUs)
     gpus: int  # GPUs in the cluster now
+    home: str  # the resource that places the coordinator on this node, also after it was restarted
 
     @property
     def namespace(self) -> str:
         return self.config.cluster.namespace
+
+    @property
+    def coordinator(self) -> CoordinatorSpec:
+        """What the coordinator is started with (by this start, or anew by a shard's watch)."""
+        return CoordinatorSpec(
+            str(self.store), self.config, self.shard_names, self.embedder_names, self.dim, self.home, Coordinator
+        )
 
 
 def plan_deployment(
@@ -157,9 +166,11 @@ def plan_deployment(
         routing.put_meta("deployment", {**record, "deployment_id": deployment_id})
         routing.put_meta("store", str(store))
         routing.put_meta("nodes", nodes)
+        home = home_node_resource()
+        routing.put_meta("home", home)
     finally:
         routing.close()  # the coordinator takes the store over
-    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()))
+    gpus = cluster_gpus()
     return DeploymentPlan(
         store=store,
         config=config.replace({"store.shared_log_owner": deployment_id}),
@@ -169,6 +180,7 @@ def plan_deployment(
         shard_names=[shard_name(i) for i in range(count)],
         embedder_names=[_embedder_name(i) for i in range(max(config.cluster.embedders, gpus))],
         gpus=gpus,
+        home=home,
     )
 
 
@@ -228,33 +240,25 @@ def start_workers(plan: DeploymentPlan, started: list[str], adopted: Sequence[st
     config = plan.config
     for i in range(len(plan.shard_names)):
         if plan.shard_names[i] not in adopted:
-            start_shard(i, plan.nodes[i], plan.store, config, plan.dim)
+            start_shard(i, plan.nodes[i], plan.store, config, plan.dim, plan.coordinator)
             started.append(plan.shard_names[i])
     for i, name in enumerate(plan.embedder_names):
         if name in adopted:
             continue
-        ray.remote(EmbedderActor).options(
-            name=name,
-            namespace=plan.namespace,
-            lifetime="detached",
-            **EmbedderActor.ray_options(config, gpu=i < plan.gpus),
-        ).remote(config.embedding, plan.namespace)
+        start_embedder(name, config, gpu=i < plan.gpus)
         started.append(name)
 
 
 def start_coordinator(plan: DeploymentPlan, started: list[str]) -> Any:
     """The coordinator (not waited for). It opens the routing table in the store folder of the
     node that started the deployment (a node-local disk, like the shards'): it runs there, and
-    restarts there, also after that node was lost and started again (placed by
-    :func:`~.placement.home_node_resource`, which a restarted head has again, not by node id);
-    a restarted coordinator rebuilds its routes from the live shards."""
-    options = Coordinator.ray_options(plan.config)
-    options["resources"] = {**options.get("resources", {}), home_node_resource(): 0.001}
-    ray.remote(Coordinator).options(name=COORDINATOR, namespace=plan.namespace, lifetime="detached", **options).remote(
-        str(plan.store), plan.config, plan.shard_names, plan.embedder_names, plan.dim
-    )
+    comes back there after that node was lost and started again (placed by
+    :func:`~.placement.home_node_resource`, which a restarted head has again, not by node id;
+    started anew by the shards' watch, :mod:`~.coordinator_watch`); a new coordinator rebuilds
+    its routes from the live shards."""
+    handle = start_coordinator_actor(plan.coordinator)
     started.append(COORDINATOR)
-    return _actor(COORDINATOR, plan.namespace)
+    return handle
 
 
 def wait_ready(plan: DeploymentPlan, names: list[str]) -> None:
@@ -280,6 +284,15 @@ def wait_ready(plan: DeploymentPlan, names: list[str]) -> None:
     ray.get(ready)
 
 
+def arm_watches(plan: DeploymentPlan) -> None:
+    """Tell every shard that the coordinator runs: its watch starts a new one if it dies for
+    good (:mod:`~.coordinator_watch`)."""
+    ray.get(
+        [_actor(name, plan.namespace).arm_coordinator_watch.remote() for name in plan.shard_names],
+        timeout=plan.config.cluster.start_timeout_s,
+    )
+
+
 def deploy(
     store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None
 ) -> dict[str, Any]:
@@ -296,6 +309,7 @@ def deploy(
             start_workers(plan, started, adopted)
             coordinator = start_coordinator(plan, started)
             wait_ready(plan, [*adopted, *started])
+            arm_watches(plan)
             ray.get(coordinator.resync.remote())
             return dict(ray.get(coordinator.deployment.remote()))
     except BaseException as exc:

@@ -29,11 +29,14 @@ class EmbedderActor:
     def ray_options(cls, config: DeploymentConfig, *, gpu: bool) -> dict[str, Any]:
         """Ray actor options of an embedder (besides name, namespace and lifetime); ``gpu``:
         it takes one GPU (one embedder per GPU of the cluster)."""
+        # With cluster.replace_dead_actors, one that died is started anew by the coordinator's
+        # keeper (a new actor, which clients connected before a head loss can reach); else Ray restarts it.
+        replaced = config.cluster.replace_dead_actors
         return {
             "num_cpus": config.cluster.embedder_cpus,
             "num_gpus": 1 if gpu else 0,
-            "max_restarts": -1,
-            "max_task_retries": -1,
+            "max_restarts": 0 if replaced else -1,
+            "max_task_retries": 0 if replaced else -1,
             "max_concurrency": MAX_CONCURRENCY,
         }
 

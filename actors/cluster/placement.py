@@ -150,10 +150,12 @@ def nodes_seeing(nodes: list[str], paths: list[Path], timeout_s: float = 60.0) -
     return [[node for node, seen in answers.items() if seen[i]] for i in range(len(paths))]
 
 
-def start_shard(index: int, node: str, store: Path, config: DeploymentConfig, dim: int) -> Any:
+def start_shard(index: int, node: str, store: Path, config: DeploymentConfig, dim: int, coordinator: Any = None) -> Any:
     """Start shard ``index`` on ``node`` (a detached, named actor pinned there) over its folder
     ``store/shard-NN`` on that node's disk; with ``cluster.durable_uri``, a folder the node lacks
-    is rebuilt from the shard's shared log. Returns the handle (not waited for)."""
+    is rebuilt from the shard's shared log. ``coordinator``: the deployment's
+    :class:`~.coordinator_watch.CoordinatorSpec`, for the shard's coordinator watch. Returns the
+    handle (not waited for)."""
     return (
         ray.remote(MemoryShard)
         .options(
@@ -163,5 +165,27 @@ def start_shard(index: int, node: str, store: Path, config: DeploymentConfig, di
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
             **MemoryShard.ray_options(config),
         )
-        .remote(index, str(store / f"shard-{index:02d}"), config, dim)
+        .remote(index, str(store / f"shard-{index:02d}"), config, dim, coordinator)
     )
+
+
+def start_embedder(name: str, config: DeploymentConfig, *, gpu: bool) -> Any:
+    """Start the detached, named embedder actor ``name`` of the deployment (``gpu``: on one
+    GPU). Returns the handle (not waited for).
+
+    Raises:
+        ValueError: the name is taken.
+    """
+    from lifemem_ray.actors.cluster.embedder import EmbedderActor
+
+    namespace = config.cluster.namespace
+    return (
+        ray.remote(EmbedderActor)
+        .options(name=name, namespace=namespace, lifetime="detached", **EmbedderActor.ray_options(config, gpu=gpu))
+        .remote(config.embedding, namespace)
+    )
+
+
+def cluster_gpus() -> int:
+    """GPUs of the cluster's live nodes."""
+    return int(sum(n.get("Resources", {}).get("GPU", 0) for n in alive_nodes()))

@@ -14,8 +14,10 @@ from lifemem_ray.core.errors import InvalidArgumentError, UsageError
 
 __all__ = [
     "actor_alive",
+    "actor_state",
     "address_file",
     "dialled_address",
+    "forget_dead_actor",
     "keep_python_signal_handlers",
     "keep_token_auth",
     "metrics_report_interval_s",
@@ -114,6 +116,31 @@ def actor_alive(handle: Any) -> bool:
     from ray._private.state import actors as actor_table
 
     return actor_table(handle._actor_id.hex()).get("State") == "ALIVE"
+
+
+def actor_state(handle: Any) -> str | None:
+    """The GCS's state of the actor behind ``handle`` (``ALIVE``, ``RESTARTING``, ``DEAD``...;
+    None: not in its table), read from the GCS now, not from this process's own view of it.
+    Private, as :func:`actor_alive`."""
+    from ray._private.state import actors as actor_table
+
+    state = actor_table(handle._actor_id.hex()).get("State")
+    return None if state is None else str(state)
+
+
+def forget_dead_actor(handle: Any) -> bool:
+    """Make this process forget an actor the GCS reports dead, so that looking its name up
+    again finds the actor now registered under it. A driver whose Ray connection predates a
+    GCS restart never hears that the actors it knew died (measured on the multi-host harness:
+    calls fail with ``ActorUnavailableError``, and ``ray.get_actor`` keeps answering the dead
+    actor from its cache of names, for minutes); ``ray.kill`` of the dead actor clears that
+    cache. Never kills a live one: returns False, doing nothing, unless the GCS says ``DEAD``."""
+    import ray
+
+    if actor_state(handle) != "DEAD":
+        return False
+    ray.kill(handle, no_restart=True)
+    return True
 
 
 def serve_http_address() -> tuple[str, int]:

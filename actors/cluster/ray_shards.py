@@ -217,3 +217,23 @@ class RayEmbedders:
             *(asyncio.wait_for(h.stats.remote(), self.call_timeout_s) for h in self.handles()), return_exceptions=True
         )
         return embedding_totals(answers)
+
+
+def find_embedders_again(handles: list[Any], names: list[str], namespace: str) -> list[Any]:
+    """The embedder actors by name again, after a call to them failed: those the GCS reports
+    dead are first forgotten by this process (:func:`~.ray_internals.forget_dead_actor`: a
+    process connected before a head loss would otherwise keep finding them under their
+    names); ``handles`` as they were while a name has no actor yet."""
+    import contextlib
+
+    import ray
+
+    from lifemem_ray.actors.cluster.ray_internals import forget_dead_actor
+
+    for handle in handles:
+        with contextlib.suppress(Exception):  # the GCS unreachable now: looked at again next time
+            forget_dead_actor(handle)
+    try:
+        return [ray.get_actor(name, namespace=namespace) for name in names]
+    except ValueError:  # one is being started anew
+        return handles

@@ -30,6 +30,7 @@ from lifemem_ray.actors.cluster.deployment import (
     RESTORE_MARKER,
     SNAPSHOT_MANIFEST,
     DeploymentPlan,
+    arm_watches,
     ending_on_failure,
     find_coordinator,
     plan_deployment,
@@ -128,6 +129,7 @@ def restore(
                 failpoint("restore.absorbed")
                 coordinator = start_coordinator(plan, started)
                 wait_ready(plan, [COORDINATOR])
+                arm_watches(plan)
         routes = ray.get(coordinator.resync.remote())
         info = dict(ray.get(coordinator.deployment.remote()))
     failpoint("restore.served")

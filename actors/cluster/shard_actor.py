@@ -34,6 +34,7 @@ import numpy as np
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.checkpoints import CheckpointSchedule, shard_log_uri
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.cluster.coordinator_watch import CoordinatorSpec, CoordinatorWatch
 from lifemem_ray.actors.cluster.ray_shards import unpack_queries
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
@@ -99,9 +100,22 @@ class MemoryShard(EngineShard):
         to retry: commits skip what is stored)."""
         return {"num_cpus": config.cluster.shard_cpus, "max_concurrency": 4, "max_restarts": -1, "max_task_retries": -1}
 
-    def __init__(self, index: int, path: str, config: DeploymentConfig, dim: int | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        path: str,
+        config: DeploymentConfig,
+        dim: int | None = None,
+        coordinator: CoordinatorSpec | None = None,
+    ) -> None:
         self.index = index  # the shard's position in the deployment (its id namespace is index + 1)
         self.path = Path(path)
+        # Starts a new coordinator when the deployment's died for good (cluster.replace_dead_actors).
+        self.coordinator_watch = (
+            CoordinatorWatch(coordinator, config.cluster.health_check_s, f"lifemem-coordinator-watch-{index}")
+            if coordinator is not None and config.cluster.replace_dead_actors
+            else None
+        )
         config = shard_config(config)
         cluster = config.cluster
         if cluster.durable_uri:  # every commit also reaches the shard's shared log, before it is acknowledged
@@ -248,7 +262,18 @@ class MemoryShard(EngineShard):
             out["durable"] = self.memory.parts.state.store.checkpoint(keep=1)
         return out
 
+    def arm_coordinator_watch(self) -> bool:
+        """The deployment's coordinator runs now (the start that made this shard saw it answer):
+        from now on this shard's watch starts a new one if it dies for good, also before the
+        watch's own first look. Returns whether the shard has a watch."""
+        if self.coordinator_watch is None:
+            return False
+        self.coordinator_watch.seen = True
+        return True
+
     def close(self) -> None:
+        if self.coordinator_watch is not None:
+            self.coordinator_watch.stop()
         if self.checkpoints is not None:
             self.checkpoints.stop()
         super().close()

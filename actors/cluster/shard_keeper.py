@@ -35,7 +35,15 @@ from typing import Any
 import ray
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.cluster.placement import alive_nodes, least_loaded_shard_node, nodes_seeing, start_shard
+from lifemem_ray.actors.cluster.coordinator_watch import CoordinatorSpec
+from lifemem_ray.actors.cluster.placement import (
+    alive_nodes,
+    cluster_gpus,
+    least_loaded_shard_node,
+    nodes_seeing,
+    start_embedder,
+    start_shard,
+)
 from lifemem_ray.actors.cluster.ray_internals import named_actor_states
 from lifemem_ray.actors.cluster.routing import RoutingTable
 
@@ -108,8 +116,10 @@ class ShardKeeper:
         dim: int,
         routing: RoutingTable,
         on_down: Callable[[int, str | None], None],
+        coordinator: CoordinatorSpec | None = None,
     ) -> None:
         self.names = names
+        self.coordinator = coordinator  # what a shard it starts watches over (its coordinator watch)
         self.store = store
         self.config = config
         self.dim = dim
@@ -123,6 +133,7 @@ class ShardKeeper:
         while True:
             try:
                 await asyncio.to_thread(self.look)
+                await asyncio.to_thread(self.replace_embedders)
             except Exception:  # the keeper must outlive any one failed look (logged)
                 log.warning("shard keeper: a look at the shards failed", exc_info=True)
             await asyncio.sleep(self.config.cluster.health_check_s)
@@ -171,6 +182,28 @@ class ShardKeeper:
                 taken.append((i, action, target))
         return taken
 
+    def replace_embedders(self) -> list[str]:
+        """The deployment's embedders that died for good, started anew (new actors: a driver
+        connected before a head loss reaches a new actor, not a restarted one); only with
+        ``cluster.replace_dead_actors``. Returns their names."""
+        if self.coordinator is None or not self.config.cluster.replace_dead_actors:
+            return []
+        names = self.coordinator.embedder_names
+        states = named_actor_states(self.config.cluster.namespace, names)
+        gpus = cluster_gpus()
+        started = []
+        for i, name in enumerate(names):
+            if states.get(name) not in ("MISSING", "DEAD"):
+                continue
+            try:
+                start_embedder(name, self.config, gpu=i < gpus)
+            except ValueError:  # started meanwhile
+                continue
+            started.append(name)
+        if started:
+            log.warning("embedders %s were gone; started anew", started)
+        return started
+
     def _waited_for(self, sight: ShardSight) -> bool:
         """Whether calls wait for the shard instead of being refused: Ray is creating it on its
         live node (a deployment starting), or restarting it there for less than
@@ -205,7 +238,7 @@ class ShardKeeper:
                 break
         log.warning("shard keeper: %s shard %d on node %s", action, index, node)
         started = time.monotonic()
-        handle = start_shard(index, node, self.store, self.config, self.dim)
+        handle = start_shard(index, node, self.store, self.config, self.dim, self.coordinator)
         while len(placed) <= index:
             placed.append("")
         placed[index] = node
