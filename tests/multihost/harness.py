@@ -54,6 +54,7 @@ RAY_PORT = 6379  # the head's GCS port: free, since each host has a network name
 RAY_START_TIMEOUT_S = 180
 NODES_JOIN_TIMEOUT_S = 120
 OBJECT_STORE_BYTES = 200_000_000  # small: the machine has 2 cores and several nodes
+REAPER = Path(__file__).with_name("reaper.py")  # a child subreaper for the head host's Ray (see RayNodes)
 SHARD_RESOURCE = "lifemem_shard"  # what the deployment's placement looks for (actors/cluster/deployment.py)
 
 
@@ -417,6 +418,8 @@ class RayNodes:
         num_cpus: int = 1,
         head_cpus: int = 2,
         env: Mapping[str, str] | None = None,
+        head_env: Mapping[str, str] | None = None,
+        nodes: int | None = None,
     ) -> None:
         self.hosts, self.venv, self.port, self.num_cpus = hosts, venv, port, num_cpus
         # The head holds the coordinator, the front door's replicas and what `serve` pins to its
@@ -425,6 +428,9 @@ class RayNodes:
         self.address = f"{hosts.hosts[0].address}:{port}"
         self.token = secrets.token_hex(32)  # as `ray get-auth-token --generate` makes one
         self.node_env = dict(env or {})  # what every host's shell also has (an operator's credentials, say)
+        self.head_env = dict(head_env or {})  # what only the head's `ray start` has (GCS fault tolerance's Redis)
+        self.ray_hosts = hosts.hosts[: nodes or len(hosts.hosts)]  # the hosts that run Ray (the others: Redis...)
+        self._heads: list[subprocess.Popen[bytes]] = []  # the reaper of each head started (the last: the head now)
 
     def env(self, i: int, **extra: str) -> dict[str, str]:
         """Host ``i``'s environment for Ray and the project's commands: token authentication on,
@@ -455,10 +461,23 @@ class RayNodes:
             token_file = host.folder / "ray_auth_token"
             token_file.write_text(self.token)
             token_file.chmod(0o600)
+        self._start_head()
+        for host in self.ray_hosts[1:]:
+            self._ray_start(host.index, *self._worker_args(host.index))
+        self._wait_nodes(len(self.ray_hosts))
+
+    def _start_head(self) -> None:
+        """``ray start --head --block`` in host 0, under :mod:`reaper` run from outside every host:
+        when the head host is killed, its processes are reaped there (not left as zombies
+        that a new ``ray start --head`` would take for a GCS still running). Returns once the
+        head answers."""
         head = self.hosts.hosts[0]
-        self._ray_start(
+        argv = self.hosts.command(
             0,
+            self.venv / "bin" / "ray",
+            "start",
             "--head",
+            "--block",
             f"--node-ip-address={head.address}",
             f"--port={self.port}",
             "--include-dashboard=false",
@@ -466,9 +485,55 @@ class RayNodes:
             f"--object-store-memory={OBJECT_STORE_BYTES}",
             "--disable-usage-stats",
         )
-        for host in self.hosts.hosts[1:]:
-            self._ray_start(host.index, *self._worker_args(host.index))
-        self._wait_nodes(len(self.hosts.hosts))
+        log_path = head.folder / f"head-{len(self._heads)}.log"
+        with log_path.open("wb") as log_file:
+            reaper = subprocess.Popen(
+                [sys.executable, str(REAPER), *argv],
+                env=self.env(0, **self.head_env),
+                cwd=head.home,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        self._heads.append(reaper)
+        deadline = time.monotonic() + RAY_START_TIMEOUT_S
+        while True:
+            if reaper.poll() is not None:
+                raise HostsError(
+                    f"the head's `ray start --head --block` exited with code {reaper.returncode}:\n"
+                    f"{log_path.read_text(errors='replace')[-4000:]}"
+                )
+            if self._head_answers():
+                return
+            if time.monotonic() > deadline:
+                raise HostsError(f"the head at {self.address} did not answer within {RAY_START_TIMEOUT_S} s")
+            time.sleep(1)
+
+    def _head_answers(self) -> bool:
+        """Whether the head lists itself alive (its GCS answers and its raylet registered)."""
+        if self.hosts.run(0, sys.executable, "-c", _REACH_PORT, self.address, timeout=30).stdout.strip() != "open":
+            return False
+        try:
+            return any(n["address"] == self.hosts.hosts[0].address for n in self.nodes(timeout=90))
+        except (HostsError, subprocess.TimeoutExpired):
+            return False
+
+    def kill_head(self) -> int:
+        """The head host crashes: every process of host 0 SIGKILLed at once (Ray's GCS, its raylet,
+        the actors there, anything a test started there), reaped by its reaper; its disk stays.
+        Returns how many processes were killed."""
+        killed = self.hosts.kill_processes(0)
+        for reaper in self._heads:
+            reaper.wait(timeout=120)
+        return killed
+
+    def restart_head(self) -> None:
+        """``ray start --head`` again on host 0, after :meth:`kill_head`, with the same port, token
+        and head environment (the same Redis, for GCS fault tolerance). The dead head's address
+        file is removed first: a head machine or pod started anew has none, and ``ray start
+        --head`` refuses while it names a GCS address some raylet still names."""
+        (self.hosts.hosts[0].ray_tmpdir / "ray" / "ray_current_cluster").unlink(missing_ok=True)
+        self._start_head()
 
     def _worker_args(self, i: int) -> list[str]:
         return [
@@ -484,7 +549,7 @@ class RayNodes:
         """Worker host ``i`` crashes: every process of it SIGKILLed at once, raylet included
         (:meth:`Hosts.kill_processes`); its disk stays. Returns how many processes were killed."""
         if i == 0:
-            raise HostsError("kill_node(0) would kill the head: the harness kills worker hosts only")
+            raise HostsError("kill_node(0) would kill the head: use kill_head()")
         return self.hosts.kill_processes(i)
 
     def restart_node(self, i: int) -> str:
@@ -492,7 +557,7 @@ class RayNodes:
         namespace, over the same local disk; the cluster sees a new node at the same address.
         Returns the new node's id, once the head lists it alive."""
         if i == 0:
-            raise HostsError("restart_node(0): the harness restarts worker hosts only")
+            raise HostsError("restart_node(0): use restart_head()")
         before = {n["NodeID"] for n in self.nodes()}
         self._ray_start(i, *self._worker_args(i))
         deadline = time.monotonic() + NODES_JOIN_TIMEOUT_S
@@ -518,7 +583,10 @@ class RayNodes:
         done = self.run(0, "python", "-c", _LIVE_NODES, self.address, timeout=timeout)
         if done.returncode != 0:
             raise HostsError(f"could not list the Ray nodes at {self.address}:\n{done.stderr[-4000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        listed = [line for line in done.stdout.splitlines() if line.startswith("[")]  # Ray may print warnings after it
+        if not listed:
+            raise HostsError(f"no node list from the head at {self.address}:\n{done.stdout[-2000:]}")
+        return json.loads(listed[-1])
 
     def _wait_nodes(self, count: int) -> None:
         deadline = time.monotonic() + NODES_JOIN_TIMEOUT_S
@@ -533,13 +601,31 @@ class RayNodes:
             time.sleep(2)
 
     def _end(self) -> None:
-        for host in reversed(self.hosts.hosts):  # workers first, the head last
+        for host in reversed(self.ray_hosts):  # workers first, the head last
             self.hosts.end_processes(host.index)
+        for reaper in self._heads:  # it exits once the head's processes have
+            try:
+                reaper.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait(timeout=60)
 
 
 # The start of every command in a host (``sh -c`` with $1 the host's local folder, $2 the agreed
 # path, then the command): its local disk mounted at the agreed path, then the command itself.
 _MOUNT_LOCAL_THEN_EXEC = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+
+# Run in a host: "open" when something accepts TCP connections at HOST:PORT.
+_REACH_PORT = """
+import socket, sys
+host, _, port = sys.argv[1].rpartition(":")
+try:
+    socket.create_connection((host, int(port)), timeout=3).close()
+except OSError:
+    print("closed")
+else:
+    print("open")
+"""
 
 # Run in host 0: "reached" when the given address answers on the TCP port 9 (refused counts).
 _REACH = """

@@ -142,12 +142,28 @@ def rest_add(spec: dict[str, Any], batch: list[Trajectory]) -> tuple[list[dict] 
     return (items if ok else None), row
 
 
-def adder(spec: dict[str, Any], events: Events, stop: threading.Event, unanswered: list[int]) -> None:
+def client_add(
+    memory: MemoryClient, spec: dict[str, Any], batch: list[Trajectory]
+) -> tuple[list | None, dict[str, Any]]:
+    """``batch`` added through the ``MemoryClient`` (its resends and in-doubt rules), as REST adds are recorded."""
+    results = memory.add_many(batch).result(timeout=spec["http_timeout_s"])
+    statuses = Counter(r.status for r in results)
+    ok = all(r.status in ACCEPTED for r in results)
+    return (results if ok else None), {"status": 200 if ok else None, "statuses": dict(statuses)}
+
+
+def adder(
+    spec: dict[str, Any], events: Events, stop: threading.Event, unanswered: list[int], memory: MemoryClient
+) -> None:
     deadline = time.monotonic() + spec["seconds"]
     n = 0
     while not stop.is_set() and time.monotonic() < deadline and n < spec["max_batches"]:
         batch = trajectories(spec["prefix"], n, spec["batch"], spec["tenant"])
-        items, event = timed(events, {"op": "add", "via": "rest", "batch": n}, lambda b=batch: rest_add(spec, b))
+        if spec.get("client_adds") and n % 2:
+            row, call = {"op": "add", "via": "client", "batch": n}, lambda b=batch: client_add(memory, spec, b)
+        else:
+            row, call = {"op": "add", "via": "rest", "batch": n}, lambda b=batch: rest_add(spec, b)
+        items, event = timed(events, row, call)
         if items is None:
             unanswered.append(n)
             stop.wait(min(float(event.get("retry_after") or 1), spec["pause_s"]))
@@ -222,7 +238,7 @@ def job_load(spec: dict[str, Any]) -> dict[str, Any]:
     stop = threading.Event()
     unanswered: list[int] = []
     threads = [
-        threading.Thread(target=adder, args=(spec, events, stop, unanswered), name="adder"),
+        threading.Thread(target=adder, args=(spec, events, stop, unanswered, memory), name="adder"),
         threading.Thread(target=retriever, args=(spec, events, stop, memory), name="retriever"),
     ]
     for thread in threads:

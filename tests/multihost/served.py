@@ -228,29 +228,34 @@ class Served:
         )
         return answer_of(done, f"job {name}")
 
-    def start_job(self, name: str, **spec: Any) -> Job:
-        """Job ``name`` started in the background on the head host (see :meth:`Job.wait`)."""
+    def start_job(self, name: str, host: int = HEAD, **spec: Any) -> Job:
+        """Job ``name`` started in the background on ``host`` (default: the head; see :meth:`Job.wait`)."""
         argv = [self.ray_nodes.venv / "bin" / "python", LOAD_SCRIPT, name, json.dumps(self.spec(**spec))]
-        output = self.hosts.hosts[HEAD].home / f"job-{name}-{time.time_ns()}"
+        output = self.hosts.hosts[host].home / f"job-{name}-{time.time_ns()}"
         with output.with_suffix(".out").open("wb") as out, output.with_suffix(".err").open("wb") as err:
             process = subprocess.Popen(
-                self.hosts.command(HEAD, *argv),
-                env=self.ray_nodes.env(HEAD),
-                cwd=self.hosts.hosts[HEAD].home,
+                self.hosts.command(host, *argv),
+                env=self.ray_nodes.env(host),
+                cwd=self.hosts.hosts[host].home,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
             )
         return Job(name, process, output)
 
-    def start_load(self, prefix: str, seconds: float, http_timeout_s: float) -> tuple[Job, Path, Path]:
+    def start_load(
+        self, prefix: str, seconds: float, http_timeout_s: float, *, host: int = HEAD, client_adds: bool = False
+    ) -> tuple[Job, Path, Path]:
         """The mixed REST and MemoryClient load of the fault tests (tenant ``acme``, batches of 8,
-        a pause of 2 s after a refusal, 120 s to settle) started in the background on the head;
-        returns the job, its events file and the file that stops it when written."""
-        home = self.hosts.hosts[HEAD].home
+        a pause of 2 s after a refusal, 120 s to settle) started in the background on ``host``
+        (``client_adds``: adds alternate between REST and a ``MemoryClient``); returns the job,
+        its events file and the file that stops it when written."""
+        home = self.hosts.hosts[host].home
         events_file, stop_file = home / f"{prefix}-events.jsonl", home / f"{prefix}-stop"
         job = self.start_job(
             "load",
+            host,
+            client_adds=client_adds,
             tenant="acme",
             prefix=prefix,
             batch=8,
