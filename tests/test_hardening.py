@@ -134,7 +134,9 @@ def test_client_retrieve_bounds(deployment):
 def test_cli_retrieve_k_bounds(whole_store):
     for k in ("0", "1025", str(10**9)):
         proc = cli("retrieve", "buy shoes", "--store", str(whole_store), "--env", "shop", "-k", k)
-        assert proc.returncode == 1 and K_MESSAGE in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        # Refused as a usage error (exit 2, the command's usage), before the store is opened.
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"lifemem-ray retrieve: error: argument -k: must be within [1, 1024], got {k}" in proc.stderr
 
 
 # -- 3. the index cache belongs to one store and one content ------------------------------------

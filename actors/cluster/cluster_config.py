@@ -159,3 +159,15 @@ class DeploymentConfig(MemoryConfig):
         attempt's wait (``http.add_timeout_s``, the first and ``cluster.add_resends`` resends)
         plus a minute of slack."""
         return self.http.add_timeout_s * (1 + self.cluster.add_resends) + 60.0
+
+    def shard_count(self, shards: int | None, source: str = "shards") -> int:
+        """The shard count a deployment or a restore asked for ``shards`` gets: ``cluster.shards``
+        when None, else ``shards`` checked against that setting's bounds (0 is refused, never
+        read as 'the default').
+
+        Raises:
+            ConfigError: ``shards`` out of bounds, naming ``source``.
+        """
+        if shards is None:
+            return self.cluster.shards
+        return self.replace({"cluster.shards": shards}, source).cluster.shards

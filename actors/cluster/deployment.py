@@ -159,7 +159,7 @@ def plan_deployment(
             dim = saved["dim"]
             nodes = place_shards(count, saved.get("nodes"), store, durable=bool(config.cluster.durable_uri))
         else:
-            count = shards or config.cluster.shards
+            count = config.shard_count(shards)
             dim = dim or MINILM_DIM
             nodes = place_shards(count, None)
         record = {"shards": count, "dim": dim, "nodes": nodes, "namespace": ns, "created": time.time()}

@@ -103,7 +103,7 @@ def restore(
     """
     config = (config or DeploymentConfig()).validate()
     target = Path(store_dir).resolve()
-    count = shards or config.cluster.shards
+    count = config.shard_count(shards)
     request: dict[str, Any] = {
         "source": str(snapshot_dir),
         "shards": count,

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from lifemem_ray.cli.options import printable
-from lifemem_ray.cli.parser import build_parser
+from lifemem_ray.cli.parser import build_parser, parse_command_line
 from lifemem_ray.cli.ray_session import command_lifetime, interrupting_signal
 from lifemem_ray.core.errors import CommandError, ConfigError
 from lifemem_ray.core.model import InvalidTrajectoryError
@@ -24,7 +24,7 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

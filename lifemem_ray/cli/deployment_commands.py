@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
@@ -47,24 +48,41 @@ def http_keys(args: argparse.Namespace, config: DeploymentConfig) -> Any:
 
 
 def cmd_keys_new(args: argparse.Namespace) -> int:
-    """A fresh random API key, shown once, and the entry (its hash) the server's config keeps."""
+    """A fresh random API key and the entry (its hash) the server's config keeps: the key
+    printed once, or written to ``--key-file`` (mode 0600); the entry printed, or added to
+    ``--entries``. Nothing is written where the user did not ask."""
     from lifemem_ray.service.auth import ENV_KEYS, new_key
+    from lifemem_ray.service.key_files import add_entry, write_key_file
 
     key, entry = new_key(args.tenant, args.scopes, args.name)
-    data = {"key": key, "entry": entry.to_dict()}
-    scopes = ", ".join(f'"{s}"' for s in sorted(entry.scopes))
-    toml = (
-        f'[[http.api_keys]]\nname = "{entry.name}"\nsha256 = "{entry.sha256}"\ntenant = "{entry.tenant}"\n'
-        f"scopes = [{scopes}]"
-    )
-    emit(
-        args,
-        data,
-        lambda: (
-            f"key (shown once; give it to the client, store it nowhere else):\n  {key}\n\n"
-            f"add to the server's config file (or as JSON to {ENV_KEYS}):\n{toml}"
-        ),
-    )
+    if args.key_file:
+        write_key_file(args.key_file, key)
+    try:
+        entries = add_entry(args.entries, entry) if args.entries else None
+    except BaseException:
+        if args.key_file:  # a key without its entry is of no use: the same command can be run again
+            Path(args.key_file).unlink(missing_ok=True)
+        raise
+    data: dict[str, Any] = {"entry": entry.to_dict()}
+    said = []
+    if args.key_file:
+        data["key_file"] = args.key_file
+        said.append(f"key written to {args.key_file} (readable by you alone); give it to the client")
+    else:
+        data["key"] = key
+        said.append(f"key (shown once; give it to the client, store it nowhere else):\n  {key}")
+    if args.entries:
+        data["entries_file"], data["entries"] = args.entries, entries
+        said.append(
+            f"entry {entry.name} added to {args.entries} ({entries} keys): serve with {ENV_KEYS}={args.entries}"
+        )
+    else:
+        scopes = ", ".join(f'"{s}"' for s in sorted(entry.scopes))
+        said.append(
+            f'add to the server\'s config file (or as JSON to {ENV_KEYS}):\n[[http.api_keys]]\nname = "{entry.name}"\n'
+            f'sha256 = "{entry.sha256}"\ntenant = "{entry.tenant}"\nscopes = [{scopes}]'
+        )
+    emit(args, data, lambda: "\n\n".join(said))
     return 0
 
 

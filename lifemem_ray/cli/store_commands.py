@@ -15,6 +15,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.cli.options import config_from_args, emit, progress, remote
 from lifemem_ray.cli.ray_session import deployment_client
 from lifemem_ray.core.errors import CommandError
+from lifemem_ray.core.ids import id_label
 from lifemem_ray.core.tenancy import check_tenant
 
 
@@ -197,11 +198,13 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         data["context"] = result.context
 
     def text() -> str:
-        lines = [f"top {len(result.trajectories)} in {args.env} for: {args.task}"]
+        lines = [f"top {len(result.trajectories)} in {args.env} for: {args.task}", "  similarity  cluster  id  task"]
         for hit in result.trajectories:
-            lines.append(f"  {hit.score:.3f}  [{hit.cluster_id}] {hit.id}  {' '.join(hit.task.split())[:90]}")
+            lines.append(
+                f"  {hit.score:10.3f}  {id_label(hit.cluster_id):>7}  {hit.id}  {' '.join(hit.task.split())[:90]}"
+            )
         for skill in result.skills:
-            lines.append(f"skill of cluster {skill.cluster_id}:")
+            lines.append(f"skill of cluster {id_label(skill.cluster_id)}:")
             lines.append(textwrap.indent(skill.text, "    "))
         if args.context:
             lines += ["", result.context]
@@ -283,7 +286,7 @@ def format_clusters(clusters: Sequence[Any], skills: bool = True) -> str:
     lines = []
     for c in clusters:
         envs = ", ".join(f"{e}:{n}" for e, n in sorted(c.envs.items(), key=lambda kv: -kv[1]))
-        lines.append(f"cluster {c.id}  n={c.count}  R={c.mrl:.3f}  [{envs}]")
+        lines.append(f"cluster {id_label(c.id)}: n = {c.count}, cohesion R = {c.mrl:.3f}, environments {envs}")
         lines.append(f"  {c.description}")
         if skills and c.skill:
             lines.append(textwrap.indent(c.skill, "    | "))

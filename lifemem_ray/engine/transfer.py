@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from lifemem_ray.core.errors import StoreError
+from lifemem_ray.core.ids import ID_SEQ_BITS
 from lifemem_ray.core.tenancy import scope_tenant
 from lifemem_ray.engine.clustering.clusters import ClusterInfo, ClusterRecord
 from lifemem_ray.engine.state import WORKFLOW_DIM, EngineState
-from lifemem_ray.engine.store.storage import ID_SEQ_BITS, MemoryStore, RawItem
+from lifemem_ray.engine.store.storage import MemoryStore, RawItem
 
 __all__ = ["Transfer"]
 

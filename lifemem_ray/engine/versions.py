@@ -1,7 +1,7 @@
 """Versions of a memory, for reads pinned to one: what an on-policy training step needs.
 
 A store gives each trajectory it commits the next number of its id sequence (the low bits of
-the vector id, :data:`~lifemem_ray.engine.store.storage.ID_SEQ_BITS`), so a store's *watermark*
+the vector id, :data:`~lifemem_ray.core.ids.ID_SEQ_BITS`), so a store's *watermark*
 (its ``next_vid``: the next number it will hand out) says which trajectories it had committed:
 those whose number is below it (numbers are handed out inside the write transaction that
 commits them, and LMDB has one writer at a time). A memory's version is one watermark per shard, read at one moment,
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from lifemem_ray.core.errors import InvalidArgumentError
-from lifemem_ray.engine.store.storage import ID_SEQ_BITS
+from lifemem_ray.core.ids import ID_SEQ_BITS
 
 __all__ = ["MAX_OVERFETCH", "check_version", "format_version", "parse_version", "search_as_of", "visible"]
 

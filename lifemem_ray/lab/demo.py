@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lifemem_ray.core.ids import id_label
 from lifemem_ray.core.importers import iter_jsonl, write_jsonl
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
@@ -56,22 +57,28 @@ def run_demo(store: Path, config: MemoryConfig, progress: Callable[[int], Any] |
         per_env = {env: memory.clusters(env) for env in DEMO_ENVS}
         stats = memory.stats()
 
+    evolution = config.evolution
     lines = [
         f"LifeMem demo: {len(train)} trajectories from {len(DEMO_ENVS)} environments into {store} ({elapsed:.1f} s)",
         f"{stats['clusters']} workflow clusters; {stats['splits']} splits; decisions by the offline policy",
+        "Each cluster: its id, its trajectories (n), its cohesion R (the mean resultant length of its",
+        "members' unit task vectors, 0-1: 1 = all alike; a cluster of more than "
+        f"L = {evolution.split_min_size} with R below tau = {evolution.split_mrl_threshold:g} is split),",
+        "then its description (what its trajectories did and how they ended) and its skill.",
         "",
     ]
     for env, clusters in per_env.items():
         lines.append(f"== {env}: {sum(c.envs.get(env, 0) for c in clusters)} trajectories in {len(clusters)} clusters")
         for c in clusters:
-            lines.append(f"  cluster {c.id} (n={c.count}, R={c.mrl:.2f}): {c.description}")
+            lines.append(f"  cluster {id_label(c.id)}: n = {c.count}, cohesion R = {c.mrl:.2f}")
+            lines.append(f"    description | {c.description}")
             if c.skill:
-                lines.append(textwrap.indent(c.skill, "      skill | "))
-    lines += ["", f"== retrieve for a held-out {query.env} task: {query.task.strip()}"]
+                lines.append(textwrap.indent(c.skill, "    skill       | "))
+    lines += ["", f"== retrieve for a held-out {query.env} task: {query.task.strip()}", "  similarity  cluster  task"]
     for hit in result.trajectories:
-        lines.append(f"  {hit.score:.3f}  cluster {hit.cluster_id}  {hit.task.strip()[:80]}")
+        lines.append(f"  {hit.score:10.3f}  {id_label(hit.cluster_id):>7}  {hit.task.strip()[:80]}")
     for skill in result.skills:
-        lines.append(f"  skill of cluster {skill.cluster_id}:")
+        lines.append(f"  skill of cluster {id_label(skill.cluster_id)}:")
         lines.append(textwrap.indent(skill.text, "      "))
     return {
         "store": str(store),

@@ -53,6 +53,7 @@ import lmdb
 import numpy as np
 
 from lifemem_ray.core.errors import StoreError, StoreLockedError
+from lifemem_ray.core.ids import ID_SEQ_BITS, MAX_NAMESPACE
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.engine.clustering.clusters import ClusterRecord
 from lifemem_ray.engine.store import codec
@@ -92,9 +93,6 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 LOG_INDEX_CHUNK = 50_000  # log entries per transaction when an older store's log is indexed
 _packb, _unpackb = codec.pack, codec.unpack
-
-ID_SEQ_BITS = 40  # ids are (namespace << 40) | sequence: sequential within a store, apart across shards
-MAX_NAMESPACE = (1 << (63 - ID_SEQ_BITS)) - 1
 
 
 @dataclass(frozen=True)
