@@ -100,6 +100,11 @@ class MemoryAPI(Protocol):
 
     def maintain(self) -> int: ...
 
+    def version(self) -> str:
+        """The memory's version now (:mod:`lifemem_ray.engine.versions`): what a read pinned
+        ``as_of`` it sees, later writes left out."""
+        ...
+
     def close(self) -> None: ...
 
 
