@@ -256,6 +256,13 @@ def test_bad_configurations_name_the_key(registered, monkeypatch):
             r"\['k'\]: expected a number in 1..64",
         ),
         (MEMORY_ENV_ID, {**sql, "memory": {"namespace": ""}}, row, ConfigError, r"\['namespace'\]"),
+        (  # the same bound as verl's (lazy_clients.check_reconnect_after_s)
+            MEMORY_ENV_ID,
+            {**sql, "memory": {"namespace": "x", "reconnect_after_s": 7200}},
+            row,
+            ConfigError,
+            r"reconnect_after_s must be a number in 0\.\.3600, got 7200",
+        ),
         (
             MEMORY_ENV_ID,
             {**sql, "memory": {"namespace": "x", "overrides": {"cluster.nope": 1}}},

@@ -46,7 +46,7 @@ from lifemem_ray.actors.integrations.verl_loop import (  # noqa: E402
     MemoryAgentLoop,
     MemoryLoopOptions,
 )
-from lifemem_ray.core.errors import InvalidArgumentError  # noqa: E402
+from lifemem_ray.core.errors import ConfigError, InvalidArgumentError  # noqa: E402
 from lifemem_ray.core.model import Outcome, Step, Trajectory  # noqa: E402
 from lifemem_ray.lab.agent_prompts import MEMORY_CONTEXT_LEAD  # noqa: E402
 
@@ -378,7 +378,7 @@ def test_hostile_rows_are_stored_made_valid_or_counted(memory, model_dir, replic
 def test_options_are_checked():
     with pytest.raises(InvalidArgumentError, match="context_in"):
         MemoryLoopOptions(context_in="assistant")
-    with pytest.raises(InvalidArgumentError, match="reconnect_after_s"):
+    with pytest.raises(ConfigError, match=r"reconnect_after_s must be a number in 0\.\.3600"):
         MemoryLoopOptions(reconnect_after_s=-1)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
 from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.core.errors import DeploymentNotFoundError, LifeMemError
+from lifemem_ray.core.errors import ConfigError, DeploymentNotFoundError, LifeMemError
 from lifemem_ray.engine.retrieval import Retrieval
 
 __all__ = ["AsyncLazyMemoryClient", "ConnectBackoff", "LazyMemoryClient"]
@@ -49,6 +49,21 @@ class _WatchedAdd:
         except Exception as exc:
             self.on_failure(exc)
             raise
+
+
+RECONNECT_AFTER_S_BOUNDS = (0.0, 3_600.0)  # seconds a failed connect is not tried again: at most an hour
+
+
+def check_reconnect_after_s(value: Any, where: str) -> float:
+    """``reconnect_after_s`` as every adapter takes it (one bound, :data:`RECONNECT_AFTER_S_BOUNDS`).
+
+    Raises:
+        ConfigError: not a number within the bounds, naming ``where``.
+    """
+    low, high = RECONNECT_AFTER_S_BOUNDS
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ConfigError(f"{where}: reconnect_after_s must be a number in {low:g}..{high:g}, got {value!r}")
+    return float(value)
 
 
 class ConnectBackoff:

@@ -76,7 +76,7 @@ from verl.utils.reward_score import default_compute_score
 from verl.utils.rollout_trace import rollout_trace_op
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.integrations.lazy_clients import AsyncLazyMemoryClient
+from lifemem_ray.actors.integrations.lazy_clients import AsyncLazyMemoryClient, check_reconnect_after_s
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.versions import check_version
@@ -122,10 +122,7 @@ class MemoryLoopOptions:
             raise InvalidArgumentError(f"verl agent loop {AGENT_NAME}: memory_namespace must be a Ray namespace name")
         if self.as_of is not None:
             check_version(self.as_of, f"verl agent loop {AGENT_NAME}: as_of")
-        if not 0 <= self.reconnect_after_s <= 3600:
-            raise InvalidArgumentError(
-                f"verl agent loop {AGENT_NAME}: reconnect_after_s must be in 0..3600, got {self.reconnect_after_s!r}"
-            )
+        check_reconnect_after_s(self.reconnect_after_s, f"verl agent loop {AGENT_NAME}")
 
     def memory_key(self) -> tuple[Any, ...]:
         """The options that make a distinct memory connection."""

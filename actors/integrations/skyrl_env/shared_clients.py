@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.integrations.lazy_clients import LazyMemoryClient
+from lifemem_ray.actors.integrations.lazy_clients import LazyMemoryClient, check_reconnect_after_s
 from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
     CONNECTION_KEYS,
     EPISODE_KEYS,
@@ -112,5 +112,5 @@ def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tu
         address = nonempty_name(address, f"{where}['address']")
     overrides = as_mapping(options.get("overrides"), f"{where}['overrides']")
     config = DeploymentConfig().replace(overrides, source=f"{where}['overrides']")
-    retry = bounded_number(options.get("reconnect_after_s", 30.0), 0.0, 86_400.0, f"{where}['reconnect_after_s']")
+    retry = check_reconnect_after_s(options.get("reconnect_after_s", 30.0), where)
     return lambda: (SHARED_CLIENTS.episodes(namespace, address, config, retry, episode_options), False)
