@@ -79,17 +79,7 @@ def check_retrieve_args(
         problem = None if env is None else env_name_problem(env)
         if problem:
             raise InvalidArgumentError(f"envs[{i}]: {problem} (an environment name, or None for all environments)")
-    k = defaults.k if k is None else k
-    low, high = RetrievalConfig.BOUNDS["k"]
-    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
-        raise InvalidArgumentError(
-            f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
-        )
-    if len(tasks) * k > MAX_QUERY_HITS:
-        raise InvalidArgumentError(
-            f"k: {len(tasks):,} queries x k = {k} ask for {len(tasks) * k:,} results in one call, at most "
-            f"{MAX_QUERY_HITS:,}; send fewer queries per call"
-        )
+    k = check_k(defaults.k if k is None else k, len(tasks))
     budget = defaults.token_budget if token_budget is None else token_budget
     low, high = RetrievalConfig.BOUNDS["token_budget"]
     if isinstance(budget, bool) or not isinstance(budget, int) or not low <= budget <= high:
@@ -97,6 +87,26 @@ def check_retrieve_args(
             f"token_budget: expected an integer within [{int(low)}, {int(high)}], got {budget!r}"
         )
     return tasks, envs, k, budget
+
+
+def check_k(k: Any, queries: int) -> int:
+    """``k`` for ``queries`` queries in one call: an integer within retrieval.k's bounds, and
+    ``queries x k`` results at most :data:`MAX_QUERY_HITS` (the one rule of every entry point).
+
+    Raises:
+        InvalidArgumentError: naming k, what it got and what is allowed.
+    """
+    low, high = RetrievalConfig.BOUNDS["k"]
+    if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+        raise InvalidArgumentError(
+            f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
+        )
+    if queries * k > MAX_QUERY_HITS:
+        raise InvalidArgumentError(
+            f"k: {queries:,} queries x k = {k} ask for {queries * k:,} results in one call, at most "
+            f"{MAX_QUERY_HITS:,}; send fewer queries per call"
+        )
+    return k
 
 
 def estimate_tokens(text: str) -> int:

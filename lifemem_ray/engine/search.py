@@ -13,13 +13,12 @@ from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, is_pool, scope_tenant, search_targets
 from lifemem_ray.engine.index.vector_index import VectorIndex
 from lifemem_ray.engine.ingest_rules import unit_rows
-from lifemem_ray.engine.memory_config import RetrievalConfig
 from lifemem_ray.engine.retrieval import (
     MAX_QUERIES,
-    MAX_QUERY_HITS,
     RecordHit,
     Retrieval,
     assemble,
+    check_k,
     check_retrieve_args,
     paused_gc,
 )
@@ -97,16 +96,11 @@ class Search:
         self.s.check_open()
         envs = list(envs)
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
-        low, high = RetrievalConfig.BOUNDS["k"]
-        if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+        if len(envs) > MAX_QUERIES:
             raise InvalidArgumentError(
-                f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
+                f"vectors: {len(envs):,} queries in one call, at most {MAX_QUERIES:,}; send fewer queries per call"
             )
-        if len(envs) > MAX_QUERIES or len(envs) * k > MAX_QUERY_HITS:
-            raise InvalidArgumentError(
-                f"vectors: {len(envs):,} queries x k = {k} in one call, at most {MAX_QUERIES:,} queries and "
-                f"{MAX_QUERY_HITS:,} results; send fewer queries per call"
-            )
+        check_k(k, len(envs))
         self.s.refresh()
         if not envs:
             return np.zeros((0, k), dtype=np.float32), np.zeros((0, k), dtype=np.int64)
