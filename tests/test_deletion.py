@@ -280,12 +280,12 @@ def _entries(path) -> list[bytes]:
     """Every key and value of every table of a store, read with LMDB itself."""
     import lmdb
 
-    from lifemem_ray.engine.store.storage import _DBS
+    from lifemem_ray.engine.store.environment import TABLES
 
-    env = lmdb.open(str(path), max_dbs=len(_DBS) + 2, readonly=True, lock=False)
+    env = lmdb.open(str(path), max_dbs=len(TABLES) + 2, readonly=True, lock=False)
     try:
         out = []
-        for name in _DBS:
+        for name in TABLES:
             db = env.open_db(name.encode(), create=False)
             with env.begin(db=db) as txn:
                 out.extend(x for kv in txn.cursor() for x in kv)

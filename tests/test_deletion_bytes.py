@@ -26,6 +26,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import StoreLockedError
 from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.store import lmdb_rewrite, storage
+from lifemem_ray.engine.store.environment import TABLES
 from lifemem_ray.engine.store.storage import MemoryStore
 
 CONFIG = DeploymentConfig().replace({"evolution.init_size": 20, "evolution.batch_size": 32})
@@ -107,7 +108,7 @@ def test_a_store_written_before_the_log_index_gets_it_at_its_first_writable_open
         with monkeypatch.context() as older:
             older.setattr(MemoryStore, "forget_logged_id", lambda self, txn, vid: 0)  # what a removal did before
             assert mem.remove([t.id for t in victims]) == 50
-    env = lmdb.open(str(path), max_dbs=len(storage._DBS) + 2)
+    env = lmdb.open(str(path), max_dbs=len(TABLES) + 2)
     with env.begin(write=True) as txn:  # back to the older layout
         txn.drop(env.open_db(b"logvid", txn=txn), delete=True)
         txn.delete(b"log_by_vid", db=env.open_db(b"meta", txn=txn))
