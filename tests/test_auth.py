@@ -238,3 +238,17 @@ def test_a_keyless_front_door_answers_loopback_host_names_only():
         assert client.get("/healthz", headers={"host": "127.0.0.1:8000"}).status_code == 200
         assert client.get("/healthz", headers={"host": "localhost:8000"}).status_code == 200
         assert client.get("/healthz", headers={"host": "attacker.example:8000"}).status_code == 400, "DNS rebinding"
+
+
+def test_a_route_the_metrics_do_not_know_fails_when_the_app_is_built(monkeypatch):
+    """Every route's answers are counted by template: a route added to the app but not to
+    http_metrics.ROUTES fails at build time, not at each answer ('metrics failed')."""
+    from lifemem_ray.actors.frontdoor import app as front_app
+    from lifemem_ray.actors.frontdoor import http_metrics
+    from lifemem_ray.core.errors import MetricTagError
+
+    _front_app("keys", [new_key("acme", "read")[1].to_dict()])  # today's routes are all known
+    monkeypatch.setattr(http_metrics, "ROUTES", tuple(r for r in http_metrics.ROUTES if r != "/v1/stats"))
+    with pytest.raises(MetricTagError, match=r"routes \['/v1/stats'\] are not in http_metrics.ROUTES"):
+        _front_app("keys", [new_key("acme", "read")[1].to_dict()])
+    assert front_app.check_routes is http_metrics.check_routes

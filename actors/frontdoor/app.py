@@ -54,7 +54,7 @@ from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.frontdoor.admission import BodyPace, TenantShare
 from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, unavailable_errors, validation_detail
 from lifemem_ray.actors.frontdoor.front_service import FrontService, ServiceMemory
-from lifemem_ray.actors.frontdoor.http_metrics import count_http
+from lifemem_ray.actors.frontdoor.http_metrics import check_routes, count_http
 from lifemem_ray.actors.frontdoor.operations import OPERATIONS_ACTOR, operations_actor
 from lifemem_ray.core.errors import ConfigError, LifeMemError
 from lifemem_ray.service import api_models as m
@@ -249,6 +249,7 @@ def build_app(service: FrontService, keyring: KeyRing) -> FastAPI:
     app.add_middleware(FrontDoor, keyring=keyring, http=http, routes=app.router.routes)
     # The exact path (a Mount would redirect /mcp to /mcp/); FrontDoor authenticates it.
     app.router.routes.append(Route(MCP_PATH, endpoint=mcp.asgi, methods=["GET", "POST", "DELETE"]))
+    check_routes([path for route in app.router.routes if isinstance(path := getattr(route, "path", None), str)])
     if keyring.mode == "none":  # no keys, so no browser page may reach it under another host name (DNS rebinding)
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_HOSTS))
     return app

@@ -19,7 +19,7 @@ from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.core.errors import MetricTagError
 from lifemem_ray.core.metrics import MetricSpec, Tag
 
-__all__ = ["CATALOGUE", "HTTP_RESPONSES", "METHODS", "ROUTES", "count_http"]
+__all__ = ["CATALOGUE", "HTTP_RESPONSES", "METHODS", "ROUTES", "check_routes", "count_http", "route_template"]
 
 METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 OTHER_METHOD = "OTHER"  # any other method a client sent (counted, never an error: clients choose it)
@@ -62,13 +62,33 @@ HTTP_RESPONSES = MetricSpec(
 CATALOGUE: dict[str, MetricSpec] = {**CLUSTER_CATALOGUE, HTTP_RESPONSES.name: HTTP_RESPONSES}
 
 
+def route_template(route: str) -> str:
+    """A route's template as counted: any path parameter as ``{id}``, no trailing ``/``."""
+    template = _PARAM.sub("{id}", route)
+    return (template.rstrip("/") or "/") if len(template) > 1 else template
+
+
+def check_routes(paths: list[str]) -> None:
+    """Every route of the application (``paths``: their templates) has its tag value in
+    :data:`ROUTES`, checked when the application is built: a route added to the app and not
+    here fails there, instead of each of its answers failing to be counted.
+
+    Raises:
+        MetricTagError: naming the routes missing from :data:`ROUTES`.
+    """
+    missing = sorted({route_template(p) for p in paths} - set(ROUTES))
+    if missing:
+        raise MetricTagError(
+            f"front door routes {missing} are not in http_metrics.ROUTES (lifemem_http_responses_total's route "
+            "tag): add them there (and to the dashboard if they matter)"
+        )
+
+
 def count_http(route: str, method: str, status: int) -> None:
     """One HTTP answer. ``route`` is the matched route's template (``/v1/trajectories/{id}``, any
     parameter name; a trailing ``/`` ignored) or ``"other"`` when none matched; ``method`` is the
     request's (unknown methods count as ``OTHER``)."""
-    template = _PARAM.sub("{id}", route) if isinstance(route, str) else route
-    if isinstance(template, str) and len(template) > 1:
-        template = template.rstrip("/") or "/"
+    template = route_template(route) if isinstance(route, str) else route
     verb = method.upper() if isinstance(method, str) else method
     if isinstance(verb, str) and verb not in METHODS:
         verb = OTHER_METHOD
