@@ -58,6 +58,17 @@ def test_a_text_met_again_is_served_by_the_client_with_the_same_vector():
     assert stats["hits"] == 2 and stats["sent"] == 3 and stats["entries"] == 3
 
 
+def test_a_known_vector_is_looked_up_without_embedding():
+    """What a rollout worker's add sends along: the vector its retrieval computed, or None."""
+    embed = Embedder()
+    vectors = QueryVectors(16, DIM)
+    assert vectors.known("a") is None
+    vectors.vectors(["a"], embed)
+    np.testing.assert_array_equal(vectors.known("a"), embed.vectors(["a"])[0])
+    assert vectors.known("b") is None and embed.calls == [["a"]]
+    assert QueryVectors(0, DIM).known("a") is None
+
+
 def test_the_least_recently_used_text_is_forgotten_first():
     embed = Embedder()
     vectors = QueryVectors(2, DIM)

@@ -132,6 +132,15 @@ class QueryVectors:
             known.update(self._keep(failed, np.asarray(await embed(failed), dtype=np.float32)))
         return self._rows(texts, known)
 
+    def known(self, text: str) -> np.ndarray | None:
+        """``text``'s cached vector, or None (nothing is embedded): what an add sends along when
+        the same client retrieved for that text before (the rollout workers' add after the
+        episode that retrieved for its task)."""
+        if self.capacity == 0:
+            return None
+        with self._lock:
+            return self._cache.get_many(_MODEL, [text])[0]
+
     def stats(self) -> dict[str, Any]:
         """The cache's figures (entries, capacity, hits, misses, hit_rate, evictions), texts sent
         to the embedders from here, and texts served by another caller's call in flight."""

@@ -159,9 +159,9 @@ class AsyncRolloutWorker(RolloutWorkerBase):
         return client
 
     async def _vector(self, client: Any, text: str) -> Any:
-        """The task's embedding, computed once: used for retrieval and again for the add."""
-        vec = self._cached_vector(text)
-        return vec if vec is not None else self._keep_vector(text, (await client.embed([text]))[0])
+        """The task's embedding, from the client's query-vector cache (computed once: used for
+        retrieval and again for the add)."""
+        return (await client.query_vectors.vectors_async([text], client.embed))[0]
 
     # -- one task ----------------------------------------------------------------------
     async def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Any] | None:
@@ -237,7 +237,7 @@ class AsyncRolloutWorker(RolloutWorkerBase):
                 t0 = time.perf_counter()
                 client = await self._client(spec.namespace)  # type: ignore[arg-type]
                 traj = result.trajectory
-                add = client.add(traj, vector=self._cached_vector(traj.query_text))
+                add = client.add(traj, vector=client.query_vectors.known(traj.query_text))
                 submit_s = time.perf_counter() - t0
         reply = self._reply(result, submit_s, return_trajectory)
         if add is not None:  # outside the slot: the next episode need not wait for the memory

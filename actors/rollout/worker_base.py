@@ -10,7 +10,6 @@ it; :mod:`lifemem_ray.actors.rollout.workers` re-exports :class:`EpisodeSpec`.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,6 @@ from lifemem_ray.lab.experiment_config import MEMORY_MODES, RETRIEVING_MODES
 
 __all__ = [
     "MAX_EPISODES_PER_WORKER",
-    "VECTOR_CACHE",
     "EpisodeSpec",
     "RolloutWorkerBase",
     "add_failure",
@@ -42,7 +40,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-VECTOR_CACHE = 4096  # task embeddings a worker keeps
 MAX_EPISODES_PER_WORKER = 1024  # concurrent episodes on one worker (experiment.episodes_per_worker)
 
 
@@ -93,7 +90,6 @@ class RolloutWorkerBase:
         self.limits = limits
         self.seed = seed
         self.env_retries = env_retries
-        self._vectors: OrderedDict[str, Any] = OrderedDict()  # instruction -> embedding (templated tasks repeat)
         self.env_restarts = 0
 
     def _new_env(self, name: str) -> Environment:
@@ -117,18 +113,6 @@ class RolloutWorkerBase:
         if name == "react":
             options = {"client": client} if client is not None else {"metrics": ray_metrics.SINK}
         return make_agent(name, seed=seed, llm_config=self.config.llm, **options)
-
-    def _cached_vector(self, text: str) -> Any:
-        vec = self._vectors.get(text)
-        if vec is not None:
-            self._vectors.move_to_end(text)
-        return vec
-
-    def _keep_vector(self, text: str, vec: Any) -> Any:
-        self._vectors[text] = vec
-        if len(self._vectors) > VECTOR_CACHE:
-            self._vectors.popitem(last=False)
-        return vec
 
     def _env_fault(self, exc: Exception, task: Task, attempt: int) -> bool:
         """Whether ``exc`` is the environment's fault (logged here; the caller replaces the

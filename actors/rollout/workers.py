@@ -126,9 +126,9 @@ class RolloutWorker(RolloutWorkerBase):
         return client
 
     def _vector(self, client: Any, text: str) -> Any:
-        """The task's embedding, computed once: used for retrieval and again for the add."""
-        vec = self._cached_vector(text)
-        return vec if vec is not None else self._keep_vector(text, client.embed([text])[0])
+        """The task's embedding, from the client's query-vector cache (computed once: used for
+        retrieval and again for the add; templated tasks repeat)."""
+        return client.query_vectors.vectors([text], client.embed)[0]
 
     # -- one task ----------------------------------------------------------------------
     def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Retrieval | None] | None:
@@ -192,7 +192,7 @@ class RolloutWorker(RolloutWorkerBase):
             t0 = time.perf_counter()
             client = self._client(spec.namespace)  # type: ignore[arg-type]
             traj = result.trajectory
-            vector = self._vectors.get(traj.query_text)
+            vector = client.query_vectors.known(traj.query_text)
             ack = client.add(traj, vector=vector)
             submit_s = time.perf_counter() - t0
         reply = self._reply(result, submit_s, return_trajectory)
