@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 
 from lifemem_ray.lab.envs import Task, TaskError, make_env
-from lifemem_ray.lab.envs.sql import TASK_TYPES, SqlEnv, _authorizer, parse_action
+from lifemem_ray.lab.envs.sql import TASK_TYPES, SqlEnv, parse_action
+from lifemem_ray.lab.envs.sql.env import _authorizer
 
 
 @pytest.fixture
