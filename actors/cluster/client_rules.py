@@ -9,9 +9,7 @@ into the engine's results are decided here, once.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ from lifemem_ray.actors.cluster.coordinator_ref import CoordinatorRef
 from lifemem_ray.actors.cluster.ray_metrics import RECORDER
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError, actor_failures, remote_cause
 from lifemem_ray.core.errors import ArgumentTypeError, DeploymentNotFoundError
+from lifemem_ray.core.lru import LruCache
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import check_tenant
 from lifemem_ray.engine.clustering.clusters import check_listing_limit
@@ -64,32 +63,28 @@ class InDoubtLedger:
 
     def __init__(self, limit: int = IN_DOUBT_MAX) -> None:
         self.limit = limit
-        self._ids: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()
+        self._ids: LruCache[str, str] = LruCache(limit, "InDoubtLedger")  # id key -> fingerprint
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def remember(self, sent: dict[str, str]) -> None:
         """A request whose answer was lost: its id keys and fingerprints (the oldest forgotten past ``limit``)."""
-        with self._lock:
-            self._ids.update(sent)
-            while len(self._ids) > self.limit:
-                self._ids.popitem(last=False)
+        for key, fingerprint in sent.items():
+            self._ids.put(key, fingerprint)
 
     def settle(self, results: list[AddResult], sent: dict[str, str], keys: list[str] | None = None) -> list[AddResult]:
         """``duplicate`` for an id in doubt sent with the same fingerprint is ``added``; every
         id answered leaves the ledger. ``keys``: the request's id keys by position (the
         results name the caller's ids, without the tenant)."""
-        if not self._ids:
+        if not len(self._ids):
             return results
         out = []
-        with self._lock:
-            for r, key in zip(results, keys if keys is not None else [r.id for r in results], strict=True):
-                fp = self._ids.pop(key, None)
-                if r.status == "duplicate" and fp is not None and fp == sent.get(key):
-                    r = AddResult(r.id, "added", r.cluster_id)
-                out.append(r)
+        for r, key in zip(results, keys if keys is not None else [r.id for r in results], strict=True):
+            fp = self._ids.pop(key)
+            if r.status == "duplicate" and fp is not None and fp == sent.get(key):
+                r = AddResult(r.id, "added", r.cluster_id)
+            out.append(r)
         return out
 
 

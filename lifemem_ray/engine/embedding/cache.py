@@ -7,14 +7,13 @@ copies, so a caller can neither change what the cache holds nor what another cal
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.core.lru import LruCache
 
 __all__ = ["EmbeddingCache"]
 
@@ -28,7 +27,8 @@ def _frozen_row(vector: np.ndarray) -> np.ndarray:
 
 class EmbeddingCache:
     """At most ``max_entries`` vectors (0: keeps nothing, every lookup a miss); the least
-    recently used goes first. Counts hits, misses and evictions."""
+    recently used goes first (a :class:`~lifemem_ray.core.lru.LruCache` keyed by (model, text)).
+    Counts hits, misses and evictions."""
 
     def __init__(self, max_entries: int) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
@@ -36,28 +36,14 @@ class EmbeddingCache:
                 f"EmbeddingCache: max_entries must be an integer >= 0 (0 turns the cache off), got {max_entries!r}"
             )
         self.max_entries = max_entries
-        self._rows: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
+        self._rows: LruCache[tuple[str, str], np.ndarray] = LruCache(max_entries, "EmbeddingCache")
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def get_many(self, model: str, texts: Sequence[str]) -> list[np.ndarray | None]:
         """Per text: its cached vector (read-only), or None; each found one becomes the most recent."""
-        found: list[np.ndarray | None] = []
-        with self._lock:
-            for text in texts:
-                row = self._rows.get((model, text))
-                if row is None:
-                    self.misses += 1
-                else:
-                    self._rows.move_to_end((model, text))
-                    self.hits += 1
-                found.append(row)
-        return found
+        return [self._rows.get((model, text)) for text in texts]
 
     def put_many(self, model: str, texts: Sequence[str], vectors: np.ndarray) -> None:
         """Keep ``vectors[i]`` for ``texts[i]``, evicting the least recently used beyond the bound."""
@@ -65,14 +51,8 @@ class EmbeddingCache:
             raise InvalidArgumentError(f"EmbeddingCache.put_many: {len(texts)} texts but {len(vectors)} vectors")
         if self.max_entries == 0:
             return
-        rows = [_frozen_row(v) for v in vectors]
-        with self._lock:
-            for text, row in zip(texts, rows, strict=True):
-                self._rows[(model, text)] = row
-                self._rows.move_to_end((model, text))
-            while len(self._rows) > self.max_entries:
-                self._rows.popitem(last=False)
-                self.evictions += 1
+        for text, vector in zip(texts, vectors, strict=True):
+            self._rows.put((model, text), _frozen_row(vector))
 
     def get(self, model: str, text: str) -> np.ndarray | None:
         return self.get_many(model, [text])[0]
@@ -82,18 +62,8 @@ class EmbeddingCache:
 
     def clear(self) -> None:
         """Forget every vector (the counts stay)."""
-        with self._lock:
-            self._rows.clear()
+        self._rows.clear()
 
     def stats(self) -> dict[str, Any]:
         """entries, capacity, hits, misses, evictions and hit_rate (hits per lookup; 0.0 before any)."""
-        with self._lock:
-            lookups = self.hits + self.misses
-            return {
-                "entries": len(self._rows),
-                "capacity": self.max_entries,
-                "hits": self.hits,
-                "misses": self.misses,
-                "evictions": self.evictions,
-                "hit_rate": self.hits / lookups if lookups else 0.0,
-            }
+        return self._rows.stats()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.core.lru import LruCache
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
 from lifemem_ray.lab.envs.shared_data import find_data_dir
 
@@ -104,8 +105,7 @@ def _index(root: Path) -> tuple[list[dict[str, str]], list[str]]:
 # -- fast-downward translation: memoised, sys.argv protected ----------------------------------
 
 _SAS_LOCK = threading.RLock()  # the translator keeps global options: one translation at a time
-_SAS_CACHE: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-_SAS_CACHE_SIZE = 16  # entries = 2 per game (plain + optimised): the last 8 games
+_SAS_CACHE: LruCache[tuple, Any] = LruCache(16, "pddl2sas memo")  # 2 entries a game (plain + optimised): the last 8
 
 
 def _install_sas_memo() -> None:
@@ -121,25 +121,20 @@ def _install_sas_memo() -> None:
         with _SAS_LOCK:
             hit = _SAS_CACHE.get(key)
             if hit is not None and hit[0] == (domain, problem):
-                _SAS_CACHE.move_to_end(key)
                 return hit[1]
             argv = sys.argv
             try:
                 result = original(domain, problem, verbose=verbose, optimize=optimize)
             finally:
                 sys.argv = argv  # the translator overwrites sys.argv with its own arguments
-            _SAS_CACHE[key] = ((domain, problem), result)
-            while len(_SAS_CACHE) > _SAS_CACHE_SIZE:
-                _SAS_CACHE.popitem(last=False)
+            _SAS_CACHE.put(key, ((domain, problem), result))
             return result
 
     pddl2sas._lifemem_memo = True  # type: ignore[attr-defined]
     fast_downward.pddl2sas = pddl2sas
 
 
-_PARSE_LOCK = threading.Lock()
-_PARSE_CACHE: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
-_PARSE_CACHE_SIZE = 8192
+_PARSE_CACHE: LruCache[tuple[str, str], Any] = LruCache(8192, "text-template parse memo")
 
 
 def _install_textgen_memo() -> None:
@@ -160,16 +155,10 @@ def _install_textgen_memo() -> None:
         if kwargs.get("trace") or not isinstance(text, str) or set(kwargs) - {"trace"}:
             return original(text, rule_name=rule_name, **kwargs)
         key = (text, rule_name)
-        with _PARSE_LOCK:
-            hit = _PARSE_CACHE.get(key)
-            if hit is not None:
-                _PARSE_CACHE.move_to_end(key)
+        hit = _PARSE_CACHE.get(key)
         if hit is None:
             hit = original(text, rule_name=rule_name)
-            with _PARSE_LOCK:
-                _PARSE_CACHE[key] = hit
-                while len(_PARSE_CACHE) > _PARSE_CACHE_SIZE:
-                    _PARSE_CACHE.popitem(last=False)
+            _PARSE_CACHE.put(key, hit)
         return copy.deepcopy(hit)
 
     _parse_and_convert._lifemem_memo = True  # type: ignore[attr-defined]
@@ -177,7 +166,7 @@ def _install_textgen_memo() -> None:
 
 
 # Gold plans per game file (absolute path): planning costs up to ~10 s CPU on a large kitchen.
-_GOLD: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+_GOLD: LruCache[str, list[str]] = LruCache(4096, "ALFWorld gold plans")
 
 
 class AlfWorldEnv(Environment):
@@ -391,11 +380,11 @@ class AlfWorldEnv(Environment):
         is replayed afterwards, so it stays intact). None when the planner finds no plan."""
         rel = self._check(task)
         key = str(self.data_dir / rel)
-        if key not in _GOLD:
+        plan = _GOLD.get(key)
+        if plan is None:
             state = self._start(rel, plan=True)
-            _GOLD[key] = [str(a) for a in (state.get("extra.walkthrough") or [])]
-            while len(_GOLD) > 4096:
-                _GOLD.popitem(last=False)
+            plan = [str(a) for a in (state.get("extra.walkthrough") or [])]
+            _GOLD.put(key, plan)
             if self._task is not None and not self._done:  # put the running episode back
                 current = self._check(self._task)
                 if current != rel or self._history:
@@ -403,8 +392,7 @@ class AlfWorldEnv(Environment):
                     for command in self._history:
                         if command in state["admissible_commands"]:
                             state, _, _ = self._engine.step(command)
-        _GOLD.move_to_end(key)
-        return list(_GOLD[key]) or None
+        return list(plan) or None
 
     def close(self) -> None:
         """Free the engine: the game state and the planner's memory in its fast-downward copy.

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.core.lru import LruCache
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Task, TaskError, check_task, select_tasks
 from lifemem_ray.lab.envs.fever.claims import build_claims, validate_claims
 from lifemem_ray.lab.envs.fever.facts import LABELS, NEI, ClaimSet
@@ -77,8 +78,7 @@ _ALIASES = {
     "NEI": NEI,
 }
 _USAGE = "Use Search[entity], Lookup[keyword] or Finish[SUPPORTS|REFUTES|NOT ENOUGH INFO]."
-_BUILT: dict[tuple[Any, ...], tuple[ClaimSet, Corpus]] = {}  # per file and options: every worker's env shares one
-_MAX_BUILT = 8
+_BUILT: LruCache[tuple[Any, ...], tuple[ClaimSet, Corpus]] = LruCache(8, "FeverEnv builds")  # per file and options
 
 
 def parse_label(answer: str) -> str | None:
@@ -101,7 +101,8 @@ def _build(path: Path, n_train: int, n_test: int, seed: int) -> tuple[ClaimSet, 
     """The claims and the served corpus, built and checked once per file and options."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, n_train, n_test, seed)
-    if key not in _BUILT:
+    built = _BUILT.get(key)  # every worker's environment of one file and options shares one
+    if built is None:
         source = Corpus.load(path)
         claims = build_claims(source.pages, n_train=n_train, n_test=n_test, seed=seed)
         problems = validate_claims(claims, source.pages)
@@ -113,10 +114,9 @@ def _build(path: Path, n_train: int, n_test: int, seed: int) -> tuple[ClaimSet, 
                     f"FeverEnv: {path} gives no {split} claim (too few paragraphs with a dated or numbered "
                     "sentence naming their subject); use a larger HotpotQA distractor file"
                 )
-        while len(_BUILT) >= _MAX_BUILT:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = (claims, Corpus(source.questions, claims.pages))
-    return _BUILT[key]
+        built = (claims, Corpus(source.questions, claims.pages))
+        _BUILT.put(key, built)
+    return built
 
 
 class FeverEnv(Environment):

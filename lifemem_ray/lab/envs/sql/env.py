@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.core.lru import LruCache
 from lifemem_ray.lab.envs.base import Environment, EnvStateError, StepResult, Task, TaskError, check_task, select_tasks
 from lifemem_ray.lab.envs.sql.database import (
     MAX_ROWS_SHOWN,
@@ -63,7 +64,9 @@ class SqlEnv(Environment):
         self._expected: list[tuple] | None = None
         self._expected_state: dict[str, list[tuple]] | None = None
         self._width = 1
-        self._ref_cache: dict[str, tuple[dict[str, Any], tuple[list[tuple], dict[str, list[tuple]] | None, int]]] = {}
+        self._ref_cache: LruCache[
+            str, tuple[dict[str, Any], tuple[list[tuple], dict[str, list[tuple]] | None, int]]
+        ] = LruCache(512, "SqlEnv references")
 
     # -- tasks
 
@@ -108,9 +111,7 @@ class SqlEnv(Environment):
         if hit is not None and (hit[0] is task.payload or hit[0] == task.payload):
             return hit[1]
         ref = self._compute_reference(task)
-        if len(self._ref_cache) >= 512:
-            self._ref_cache.pop(next(iter(self._ref_cache)))
-        self._ref_cache[task.id] = (task.payload, ref)
+        self._ref_cache.put(task.id, (task.payload, ref))
         return ref
 
     def _compute_reference(self, task: Task) -> tuple[list[tuple], dict[str, list[tuple]] | None, int]:
