@@ -69,6 +69,7 @@ def test_a_coordinator_that_died_is_started_anew_by_the_shards_and_clients_find_
     assert client.stats()["trajectories"] == 60 and client.verify()["ok"]
 
 
+@pytest.mark.slow  # about 40 s (three CLI runs against the deployment): in .ci/run's slow step, off the default run
 def test_a_lost_coordinator_is_told_by_status_and_serve_adopts_the_live_shards(deployment, tmp_path):
     store = tmp_path / "store"
     client, info = deployment(shards=2, store=store, **WATCH_OFF)
