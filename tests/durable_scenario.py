@@ -22,7 +22,7 @@ from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
 from lifemem_ray.actors.cluster.restore import restore
 from lifemem_ray.actors.cluster.status import deployment_status
-from lifemem_ray.engine.memory import pack_trajectories
+from lifemem_ray.engine.ingest import pack_trajectories
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 SETTINGS = {

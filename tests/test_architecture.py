@@ -64,3 +64,26 @@ def test_no_module_name_repeats_across_layers():
         if p.stem not in ("__init__", "__main__") and "envs" not in p.parts
     )
     assert [name for name, n in names.items() if n > 1] == []
+
+
+FACADES = {"lifemem_ray.engine.memory": {"Memory"}}  # a façade's module -> what may be imported from it
+
+
+def test_nothing_is_imported_through_a_facade_but_the_facade():
+    """The engine's façade module gives ``Memory`` alone: its parts are imported from where
+    they are defined, so the Ray layer, the CLI and the tests never depend on what the façade
+    happens to import (read from every module's source, lazy imports included)."""
+    import ast
+
+    found = []
+    for tree_root in ("lifemem_ray", "actors", "tests", "benchmarks"):
+        for path in (ROOT / tree_root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module in FACADES:
+                    extra = {alias.name for alias in node.names} - FACADES[node.module]
+                    if extra:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {sorted(extra)} from {node.module}")
+    assert not found, "import these from the modules that define them:\n" + "\n".join(found)
+    from lifemem_ray.engine import memory
+
+    assert memory.__all__ == ["Memory"]

@@ -21,9 +21,9 @@ from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.client_rules import AddRequest, InDoubtLedger
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import ShardUnavailableError
+from lifemem_ray.core.errors import IdConflictError
 from lifemem_ray.core.model import Step, Trajectory
 from lifemem_ray.engine.ingest_rules import AddResult
-from lifemem_ray.engine.memory import IdConflictError
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 
@@ -136,7 +136,7 @@ def test_a_re_add_is_idempotent_and_ids_in_doubt_read_added(memory, data):
 
 
 def _fingerprints(client: AsyncMemoryClient, trajs, vecs) -> list[str]:
-    from lifemem_ray.engine.memory import pack_trajectories
+    from lifemem_ray.engine.ingest import pack_trajectories
 
     return pack_trajectories(trajs, vecs, client.dim, client.config.evolution.workflow_features).fingerprints
 

@@ -16,7 +16,8 @@ from lifemem_ray.actors.cluster.shard_actor import MemoryShard
 from lifemem_ray.core.errors import EmbeddingError, IdConflictError, UnknownClusterError
 from lifemem_ray.core.model import Step, Trajectory
 from lifemem_ray.engine.clustering.evolution import ItemBatch, Placement
-from lifemem_ray.engine.memory import Memory, pack_trajectories
+from lifemem_ray.engine.ingest import pack_trajectories
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 DIM = 384

@@ -15,7 +15,8 @@ import pytest
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import IdConflictError
 from lifemem_ray.core.importers import write_jsonl
-from lifemem_ray.engine.memory import Memory, prepare_items
+from lifemem_ray.engine.ingest import prepare_items
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 ROOT = Path(__file__).resolve().parents[1]

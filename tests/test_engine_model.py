@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import unit
 
+from lifemem_ray.core.errors import IdConflictError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
 from lifemem_ray.engine.clustering.clusters import (
     ClusterRecord,
@@ -17,7 +18,8 @@ from lifemem_ray.engine.clustering.clusters import (
     new_cluster_record,
     unfold_member,
 )
-from lifemem_ray.engine.memory import IdConflictError, Memory, pack_trajectories
+from lifemem_ray.engine.ingest import pack_trajectories
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.protocols import MemoryAPI, ShardProtocol
 from lifemem_ray.engine.store import codec
 

@@ -11,8 +11,8 @@ def test_every_error_class_derives_from_the_root():
     classes = [getattr(errors, name) for name in errors.__all__]
     assert all(inspect.isclass(c) and issubclass(c, errors.LifeMemError) for c in classes)
     from lifemem_ray.actors.cluster.remote_errors import OverloadedError
+    from lifemem_ray.core.errors import IdConflictError
     from lifemem_ray.core.importers import RecordError
-    from lifemem_ray.engine.memory import IdConflictError
     from lifemem_ray.engine.memory_config import ConfigError
     from lifemem_ray.engine.store.storage import StoreLockedError
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from conftest import purity, unit
 
+from lifemem_ray.core.errors import IdConflictError
 from lifemem_ray.core.model import Outcome, Step, Trajectory
-from lifemem_ray.engine.memory import IdConflictError, Memory, prepare_items
+from lifemem_ray.engine.ingest import prepare_items
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.store.storage import StoreError
 

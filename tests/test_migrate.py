@@ -8,7 +8,8 @@ import pytest
 from conftest import unit
 
 from lifemem_ray.engine.clustering.steps import features_id, featurize
-from lifemem_ray.engine.memory import Memory, pack_trajectories
+from lifemem_ray.engine.ingest import pack_trajectories
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.store.migrate import LEGACY_FEATURES, stored_features
 from lifemem_ray.engine.store.storage import StoreError

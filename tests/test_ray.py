@@ -10,8 +10,9 @@ import time
 import pytest
 from conftest import SMALL_ACTORS
 
+from lifemem_ray.core.errors import IdConflictError
 from lifemem_ray.core.model import Step, Trajectory
-from lifemem_ray.engine.memory import IdConflictError, Memory
+from lifemem_ray.engine.memory import Memory
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
 pytestmark = pytest.mark.usefixtures("ray_local")

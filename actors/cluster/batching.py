@@ -62,7 +62,7 @@ from lifemem_ray.engine.ingest_rules import (
     plan_counters,
     unit_rows,
 )
-from lifemem_ray.engine.memory import WORKFLOW_DIM
+from lifemem_ray.engine.state import WORKFLOW_DIM
 
 if TYPE_CHECKING:
     from lifemem_ray.engine.store.storage import ClusterRecord

@@ -27,8 +27,8 @@ from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import check_tenant
 from lifemem_ray.engine.clustering.clusters import check_listing_limit
 from lifemem_ray.engine.clustering.evolution import ItemBatch
+from lifemem_ray.engine.ingest import pack_trajectories
 from lifemem_ray.engine.ingest_rules import AddResult
-from lifemem_ray.engine.memory import pack_trajectories
 from lifemem_ray.engine.retrieval import Retrieval, assemble
 from lifemem_ray.engine.versions import format_version, parse_version
 from lifemem_ray.llm.transport import merge_usage, usage_refusals, usage_totals

@@ -46,8 +46,8 @@ from lifemem_ray.core.errors import ArgumentTypeError, ConfigError, InvalidArgum
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
 from lifemem_ray.engine.clustering.evolution import ItemBatch
+from lifemem_ray.engine.ingest import pack_trajectories
 from lifemem_ray.engine.ingest_rules import AddResult, make_decider
-from lifemem_ray.engine.memory import pack_trajectories
 
 if TYPE_CHECKING:
     pass

@@ -19,8 +19,7 @@ import ray
 from lifemem_ray.actors.cluster import ray_metrics
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import actor_failures
-from lifemem_ray.core.errors import EnvStateError, InvalidArgumentError
-from lifemem_ray.engine.memory import IdConflictError
+from lifemem_ray.core.errors import EnvStateError, IdConflictError, InvalidArgumentError
 from lifemem_ray.engine.retrieval import Retrieval, RetrievedSkill, render_context
 from lifemem_ray.lab.agents import Agent, make_agent
 from lifemem_ray.lab.envs import Environment, Task, make_env

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from lifemem_ray.core.decisions import Decider
-from lifemem_ray.core.errors import IdConflictError, MaintenanceError, StoreError, UnknownClusterError
 from lifemem_ray.core.metrics import MetricsSink
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
@@ -45,29 +44,16 @@ from lifemem_ray.engine.clustering.clusters import ClusterInfo
 from lifemem_ray.engine.clustering.evolution import BatchItem
 from lifemem_ray.engine.embedding import Embedder
 from lifemem_ray.engine.index.vector_index import VectorIndex
-from lifemem_ray.engine.ingest import check_trajectories, known_ids, pack_trajectories, prepare_items
+from lifemem_ray.engine.ingest import check_trajectories
 from lifemem_ray.engine.ingest_rules import AddResult, caller_results, unit_rows
 from lifemem_ray.engine.local_shard import EngineShard
 from lifemem_ray.engine.memory_config import MemoryConfig
 from lifemem_ray.engine.parts import EngineParts
 from lifemem_ray.engine.retrieval import Retrieval
-from lifemem_ray.engine.state import WORKFLOW_DIM
 from lifemem_ray.engine.store.storage import MemoryStore
 from lifemem_ray.engine.versions import format_version
 
-__all__ = [
-    "WORKFLOW_DIM",
-    "AddResult",
-    "ClusterInfo",
-    "IdConflictError",
-    "MaintenanceError",
-    "Memory",
-    "StoreError",
-    "UnknownClusterError",
-    "known_ids",
-    "pack_trajectories",
-    "prepare_items",
-]
+__all__ = ["Memory"]  # the façade; the parts it uses are imported from where they are defined
 
 log = logging.getLogger(__name__)
 
