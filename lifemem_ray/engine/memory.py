@@ -95,6 +95,24 @@ class Memory:
         created) keeps its trajectory and cluster ids apart from other shards' stores.
         ``metrics``: where the engine records its latency and its LLM calls (none: nowhere; a
         Ray shard gives the sink of :mod:`lifemem_ray.actors.cluster.ray_metrics`).
+
+        Args:
+            path: the store's folder (created if missing, unless ``read_only``).
+            config: the engine's settings (default: the paper's).
+            embedder: the embedding model (default: all-MiniLM-L6-v2 from the shipped package).
+            decider: who assigns trajectories to clusters (default: per ``config.llm``).
+            dim: the vector size of a new store fed with precomputed vectors.
+            read_only: open without writing (another process may be the writer).
+            namespace: a new store's id namespace (a shard's).
+            metrics: where latencies and LLM calls are recorded.
+
+        Returns:
+            The open memory (a context manager: ``with Memory.open(path) as memory``).
+
+        Raises:
+            StoreLockedError: another process writes this store.
+            StoreError: the folder holds no readable store, or one of another schema.
+            ConfigError: a setting out of its bounds.
         """
         return cls(
             EngineParts.open(
@@ -171,6 +189,19 @@ class Memory:
         task texts; without them the embedding model computes them. A trajectory id stored
         (or repeated in one batch) with other content refuses that batch
         (:class:`IdConflictError`): nothing of it is stored.
+
+        Args:
+            trajectories: what to store (each with its tenant).
+            vectors: their task texts' vectors, ``(n, dim)`` (default: embedded here).
+            progress: called with the count of each batch stored.
+
+        Returns:
+            One result per trajectory, in order: ``added`` (with its cluster) or ``duplicate``.
+
+        Raises:
+            InvalidTrajectoryError: a trajectory is malformed (naming it and the field).
+            IdConflictError: an id is stored, or repeated, with other content.
+            StoreError: the store is read-only, closed or cannot be written.
         """
         started = time.monotonic()
         self._state.check_writable()
@@ -201,7 +232,15 @@ class Memory:
         """Delete ``tenant``'s trajectories by id; returns how many were stored. Their clusters'
         counts, sums and R follow, a cluster left empty is retired, skills are queued for
         re-distillation when the cluster shrank enough, the index forgets the vectors; all in
-        one transaction, durable when this returns. Unknown ids are ignored (idempotent)."""
+        one transaction, durable when this returns. Unknown ids are ignored (idempotent).
+
+        Args:
+            ids: the trajectory ids.
+            tenant: whose trajectories.
+
+        Returns:
+            How many of them were stored.
+        """
         return self._parts.deletion.remove(ids, tenant=tenant)
 
     def purge_tenant(self, tenant: str) -> int:
@@ -254,7 +293,25 @@ class Memory:
 
         ``env=None`` searches every environment of the tenant (the unstructured-pool baseline
         the lifelong experiments compare against); ``skills=False`` leaves skills out;
-        ``as_of`` (a token from :meth:`version`) sees only what was committed then."""
+        ``as_of`` (a token from :meth:`version`) sees only what was committed then.
+
+        Args:
+            task: the new task's text.
+            env: its environment (None: every environment of the tenant).
+            k: how many trajectories (default: ``retrieval.k``, 1-1024).
+            vector: the task's vector (default: embedded here).
+            token_budget: the most tokens of the rendered context (default: ``retrieval.token_budget``).
+            skills: whether to include the clusters' skills.
+            tenant: whose memory to read.
+            as_of: a version token: read the memory as it was then.
+
+        Returns:
+            The trajectories (best first), the skills of their clusters and the rendered context.
+
+        Raises:
+            InvalidArgumentError: an argument out of its bounds, or ``as_of`` malformed or later
+                than this memory's version (naming it).
+        """
         return self.retrieve_many(
             [task],
             [env],
