@@ -8,7 +8,7 @@ import pytest
 from conftest import SMALL_ACTORS
 
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.cluster.placement import shard_name
+from lifemem_ray.actors.cluster.placement import embedder_name, shard_name
 from lifemem_ray.core.errors import DeploymentExistsError
 from lifemem_ray.lab.synthetic import generate, text_vectors
 
@@ -25,7 +25,7 @@ def test_a_second_deployment_of_a_served_store_is_refused(deployment, tmp_path):
     other = DeploymentConfig().replace({"cluster.namespace": "second-serve", **SMALL_ACTORS})
     with pytest.raises(DeploymentExistsError, match="already served"):
         dep.deploy(store, other)
-    for name in (dep.COORDINATOR, dep._embedder_name(0), shard_name(0)):
+    for name in (dep.COORDINATOR, embedder_name(0), shard_name(0)):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="second-serve")  # nothing of the refused start runs
     # The live deployment is untouched: it still answers, under its own namespace.

@@ -31,7 +31,10 @@ def test_the_engine_and_the_ray_layer_have_short_public_imports():
     assert Memory is DeepMemory and MemoryClient is DeepClient
     assert issubclass(DeploymentConfig, MemoryConfig) and callable(deploy) and callable(stop)
     assert all(callable(f) for f in (restore, snapshot)) and AsyncMemoryClient.__name__ == "AsyncMemoryClient"
-    assert {Outcome, Step, Trajectory, Retrieval, LifeMemError}
+    assert (
+        Retrieval.__module__ == "lifemem_ray.engine.retrieval" and LifeMemError.__module__ == "lifemem_ray.core.errors"
+    )
+    assert {c.__module__ for c in (Outcome, Step, Trajectory)} == {"lifemem_ray.core.model"}
     assert set(lifemem_ray.__all__) <= set(dir(lifemem_ray)) | {"Memory", "MemoryAPI", "Retrieval"}
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -79,38 +80,39 @@ class CoordinatorRef:
             DeploymentNotFoundError: no coordinator of that name runs any more.
         """
         limit = self.timeout_s if timeout_s is None else timeout_s
-        gone: BaseException | None = None
+        gone: list[BaseException] = []
         for _ in range(2):
-            ref = getattr(self.handle, method).remote(*args)
-            try:
-                return ray.get(ref, timeout=limit)
-            except ray.exceptions.GetTimeoutError:
-                raise self._late(method, limit) from None
-            except ray.exceptions.RayTaskError as exc:
-                raise_remote(exc)
-            except actor_failures() as exc:
-                self.forget()
-                gone = exc
-        raise self._gone(method, gone)
+            with self._answering(method, limit, gone):
+                return ray.get(getattr(self.handle, method).remote(*args), timeout=limit)
+            self.forget()
+        raise self._gone(method, gone[-1])
 
     async def acall(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """:meth:`call` for an event loop (the lookup runs off the loop)."""
+        """:meth:`call` for an event loop (the lookup and the forgetting run off the loop)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        gone: BaseException | None = None
+        gone: list[BaseException] = []
         for _ in range(2):
             handle = self._handle if self._handle is not None else await asyncio.to_thread(lambda: self.handle)
-            try:
-                return await asyncio.wait_for(
-                    asyncio.wrap_future(getattr(handle, method).remote(*args).future()), limit
-                )
-            except TimeoutError:
-                raise self._late(method, limit) from None
-            except ray.exceptions.RayTaskError as exc:
-                raise_remote(exc)
-            except actor_failures() as exc:
-                self.forget()
-                gone = exc
-        raise self._gone(method, gone)
+            with self._answering(method, limit, gone):
+                future = asyncio.wrap_future(getattr(handle, method).remote(*args).future())
+                return await asyncio.wait_for(future, limit)
+            await asyncio.to_thread(self.forget)
+        raise self._gone(method, gone[-1])
+
+    @contextlib.contextmanager
+    def _answering(self, method: str, limit: float, gone: list[BaseException]) -> Iterator[None]:
+        """What :meth:`call` and :meth:`acall` make of a failed call: no answer in time is
+        :class:`CoordinatorUnavailableError`, the coordinator's own error is raised as itself, and
+        an actor found gone is appended to ``gone`` and swallowed (the caller forgets the handle
+        and asks once more)."""
+        try:
+            yield
+        except TimeoutError:  # Ray's GetTimeoutError is one too
+            raise self._late(method, limit) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise_remote(exc)
+        except actor_failures() as exc:
+            gone.append(exc)
 
     def _late(self, method: str, limit: float) -> CoordinatorUnavailableError:
         return CoordinatorUnavailableError(
@@ -118,7 +120,7 @@ class CoordinatorRef:
             "(cluster.call_timeout_s): its node may be restarting; what it acknowledged is stored, retry later"
         )
 
-    def _gone(self, method: str, exc: BaseException | None) -> CoordinatorUnavailableError:
+    def _gone(self, method: str, exc: BaseException) -> CoordinatorUnavailableError:
         return CoordinatorUnavailableError(
             f"the coordinator of deployment {self.namespace!r} is gone ({type(exc).__name__}) and its replacement "
             f"did not answer {method}; `lifemem-ray status --namespace {self.namespace}` says what runs"

@@ -27,8 +27,10 @@ from lifemem_ray.actors.cluster.coordinator_watch import COORDINATOR, Coordinato
 from lifemem_ray.actors.cluster.durable_owner import claim_durable_address
 from lifemem_ray.actors.cluster.placement import (
     cluster_gpus,
+    embedder_name,
     home_node_resource,
     place_shards,
+    shard_folder,
     shard_name,
     start_embedder,
     start_shard,
@@ -65,10 +67,6 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_MANIFEST = "snapshot.json"
 RESTORE_MARKER = "restoring.json"  # in a store folder while a restore fills it (actors/cluster/restore.py)
-
-
-def _embedder_name(i: int) -> str:
-    return f"lifemem-embedder-{i}"
 
 
 def _actor(name: str, namespace: str) -> Any:
@@ -178,7 +176,7 @@ def plan_deployment(
         dim=dim,
         nodes=nodes,
         shard_names=[shard_name(i) for i in range(count)],
-        embedder_names=[_embedder_name(i) for i in range(max(config.cluster.embedders, gpus))],
+        embedder_names=[embedder_name(i) for i in range(max(config.cluster.embedders, gpus))],
         gpus=gpus,
         home=home,
     )
@@ -216,7 +214,7 @@ def live_workers(plan: DeploymentPlan) -> list[str]:
         except actor_failures(ray.exceptions.GetTimeoutError):  # restarting: its name is held, adopt it
             adopted.append(name)
             continue
-        if Path(path).resolve() != (plan.store / f"shard-{i:02d}").resolve():
+        if Path(path).resolve() != (plan.store / shard_folder(i)).resolve():
             raise DeploymentExistsError(
                 f"actor {name} in namespace {plan.namespace!r} serves {path}, not {plan.store}: another "
                 "deployment's shard; give this one another --namespace, or stop that one first"
@@ -394,10 +392,7 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     started = time.time()
     with _ingest_paused(coordinator, "snapshot", namespace, timeout_s):
         copies = ray.get(
-            [
-                _actor(n, namespace).snapshot.remote(str(target / f"shard-{i:02d}"))
-                for i, n in enumerate(info["shards"])
-            ],
+            [_actor(n, namespace).snapshot.remote(str(target / shard_folder(i))) for i, n in enumerate(info["shards"])],
             timeout=timeout_s,
         )
         routes = ray.get(coordinator.snapshot_routing.remote(str(target / "coordinator")), timeout=timeout_s)
@@ -407,7 +402,7 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
         "shards": len(info["shards"]),
         "dim": info["dim"],
         "routes": routes,
-        "shard_dirs": [f"shard-{i:02d}" for i in range(len(info["shards"]))],
+        "shard_dirs": [shard_folder(i) for i in range(len(info["shards"]))],
         "bytes": sum(c["bytes"] for c in copies),
     }
     tmp = target / (SNAPSHOT_MANIFEST + ".tmp")

@@ -17,14 +17,12 @@ from typing import Any
 
 import ray
 
+from lifemem_ray.actors.cluster.placement import EMBEDDER_PREFIX, SHARD_PREFIX
 from lifemem_ray.actors.cluster.remote_errors import actor_failures
 
 __all__ = ["deployment_actors", "orphan_status", "recovery_command", "stop_orphans"]
 
 log = logging.getLogger(__name__)
-
-SHARD_PREFIX = "lifemem-shard-"
-EMBEDDER_PREFIX = "lifemem-embedder-"
 
 
 def recovery_command(store: str, namespace: str) -> str:

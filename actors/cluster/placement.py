@@ -32,8 +32,21 @@ log = logging.getLogger(__name__)
 SHARD_RESOURCE = "lifemem_shard"  # nodes offering this custom resource host the shards
 
 
+SHARD_PREFIX = "lifemem-shard-"  # the shard actors' names: SHARD_PREFIX + index
+EMBEDDER_PREFIX = "lifemem-embedder-"  # the embedder actors' names: EMBEDDER_PREFIX + index
+
+
 def shard_name(i: int) -> str:
-    return f"lifemem-shard-{i}"
+    return f"{SHARD_PREFIX}{i}"
+
+
+def embedder_name(i: int) -> str:
+    return f"{EMBEDDER_PREFIX}{i}"
+
+
+def shard_folder(i: int) -> str:
+    """Shard ``i``'s store folder's name, in the deployment's store folder and in a snapshot."""
+    return f"shard-{i:02d}"
 
 
 def this_node_resource() -> str:
@@ -84,7 +97,7 @@ def place_shards(
         placed = list(saved)
         missing = [i for i, node in enumerate(saved) if node not in alive]
         if missing and store is not None:
-            seen = nodes_seeing(sorted(alive), [store / f"shard-{i:02d}" / "data.mdb" for i in missing])
+            seen = nodes_seeing(sorted(alive), [store / shard_folder(i) / "data.mdb" for i in missing])
             for i, where in zip(missing, seen, strict=True):
                 if where:
                     placed[i] = least_loaded_shard_node(nodes, placed, among=where)
@@ -165,7 +178,7 @@ def start_shard(index: int, node: str, store: Path, config: DeploymentConfig, di
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
             **MemoryShard.ray_options(config),
         )
-        .remote(index, str(store / f"shard-{index:02d}"), config, dim, coordinator)
+        .remote(index, str(store / shard_folder(index)), config, dim, coordinator)
     )
 
 

@@ -38,6 +38,7 @@ from lifemem_ray.actors.cluster.deployment import (
     start_workers,
     wait_ready,
 )
+from lifemem_ray.actors.cluster.placement import EMBEDDER_PREFIX, SHARD_PREFIX
 from lifemem_ray.core.errors import DeploymentExistsError, InvalidArgumentError, PathExistsError, PathNotFoundError
 from lifemem_ray.core.failpoints import failpoint
 from lifemem_ray.engine.store.durable_copy import materialize
@@ -211,14 +212,14 @@ def _end_leftovers(namespace: str, target: Path) -> bool:
         )
     for name in names:
         handle: Any = ray.get_actor(name, namespace=namespace)
-        if name.startswith("lifemem-shard-"):
+        if name.startswith(SHARD_PREFIX):
             path = ray.get(handle.info.remote(), timeout=LEFTOVER_INFO_TIMEOUT_S)["path"]
             if not Path(path).resolve().is_relative_to(target):
                 raise DeploymentExistsError(
                     f"actor {name} in namespace {namespace!r} serves {path}, not the interrupted restore into "
                     f"{target}; stop it first"
                 )
-        elif not name.startswith("lifemem-embedder-"):
+        elif not name.startswith(EMBEDDER_PREFIX):
             continue
         ray.kill(handle, no_restart=True)
         log.warning("ended %s, left by the interrupted restore into %s", name, target)

@@ -41,6 +41,7 @@ from lifemem_ray.actors.cluster.placement import (
     cluster_gpus,
     least_loaded_shard_node,
     nodes_seeing,
+    shard_folder,
     start_embedder,
     start_shard,
 )
@@ -165,7 +166,7 @@ class ShardKeeper:
             if not sight.node_alive and now - record.probed_at >= PROBE_EVERY_S:
                 record.probed_at = now
                 seeing = nodes_seeing(
-                    sorted(alive), [self.store / f"shard-{i:02d}" / "data.mdb"], timeout_s=PROBE_TIMEOUT_S
+                    sorted(alive), [self.store / shard_folder(i) / "data.mdb"], timeout_s=PROBE_TIMEOUT_S
                 )[0]
             if seeing:  # where its files are, the best place first
                 seeing = [least_loaded_shard_node(nodes, placed, among=seeing)]

@@ -220,9 +220,9 @@ def head_lost_without_fault_tolerance(venv: Path) -> Iterator[HeadLostForGood]:
         except HostsError as exc:
             raise HostsError(f"{exc}: still running {_commands(hosts, 1) + _commands(hosts, 2)}") from None
         workers_exited_s = time.time() - killed_at
-        ray_nodes.restart_head()  # the documented recovery: the head, `ray stop` + `ray start` on each worker, the same serve
+        ray_nodes.restart_head()  # the documented recovery: the head, each worker's Ray started anew, the same serve
         for i in (1, 2):
-            hosts.end_processes(i)  # what `ray stop` there ends: the log monitor, which outlives its raylet
+            hosts.end_processes(i)  # the host's leftovers, by PID: the log monitor outlives its raylet
             ray_nodes.restart_node(i)
         served_again = Served.start(hosts, ray_nodes, "headgone", SETTINGS, http=False).served
         after = served.job("fixed", 300, **FIXED, add=False)
@@ -232,7 +232,7 @@ def head_lost_without_fault_tolerance(venv: Path) -> Iterator[HeadLostForGood]:
 
 def _workers_gone(hosts: Hosts) -> bool:
     """Whether the worker hosts' raylets and workers (the shards) have exited. Ray's log monitor
-    is left: it outlives its raylet, and ``ray stop`` on the node ends it."""
+    is left: it outlives its raylet, and is ended with the host's other leftovers by PID."""
     return not [cmd for i in (1, 2) for cmd in _commands(hosts, i) if "ray" in cmd and "log_monitor" not in cmd]
 
 
