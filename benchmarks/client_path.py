@@ -52,9 +52,9 @@ import ray
 from load_timing import percentile_ms, timed, together  # benchmarks/ (the script's folder)
 from shard_probes import timed_retrieve_many
 
+from lifemem_ray.actors.client.blocking import MemoryClient
+from lifemem_ray.actors.client.rules import one_round_results
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.client import MemoryClient
-from lifemem_ray.actors.cluster.client_rules import one_round_results
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.core.model import Trajectory

@@ -33,8 +33,8 @@ from shard_probes import (  # benchmarks/ (the script's folder)
     timed_retrieve_many,
 )
 
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.lab.synthetic import generate, text_vectors

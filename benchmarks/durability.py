@@ -20,7 +20,7 @@ virtual environment, a 2-shard deployment served from the head:
 Targets (the issue's): on / off throughput at least 0.7; serving again under 60 s at 100k
 stored. Prints JSON, then a table. Usage (as root):
     python benchmarks/durability.py [--stored 100000] [--seconds 30] [--threads 2] [--batch 32]
-        [--venv DIR]   # DIR: an environment made by tests/wheel_env.py (else one is built)
+        [--venv DIR]   # DIR: an environment made by tests/support/wheel_env.py (else one is built)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path[:0] = [str(ROOT / "tests")]
 
 from multihost.harness import Hosts, RayNodes, namespaces_refused  # noqa: E402 - from the test harness, after its path
 from multihost.served import Served, wait_until  # noqa: E402
-from wheel_env import build_dists, fresh_venv  # noqa: E402
+from support.wheel_env import build_dists, fresh_venv  # noqa: E402
 
 SUBNET = ipaddress.ip_network("10.213.81.0/24")  # beside the multihost tests' hosts
 THROUGHPUT_TARGET = 0.7
@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="trajectories per add")
     ap.add_argument("--snapshot-every", type=float, default=20.0, help="cluster.snapshot_every_s")
     ap.add_argument("--node-lost-after", type=float, default=10.0, help="cluster.node_lost_after_s")
-    ap.add_argument("--venv", help="an environment with the wheel installed (tests/wheel_env.py); else built")
+    ap.add_argument("--venv", help="an environment with the wheel installed (tests/support/wheel_env.py); else built")
     args = ap.parse_args()
     try:
         result = run(args)

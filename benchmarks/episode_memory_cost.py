@@ -11,7 +11,7 @@ episodes of that environment (it grows as the paths write):
 * ``async-loop``: the memory calls verl's ``MemoryAgentLoop`` makes per row, around the same
   episodes: the recall awaited, the write handed to a task (``AsyncEpisodeMemory`` over
   ``AsyncMemoryClient``; the row never awaits the acknowledgement). verl itself is not in
-  this benchmark: ``tests/test_verl_loop.py`` runs the loop in verl's machinery;
+  this benchmark: ``tests/actors/integrations/test_verl_loop.py`` runs the loop in verl's machinery;
 * ``skyrl-lab``: SkyRL's pattern without memory: ``skyrl_gym.make("lifemem-lab")`` per
   episode, ``init``, ``step`` until done, ``close`` (the baseline of ``skyrl-memory``);
 * ``skyrl-memory``: the same through ``lifemem-memory`` (``MemoryTextEnv``), whose ``close``
@@ -47,9 +47,9 @@ from typing import Any
 
 import ray
 
+from lifemem_ray.actors.client.awaiting import AsyncMemoryClient
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
-from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.lab.envs import Environment, Task, make_env

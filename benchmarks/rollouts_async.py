@@ -2,7 +2,7 @@
 time against N at once (asyncio), with the memory on (2 shards) and off.
 
 The ReAct agent plays the ``sql`` environment against the local OpenAI-protocol stub
-(``tests/openai_stub.py``), which answers every call after ``--latency-s`` (500 ms): a
+(``tests/support/openai_stub.py``), which answers every call after ``--latency-s`` (500 ms): a
 query, then an answer, so each episode takes two LLM calls. With the memory on, every
 episode retrieves (lifemem mode: the same environment's exemplars and skills, through the
 async client) and submits its trajectory; the worker awaits each acknowledgement before it
@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # openai_stub.py, shared with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support/openai_stub.py, shared with the tests
 
 import ray
-from openai_stub import OpenAIStub, Reply
+from support.openai_stub import OpenAIStub, Reply
 
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig

@@ -33,8 +33,8 @@ import numpy as np
 import ray
 from load_timing import percentile_ms, timed  # benchmarks/ (the script's folder)
 
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
 from lifemem_ray.core.model import Trajectory

@@ -7,7 +7,7 @@ Two things griffe cannot do alone here:
   finder keeps only the folders, not the mapped names, so it sees ``actors`` as a package of
   its own. When ``lifemem_ray`` is loaded, this extension loads ``actors`` from the same
   search paths and hangs it under ``lifemem_ray``: every object in it then has its installed
-  path (``lifemem_ray.actors.cluster.client.MemoryClient``). Should that fail, the build
+  path (``lifemem_ray.actors.client.blocking.MemoryClient``). Should that fail, the build
   stops on the first ``lifemem_ray.actors...`` identifier it cannot find.
 * The docstrings are written with reStructuredText habits (Sphinx roles such as
   ``:class:`~lifemem_ray.core.model.Trajectory```, ``>>>`` examples, ``::`` before a literal

@@ -1,22 +1,133 @@
-"""Shared fixtures. Heavy things (the embedding model, Ray) start once per session."""
+"""Shared fixtures, the ``ray`` marker and the run without Ray.
+
+The folders mirror the layers (tests/core, llm, engine, service, lab, actors, cli, ...). Every test
+under a folder of ``RAY_FOLDERS`` is marked ``ray`` here, by its folder: the Ray layer
+(tests/actors) and the command line (tests/cli: ``lifemem_ray.cli`` imports the Ray layer). No
+other test may need Ray: a run whose marker expression leaves ``ray`` out (``pytest -m "not ray"``),
+or any run with ``LIFEMEM_TESTS_WITHOUT_RAY=1``, does not collect those folders and makes ``ray``
+and ``lifemem_ray.actors`` unimportable, so a test elsewhere that needs them fails loudly.
+
+Heavy things (the embedding model) start once per session. This module imports neither Ray nor
+the Ray layer; the Ray fixtures are in ``support/ray_fixtures.py``, offered by tests/actors and
+tests/cli.
+"""
 
 from __future__ import annotations
 
+import importlib.abc
+import itertools
 import os
+import re
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from _pytest.mark.expression import Expression
+from support.common import shared_dir
 
-from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.lab.synthetic import generate, label_vectors
 
-ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+# The folders whose tests need Ray or import the Ray layer: every test in them is marked `ray`.
+RAY_FOLDERS = (TESTS / "actors", TESTS / "cli")
+# Opt-in markers: the plain run leaves them out (pyproject's addopts). A -m expression that names
+# none of them leaves them out too, so `pytest -m "not ray"` is the plain run without Ray.
+OPT_IN = ("slow", "llm_real", "miniwob", "wheel", "multihost", "verl")
+WITHOUT_RAY_ENV = "LIFEMEM_TESTS_WITHOUT_RAY"
+REFUSED = re.compile(r"(ray|lifemem_ray\.actors)(\..*)?")
 
 
-def shared_dir() -> Path:
-    """The shared material beside the checkout (or where LIFEMEM_SHARED_DIR points)."""
-    return Path(os.environ.get("LIFEMEM_SHARED_DIR", ROOT.parent / "shared"))
+def _names(expr: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_][\w.]*", expr)) - {"and", "or", "not"}
+
+
+def _excludes_ray(expr: str) -> bool:
+    """Whether no test marked `ray` can match the marker expression (whatever its other marks)."""
+    if not expr.strip():
+        return False
+    compiled = Expression.compile(expr)
+    others = sorted(_names(expr) - {"ray"})
+    for marks in itertools.product((False, True), repeat=len(others)):
+        held = {"ray", *(name for name, on in zip(others, marks, strict=True) if on)}
+        if compiled.evaluate(lambda name, /, held=held, **kwargs: name in held):
+            return False
+    return True
+
+
+def without_ray(config: pytest.Config) -> bool:
+    return os.environ.get(WITHOUT_RAY_ENV) == "1" or _excludes_ray(config.getoption("markexpr") or "")
+
+
+class RayRefused(importlib.abc.MetaPathFinder):
+    """Refuses ``ray`` and ``lifemem_ray.actors`` (and their submodules), remembering each try."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    def find_spec(self, fullname, path=None, target=None):
+        if REFUSED.fullmatch(fullname):
+            self.refused.append(fullname)
+            raise ImportError(
+                f"{fullname}: refused, this test run is without Ray (-m excluding `ray`, or {WITHOUT_RAY_ENV}=1). "
+                "A test that needs Ray or the Ray layer belongs under tests/actors (or tests/cli)."
+            )
+        return None
+
+
+_GUARD = RayRefused()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not without_ray(config):
+        return
+    loaded = sorted(m for m in sys.modules if REFUSED.fullmatch(m))
+    if loaded:
+        raise pytest.UsageError(f"a run without Ray, but these are imported already: {loaded}")
+    sys.meta_path.insert(0, _GUARD)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _GUARD in sys.meta_path:
+        sys.meta_path.remove(_GUARD)
+
+
+def _in_ray_folder(path: Path) -> bool:
+    return any(path == folder or folder in path.parents for folder in RAY_FOLDERS)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if without_ray(config) and _in_ray_folder(Path(collection_path)):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the marks must be there
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _in_ray_folder(Path(item.path)):
+            item.add_marker(pytest.mark.ray)
+    expr = config.getoption("markexpr") or ""
+    if expr.strip() and not _names(expr) & set(OPT_IN):
+        kept, dropped = [], []
+        for item in items:
+            (dropped if any(item.get_closest_marker(m) for m in OPT_IN) else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _GUARD.refused and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _GUARD.refused:
+        terminalreporter.write_sep("=", "imports refused in a run without Ray", red=True)
+        terminalreporter.write_line(
+            f"tests outside {', '.join(str(f.relative_to(TESTS.parent)) for f in RAY_FOLDERS)} tried to import: "
+            f"{sorted(set(_GUARD.refused))} (move them to the Ray layer's folder)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -34,85 +145,9 @@ def embedder():
     return MiniLMEmbedder()
 
 
-@pytest.fixture
-def config() -> DeploymentConfig:
-    return DeploymentConfig()
-
-
 @pytest.fixture(scope="session")
 def synthetic():
     """600 labelled synthetic trajectories with direct vectors (no embedding model needed)."""
     trajs = list(generate(600, seed=1, length_scale=0.2))
     vecs = label_vectors([t.metadata["workflow"] for t in trajs], list(range(len(trajs))))
     return trajs, vecs
-
-
-def purity(memory) -> float:
-    """Share of trajectories whose cluster's majority workflow label is their own."""
-    from collections import Counter
-
-    total = agree = 0
-    for cluster in memory.clusters():
-        labels = Counter(memory.get(i).metadata["workflow"] for i in memory.members(cluster.id))
-        agree += labels.most_common(1)[0][1]
-        total += sum(labels.values())
-    return agree / total if total else 0.0
-
-
-def unit(x) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-
-# Several deployments share the test session's Ray instance: reserve little CPU per actor.
-SMALL_ACTORS = {
-    "cluster.shard_cpus": 0.1,
-    "cluster.coordinator_cpus": 0.1,
-    "cluster.embedder_cpus": 0.1,
-    "cluster.start_timeout_s": 60,
-}
-
-
-@pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray instance for the whole session (token authentication stays on)."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        from lifemem_ray.actors.cluster.ray_address import private_ray
-
-        # A Ray of the session's own: never RAY_ADDRESS or a cluster Ray's address file names.
-        private_ray(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def ray_metrics_url(ray_local) -> str:
-    """The Prometheus endpoint of this session's Ray node (its metrics agent picks a free port,
-    read back from ``ray.nodes()``; token authentication does not cover it)."""
-    node_id = ray_local.get_runtime_context().get_node_id()
-    node = next(n for n in ray_local.nodes() if n["NodeID"] == node_id)
-    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
-
-
-@pytest.fixture
-def deployment(ray_local, tmp_path):
-    """A factory for sharded deployments, each in its own namespace; all stopped afterwards."""
-    from lifemem_ray.actors.cluster import deployment as dep
-
-    started: list[str] = []
-
-    def start(shards: int = 2, store=None, **overrides):
-        namespace = f"t{len(started)}-{os.getpid()}-{tmp_path.name[-12:]}"
-        config = DeploymentConfig().replace(
-            {"cluster.namespace": namespace, "cluster.batch_wait_ms": 5, **SMALL_ACTORS, **overrides}
-        )
-        info = dep.deploy(store or tmp_path / f"store-{namespace}", config, shards=shards)
-        started.append(namespace)
-        from lifemem_ray.actors.cluster.client import MemoryClient
-
-        return MemoryClient(namespace, config), info
-
-    yield start
-    for namespace in started:
-        dep.stop(namespace)

@@ -1,6 +1,6 @@
 """The deployment's coordinator as every client reaches it: by its name, found again after it
-died, every wait bounded. One rule for :class:`~lifemem_ray.actors.cluster.client.MemoryClient`,
-:class:`~lifemem_ray.actors.cluster.async_client.AsyncMemoryClient` (and so for the RL-stack
+died, every wait bounded. One rule for :class:`~lifemem_ray.actors.client.blocking.MemoryClient`,
+:class:`~lifemem_ray.actors.client.awaiting.AsyncMemoryClient` (and so for the RL-stack
 adapters, the rollout workers and the front door, which reach the deployment through them).
 
 A coordinator handle outlives its actor: one that died for good (its node was lost, and

@@ -1,7 +1,7 @@
 """The only place that touches Ray's private API: each function says why no public API serves.
 
 Ray moves its internals between releases, so every use is here, behind a function with a plain
-answer, and ``tests/test_ray_internals.py`` calls each one against a running Ray: an upgrade
+answer, and ``tests/actors/cluster/test_ray_internals.py`` calls each one against a running Ray: an upgrade
 that moves one fails there, by name, instead of somewhere in a deployment.
 """
 

@@ -184,7 +184,7 @@ def _refresh_period() -> float:
 
     try:
         interval_s = ray_internals.metrics_report_interval_s()
-    except Exception:  # noqa: BLE001 - an internal of Ray (tests/test_ray_internals.py says which): without it, its default
+    except Exception:  # noqa: BLE001 - an internal of Ray (tests/actors/cluster/test_ray_internals.py says which): without it, its default
         interval_s = 10.0
     return min(5.0, max(0.5, interval_s / 2))
 

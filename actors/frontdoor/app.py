@@ -441,9 +441,7 @@ def _serve_address() -> tuple[str, int] | None:
     """Where the running Serve's HTTP proxy listens (None where this Ray does not say)."""
     try:
         return ray_internals.serve_http_address()
-    except (
-        Exception
-    ):  # an internal of Serve that moved (tests/test_ray_internals.py says): skip the check rather than fail the start
+    except Exception:  # an internal of Serve that moved (tests/actors/cluster/test_ray_internals.py says): skip the check rather than fail the start
         log.warning("could not read Serve's HTTP address", exc_info=True)
         return None
 

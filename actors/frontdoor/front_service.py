@@ -1,7 +1,7 @@
 """What the REST routes (and the MCP tools) do, without the web layer: each operation of the
 front door against the running deployment, confined to the caller's tenant.
 
-One :class:`FrontService` per Serve replica holds a :class:`~lifemem_ray.actors.cluster.client.MemoryClient`
+One :class:`FrontService` per Serve replica holds a :class:`~lifemem_ray.actors.client.blocking.MemoryClient`
 (connected by name on first use, dropped and reconnected after the deployment went away) and
 the handle of the operations actor. Every method takes the request's
 :class:`~lifemem_ray.service.principal.Principal` explicitly and checks its scope; tenants come from it,
@@ -20,12 +20,12 @@ from typing import Any
 
 import ray
 
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.deployment import find_coordinator
 from lifemem_ray.actors.cluster.remote_errors import (
     DeploymentNotFoundError,
     ShardUnavailableError,
-    actor_failures,
     remote_cause,
 )
 from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, split_where, unavailable_errors
@@ -97,8 +97,7 @@ class FrontService:
         self.namespace = namespace
         self.config = config
         self.http = config.http
-        self._client: Any = None
-        self._lock = threading.Lock()
+        self.memory = MemoryClient(namespace, config)  # connected at the first request
         self._ops: Any = None
         # Adds answered 202 are waited for here, at most max_ongoing_requests at a time per replica.
         self._waiters = concurrent.futures.ThreadPoolExecutor(
@@ -115,32 +114,15 @@ class FrontService:
         )
         self._health_log = StateLog(log, HEALTH_REPEAT_S)  # what /healthz found, logged on change, not per poll
 
-    # -- connections ----------------------------------------------------------------------
-    def client(self) -> Any:
-        """The MemoryClient (connected on first use)."""
-        with self._lock:
-            if self._client is None:
-                from lifemem_ray.actors.cluster.client import MemoryClient
-
-                try:
-                    self._client = MemoryClient(self.namespace, self.config)
-                except ValueError as exc:  # Ray's lookup of a named actor that is gone
-                    raise ShardUnavailableError(
-                        f"the deployment in namespace {self.namespace!r} misses an actor: {exc}"
-                    ) from None
-            return self._client
-
+    # -- the deployment ---------------------------------------------------------------------
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(client, ...)``; a remote error comes back unwrapped, and a client whose
-        deployment went away is dropped so the next request connects again."""
+        """``fn(memory, ...)`` with this replica's client, a remote error unwrapped. The client
+        connects at the first request and again after the deployment went away (its own rule:
+        :mod:`~lifemem_ray.actors.client.connection`)."""
         try:
-            return fn(self.client(), *args, **kwargs)
+            return fn(self.memory, *args, **kwargs)
         except ray.exceptions.RayTaskError as exc:
             raise remote_cause(exc) from None
-        except actor_failures(DeploymentNotFoundError):
-            with self._lock:
-                self._client = None
-            raise
 
     def read(self, fn: Any) -> Any:
         """``call(fn)``, or :class:`ShardUnavailableError` (503) as soon as a shard is seen
@@ -167,8 +149,8 @@ class FrontService:
 
     def _restarting(self) -> list[str]:
         """Names of the deployment's actors Ray does not report alive (restarting, or dead)."""
-        client = self._client
-        if client is None:
+        client = self.memory
+        if not client.core.connection.connected:
             return []
         try:
             from lifemem_ray.actors.cluster.ray_internals import actor_alive

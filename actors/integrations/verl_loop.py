@@ -75,8 +75,9 @@ from verl.utils.profiler import simple_timer
 from verl.utils.reward_score import default_compute_score
 from verl.utils.rollout_trace import rollout_trace_op
 
+from lifemem_ray.actors.client.awaiting import AsyncMemoryClient
+from lifemem_ray.actors.client.connection import check_reconnect_after_s
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.integrations.lazy_clients import AsyncLazyMemoryClient, check_reconnect_after_s
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.engine.versions import check_version
@@ -144,7 +145,7 @@ class MemoryLoopOptions:
 class _WorkerMemory:
     """One memory connection of a worker process, on one event loop, shared by its rows."""
 
-    client: AsyncLazyMemoryClient
+    client: AsyncMemoryClient
     episodes: AsyncEpisodeMemory
     unscored: int = 0  # rows with a ground truth that default_compute_score could not score
 
@@ -181,7 +182,9 @@ class MemoryAgentLoop(AgentLoopBase):
         if key not in per_loop:
             o = self.options
             config = DeploymentConfig.load(o.memory_config)
-            client = AsyncLazyMemoryClient(o.memory_namespace, o.memory_address, config, o.reconnect_after_s)
+            client = AsyncMemoryClient(
+                o.memory_namespace, config, address=o.memory_address, reconnect_after_s=o.reconnect_after_s
+            )
             episodes = AsyncEpisodeMemory(
                 client,
                 k=o.k,

@@ -22,7 +22,7 @@ keeps that many in flight with ``episodes_per_worker``). What is true of each ta
   waiting for an episode slot have their task's embedding computed meanwhile (the costly
   part of a retrieval on a CPU), so a slot that frees starts its next episode at once.
 * **The memory through the async client.** Retrieval awaits
-  :class:`~lifemem_ray.actors.cluster.async_client.AsyncMemoryClient` (in the slot, so the
+  :class:`~lifemem_ray.actors.client.awaiting.AsyncMemoryClient` (in the slot, so the
   episode sees the memory as it is when it starts); the trajectory is
   submitted with its async add when the episode ends (the episode never waits on the
   write), and the worker awaits the acknowledgement before it answers for the task, outside
@@ -101,7 +101,6 @@ class AsyncRolloutWorker(RolloutWorkerBase):
         self._agents: list[Agent] = []
         self._llm: Any = None  # the LLMClient every ReAct agent of this worker shares
         self._clients: dict[str, Any] = {}  # namespace -> AsyncMemoryClient
-        self._connecting = asyncio.Lock()
 
     async def ping(self) -> int:
         return self.worker_id
@@ -148,20 +147,15 @@ class AsyncRolloutWorker(RolloutWorkerBase):
             self._llm = LLMClient(llm, metrics=ray_metrics.SINK)
         return self._llm
 
-    async def _client(self, namespace: str) -> Any:
-        async with self._connecting:  # concurrent first episodes connect once
-            client = self._clients.get(namespace)
-            if client is None:
-                from lifemem_ray.actors.cluster.async_client import AsyncMemoryClient
+    def _client(self, namespace: str) -> Any:
+        """This worker's client of the deployment in ``namespace`` (it connects at its first
+        call, and again after the deployment went away: the client's own rule)."""
+        client = self._clients.get(namespace)
+        if client is None:
+            from lifemem_ray.actors.client.awaiting import AsyncMemoryClient
 
-                client = await AsyncMemoryClient.connect(namespace=namespace, config=self.config)
-                self._clients[namespace] = client
+            client = self._clients[namespace] = AsyncMemoryClient(namespace, self.config)
         return client
-
-    async def _vector(self, client: Any, text: str) -> Any:
-        """The task's embedding, from the client's query-vector cache (computed once: used for
-        retrieval and again for the add)."""
-        return (await client.query_vectors.vectors_async([text], client.embed))[0]
 
     # -- one task ----------------------------------------------------------------------
     async def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Any] | None:
@@ -171,22 +165,19 @@ class AsyncRolloutWorker(RolloutWorkerBase):
         budget = self.config.retrieval.token_budget
         if spec.mode == "global-skills":
             return global_profile(spec, budget)  # no memory call: inline
-        client = await self._client(spec.namespace)  # type: ignore[arg-type]
+        client = self._client(spec.namespace)  # type: ignore[arg-type]
         routes = dict(spec.routes)
 
-        async def retrieve(task: Task) -> Retrieval:
-            vector = await self._vector(client, task.instruction)
+        async def retrieve(task: Task) -> Retrieval:  # the task's vector: from the client's cache after the first call
             if spec.mode == "trajectory":
-                return await client.retrieve(task.instruction, None, spec.k, skills=False, vector=vector)
+                return await client.retrieve(task.instruction, None, spec.k, skills=False)
             env: str | None = routes.get(task.env, task.env)
             if not env:
-                env = best_env(await client.retrieve(task.instruction, None, spec.k, skills=False, vector=vector))
+                env = best_env(await client.retrieve(task.instruction, None, spec.k, skills=False))
             if env is None:  # an empty memory
                 return Retrieval(task.instruction, task.env, [], [], "", 0, budget)
             skills = spec.mode != "lifemem-no-skills"
-            return shaped(
-                spec, await client.retrieve(task.instruction, env, spec.k, skills=skills, vector=vector), env, budget
-            )
+            return shaped(spec, await client.retrieve(task.instruction, env, spec.k, skills=skills), env, budget)
 
         return retrieve
 
@@ -230,14 +221,13 @@ class AsyncRolloutWorker(RolloutWorkerBase):
         submit_s = 0.0
         retrieve = await self._retriever(spec)
         if spec.namespace is not None and (spec.write or spec.mode in RETRIEVING_MODES):
-            await self._vector(await self._client(spec.namespace), task.instruction)  # while waiting for a slot
+            await self._client(spec.namespace).vectors([task.instruction])  # embedded while waiting for a slot
         async with self._slots:
             result = await self._episode(task, spec, retrieve)
             if spec.write:
                 t0 = time.perf_counter()
-                client = await self._client(spec.namespace)  # type: ignore[arg-type]
-                traj = result.trajectory
-                add = client.add(traj, vector=client.query_vectors.known(traj.query_text))
+                client = self._client(spec.namespace)  # type: ignore[arg-type]
+                add = client.add(result.trajectory)  # with the task's vector when the client holds it
                 submit_s = time.perf_counter() - t0
         reply = self._reply(result, submit_s, return_trajectory)
         if add is not None:  # outside the slot: the next episode need not wait for the memory

@@ -44,8 +44,8 @@ from typing import Any
 
 import ray
 
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
-from lifemem_ray.actors.cluster.client import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.rollout.workers import EpisodeSpec, RolloutPool, TaskOutcome, print_progress
 from lifemem_ray.core.decisions import ClusterView

@@ -2,10 +2,10 @@
 
 A :class:`RolloutWorker` owns its environment instances (one per environment name,
 created on first use, replaced when one hangs or fails) and its agents. For each task it
-retrieves from the memory through :class:`~lifemem_ray.actors.cluster.client.MemoryClient`, runs
+retrieves from the memory through :class:`~lifemem_ray.actors.client.blocking.MemoryClient`, runs
 the episode (:func:`lifemem_ray.lab.episode.run_episode`), and, when asked to, submits the
 trajectory (success or failure, with its outcome) and goes on: it hands the pool the add's
-:class:`~lifemem_ray.actors.cluster.client.AddFuture`, and the pool counts the task done once
+:class:`~lifemem_ray.actors.client.blocking.AddFuture`, and the pool counts the task done once
 that future resolved (with the client's rules: a request whose coordinator died, or whose
 worker died before the answer, is sent again; what its first attempt committed reads
 ``added``).
@@ -35,7 +35,7 @@ from typing import Any
 
 import ray
 
-from lifemem_ray.actors.cluster.client import AddFuture
+from lifemem_ray.actors.client.blocking import AddFuture
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.remote_errors import actor_failures, remote_cause
 from lifemem_ray.actors.rollout.async_worker import AsyncRolloutWorker
@@ -118,17 +118,14 @@ class RolloutWorker(RolloutWorkerBase):
         return agent
 
     def _client(self, namespace: str) -> Any:
+        """This worker's client of the deployment in ``namespace`` (it connects at its first
+        call, and again after the deployment went away: the client's own rule)."""
         client = self._clients.get(namespace)
         if client is None:
-            from lifemem_ray.actors.cluster.client import MemoryClient
+            from lifemem_ray.actors.client.blocking import MemoryClient
 
-            client = self._clients[namespace] = MemoryClient.connect(namespace=namespace, config=self.config)
+            client = self._clients[namespace] = MemoryClient(namespace, self.config)
         return client
-
-    def _vector(self, client: Any, text: str) -> Any:
-        """The task's embedding, from the client's query-vector cache (computed once: used for
-        retrieval and again for the add; templated tasks repeat)."""
-        return client.query_vectors.vectors([text], client.embed)[0]
 
     # -- one task ----------------------------------------------------------------------
     def _retriever(self, spec: EpisodeSpec) -> Callable[[Task], Retrieval | None] | None:
@@ -140,19 +137,18 @@ class RolloutWorker(RolloutWorkerBase):
             return global_profile(spec, budget)
         client = self._client(spec.namespace)  # type: ignore[arg-type]
         if spec.mode == "trajectory":
-            return lambda task: client.retrieve(
-                task.instruction, None, spec.k, skills=False, vector=self._vector(client, task.instruction)
-            )
+            return lambda task: client.retrieve(task.instruction, None, spec.k, skills=False)
         routes = dict(spec.routes)
 
         def same_env(task: Task) -> Retrieval:
-            vector = self._vector(client, task.instruction)
+            # The task's vector is embedded once: the client's cache serves the second retrieve
+            # and the add after the episode (templated tasks repeat).
             env: str | None = routes.get(task.env, task.env)
             if not env:
-                env = best_env(client.retrieve(task.instruction, None, spec.k, skills=False, vector=vector))
+                env = best_env(client.retrieve(task.instruction, None, spec.k, skills=False))
             if env is None:  # an empty memory
                 return Retrieval(task.instruction, task.env, [], [], "", 0, budget)
-            hit = client.retrieve(task.instruction, env, spec.k, skills=spec.mode != "lifemem-no-skills", vector=vector)
+            hit = client.retrieve(task.instruction, env, spec.k, skills=spec.mode != "lifemem-no-skills")
             return shaped(spec, hit, env, budget)
 
         return same_env
@@ -191,9 +187,7 @@ class RolloutWorker(RolloutWorkerBase):
             # only once it resolved, while this worker already runs the next episode.
             t0 = time.perf_counter()
             client = self._client(spec.namespace)  # type: ignore[arg-type]
-            traj = result.trajectory
-            vector = client.query_vectors.known(traj.query_text)
-            ack = client.add(traj, vector=vector)
+            ack = client.add(result.trajectory)  # with the task's vector when the client holds it
             submit_s = time.perf_counter() - t0
         reply = self._reply(result, submit_s, return_trajectory)
         reply["ack"] = [ack] if ack is not None else None

@@ -320,7 +320,7 @@ def command_lifetime() -> Iterator[None]:
 
 def deployment_client(args: argparse.Namespace, config: DeploymentConfig) -> Any:
     """A client of the deployment ``args`` name (joined by :func:`connect`)."""
-    from lifemem_ray.actors.cluster.client import MemoryClient
+    from lifemem_ray.actors.client.blocking import MemoryClient
 
     namespace = connect(args, config)
     return MemoryClient(namespace, config.replace({"cluster.namespace": namespace}))

@@ -1,7 +1,7 @@
 """The two interfaces of the engine, typed.
 
 * :class:`MemoryAPI`: the user operations. :class:`lifemem_ray.engine.memory.Memory` (one folder)
-  and :class:`lifemem_ray.actors.cluster.client.MemoryClient` (a Ray deployment) both offer them, and both
+  and :class:`lifemem_ray.actors.client.blocking.MemoryClient` (a Ray deployment) both offer them, and both
   report :class:`MemoryStats` from ``stats()``.
 * :class:`ShardProtocol`: what a coordinator or a sharded client calls on one store.
   :class:`lifemem_ray.engine.local_shard.EngineShard` (``Memory.shard``, in process) and the Ray

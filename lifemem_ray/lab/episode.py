@@ -254,7 +254,7 @@ async def arun_episode(
     the step limit can only fire while the loop is free. The agent's calls are awaited
     (:meth:`Agent.aact <lifemem_ray.lab.agents.Agent.aact>`: the ReAct agent's LLM call;
     the offline agents compute inline, in microseconds). ``retrieve`` may be a coroutine
-    function (an :class:`~lifemem_ray.actors.cluster.async_client.AsyncMemoryClient`
+    function (an :class:`~lifemem_ray.actors.client.awaiting.AsyncMemoryClient`
     retrieval) or a plain one, called inline.
     """
     own_thread = env_thread is None

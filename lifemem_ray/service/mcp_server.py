@@ -42,7 +42,7 @@ Mounting contract (for the Serve ingress, ``actors/frontdoor/app.py``)::
   the principal with ``principal.current()``. The SDK runs a stateless request's handler in
   tasks started from the request's own task (legacy and 2026 protocol revisions, JSON and SSE
   answers) and sync tools in worker threads, which copy the context, so the contextvar set
-  around the request is the one the tool sees (tests/test_mcp.py checks it with two keys).
+  around the request is the one the tool sees (tests/service/test_mcp.py checks it with two keys).
 * Bound the request body before it reaches the SDK if the ingress wants a lower limit than
   ``max_body_bytes`` (the SDK answers 413 above it).
 """

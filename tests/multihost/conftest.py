@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from wheel_env import build_dists, fresh_venv
+from support.wheel_env import build_dists, fresh_venv
 
 from multihost.harness import namespaces_refused
 

@@ -18,7 +18,7 @@ and the bridge, and checks that no process still holds a mount of its folders. P
 only ever ended by the PIDs their namespaces hold.
 
 :class:`RayNodes` starts Ray on those hosts from a virtual environment holding the installed
-wheel (``tests/wheel_env.py``): the head in host 0, a worker offering ``lifemem_shard`` in every
+wheel (``tests/support/wheel_env.py``): the head in host 0, a worker offering ``lifemem_shard`` in every
 other host, token authentication on, the token file handed to each host as an operator would
 (``RAY_AUTH_TOKEN_PATH``). Nothing here imports the project.
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from wheel_env import clean_env
+from support.wheel_env import clean_env
 
 SUBNET = ipaddress.ip_network("10.213.77.0/24")  # private, and unlikely to be used by anything else
 FIRST_HOST = 10  # host i gets SUBNET's address FIRST_HOST + i

@@ -47,7 +47,7 @@ from typing import Any
 
 import ray
 
-from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.core.tenancy import DEFAULT_TENANT

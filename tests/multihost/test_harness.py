@@ -13,7 +13,7 @@ so counts are checked against everything acknowledged so far, in whatever order 
 
 Root and minutes (the build, the install, three Ray nodes): behind the ``multihost`` marker,
 ``pytest -m multihost tests/multihost``. ``LIFEMEM_MULTIHOST_VENV=DIR`` reuses an environment
-already made with ``tests/wheel_env.py`` (for a quicker rerun while developing)."""
+already made with ``tests/support/wheel_env.py`` (for a quicker rerun while developing)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from wheel_env import trajectory_record
+from support.wheel_env import trajectory_record
 
 from multihost.harness import ACTOR_PLACES, Hosts, HostsError, RayNodes, mounts_under, namespaces_refused
 
@@ -408,7 +408,7 @@ print(json.dumps({"status": status, "body": answer}))
 # the records (acknowledged), then retrieves the task; prints the add's items and the hits.
 _MEMORY_CLIENT = """
 import json, sys
-from lifemem_ray.actors.cluster.client import MemoryClient
+from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.core.model import Trajectory
 address, namespace, tenant, records, task, env = sys.argv[1:7]
 client = MemoryClient.connect(namespace, address)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_server import S3_ENV
+from support.s3_server import S3_ENV
 
 from multihost.harness import Hosts, HostsError, RayNodes
 from multihost.served import (

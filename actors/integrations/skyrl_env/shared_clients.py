@@ -1,4 +1,4 @@
-"""The memory of a SkyRL process: one lazy client per deployment and one episode memory per
+"""The memory of a SkyRL process: one client per deployment and one episode memory per
 deployment and options, shared by every environment the process makes, and the checks of
 each environment's ``memory`` block."""
 
@@ -9,8 +9,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lifemem_ray.actors.client.blocking import MemoryClient
+from lifemem_ray.actors.client.connection import check_reconnect_after_s
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
-from lifemem_ray.actors.integrations.lazy_clients import LazyMemoryClient, check_reconnect_after_s
 from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
     CONNECTION_KEYS,
     EPISODE_KEYS,
@@ -28,25 +29,27 @@ __all__ = ["SHARED_CLIENTS", "SharedClients", "check_episode_options", "episode_
 
 
 class SharedClients:
-    """One lazy client per deployment for the whole process, and one :class:`EpisodeMemory`
+    """One client per deployment for the whole process, and one :class:`EpisodeMemory`
     per deployment and episode options (SkyRL makes an environment per trajectory; they share
     the client's handles and vector cache, one background writer and one bound on writes in
     flight). The client connects on first use, remembers a failed connect for
     ``reconnect_after_s`` and finds a deployment served again
-    (:class:`~lifemem_ray.actors.integrations.lazy_clients.LazyMemoryClient`)."""
+    (:class:`~lifemem_ray.actors.client.connection.Connection`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._clients: dict[tuple[str, str, str], LazyMemoryClient] = {}
+        self._clients: dict[tuple[str, str, str], MemoryClient] = {}
         self._episodes: dict[tuple[int, str], EpisodeMemory] = {}  # (client, options) -> its episode memory
 
     def get(
         self, namespace: str, address: str | None, config: DeploymentConfig, reconnect_after_s: float
-    ) -> LazyMemoryClient:
+    ) -> MemoryClient:
         key = (namespace, address or "", json.dumps(config.to_dict(), sort_keys=True, default=repr))
         with self._lock:
             if key not in self._clients:
-                self._clients[key] = LazyMemoryClient(namespace, address, config, reconnect_after_s)
+                self._clients[key] = MemoryClient(
+                    namespace, config, address=address, reconnect_after_s=reconnect_after_s
+                )
             return self._clients[key]
 
     def episodes(

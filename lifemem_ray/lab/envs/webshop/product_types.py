@@ -12,7 +12,7 @@ pools (WebShop's ``options``: option name -> values, lower case) and a price ran
 type's own nouns (a generated title adds its brand and model code). Values are chosen so
 that no two values of one option pool, and no two attributes of one type, match each other
 under WebShop's fuzzy matching (token-set ratio > 85 after colour normalisation): a goal
-option names exactly one value of a product (``tests/envs/test_env_webshop.py`` checks it).
+option names exactly one value of a product (``tests/lab/envs/test_env_webshop.py`` checks it).
 """
 
 from __future__ import annotations
