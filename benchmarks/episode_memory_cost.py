@@ -6,7 +6,7 @@ though tasks may share a text) run six ways against one 2-shard deployment seede
 episodes of that environment (it grows as the paths write):
 
 * ``env``: the environment alone (the baseline of ``wrapper``);
-* ``wrapper``: :class:`~lifemem_ray.lab.memory_wrapper.MemoryWrapper` around it: recall at
+* ``wrapper``: :class:`~lifemem_ray.episodes.memory_wrapper.MemoryWrapper` around it: recall at
   ``reset``, submit at the end, one shared :class:`EpisodeMemory` (one background writer);
 * ``async-loop``: the memory calls verl's ``MemoryAgentLoop`` makes per row, around the same
   episodes: the recall awaited, the write handed to a task (``AsyncEpisodeMemory`` over
@@ -52,9 +52,9 @@ from lifemem_ray.actors.client.blocking import MemoryClient
 from lifemem_ray.actors.cluster import deployment as dep
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.actors.cluster.ray_address import private_ray
+from lifemem_ray.episodes.episode_memory import AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
+from lifemem_ray.episodes.memory_wrapper import MemoryWrapper
 from lifemem_ray.lab.envs import Environment, Task, make_env
-from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
-from lifemem_ray.lab.memory_wrapper import MemoryWrapper
 
 ACTORS = {"cluster.shard_cpus": 0.25, "cluster.coordinator_cpus": 0.25, "cluster.embedder_cpus": 0.25}
 NAMESPACE = "bench-episode-cost"

@@ -61,7 +61,7 @@ def check_reconnect_after_s(value: Any, where: str) -> float:
     """
     low, high = RECONNECT_AFTER_S_BOUNDS
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ConfigError(f"{where}: reconnect_after_s must be a number in {low:g}..{high:g}, got {value!r}")
+        raise ConfigError(f"reconnect_after_s must be a number in {low:g}..{high:g}, got {value!r}", where=where)
     return float(value)
 
 

@@ -407,5 +407,5 @@ def check_remove(ids: Sequence[str], tenant: str) -> list[str]:
     """``remove``'s arguments checked: the ids as strings."""
     check_tenant(tenant, "tenant", stored=True)
     if isinstance(ids, str):
-        raise ArgumentTypeError("ids: expected a list of trajectory ids, got one string")
+        raise ArgumentTypeError("expected a list of trajectory ids, got one string", where="ids")
     return [str(i) for i in ids]

@@ -113,18 +113,18 @@ class ClusterConfig(Section):
             "start_timeout_s",
         )
         if self.batch_wait_ms < 0 or self.shard_cpus < 0 or self.coordinator_cpus < 0 or self.embedder_cpus < 0:
-            raise ConfigError("cluster: batch_wait_ms and *_cpus must be >= 0")
+            raise ConfigError("batch_wait_ms and *_cpus must be >= 0", where="cluster")
         for key in ("durable_uri", "durable_endpoint_url"):
             value = getattr(self, key)
             if len(value) > 4096 or not value.isprintable():
                 raise ConfigError(f"cluster.{key}: must be at most 4096 printable characters, got {value[:80]!r}")
         if self.durable_uri and "://" not in self.durable_uri and not self.durable_uri.startswith("/"):
             raise ConfigError(
-                f"cluster.durable_uri: {self.durable_uri[:80]!r} must be an absolute path every node sees, or a URL "
-                "(s3://bucket/prefix)"
+                f"{self.durable_uri[:80]!r} must be an absolute path every node sees, or a URL (s3://bucket/prefix)",
+                where="cluster.durable_uri",
             )
         if not self.namespace or len(self.namespace) > 256 or not self.namespace.isprintable():
-            raise ConfigError(f"cluster.namespace: {self.namespace[:80]!r} must be 1-256 printable characters")
+            raise ConfigError(f"{self.namespace[:80]!r} must be 1-256 printable characters", where="cluster.namespace")
 
 
 @dataclass
@@ -144,14 +144,16 @@ class DeploymentConfig(MemoryConfig):
     def check(self) -> None:
         if self.http.operations_max_items < self.http.max_batch_items:
             raise ConfigError(
-                f"http.operations_max_items: {self.http.operations_max_items:,} is below http.max_batch_items "
-                f"({self.http.max_batch_items:,}): one add answered 202 could never be kept; raise it"
+                f"{self.http.operations_max_items:,} is below http.max_batch_items "
+                f"({self.http.max_batch_items:,}): one add answered 202 could never be kept; raise it",
+                where="http.operations_max_items",
             )
         deadline = self.add_operation_deadline_s()
         if self.http.operations_ttl_s < deadline:
             raise ConfigError(
-                f"http.operations_ttl_s: {self.http.operations_ttl_s:g} s would forget an add answered 202 before it can "
-                f"finish ({deadline:g} s: http.add_timeout_s x (1 + cluster.add_resends) + 60); raise it or lower those"
+                f"{self.http.operations_ttl_s:g} s would forget an add answered 202 before it can "
+                f"finish ({deadline:g} s: http.add_timeout_s x (1 + cluster.add_resends) + 60); raise it or lower those",
+                where="http.operations_ttl_s",
             )
 
     def add_operation_deadline_s(self) -> float:

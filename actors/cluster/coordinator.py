@@ -165,15 +165,17 @@ class Coordinator:
         workflow vectors are computed in the client's process, not here)."""
         self._ensure_loop()
         if not isinstance(batch, ItemBatch):
-            raise ArgumentTypeError(f"batch: expected an ItemBatch, got {type(batch).__name__}")
+            raise ArgumentTypeError(f"expected an ItemBatch, got {type(batch).__name__}", where="batch")
         if batch.features != self.config.evolution.workflow_features:
             raise ConfigError(
-                f"batch: packed with workflow features {batch.features!r}, the deployment uses "
-                f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)"
+                f"packed with workflow features {batch.features!r}, the deployment uses "
+                f"{self.config.evolution.workflow_features!r} (evolution.workflow_features)",
+                where="batch",
             )
         if len(batch) and batch.vecs.shape != (len(batch), self.dim):
             raise InvalidArgumentError(
-                f"vectors: expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}"
+                f"expected shape ({len(batch)}, {self.dim}), got {tuple(batch.vecs.shape)}",
+                where="vectors",
             )
         if not len(batch):
             return []
@@ -271,7 +273,7 @@ class Coordinator:
         coordinator or a shard restarted) removes what is left and ignores what is gone."""
         check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str) or not all(isinstance(i, str) for i in ids):
-            raise ArgumentTypeError("ids: expected a list of trajectory id strings")
+            raise ArgumentTypeError("expected a list of trajectory id strings", where="ids")
         return await self._exclusive("remove", list(ids), tenant)
 
     async def purge_tenant(self, tenant: str) -> int:

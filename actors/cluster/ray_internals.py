@@ -54,11 +54,13 @@ def dialled_address(address: str) -> str:
     from ray._private.services import canonicalize_bootstrap_address
 
     if address in ("auto", "local"):
-        raise InvalidArgumentError(f"ray_internals.dialled_address: {address!r} is not a concrete host:port")
+        raise InvalidArgumentError(f"{address!r} is not a concrete host:port", where="ray_internals.dialled_address")
     try:
         dialled = canonicalize_bootstrap_address(address)
     except ValueError as exc:
-        raise InvalidArgumentError(f"ray_internals.dialled_address: {address!r} is not host:port ({exc})") from None
+        raise InvalidArgumentError(
+            f"{address!r} is not host:port ({exc})", where="ray_internals.dialled_address"
+        ) from None
     return str(dialled)
 
 
@@ -105,7 +107,9 @@ def session_dir() -> Path:
 
     node: Any = ray._private.worker._global_node  # Any: Ray declares it `= None`; ray.init() sets it
     if node is None:
-        raise UsageError("ray_internals.session_dir: this process is not connected to Ray; call ray.init() first")
+        raise UsageError(
+            "this process is not connected to Ray; call ray.init() first", where="ray_internals.session_dir"
+        )
     return Path(node.get_session_dir_path())
 
 
@@ -150,7 +154,9 @@ def serve_http_address() -> tuple[str, int]:
 
     client = _get_global_client()  # raises RayServeException when no Serve controller runs
     if client is None:
-        raise UsageError("ray_internals.serve_http_address: Ray Serve is not running; start the front door first")
+        raise UsageError(
+            "Ray Serve is not running; start the front door first", where="ray_internals.serve_http_address"
+        )
     options = client.http_config
     return options.host, int(options.port)
 

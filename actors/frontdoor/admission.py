@@ -38,7 +38,7 @@ class TenantShare:
 
     def __init__(self, cap: int) -> None:
         if cap < 1:
-            raise InvalidArgumentError(f"TenantShare: cap must be at least 1, got {cap}")
+            raise InvalidArgumentError(f"cap must be at least 1, got {cap}", where="TenantShare")
         self.cap = cap  # requests of one tenant this replica serves at once
         self._in_flight: dict[str, int] = {}  # tenant -> requests entered and not left; absent when 0
         self._lock = threading.Lock()  # Serve may call the ASGI app from more than one thread

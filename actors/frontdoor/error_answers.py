@@ -26,7 +26,6 @@ Every 503 carries ``Retry-After: http.retry_after_s`` (1-3,600 s).
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import ray
@@ -35,11 +34,9 @@ from lifemem_ray.actors.cluster.remote_errors import DeploymentNotFoundError, Sh
 from lifemem_ray.core.errors import AuthError, ForbiddenError, IdConflictError, LifeMemError, OverloadedError
 from lifemem_ray.service.public_errors import storage_failure, without_paths
 
-__all__ = ["ApiError", "error_detail", "split_where", "unavailable_errors", "validation_detail"]
+__all__ = ["ApiError", "error_detail", "unavailable_errors", "validation_detail", "where_of"]
 
 log = logging.getLogger(__name__)
-
-_PATH = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
 
 
 class ApiError(LifeMemError, ValueError):
@@ -50,10 +47,10 @@ class ApiError(LifeMemError, ValueError):
         self.status, self.type, self.where, self.what_to_do = status, type_, where, what_to_do
 
 
-def split_where(message: str) -> tuple[str | None, str]:
-    """``"steps[0].action: expected a string"`` -> ``("steps[0].action", "expected a string")``."""
-    m = _PATH.match(message)
-    return (m.group(1), m.group(2)) if m else (None, message)
+def where_of(exc: BaseException) -> str | None:
+    """The location an error names, as data (``LifeMemError.where``; None when it names none)."""
+    where = getattr(exc, "where", None)
+    return where if isinstance(where, str) else None
 
 
 def unavailable_errors() -> tuple[type[BaseException], ...]:
@@ -108,10 +105,10 @@ def error_detail(exc: BaseException, retry_after_s: int) -> tuple[int, dict[str,
             {"WWW-Authenticate": 'Bearer realm="lifemem"'},
         )
     if isinstance(exc, ForbiddenError):
-        where, _ = split_where(str(exc))
+        where = where_of(exc)
         return 403, _detail("forbidden", str(exc), where, "use a key of the right tenant with the scope named"), {}
     if isinstance(exc, IdConflictError):
-        where, _ = split_where(str(exc))
+        where = where_of(exc)
         return (
             409,
             _detail(
@@ -141,7 +138,7 @@ def error_detail(exc: BaseException, retry_after_s: int) -> tuple[int, dict[str,
             dict(exc.headers or {}),
         )
     if isinstance(exc, ValueError):  # the engine's checks (bad trajectory, tenant, k, ...): they name the field
-        where, _ = split_where(str(exc))
+        where = where_of(exc)
         return 422, _detail("validation_error", str(exc), where, "fix the field named and send the request again"), {}
     log.exception("unexpected error in the front door")
     return (

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from lifemem_ray.actors.cluster.remote_errors import (
     ShardUnavailableError,
     remote_cause,
 )
-from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, split_where, unavailable_errors
+from lifemem_ray.actors.frontdoor.error_answers import ApiError, error_detail, unavailable_errors
 from lifemem_ray.actors.frontdoor.operations import operations_actor
 from lifemem_ray.core.errors import (
     ForbiddenError,
@@ -36,13 +35,28 @@ from lifemem_ray.core.errors import (
     InvalidTrajectoryError,
     LifeMemError,
     OverloadedError,
+    join_where,
 )
 from lifemem_ray.core.model import Trajectory
 from lifemem_ray.service.principal import Principal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ApiError", "FrontService", "ServiceMemory", "split_where", "unavailable_errors"]
+__all__ = ["ApiError", "FrontService", "ServiceMemory", "request_field", "unavailable_errors"]
+
+
+def request_field(where: str | None) -> str | None:
+    """A retrieve argument's location as the request names it: ``tasks[2]`` -> ``queries[2].task``,
+    ``envs[0]`` -> ``queries[0].env`` (other locations as they are).
+
+    >>> request_field("tasks[2]"), request_field("envs[0]"), request_field("k")
+    ('queries[2].task', 'queries[0].env', 'k')
+    """
+    for argument, field in (("tasks[", "task"), ("envs[", "env")):
+        if where is not None and where.startswith(argument) and "]" in where:
+            index, rest = where[len(argument) :].split("]", 1)
+            return f"queries[{index}].{field}{rest}"
+    return where
 
 
 class StateLog:
@@ -186,15 +200,15 @@ class FrontService:
                     record, tenant=principal.tenant
                 )  # a record without a tenant is the key's
             except InvalidTrajectoryError as exc:
-                where, what = split_where(str(exc))
-                where = at if where in (None, "record") else f"{at}.{where}"
+                where = at if exc.where in (None, "record") else join_where(at, exc.where)
                 raise ApiError(
-                    422, "validation_error", f"{where}: {what}", where, "fix this field and send the batch again"
+                    422, "validation_error", f"{where}: {exc.problem}", where, "fix this field and send the batch again"
                 ) from None
             if trajectory.tenant != principal.tenant:
                 raise ForbiddenError(
-                    f"{at}.tenant: {trajectory.tenant!r} is not the tenant of this key "
-                    f"({principal.tenant!r}); leave 'tenant' out, the key decides it"
+                    f"{trajectory.tenant!r} is not the tenant of this key "
+                    f"({principal.tenant!r}); leave 'tenant' out, the key decides it",
+                    where=f"{at}.tenant",
                 )
             out.append(trajectory)
         return out
@@ -279,16 +293,10 @@ class FrontService:
                 lambda c: c.retrieve_many(tasks, envs, k, skills=skills, tenant=principal.tenant, as_of=as_of)
             )
         except ValueError as exc:
-            # the engine's argument checks name tasks[i] / envs[i]: renamed to the request's fields below
+            # the engine's argument checks name tasks[i] / envs[i]: the request's fields are queries[i].task / .env
             if isinstance(exc, LifeMemError) and not isinstance(exc, (InvalidArgumentError, InvalidTrajectoryError)):
                 raise
-            where, what = split_where(str(exc))
-            where = (
-                re.sub(
-                    r"^tasks\[(\d+)\]", r"queries[\1].task", re.sub(r"^envs\[(\d+)\]", r"queries[\1].env", where or "")
-                )
-                or None
-            )
+            where, what = request_field(getattr(exc, "where", None)), getattr(exc, "problem", str(exc))
             raise ApiError(
                 422, "validation_error", f"{where}: {what}" if where else what, where, "fix this field and ask again"
             ) from None

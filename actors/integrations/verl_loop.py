@@ -21,8 +21,8 @@ verl (PyPI ``verl``, checked with 0.9.1) runs each rollout row through an agent 
 
 A memory that fails (no deployment in the namespace, a killed actor, a timeout) degrades that
 row to "no memory"; it is counted and logged and never raises into the rollout (the rules of
-:mod:`lifemem_ray.lab.episode_memory`). What the row hands over is made valid by the episode
-data rule (:mod:`lifemem_ray.lab.episode_data`: a NaN reward, a NUL, a lone surrogate, a 50 MB
+:mod:`lifemem_ray.episodes.episode_memory`). What the row hands over is made valid by the episode
+data rule (:mod:`lifemem_ray.episodes.episode_data`: a NaN reward, a NUL, a lone surrogate, a 50 MB
 response or task) and counted; a row that cannot be stored is counted with its reason. Each
 output carries ``extra_fields["lifemem"]``: the row's recall (hits, context characters,
 seconds, failed), what the rule changed in its trajectory (``made_valid``: kind -> values) or
@@ -80,11 +80,12 @@ from lifemem_ray.actors.client.connection import check_reconnect_after_s
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
-from lifemem_ray.engine.versions import check_version
+from lifemem_ray.core.validation import validated
+from lifemem_ray.episodes.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
+from lifemem_ray.episodes.episode_data import StorableEpisode, storable_reward
+from lifemem_ray.episodes.episode_memory import AsyncEpisodeMemory, EpisodeRecord
+from lifemem_ray.episodes.episode_options import EpisodeOptions
 from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS
-from lifemem_ray.lab.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
-from lifemem_ray.lab.episode_data import StorableEpisode, storable_reward
-from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeRecord
 
 __all__ = ["AGENT_NAME", "MemoryAgentLoop", "MemoryLoopOptions"]
 
@@ -121,8 +122,8 @@ class MemoryLoopOptions:
             )
         if not isinstance(self.memory_namespace, str) or not self.memory_namespace:
             raise InvalidArgumentError(f"verl agent loop {AGENT_NAME}: memory_namespace must be a Ray namespace name")
-        if self.as_of is not None:
-            check_version(self.as_of, f"verl agent loop {AGENT_NAME}: as_of")
+        episode = {name: getattr(self, name) for name in EpisodeOptions.model_fields}
+        validated(EpisodeOptions, episode, where=f"verl agent loop {AGENT_NAME}", error=InvalidArgumentError)
         check_reconnect_after_s(self.reconnect_after_s, f"verl agent loop {AGENT_NAME}")
 
     def memory_key(self) -> tuple[Any, ...]:

@@ -92,7 +92,8 @@ class AsyncRolloutWorker(RolloutWorkerBase):
         super().__init__(worker_id, env_options, config, limits, seed, env_retries)
         if not 1 <= episodes <= MAX_EPISODES_PER_WORKER:
             raise InvalidArgumentError(
-                f"AsyncRolloutWorker: episodes must be within [1, {MAX_EPISODES_PER_WORKER}], got {episodes}"
+                f"episodes must be within [1, {MAX_EPISODES_PER_WORKER}], got {episodes}",
+                where="AsyncRolloutWorker",
             )
         self.episodes = episodes
         self._slots = asyncio.Semaphore(episodes)  # episodes running at once, whatever the pool sends

@@ -448,7 +448,7 @@ def run_experiment(
     settings = _memory_settings(exp)
     mconf = (mconf or DeploymentConfig()).replace(settings).validate()
     if not ray.is_initialized():
-        raise UsageError("run_experiment: call ray.init() first (or use `lifemem-ray run`)")
+        raise UsageError("call ray.init() first (or use `lifemem-ray run`)", where="run_experiment")
     out = exp.output_dir
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -61,7 +61,7 @@ class EpisodeSpec:
 
     def __post_init__(self) -> None:
         if self.mode not in MEMORY_MODES:
-            raise InvalidArgumentError(f"mode: {self.mode!r} is not one of {', '.join(MEMORY_MODES)}")
+            raise InvalidArgumentError(f"{self.mode!r} is not one of {', '.join(MEMORY_MODES)}", where="mode")
         if self.mode in RETRIEVING_MODES and self.namespace is None:
             raise InvalidArgumentError(f"mode {self.mode!r} needs the memory deployment's namespace")
         if self.write and self.namespace is None:

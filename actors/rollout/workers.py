@@ -247,13 +247,14 @@ class RolloutPool:
         episodes_per_worker: int = 1,
     ) -> None:
         if workers < 1:
-            raise InvalidArgumentError(f"workers: must be >= 1, got {workers}")
+            raise InvalidArgumentError(f"must be >= 1, got {workers}", where="workers")
         if not 1 <= episodes_per_worker <= MAX_EPISODES_PER_WORKER:
             raise InvalidArgumentError(
-                f"episodes_per_worker: must be within [1, {MAX_EPISODES_PER_WORKER}], got {episodes_per_worker}"
+                f"must be within [1, {MAX_EPISODES_PER_WORKER}], got {episodes_per_worker}",
+                where="episodes_per_worker",
             )
         if max_attempts < 1:
-            raise InvalidArgumentError(f"max_attempts: must be >= 1, got {max_attempts}")
+            raise InvalidArgumentError(f"must be >= 1, got {max_attempts}", where="max_attempts")
         self.size = workers
         self._args = (env_options or {}, config or DeploymentConfig(), limits, seed)
         self.worker_cpus = worker_cpus

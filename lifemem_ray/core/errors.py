@@ -3,7 +3,11 @@ kind of problem. Each also derives from the built-in exception a caller would na
 catch (a bad value is a ``ValueError``, a missing cluster a ``KeyError``, a broken store a
 ``RuntimeError``), so code written against those keeps working.
 
-Messages say where (a file, a setting, a record), what is wrong, and what to do.
+Messages say where (a file, a setting, a record), what is wrong, and what to do. Where a
+location is known it also travels as data: ``error.where`` (``steps[0].action``,
+``evolution.top_k``) and ``error.problem`` (what is wrong there), so a front door or a form
+can point at the field without reading the message; :meth:`LifeMemError.within` puts an
+outer location before it (``trajectories[3]`` + ``steps[0]``).
 
 >>> from lifemem_ray.core.errors import ConfigError, LifeMemError
 >>> issubclass(ConfigError, LifeMemError) and issubclass(ConfigError, ValueError)
@@ -11,6 +15,9 @@ True
 """
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 __all__ = [
     "ActionParseError",
@@ -55,7 +62,48 @@ __all__ = [
 
 
 class LifeMemError(Exception):
-    """The root of every error lifemem-ray raises on purpose."""
+    """The root of every error lifemem-ray raises on purpose.
+
+    Args:
+        message: what is wrong (and what to do); with ``where``, what is wrong there.
+        where: the location it names, as data (a field path such as ``steps[0].action``, a
+            setting such as ``evolution.top_k``); the message then reads ``where: message``.
+
+    >>> error = InvalidTrajectoryError("expected a string", where="steps[0].action")
+    >>> str(error), error.where, error.problem
+    ('steps[0].action: expected a string', 'steps[0].action', 'expected a string')
+    >>> str(error.within("trajectories[3]"))
+    'trajectories[3].steps[0].action: expected a string'
+    """
+
+    where: str | None  # the location the error names, as data
+    problem: Any  # what is wrong there (the message without the location)
+
+    def __init__(self, message: Any = "", *args: Any, where: str | None = None, **kwargs: Any) -> None:
+        # A subclass that set its own ``where`` or ``problem`` before calling this keeps them.
+        self.__dict__.setdefault("where", where)  # the location named, as data (None: the message names none)
+        self.__dict__.setdefault("problem", message)  # what is wrong there
+        # ``args``/``kwargs``: what a second base takes (an HTTPException's detail and headers).
+        super().__init__(f"{where}: {message}" if where else message, *args, **kwargs)
+
+    def within(self, outer: str) -> LifeMemError:
+        """The same error with ``outer`` before its location (an element of a list, a field of
+        a request); its class and message otherwise unchanged."""
+        where = join_where(outer, self.where)
+        moved = copy.copy(self)
+        moved.where, moved.args = where, (f"{where}: {self.problem}", *self.args[1:])
+        return moved
+
+
+def join_where(outer: str, inner: str | None) -> str:
+    """``outer`` followed by ``inner``: ``("a[1]", "b")`` -> ``a[1].b``, ``("a", "[2].b")`` -> ``a[2].b``.
+
+    >>> join_where("trajectories[3]", None), join_where("queries", "[2].task")
+    ('trajectories[3]', 'queries[2].task')
+    """
+    if not inner:
+        return outer
+    return f"{outer}{inner}" if inner.startswith("[") else f"{outer}.{inner}"
 
 
 # -- input and configuration ----------------------------------------------------------------

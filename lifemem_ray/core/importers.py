@@ -165,15 +165,17 @@ def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None, tenant
     """One decoded JSON value -> a Trajectory; raises InvalidTrajectoryError naming the field.
     ``env`` and ``tenant`` fill in a record that does not name its own."""
     if fmt not in FORMATS:
-        raise InvalidArgumentError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise InvalidArgumentError(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", where="fmt")
     if not isinstance(data, Mapping):
-        raise InvalidTrajectoryError(f"record: expected an object, got {_type_name(data)}")
+        raise InvalidTrajectoryError(f"expected an object, got {_type_name(data)}", where="record")
     if fmt == "auto":
         has_messages, has_steps = "messages" in data, "steps" in data
         if has_messages and has_steps:
-            raise InvalidTrajectoryError("record: has both 'messages' (chat) and 'steps' (native); give the format")
+            raise InvalidTrajectoryError(
+                "has both 'messages' (chat) and 'steps' (native); give the format", where="record"
+            )
         if not (has_messages or has_steps):
-            raise InvalidTrajectoryError("record: neither 'messages' (chat format) nor 'steps' (native format)")
+            raise InvalidTrajectoryError("neither 'messages' (chat format) nor 'steps' (native format)", where="record")
         fmt = "chat" if has_messages else "native"
     if fmt == "native":
         return Trajectory.from_dict(data, env=env, tenant=tenant)
@@ -184,7 +186,7 @@ def parse_record(data: Any, *, fmt: str = "auto", env: str | None = None, tenant
 def split_agent_turn(text: str, style: str = "auto") -> tuple[str, str]:
     """Split an agent turn into (thought, action) at one cut point; see the module doc."""
     if style not in _STYLES:
-        raise InvalidArgumentError(f"style: expected one of {sorted(_STYLES)}, got {style!r}")
+        raise InvalidArgumentError(f"expected one of {sorted(_STYLES)}, got {style!r}", where="style")
     cut = _action_start(text, style)
     if cut is None:  # no action in this turn: all thought
         return text.rstrip(), ""
@@ -219,17 +221,17 @@ def _skip_blank(text: str, pos: int) -> int:
 
 def _chat_to_trajectory(data: Mapping[str, Any], env_arg: str | None) -> Trajectory:
     if "task" not in data:
-        raise InvalidTrajectoryError("task: missing")
+        raise InvalidTrajectoryError("missing", where="task")
     task = data["task"]
     if not isinstance(task, str):
-        raise InvalidTrajectoryError(f"task: expected a string, got {_type_name(task)}")
+        raise InvalidTrajectoryError(f"expected a string, got {_type_name(task)}", where="task")
     env = data.get("env")
     if env is None:
         env = env_arg
     if env is None:
-        raise InvalidTrajectoryError("env: missing (give it in the record or with --env)")
+        raise InvalidTrajectoryError("missing (give it in the record or with --env)", where="env")
     if not isinstance(env, str):
-        raise InvalidTrajectoryError(f"env: expected a string, got {_type_name(env)}")
+        raise InvalidTrajectoryError(f"expected a string, got {_type_name(env)}", where="env")
     messages, extras = _check_messages(data.get("messages"))
 
     key = env.strip().lower()
@@ -259,8 +261,8 @@ def _chat_to_trajectory(data: Mapping[str, Any], env_arg: str | None) -> Traject
 
     if not steps:
         raise InvalidTrajectoryError(
-            f"messages: no non-empty {agent_role!r} turn, so no step "
-            f"(the agent's role in env {env!r} is {agent_role!r})"
+            f"no non-empty {agent_role!r} turn, so no step (the agent's role in env {env!r} is {agent_role!r})",
+            where="messages",
         )
     metadata = _chat_metadata(data, extras)
     if empty_turns:
@@ -279,30 +281,30 @@ def _chat_to_trajectory(data: Mapping[str, Any], env_arg: str | None) -> Traject
 
 def _check_messages(raw: Any) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
     if raw is None:
-        raise InvalidTrajectoryError("messages: missing")
+        raise InvalidTrajectoryError("missing", where="messages")
     if not isinstance(raw, list):
-        raise InvalidTrajectoryError(f"messages: expected a list, got {_type_name(raw)}")
+        raise InvalidTrajectoryError(f"expected a list, got {_type_name(raw)}", where="messages")
     if not raw:
-        raise InvalidTrajectoryError("messages: empty list")
+        raise InvalidTrajectoryError("empty list", where="messages")
     out: list[tuple[str, str]] = []
     extras: list[dict[str, Any]] = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, Mapping):
-            raise InvalidTrajectoryError(f"{where}: expected an object, got {_type_name(m)}")
+            raise InvalidTrajectoryError(f"expected an object, got {_type_name(m)}", where=where)
         if "role" not in m:
-            raise InvalidTrajectoryError(f"{where}.role: missing")
+            raise InvalidTrajectoryError("missing", where=f"{where}.role")
         role = m["role"]
         if not isinstance(role, str) or role not in _ROLES:
             got = repr(role) if isinstance(role, str) else _type_name(role)
-            raise InvalidTrajectoryError(f"{where}.role: expected 'user', 'assistant' or 'system', got {got}")
+            raise InvalidTrajectoryError(f"expected 'user', 'assistant' or 'system', got {got}", where=f"{where}.role")
         if "content" not in m:
-            raise InvalidTrajectoryError(f"{where}.content: missing")
+            raise InvalidTrajectoryError("missing", where=f"{where}.content")
         content = m["content"]
         if not isinstance(content, str):
-            raise InvalidTrajectoryError(f"{where}.content: expected a string, got {_type_name(content)}")
+            raise InvalidTrajectoryError(f"expected a string, got {_type_name(content)}", where=f"{where}.content")
         if "\x00" in content:
-            raise InvalidTrajectoryError(f"{where}.content: contains a NUL character")
+            raise InvalidTrajectoryError("contains a NUL character", where=f"{where}.content")
         if len(m) > 2:
             extras.append({"index": i, **{k: v for k, v in m.items() if k not in ("role", "content")}})
         out.append((role, content))
@@ -327,7 +329,7 @@ def _split_task_from_turn(content: str, task: str) -> tuple[str, str]:
 def _chat_metadata(data: Mapping[str, Any], extras: list[dict[str, Any]]) -> dict[str, Any]:
     raw = data.get("metadata")
     if raw is not None and not isinstance(raw, Mapping):
-        raise InvalidTrajectoryError(f"metadata: expected an object, got {_type_name(raw)}")
+        raise InvalidTrajectoryError(f"expected an object, got {_type_name(raw)}", where="metadata")
     metadata = dict(raw or {})
     for key, value in data.items():
         if key in _CHAT_FIELDS:
@@ -346,16 +348,16 @@ def _chat_outcome(
     has_flat = "success" in data or "reward" in data
     if "outcome" in data:
         if has_flat:
-            raise InvalidTrajectoryError("outcome: give either 'outcome' or 'success'/'reward', not both")
+            raise InvalidTrajectoryError("give either 'outcome' or 'success'/'reward', not both", where="outcome")
         return Outcome.from_dict(data["outcome"])
     if has_flat:
         success, reward = data.get("success"), data.get("reward")
         if success is not None and not isinstance(success, bool):
-            raise InvalidTrajectoryError(f"success: expected true/false/null, got {success!r}")
+            raise InvalidTrajectoryError(f"expected true/false/null, got {success!r}", where="success")
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            raise InvalidTrajectoryError(f"reward: expected a number or null, got {reward!r}")
+            raise InvalidTrajectoryError(f"expected a number or null, got {reward!r}", where="reward")
         if reward is not None and not math.isfinite(reward):
-            raise InvalidTrajectoryError("reward: must be finite")
+            raise InvalidTrajectoryError("must be finite", where="reward")
         return Outcome(success=success, reward=reward)
     if env_key == "toolqa":
         role, content = messages[-1]
@@ -372,7 +374,7 @@ def _record_id(data: Mapping[str, Any]) -> str:
     if raw is None:
         return ""
     if isinstance(raw, bool) or not isinstance(raw, (str, int)):
-        raise InvalidTrajectoryError(f"id: expected a string or an integer, got {_type_name(raw)}")
+        raise InvalidTrajectoryError(f"expected a string or an integer, got {_type_name(raw)}", where="id")
     return str(raw)
 
 
@@ -454,7 +456,7 @@ def iter_jsonl(
     The format is checked and the file opened at call time, not at first use.
     """
     if fmt not in FORMATS:
-        raise InvalidArgumentError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise InvalidArgumentError(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", where="fmt")
     report = report if report is not None else ImportReport()
     name, stream, close = _open_binary(path)
     return _iter_lines(name, stream, close, fmt=fmt, env=env, skip_invalid=skip_invalid, report=report)
@@ -563,7 +565,7 @@ def check_file(
     reason``) and nothing of the file may be stored; with it, each is counted in ``report``,
     listed there by file and line, and left out."""
     if fmt not in FORMATS:
-        raise InvalidArgumentError(f"fmt: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise InvalidArgumentError(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", where="fmt")
     report = report if report is not None else ImportReport()
     name, stream, close = _open_binary(path)
     spool = None
@@ -685,7 +687,9 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | os.PathLike[str]
             sink: BinaryIO = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if target.suffix == ".gz" else raw  # type: ignore[assignment]
             for traj in trajectories:
                 if not isinstance(traj, Trajectory):
-                    raise ArgumentTypeError(f"write_jsonl: item {n}: expected a Trajectory, got {type(traj).__name__}")
+                    raise ArgumentTypeError(
+                        f"item {n}: expected a Trajectory, got {type(traj).__name__}", where="write_jsonl"
+                    )
                 sink.write(_dump(traj).encode("utf-8") + b"\n")
                 n += 1
             if sink is not raw:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from lifemem_ray.core.errors import InvalidTrajectoryError, TenantError
+from lifemem_ray.core.errors import InvalidTrajectoryError, TenantError, join_where
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
 
 __all__ = [
@@ -66,22 +66,22 @@ def env_name_problem(value: Any) -> str | None:
 
 def _check_str(value: Any, where: str, *, allow_empty: bool = True) -> str:
     if not isinstance(value, str):
-        raise InvalidTrajectoryError(f"{where}: expected a string, got {type(value).__name__}")
+        raise InvalidTrajectoryError(f"expected a string, got {type(value).__name__}", where=where)
     if "\x00" in value:
-        raise InvalidTrajectoryError(f"{where}: contains a NUL character")
+        raise InvalidTrajectoryError("contains a NUL character", where=where)
     if len(value) > MAX_TEXT_CHARS:
         raise InvalidTrajectoryError(
-            f"{where}: {len(value):,} characters, more than the {MAX_TEXT_CHARS:,} a text may have"
+            f"{len(value):,} characters, more than the {MAX_TEXT_CHARS:,} a text may have", where=where
         )
     if not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidTrajectoryError(
-                f"{where}: not valid Unicode text (lone surrogate at position {exc.start})"
+                f"not valid Unicode text (lone surrogate at position {exc.start})", where=where
             ) from None
     if not allow_empty and not value.strip():
-        raise InvalidTrajectoryError(f"{where}: must not be empty")
+        raise InvalidTrajectoryError("must not be empty", where=where)
     return value
 
 
@@ -90,22 +90,24 @@ def _check_json_value(value: Any, where: str, depth: int = 0, budget: list[int] 
     :func:`_check_str` wants it, at most ``MAX_METADATA_ITEMS`` keys and items in all."""
     budget = [MAX_METADATA_ITEMS] if budget is None else budget
     if depth > 32:
-        raise InvalidTrajectoryError(f"{where}: nested too deeply")
+        raise InvalidTrajectoryError("nested too deeply", where=where)
     if isinstance(value, str):
         _check_str(value, where)
         return
     if value is None or isinstance(value, (bool, int)):
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
-            raise InvalidTrajectoryError(f"{where}: integer out of 64-bit range")
+            raise InvalidTrajectoryError("integer out of 64-bit range", where=where)
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise InvalidTrajectoryError(f"{where}: non-finite number")
+            raise InvalidTrajectoryError("non-finite number", where=where)
         return
     if isinstance(value, (list, tuple, dict)):
         budget[0] -= len(value)
         if budget[0] < 0:
-            raise InvalidTrajectoryError(f"{where}: the metadata holds more than {MAX_METADATA_ITEMS:,} keys and items")
+            raise InvalidTrajectoryError(
+                f"the metadata holds more than {MAX_METADATA_ITEMS:,} keys and items", where=where
+            )
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _check_json_value(item, f"{where}[{i}]", depth + 1, budget)
@@ -113,11 +115,11 @@ def _check_json_value(value: Any, where: str, depth: int = 0, budget: list[int] 
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise InvalidTrajectoryError(f"{where}: keys must be strings, got {key!r}")
+                raise InvalidTrajectoryError(f"keys must be strings, got {key!r}", where=where)
             _check_str(key, f"{where}: key {key[:40]!r}")
             _check_json_value(item, f"{where}.{key}", depth + 1, budget)
         return
-    raise InvalidTrajectoryError(f"{where}: unsupported type {type(value).__name__}")
+    raise InvalidTrajectoryError(f"unsupported type {type(value).__name__}", where=where)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +152,10 @@ class Step:
     @classmethod
     def from_dict(cls, data: Any, where: str = "step") -> Step:
         if not isinstance(data, Mapping):
-            raise InvalidTrajectoryError(f"{where}: expected an object, got {type(data).__name__}")
+            raise InvalidTrajectoryError(f"expected an object, got {type(data).__name__}", where=where)
         unknown = set(data) - {"thought", "action", "observation"}
         if unknown:
-            raise InvalidTrajectoryError(f"{where}: unknown field(s) {sorted(unknown)}")
+            raise InvalidTrajectoryError(f"unknown field(s) {sorted(unknown)}", where=where)
         try:
             return cls(
                 action=_check_str(data.get("action", ""), f"{where}.action"),
@@ -161,9 +163,9 @@ class Step:
                 observation=_check_str(data.get("observation", ""), f"{where}.observation"),
             )
         except InvalidTrajectoryError as exc:
-            if str(exc).startswith(where):
+            if (exc.where or "").startswith(where):
                 raise
-            raise InvalidTrajectoryError(f"{where}: {exc}") from None
+            raise InvalidTrajectoryError(exc.problem, where=join_where(where, exc.where)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,12 +177,12 @@ class Outcome:
 
     def __post_init__(self) -> None:
         if self.success is not None and not isinstance(self.success, bool):
-            raise InvalidTrajectoryError(f"outcome.success: expected true/false/null, got {self.success!r}")
+            raise InvalidTrajectoryError(f"expected true/false/null, got {self.success!r}", where="outcome.success")
         if self.reward is not None:
             if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
-                raise InvalidTrajectoryError(f"outcome.reward: expected a number or null, got {self.reward!r}")
+                raise InvalidTrajectoryError(f"expected a number or null, got {self.reward!r}", where="outcome.reward")
             if not math.isfinite(self.reward):
-                raise InvalidTrajectoryError("outcome.reward: must be finite")
+                raise InvalidTrajectoryError("must be finite", where="outcome.reward")
             object.__setattr__(self, "reward", float(self.reward))
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,10 +195,10 @@ class Outcome:
         if isinstance(data, bool):
             return cls(success=data)
         if not isinstance(data, Mapping):
-            raise InvalidTrajectoryError(f"{where}: expected an object, got {type(data).__name__}")
+            raise InvalidTrajectoryError(f"expected an object, got {type(data).__name__}", where=where)
         unknown = set(data) - {"success", "reward"}
         if unknown:
-            raise InvalidTrajectoryError(f"{where}: unknown field(s) {sorted(unknown)}")
+            raise InvalidTrajectoryError(f"unknown field(s) {sorted(unknown)}", where=where)
         return cls(success=data.get("success"), reward=data.get("reward"))
 
 
@@ -255,40 +257,41 @@ class Trajectory:
         _check_str(self.env, "env", allow_empty=False)  # NUL, lone surrogates, length
         problem = env_name_problem(self.env)
         if problem:
-            raise InvalidTrajectoryError(f"env: {problem}")
+            raise InvalidTrajectoryError(f"{problem}", where="env")
         _check_str(self.task, "task")
         _check_str(self.initial_observation, "initial_observation")
         if not self.task.strip() and not self.initial_observation.strip():
-            raise InvalidTrajectoryError("task: empty, and there is no initial_observation to stand in for it")
+            raise InvalidTrajectoryError("empty, and there is no initial_observation to stand in for it", where="task")
         steps = tuple(self.steps)
         if not steps:
-            raise InvalidTrajectoryError("steps: a trajectory needs at least one step")
+            raise InvalidTrajectoryError("a trajectory needs at least one step", where="steps")
         if len(steps) > MAX_STEPS:
             raise InvalidTrajectoryError(
-                f"steps: {len(steps):,} steps, more than the {MAX_STEPS:,} a trajectory may have"
+                f"{len(steps):,} steps, more than the {MAX_STEPS:,} a trajectory may have",
+                where="steps",
             )
         for i, step in enumerate(steps):
             if not isinstance(step, Step):
-                raise InvalidTrajectoryError(f"steps[{i}]: expected a Step, got {type(step).__name__}")
+                raise InvalidTrajectoryError(f"expected a Step, got {type(step).__name__}", where=f"steps[{i}]")
         object.__setattr__(self, "steps", steps)
         if not isinstance(self.outcome, Outcome):
-            raise InvalidTrajectoryError(f"outcome: expected an Outcome, got {type(self.outcome).__name__}")
+            raise InvalidTrajectoryError(f"expected an Outcome, got {type(self.outcome).__name__}", where="outcome")
         if not isinstance(self.metadata, Mapping):
-            raise InvalidTrajectoryError(f"metadata: expected an object, got {type(self.metadata).__name__}")
+            raise InvalidTrajectoryError(f"expected an object, got {type(self.metadata).__name__}", where="metadata")
         _check_json_value(dict(self.metadata), "metadata")
         object.__setattr__(self, "metadata", dict(self.metadata))
         if self.tenant != DEFAULT_TENANT:
             try:  # a stored record keeps decoding under a name an older version let through; adds refuse it
                 check_tenant(self.tenant, "tenant", stored=True)
             except TenantError as exc:
-                raise InvalidTrajectoryError(str(exc)) from None
+                raise InvalidTrajectoryError(exc.problem, where=exc.where) from None
         _check_str(self.id, "id")
         if len(self.id) > MAX_ID_LENGTH:
-            raise InvalidTrajectoryError(f"id: longer than {MAX_ID_LENGTH} characters")
+            raise InvalidTrajectoryError(f"longer than {MAX_ID_LENGTH} characters", where="id")
         if not self.id:
             object.__setattr__(self, "id", self.fingerprint)
         elif not self.id.strip():
-            raise InvalidTrajectoryError("id: must not be blank")
+            raise InvalidTrajectoryError("must not be blank", where="id")
 
     @classmethod
     def trusted(
@@ -355,21 +358,21 @@ class Trajectory:
         """Build from the native JSON form; ``env`` fills in a missing ``env`` field, ``tenant``
         a missing ``tenant`` (the default tenant when neither is given)."""
         if not isinstance(data, Mapping):
-            raise InvalidTrajectoryError(f"record: expected an object, got {type(data).__name__}")
+            raise InvalidTrajectoryError(f"expected an object, got {type(data).__name__}", where="record")
         known = {"id", "env", "task", "initial_observation", "steps", "outcome", "metadata", "tenant"}
         unknown = set(data) - known
         if unknown:
-            raise InvalidTrajectoryError(f"record: unknown field(s) {sorted(unknown)}")
+            raise InvalidTrajectoryError(f"unknown field(s) {sorted(unknown)}", where="record")
         record_env = data.get("env")
         if record_env is None:
             record_env = env
         if record_env is None:
-            raise InvalidTrajectoryError("env: missing (give it in the record or with --env)")
+            raise InvalidTrajectoryError("missing (give it in the record or with --env)", where="env")
         if "task" not in data:
-            raise InvalidTrajectoryError("task: missing")
+            raise InvalidTrajectoryError("missing", where="task")
         steps_raw = data.get("steps")
         if not isinstance(steps_raw, list):
-            raise InvalidTrajectoryError("steps: expected a list of steps")
+            raise InvalidTrajectoryError("expected a list of steps", where="steps")
         steps = tuple(Step.from_dict(s, f"steps[{i}]") for i, s in enumerate(steps_raw))
         metadata = data.get("metadata")
         if metadata is None:
@@ -402,7 +405,7 @@ def _record_tenant(given: Any, fallback: str | None) -> str:
     try:
         return check_tenant(value, "tenant")
     except TenantError as exc:
-        raise InvalidTrajectoryError(str(exc)) from None
+        raise InvalidTrajectoryError(exc.problem, where=exc.where) from None
 
 
 def _render_parts(query_text: str, steps: Iterable[Sequence[str]], success: bool | None) -> Iterator[str]:

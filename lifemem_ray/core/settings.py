@@ -59,10 +59,13 @@ T = TypeVar("T", bound="Section")
 class Section:
     """A table of settings (a dataclass): its TOML name, the hard bounds of its numbers
     (``key: (low, high)``, both included: far from every sensible value, so that a typo cannot
-    hang a process, with a timeout of inf, or exhaust it, with a k of 1e23), and its own rules."""
+    hang a process, with a timeout of inf, or exhaust it, with a k of 1e23), the values each of
+    its text choices takes (``CHOICES``), and its own rules. Bounds and choices are data: the
+    settings reference (``docs/configuration.md``) is checked against them."""
 
     NAME: ClassVar[str] = ""
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}  # key -> the values a text setting takes
 
     def validate(self) -> None:
         """Rules between this section's keys (bounds are checked apart, where values are set)."""
@@ -72,6 +75,8 @@ class Section:
         Python, not loaded, is checked here); ConfigError naming the key otherwise."""
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             check_bound(self.BOUNDS.get(f.name), getattr(self, f.name), f"{self.NAME}.{f.name}")
+        for name, choices in self.CHOICES.items():
+            choice(self, name, choices)
         self.validate()
         return self
 
@@ -225,7 +230,7 @@ def check_bound(bound: tuple[float, float] | None, value: Any, where: str) -> No
         return
     low, high = bound
     if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
-        raise ConfigError(f"{where}: must be within [{low:g}, {high:g}], got {value!r}")
+        raise ConfigError(f"must be within [{low:g}, {high:g}], got {value!r}", where=where)
 
 
 def coerce(value: Any, default: Any, where: str) -> Any:
@@ -240,7 +245,7 @@ def coerce(value: Any, default: Any, where: str) -> Any:
             return True
         if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"expected true or false, got {value!r}", where=where)
     if kind in (int, float):
         return _number(value, kind, where)
     if kind is list:
@@ -250,19 +255,21 @@ def coerce(value: Any, default: Any, where: str) -> Any:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: expected a table (JSON in a variable): {exc.msg} at {exc.pos}") from None
+                raise ConfigError(
+                    f"expected a table (JSON in a variable): {exc.msg} at {exc.pos}", where=where
+                ) from None
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, got {value!r}")
+            raise ConfigError(f"expected a table, got {value!r}", where=where)
         return value
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"expected a string, got {value!r}", where=where)
     return value
 
 
 def _number(value: Any, kind: type, where: str) -> Any:
     what = "an integer" if kind is int else "a number"
     if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {what}, got {value!r}")
+        raise ConfigError(f"expected {what}, got {value!r}", where=where)
     if isinstance(value, int) or (kind is float and isinstance(value, float)):
         return kind(value)
     if isinstance(value, str):
@@ -270,7 +277,7 @@ def _number(value: Any, kind: type, where: str) -> Any:
             return kind(value.strip())
         except ValueError:
             pass
-    raise ConfigError(f"{where}: expected {what}, got {value!r}")
+    raise ConfigError(f"expected {what}, got {value!r}", where=where)
 
 
 def _list(value: Any, where: str) -> list[Any]:
@@ -281,12 +288,13 @@ def _list(value: Any, where: str) -> list[Any]:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise ConfigError(
-                    f"{where}: expected a JSON list, got text that is not JSON ({exc.msg} at {exc.pos})"
+                    f"expected a JSON list, got text that is not JSON ({exc.msg} at {exc.pos})",
+                    where=where,
                 ) from None
         else:  # a comma-separated list of names (LIFEMEM_EXPERIMENT_ENVS=twx-coin,sql)
             value = [v.strip() for v in text.split(",") if v.strip()]
     if not isinstance(value, list):
-        raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        raise ConfigError(f"expected a list, got {type(value).__name__}", where=where)
     return list(value)
 
 
@@ -306,4 +314,4 @@ def in_range(section: Section, name: str, low: float, high: float) -> None:
 def choice(section: Section, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(section, name)
     if value not in choices:
-        raise ConfigError(f"{section.NAME}.{name}: must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(f"must be one of {', '.join(choices)}; got {value!r}", where=f"{section.NAME}.{name}")

@@ -74,18 +74,19 @@ def check_tenant(value: Any, where: str = "tenant", *, stored: bool = False) -> 
     (a valid name and one final newline, which their ``$``-anchored check let through), so that
     an operator can still delete what is stored under it; nothing new is ever stored under one."""
     if not isinstance(value, str):
-        raise TenantError(f"{where}: expected a tenant name (a string), got {type(value).__name__}")
+        raise TenantError(f"expected a tenant name (a string), got {type(value).__name__}", where=where)
     if not is_name(value) and not (stored and value.endswith("\n") and is_name(value[:-1])):
         raise TenantError(
-            f"{where}: {value[:80]!r} is not a tenant name (1-64 characters: letters, digits, '_', '.', '-', "
-            "starting with a letter or digit)"
+            f"{value[:80]!r} is not a tenant name (1-64 characters: letters, digits, '_', '.', '-', "
+            "starting with a letter or digit)",
+            where=where,
         )
     return value
 
 
 def _plain(value: str, what: str) -> str:
     if SEP in value:
-        raise TenantError(f"{what}: {value[:80]!r} contains a NUL character")
+        raise TenantError(f"{value[:80]!r} contains a NUL character", where=what)
     return value
 
 

@@ -82,7 +82,7 @@ class Deletion:
         s.check_writable()
         tenant = check_tenant(tenant, "tenant", stored=True)
         if isinstance(ids, str):
-            raise ArgumentTypeError("ids: expected a list of trajectory ids, got one string")
+            raise ArgumentTypeError("expected a list of trajectory ids, got one string", where="ids")
         keys = list(dict.fromkeys(id_key(tenant, str(i)) for i in ids))
         with s.lock:
             removed = self.remove_keys(keys, "remove")

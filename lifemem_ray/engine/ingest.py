@@ -400,11 +400,12 @@ def check_trajectories(trajectories: Sequence[Any]) -> None:
     stored by mistake (so stored records still decode); nothing new is stored under one."""
     for i, traj in enumerate(trajectories):
         if not isinstance(traj, Trajectory):
-            raise ArgumentTypeError(f"trajectories[{i}]: expected a Trajectory, got {type(traj).__name__}")
+            raise ArgumentTypeError(f"expected a Trajectory, got {type(traj).__name__}", where=f"trajectories[{i}]")
         if not is_name(traj.tenant):
             raise InvalidTrajectoryError(
-                f"trajectories[{i}].tenant: {traj.tenant[:80]!r} is not a tenant name (1-64 "
-                "characters: letters, digits, '_', '.', '-', starting with a letter or digit)"
+                f"{traj.tenant[:80]!r} is not a tenant name (1-64 "
+                "characters: letters, digits, '_', '.', '-', starting with a letter or digit)",
+                where=f"trajectories[{i}].tenant",
             )
 
 

@@ -104,7 +104,8 @@ def classify_ids(
     ``ids[i]``, or None when no store holds it."""
     if not len(ids) == len(fingerprints) == len(stored):
         raise InvalidArgumentError(
-            f"classify_ids: {len(ids)} ids, {len(fingerprints)} fingerprints, {len(stored)} lookups; need one of each per id"
+            f"{len(ids)} ids, {len(fingerprints)} fingerprints, {len(stored)} lookups; need one of each per id",
+            where="classify_ids",
         )
     out = IdClasses(list(ids), [None] * len(ids), [], {})
     for i, (tid, fp, got) in enumerate(zip(ids, fingerprints, stored, strict=True)):
@@ -145,8 +146,9 @@ def conflict_error(conflicts: list[tuple[int, str]], where: str = "") -> IdConfl
     shown = "; ".join(why for _, why in conflicts[:5])
     more = f" (and {len(conflicts) - 5} more)" if len(conflicts) > 5 else ""
     return IdConflictError(
-        f"{where + ': ' if where else ''}{shown}{more}; nothing of this request was stored "
-        "(give the new content a new id, or remove the stored trajectory first)"
+        f"{shown}{more}; nothing of this request was stored "
+        "(give the new content a new id, or remove the stored trajectory first)",
+        where=where or None,
     )
 
 
@@ -155,14 +157,14 @@ def unit_rows(vectors: Any, n: int, dim: int, what: str = "vectors") -> np.ndarr
     try:
         arr = np.asarray(vectors, dtype=np.float32)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"{what}: not numeric ({exc})") from None
+        raise InvalidArgumentError(f"not numeric ({exc})", where=what) from None
     if arr.ndim == 1 and n == 1:
         arr = arr[None, :]
     if arr.shape != (n, dim):
-        raise InvalidArgumentError(f"{what}: expected shape ({n}, {dim}), got {tuple(arr.shape)}")
+        raise InvalidArgumentError(f"expected shape ({n}, {dim}), got {tuple(arr.shape)}", where=what)
     if not np.isfinite(arr).all():
         bad = int(np.argwhere(~np.isfinite(arr))[0][0])
-        raise InvalidArgumentError(f"{what}[{bad}]: contains NaN or infinity")
+        raise InvalidArgumentError("contains NaN or infinity", where=f"{what}[{bad}]")
     norms = np.linalg.norm(arr, axis=1)
     if (norms == 0).any():
         raise InvalidArgumentError(f"{what}[{int(np.argmin(norms))}]: zero vector")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from lifemem_ray.core.errors import ConfigError
-from lifemem_ray.core.settings import Section, Settings, choice, in_range, positive
+from lifemem_ray.core.settings import Section, Settings, in_range, positive
 from lifemem_ray.llm.llm_config import LLMConfig
 
 __all__ = [
@@ -36,6 +36,11 @@ class EvolutionConfig(Section):
     """Memory initialisation, evolution and splitting (paper section 4, 5.4)."""
 
     NAME = "evolution"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "workflow_features": ("roles", "tokens"),
+        "split_cut": ("size", "silhouette"),
+        "neighbour_scope": ("env", "global"),
+    }
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "init_size": (1, 10_000),
         "top_k": (1, 256),
@@ -91,16 +96,13 @@ class EvolutionConfig(Section):
             value = getattr(self, key)
             if not 1 <= value <= high:
                 raise ConfigError(f"evolution.{key}: must be in [1, {high}], got {value}")
-        choice(self, "workflow_features", ("roles", "tokens"))
         in_range(self, "merge_ratio", 0.0, 1.0)
         in_range(self, "split_mrl_threshold", 0.0, 1.0)
-        choice(self, "split_cut", ("size", "silhouette"))
         in_range(self, "split_min_silhouette", 0.0, 1.0)
-        choice(self, "neighbour_scope", ("env", "global"))
         if self.centroid_candidates < 0:
-            raise ConfigError("evolution.centroid_candidates: must be >= 0")
+            raise ConfigError("must be >= 0", where="evolution.centroid_candidates")
         if self.split_max_parts < 2:
-            raise ConfigError("evolution.split_max_parts: must be at least 2")
+            raise ConfigError("must be at least 2", where="evolution.split_max_parts")
         if self.skill_refresh_growth <= 0 or self.description_refresh_growth <= 0:
             raise ConfigError("evolution.skill_refresh_growth and description_refresh_growth: must be > 0")
 
@@ -160,6 +162,9 @@ class IndexConfig(Section):
     """FAISS: exact below ``exact_max`` vectors per environment, IVF above."""
 
     NAME = "index"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "use_gpu": ("auto", "yes", "no"),
+    }
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "exact_max": (1, 100_000_000),
         "nlist": (0, 1_048_576),
@@ -208,12 +213,15 @@ class IndexConfig(Section):
         in_range(self, "candidate_nprobe_fraction", 0.01, 1.0)
         in_range(self, "retrain_growth", 1.25, 100.0)
         in_range(self, "retrain_nice", 0, 19)
-        choice(self, "use_gpu", ("auto", "yes", "no"))
 
 
 @dataclass
 class EmbeddingConfig(Section):
     NAME = "embedding"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "device": ("auto", "cpu", "cuda"),
+        "backend": ("auto", "torch", "onnx"),
+    }
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "batch_size": (1, 4_096),
         "max_tokens": (1, 512),  # the MiniLM model's positions
@@ -238,10 +246,8 @@ class EmbeddingConfig(Section):
 
     def validate(self) -> None:
         positive(self, "batch_size", "max_tokens")
-        choice(self, "device", ("auto", "cpu", "cuda"))
-        choice(self, "backend", ("auto", "torch", "onnx"))
         if self.threads < 0:
-            raise ConfigError("embedding.threads: must be >= 0")
+            raise ConfigError("must be >= 0", where="embedding.threads")
 
 
 @dataclass
@@ -272,7 +278,8 @@ class StoreConfig(Section):
                 raise ConfigError(f"store.{key}: must be at most 4096 printable characters, got {value[:80]!r}")
         if self.shared_log_endpoint_url and not self.shared_log_endpoint_url.startswith(("http://", "https://")):
             raise ConfigError(
-                f"store.shared_log_endpoint_url: {self.shared_log_endpoint_url[:80]!r} must be an http:// or https:// address"
+                f"{self.shared_log_endpoint_url[:80]!r} must be an http:// or https:// address",
+                where="store.shared_log_endpoint_url",
             )
 
 

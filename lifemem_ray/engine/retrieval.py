@@ -64,27 +64,32 @@ def check_retrieve_args(
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     envs = [envs] * len(tasks) if isinstance(envs, str) else list(envs)
     if len(envs) != len(tasks):
-        raise InvalidArgumentError(f"envs: {len(envs)} given for {len(tasks)} tasks")
+        raise InvalidArgumentError(f"{len(envs)} given for {len(tasks)} tasks", where="envs")
     if len(tasks) > MAX_QUERIES:
         raise InvalidArgumentError(
-            f"tasks: {len(tasks):,} queries in one call, at most {MAX_QUERIES:,}; split them into several calls"
+            f"{len(tasks):,} queries in one call, at most {MAX_QUERIES:,}; split them into several calls",
+            where="tasks",
         )
     for i, (task, env) in enumerate(zip(tasks, envs, strict=True)):
         if not isinstance(task, str) or not task.strip():
-            raise InvalidArgumentError(f"tasks[{i}]: expected a non-empty string")
+            raise InvalidArgumentError("expected a non-empty string", where=f"tasks[{i}]")
         if len(task) > MAX_TASK_CHARS:
             raise InvalidArgumentError(
-                f"tasks[{i}]: {len(task):,} characters, at most {MAX_TASK_CHARS:,}; shorten the task text"
+                f"{len(task):,} characters, at most {MAX_TASK_CHARS:,}; shorten the task text",
+                where=f"tasks[{i}]",
             )
         problem = None if env is None else env_name_problem(env)
         if problem:
-            raise InvalidArgumentError(f"envs[{i}]: {problem} (an environment name, or None for all environments)")
+            raise InvalidArgumentError(
+                f"{problem} (an environment name, or None for all environments)", where=f"envs[{i}]"
+            )
     k = check_k(defaults.k if k is None else k, len(tasks))
     budget = defaults.token_budget if token_budget is None else token_budget
     low, high = RetrievalConfig.BOUNDS["token_budget"]
     if isinstance(budget, bool) or not isinstance(budget, int) or not low <= budget <= high:
         raise InvalidArgumentError(
-            f"token_budget: expected an integer within [{int(low)}, {int(high)}], got {budget!r}"
+            f"expected an integer within [{int(low)}, {int(high)}], got {budget!r}",
+            where="token_budget",
         )
     return tasks, envs, k, budget
 
@@ -99,12 +104,14 @@ def check_k(k: Any, queries: int) -> int:
     low, high = RetrievalConfig.BOUNDS["k"]
     if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
         raise InvalidArgumentError(
-            f"k: expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}"
+            f"expected an integer within [{int(low)}, {int(high)}] (retrieval.k's bounds), got {k!r}",
+            where="k",
         )
     if queries * k > MAX_QUERY_HITS:
         raise InvalidArgumentError(
-            f"k: {queries:,} queries x k = {k} ask for {queries * k:,} results in one call, at most "
-            f"{MAX_QUERY_HITS:,}; send fewer queries per call"
+            f"{queries:,} queries x k = {k} ask for {queries * k:,} results in one call, at most "
+            f"{MAX_QUERY_HITS:,}; send fewer queries per call",
+            where="k",
         )
     return k
 

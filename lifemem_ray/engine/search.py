@@ -98,7 +98,8 @@ class Search:
         queries = unit_rows(vectors, len(envs), self.s.dim, "vectors")
         if len(envs) > MAX_QUERIES:
             raise InvalidArgumentError(
-                f"vectors: {len(envs):,} queries in one call, at most {MAX_QUERIES:,}; send fewer queries per call"
+                f"{len(envs):,} queries in one call, at most {MAX_QUERIES:,}; send fewer queries per call",
+                where="vectors",
             )
         check_k(k, len(envs))
         self.s.refresh()
@@ -108,8 +109,9 @@ class Search:
             return search_index(self.s.index, queries, envs, k)
         if isinstance(as_of, bool) or not isinstance(as_of, int) or not 0 <= as_of <= self.watermark():
             raise InvalidArgumentError(
-                f"as_of: {as_of!r} is not a version of this store (its watermark is {self.watermark()}); "
-                "read the version from this memory's version() or stats()"
+                f"{as_of!r} is not a version of this store (its watermark is {self.watermark()}); "
+                "read the version from this memory's version() or stats()",
+                where="as_of",
             )
         index = self.s.index
         return search_as_of(lambda n: search_index(index, queries, envs, n), k, as_of, len(index))
@@ -166,8 +168,9 @@ def search_index(
     for i, t in enumerate(targets):
         if not isinstance(t, str):
             raise InvalidArgumentError(
-                f"targets[{i}]: {t!r} is not a search target; give a scope (tenancy.scope) or a tenant's "
-                "pool (tenancy.pool, for every environment of one tenant)"
+                f"{t!r} is not a search target; give a scope (tenancy.scope) or a tenant's "
+                "pool (tenancy.pool, for every environment of one tenant)",
+                where=f"targets[{i}]",
             )
     scoped = [i for i, t in enumerate(targets) if not is_pool(t)]
     if len(scoped) == len(targets):

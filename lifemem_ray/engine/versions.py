@@ -70,8 +70,9 @@ def check_version(token: object, where: str = "as_of") -> str:
     """
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS or not _TOKEN.fullmatch(token):
         raise InvalidArgumentError(
-            f"{where}: {str(token)[:80]!r} is not a memory version; give a token read from version() or stats() "
-            "as it was given ('v1:' then one number per shard in ASCII digits, joined by dots: 'v1:1200.977')"
+            f"{str(token)[:80]!r} is not a memory version; give a token read from version() or stats() "
+            "as it was given ('v1:' then one number per shard in ASCII digits, joined by dots: 'v1:1200.977')",
+            where=where,
         )
     return token
 
@@ -82,8 +83,9 @@ def parse_version(token: object, shards: int, where: str = "as_of") -> list[int]
     watermarks = [int(part) for part in token[len(PREFIX) :].split(".")]
     if len(watermarks) != shards:
         raise InvalidArgumentError(
-            f"{where}: version {token!r} is of a memory with {len(watermarks)} shard(s), this one has {shards}; "
-            "read a new version (after a reshard, an absorb or a restore the old ones no longer apply)"
+            f"version {token!r} is of a memory with {len(watermarks)} shard(s), this one has {shards}; "
+            "read a new version (after a reshard, an absorb or a restore the old ones no longer apply)",
+            where=where,
         )
     return watermarks
 

@@ -204,7 +204,7 @@ class ExemplarAgent(RandomAgent):
         super().__init__(seed)
         self.state_match = state_match
         if not 0.0 < min_match <= 1.0:
-            raise InvalidArgumentError(f"ExemplarAgent: min_match must be in (0, 1], got {min_match!r}")
+            raise InvalidArgumentError(f"min_match must be in (0, 1], got {min_match!r}", where="ExemplarAgent")
         self.min_match = min_match
         self.lookahead = lookahead
         self.failed_weight = failed_weight
@@ -522,10 +522,11 @@ class SkillGuidedAgent(ExemplarAgent):
     ) -> None:
         super().__init__(seed, **exemplar_options)
         if not 0.0 < skill_match <= 1.0:
-            raise InvalidArgumentError(f"SkillGuidedAgent: skill_match must be in (0, 1], got {skill_match!r}")
+            raise InvalidArgumentError(f"skill_match must be in (0, 1], got {skill_match!r}", where="SkillGuidedAgent")
         if not (0.0 < decay <= 1.0 and 0.0 <= repeat <= 1.0) or skill_lookahead < 0:
             raise InvalidArgumentError(
-                "SkillGuidedAgent: decay must be in (0, 1], repeat in [0, 1], skill_lookahead >= 0"
+                "decay must be in (0, 1], repeat in [0, 1], skill_lookahead >= 0",
+                where="SkillGuidedAgent",
             )
         self.skill_match, self.skill_lookahead, self.decay, self.repeat = skill_match, skill_lookahead, decay, repeat
         self._skills: list[tuple[tuple[SkillStep, ...], float]] = []
@@ -731,7 +732,7 @@ class ReActAgent(Agent):
         from lifemem_ray.llm.transport import LLMClient
 
         if token_budget is not None and token_budget < 0:
-            raise InvalidArgumentError(f"ReActAgent: token_budget must be >= 0, got {token_budget!r}")
+            raise InvalidArgumentError(f"token_budget must be >= 0, got {token_budget!r}", where="ReActAgent")
         self.config = llm_config
         self._client = client or LLMClient(llm_config, metrics=metrics)  # metrics: where its calls are recorded
         self._owns_client = client is None

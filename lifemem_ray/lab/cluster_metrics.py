@@ -100,7 +100,7 @@ def weighted_scores(clusters: np.ndarray, labels: np.ndarray, weights: np.ndarra
     clusters, labels = _check(clusters, labels)
     w = np.atleast_2d(np.asarray(weights, dtype=np.float64))
     if w.shape[1] != len(clusters):
-        raise InvalidArgumentError(f"weights: expected (draws, {len(clusters)}), got {w.shape}")
+        raise InvalidArgumentError(f"expected (draws, {len(clusters)}), got {w.shape}", where="weights")
     _, c = np.unique(clusters, return_inverse=True)
     _, y = np.unique(labels, return_inverse=True)
     kc, ky = int(c.max()) + 1, int(y.max()) + 1
@@ -143,10 +143,12 @@ def pure_partition_nmi(labels: Sequence[Hashable], k: int) -> dict[str, float]:
 
     truth = np.asarray([str(x) for x in labels])
     if len(truth) == 0:
-        raise InvalidArgumentError("labels: empty")
+        raise InvalidArgumentError("empty", where="labels")
     names, codes = np.unique(truth, return_inverse=True)
     if k < len(names) or k > len(truth):
-        raise InvalidArgumentError(f"k: must be within [{len(names)}, {len(truth)}] (the labels, the members), got {k}")
+        raise InvalidArgumentError(
+            f"must be within [{len(names)}, {len(truth)}] (the labels, the members), got {k}", where="k"
+        )
     out = {}
     for how in ("even", "splinters"):
         parts = [list(np.flatnonzero(codes == c)) for c in range(len(names))]
@@ -167,9 +169,9 @@ def equal_k_baseline(vectors: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     normalised first; k-means++ seeding, so ``seed`` gives the spread over restarts)."""
     x = np.asarray(vectors, dtype=np.float64)
     if x.ndim != 2 or len(x) == 0:
-        raise InvalidArgumentError(f"vectors: expected a non-empty (n, d) array, got shape {x.shape}")
+        raise InvalidArgumentError(f"expected a non-empty (n, d) array, got shape {x.shape}", where="vectors")
     if k < 1:
-        raise InvalidArgumentError(f"k: must be at least 1, got {k}")
+        raise InvalidArgumentError(f"must be at least 1, got {k}", where="k")
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     x = x / np.where(norms > 0, norms, 1.0)
     if k == 1:

@@ -115,7 +115,7 @@ def default_sources(scale: float = 1.0) -> list[Source]:
     WebShop 200 goals and Mind2Web 190 steps (its unseen websites' all).
     """
     if not 0 < scale <= 10:
-        raise InvalidArgumentError(f"scale: must be in (0, 10], got {scale!r}")
+        raise InvalidArgumentError(f"must be in (0, 10], got {scale!r}", where="scale")
 
     def n(count: int) -> int:
         return max(1, round(count * scale))
@@ -167,7 +167,7 @@ def scienceworld_topic(kind: str) -> str:
         if name == kind:
             topic = task_id.split("-", 1)[0]
             return f"{topic}-{_SW_TOPIC_NAMES.get(topic, 'topic')}"
-    raise UnknownNameError(f"scienceworld: unknown task kind {kind!r}")
+    raise UnknownNameError(f"unknown task kind {kind!r}", where="scienceworld")
 
 
 def _labels(source: Source, metadata: dict[str, Any]) -> dict[str, str]:
@@ -236,13 +236,13 @@ def generate(
     steps where the noisy-gold agent takes a random valid action instead, which gives
     failures) and return the labelled trajectories, in the sources' order."""
     if fold not in FOLDS:
-        raise InvalidArgumentError(f"fold: expected one of {', '.join(FOLDS)}, got {fold!r}")
+        raise InvalidArgumentError(f"expected one of {', '.join(FOLDS)}, got {fold!r}", where="fold")
     if not 1 <= workers <= 64:
-        raise InvalidArgumentError(f"workers: must be in [1, 64], got {workers!r}")
+        raise InvalidArgumentError(f"must be in [1, 64], got {workers!r}", where="workers")
     if not 0.0 <= noise <= 1.0:
-        raise InvalidArgumentError(f"noise: must be in [0, 1], got {noise!r}")
+        raise InvalidArgumentError(f"must be in [0, 1], got {noise!r}", where="noise")
     if not 0.0 < episode_timeout_s <= 3600.0:
-        raise InvalidArgumentError(f"episode_timeout_s: must be in (0, 3600], got {episode_timeout_s!r}")
+        raise InvalidArgumentError(f"must be in (0, 3600], got {episode_timeout_s!r}", where="episode_timeout_s")
     started = time.perf_counter()
     jobs = [_Job(s, fold, agent, noise, episode_timeout_s) for s in sources]
     result = GenerationResult(trajectories=[])

@@ -53,7 +53,7 @@ class EpisodeLimits:
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
-            raise InvalidArgumentError(f"max_steps: must be >= 1, got {self.max_steps}")
+            raise InvalidArgumentError(f"must be >= 1, got {self.max_steps}", where="max_steps")
         if self.step_timeout_s <= 0 or self.episode_timeout_s <= 0:
             raise InvalidArgumentError("step_timeout_s and episode_timeout_s must be > 0")
 

@@ -103,7 +103,7 @@ class ExperimentConfig(Section):
         from lifemem_ray.lab.agents import AGENTS
 
         if not self.envs:
-            raise ConfigError("experiment.envs: name at least one environment")
+            raise ConfigError("name at least one environment", where="experiment.envs")
         every = list(self.envs) + list(self.eval_envs)
         if len(set(every)) != len(every):
             raise ConfigError(f"experiment.envs / eval_envs: repeated names in {every}")
@@ -114,11 +114,15 @@ class ExperimentConfig(Section):
                     f"(eval_envs: {self.eval_envs}) to a trained one (envs: {self.envs})"
                 )
         if self.stream not in STREAMS:
-            raise ConfigError(f"experiment.stream: must be one of {', '.join(STREAMS)}; got {self.stream!r}")
+            raise ConfigError(f"must be one of {', '.join(STREAMS)}; got {self.stream!r}", where="experiment.stream")
         if not self.modes or any(m not in MEMORY_MODES for m in self.modes) or len(set(self.modes)) != len(self.modes):
-            raise ConfigError(f"experiment.modes: each once, each one of {', '.join(MEMORY_MODES)}; got {self.modes}")
+            raise ConfigError(
+                f"each once, each one of {', '.join(MEMORY_MODES)}; got {self.modes}", where="experiment.modes"
+            )
         if self.eval_envs and "none" not in self.modes:
-            raise ConfigError("experiment.modes: zero-shot transfer (eval_envs) is reported against 'none': include it")
+            raise ConfigError(
+                "zero-shot transfer (eval_envs) is reported against 'none': include it", where="experiment.modes"
+            )
         for key in ("agent", "learn_agent"):
             value = getattr(self, key)
             if value not in AGENTS and not (key == "learn_agent" and value == "same"):

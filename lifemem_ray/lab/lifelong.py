@@ -89,10 +89,10 @@ def build_stream(
 ) -> list[Phase]:
     """The learning phases of a stream (``buffer`` has the random order; batching is the runner's)."""
     if kind not in STREAMS:
-        raise InvalidArgumentError(f"stream: must be one of {', '.join(STREAMS)}; got {kind!r}")
+        raise InvalidArgumentError(f"must be one of {', '.join(STREAMS)}; got {kind!r}", where="stream")
     missing = [e for e in env_order if e not in train]
     if missing:
-        raise InvalidArgumentError(f"stream: no training tasks for {missing}")
+        raise InvalidArgumentError(f"no training tasks for {missing}", where="stream")
     if kind == "similarity":
         phases = []
         for j, env in enumerate(env_order):
@@ -295,7 +295,7 @@ def summarise(
     import numpy as np
 
     if not results:
-        raise InvalidArgumentError("summarise: no seed results")
+        raise InvalidArgumentError("no seed results", where="summarise")
     point = _statistics(results, modes, envs, None)
     rng = np.random.default_rng(seed)
     sizes = {}

@@ -551,7 +551,9 @@ def generate(
     names = envs or list(ENVIRONMENTS)
     for env in names:
         if env not in ENVIRONMENTS:
-            raise InvalidArgumentError(f"envs: unknown synthetic environment {env!r}; known: {', '.join(ENVIRONMENTS)}")
+            raise InvalidArgumentError(
+                f"unknown synthetic environment {env!r}; known: {', '.join(ENVIRONMENTS)}", where="envs"
+            )
     for i in range(n):
         env = names[i % len(names)]
         wf = rng.choice(ENVIRONMENTS[env])

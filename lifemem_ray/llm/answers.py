@@ -186,25 +186,25 @@ def clean_text(
     no instruction aimed at the operator (:func:`lifemem_ray.llm.provenance.refusal`); else
     :class:`GeneratedTextRefused`."""
     if not isinstance(value, str):
-        raise AnswerError(f"{what}: expected a string, got {type(value).__name__}")
+        raise AnswerError(f"expected a string, got {type(value).__name__}", where=what)
     if one_line:
         text = " ".join(value.split())
     else:
         lines = [" ".join(line.split()) for line in value.replace("\r\n", "\n").split("\n")]
         text = "\n".join(line for line in lines if line)
     if len(text) < min_chars:
-        raise AnswerError(f"{what}: too short ({text!r})")
+        raise AnswerError(f"too short ({text!r})", where=what)
     if len(text) > max_chars:
-        raise AnswerError(f"{what}: longer than {max_chars} characters")
+        raise AnswerError(f"longer than {max_chars} characters", where=what)
     # Per line: a copied answer-format template ("- <rule>\n- <rule>\n- <rule>") is a placeholder too.
     if _ERROR_TEXT.search(text) or _REFUSAL.search(text) or any(_PLACEHOLDER.match(line) for line in text.split("\n")):
-        raise AnswerError(f"{what}: looks like an error message, refusal or placeholder: {snippet(text, 80)}")
+        raise AnswerError(f"looks like an error message, refusal or placeholder: {snippet(text, 80)}", where=what)
     reason = refusal(text, provenance) if provenance is not None else None
     if reason:
         raise GeneratedTextRefused(f"{what}: {reason}")
     for word in forbidden:
         if re.search(r"(?<![A-Za-z0-9])" + re.escape(word) + r"(?![A-Za-z0-9])", text, re.IGNORECASE):
-            raise AnswerError(f"{what}: mentions the environment-specific name {word!r}")
+            raise AnswerError(f"mentions the environment-specific name {word!r}", where=what)
     return text
 
 

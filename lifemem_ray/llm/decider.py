@@ -71,7 +71,7 @@ class LLMDecider:
         (default: ``llm.prompt_char_budget``)."""
         prompt_char_budget = config.prompt_char_budget if prompt_char_budget is None else prompt_char_budget
         if prompt_char_budget <= 0:
-            raise InvalidArgumentError("LLMDecider: prompt_char_budget must be > 0")
+            raise InvalidArgumentError("prompt_char_budget must be > 0", where="LLMDecider")
         self.config = config
         self.client = client or LLMClient(config, **client_options)
         self.prompt_char_budget = prompt_char_budget
@@ -99,7 +99,8 @@ class LLMDecider:
         keys = [r.key for r in requests]
         if len(set(keys)) != len(keys):
             raise InvalidArgumentError(
-                f"LLMDecider.assign: duplicate request keys {sorted(k for k in set(keys) if keys.count(k) > 1)}"
+                f"duplicate request keys {sorted(k for k in set(keys) if keys.count(k) > 1)}",
+                where="LLMDecider.assign",
             )
         if not requests:
             return []

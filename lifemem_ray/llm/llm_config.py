@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from lifemem_ray.core.errors import ConfigError
-from lifemem_ray.core.settings import Section, choice, in_range, positive
+from lifemem_ray.core.settings import Section, in_range, positive
 
 __all__ = ["LLMConfig"]
 
@@ -16,6 +16,10 @@ class LLMConfig(Section):
     """Who decides: ``offline`` (no network) or ``openai`` (any OpenAI-compatible server)."""
 
     NAME = "llm"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "backend": ("offline", "openai"),
+        "response_format": ("json_object", "json_schema", "none"),
+    }
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "temperature": (0.0, 2.0),
         "timeout_s": (0.1, 3_600.0),
@@ -52,8 +56,6 @@ class LLMConfig(Section):
     retry_after_max_s: float = 30.0  # a server's Retry-After is honoured up to this
 
     def validate(self) -> None:
-        choice(self, "backend", ("offline", "openai"))
-        choice(self, "response_format", ("json_object", "json_schema", "none"))
         positive(
             self,
             "timeout_s",
@@ -64,7 +66,7 @@ class LLMConfig(Section):
             "min_cluster_size",
         )
         if self.max_retries < 0:
-            raise ConfigError("llm.max_retries: must be >= 0")
+            raise ConfigError("must be >= 0", where="llm.max_retries")
         in_range(self, "temperature", 0.0, 2.0)
         if self.backend == "openai" and not self.model:
-            raise ConfigError("llm.model: required when llm.backend = 'openai'")
+            raise ConfigError("required when llm.backend = 'openai'", where="llm.model")

@@ -241,10 +241,10 @@ def assign_prompt(requests: Sequence[AssignRequest], max_item_chars: int) -> Pro
     whole member trajectories: that keeps a 5-item call compact.
     """
     if not requests:
-        raise InvalidArgumentError("assign_prompt: no requests")
+        raise InvalidArgumentError("no requests", where="assign_prompt")
     keys = [r.key for r in requests]
     if len(set(keys)) != len(keys):
-        raise InvalidArgumentError(f"assign_prompt: duplicate item keys in {keys}")
+        raise InvalidArgumentError(f"duplicate item keys in {keys}", where="assign_prompt")
     clusters: dict[int, ClusterView] = {}
     for request in requests:
         for candidate in request.candidates:
@@ -310,7 +310,7 @@ def partition_prompt(
 ) -> Prompt:
     """Group the initial trajectories into workflow clusters (memory initialisation)."""
     if not trajectories:
-        raise InvalidArgumentError("partition_prompt: no trajectories")
+        raise InvalidArgumentError("no trajectories", where="partition_prompt")
     keys = list(range(len(trajectories)))
     per_item = _item_budget(len(trajectories), max_item_chars, char_budget)
     data = [_trajectory_block(t, per_item, key=i) for i, t in enumerate(trajectories)]
@@ -361,10 +361,11 @@ def split_prompt(
 ) -> Prompt:
     """Group a sample of an over-diverse cluster's members into 2..max_parts finer workflows."""
     if max_parts < 2:
-        raise InvalidArgumentError(f"split_prompt: max_parts must be at least 2, got {max_parts}")
+        raise InvalidArgumentError(f"max_parts must be at least 2, got {max_parts}", where="split_prompt")
     if len(members) < 2:
         raise InvalidArgumentError(
-            f"split_prompt: need at least 2 members to split cluster {cluster.id}, got {len(members)}"
+            f"need at least 2 members to split cluster {cluster.id}, got {len(members)}",
+            where="split_prompt",
         )
     keys = list(range(len(members)))
     max_groups = min(max_parts, len(members))
@@ -395,7 +396,7 @@ def distil_prompt(
 ) -> Prompt:
     """An environment-invariant skill (short imperative rules) for a cluster's workflow."""
     if not members:
-        raise InvalidArgumentError(f"distil_prompt: cluster {cluster.id} has no members to distil")
+        raise InvalidArgumentError(f"cluster {cluster.id} has no members to distil", where="distil_prompt")
     per_item = _item_budget(len(members), max_item_chars, char_budget)
     data = [_cluster_block(cluster, examples=False)]
     data += [_trajectory_block(t, per_item, key=i) for i, t in enumerate(members)]

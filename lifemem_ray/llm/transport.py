@@ -92,11 +92,12 @@ class _LoopThread:
         if threading.current_thread() is self.thread:
             coro.close()
             raise UsageError(
-                "LLMClient: a blocking call from the client's own event-loop thread would deadlock; use arun() there"
+                "a blocking call from the client's own event-loop thread would deadlock; use arun() there",
+                where="LLMClient",
             )
         if self.loop.is_closed() or not self.loop.is_running():
             coro.close()
-            raise UsageError("LLMClient: used after close()")
+            raise UsageError("used after close()", where="LLMClient")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
@@ -159,11 +160,13 @@ class LLMClient:
         backoff_base_s = config.backoff_base_s if backoff_base_s is None else backoff_base_s
         backoff_max_s = config.backoff_max_s if backoff_max_s is None else backoff_max_s
         retry_after_max_s = config.retry_after_max_s if retry_after_max_s is None else retry_after_max_s
-        config.validate()
+        config.checked()
         if not config.model:
-            raise ConfigError("LLMClient: llm.model is empty; name the model the server serves")
+            raise ConfigError("llm.model is empty; name the model the server serves", where="LLMClient")
         if backoff_base_s < 0 or backoff_max_s < 0 or retry_after_max_s < 0:
-            raise InvalidArgumentError("LLMClient: backoff_base_s, backoff_max_s and retry_after_max_s must be >= 0")
+            raise InvalidArgumentError(
+                "backoff_base_s, backoff_max_s and retry_after_max_s must be >= 0", where="LLMClient"
+            )
         self.config = config
         self.base_url = config.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
         host = (urlparse(self.base_url).hostname or "").lower()
@@ -217,10 +220,14 @@ class LLMClient:
         as invalid in the counters. Returns None on any failure, after a warning.
         """
         if asyncio.get_running_loop() is not self._loop.loop:
-            raise UsageError("LLMClient.arequest: must run on the client's loop; use request(), run() or arun()")
+            raise UsageError(
+                "must run on the client's loop; use request(), run() or arun()", where="LLMClient.arequest"
+            )
         op = prompt.op
         if op not in self._stats:
-            raise InvalidArgumentError(f"LLMClient.arequest: unknown operation {op!r}; known: {', '.join(OPERATIONS)}")
+            raise InvalidArgumentError(
+                f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}", where="LLMClient.arequest"
+            )
         started = time.monotonic()
         self._count(op, calls=1)
         self.metrics.count_call(op)
@@ -402,7 +409,7 @@ class LLMClient:
     def record(self, op: str, **increments: float) -> None:
         """Add to an operation's counters (the decider counts items this way)."""
         if op not in self._stats:
-            raise InvalidArgumentError(f"LLMClient.record: unknown operation {op!r}")
+            raise InvalidArgumentError(f"unknown operation {op!r}", where="LLMClient.record")
         self._count(op, **increments)
 
     def usage(self) -> dict[str, dict[str, float]]:

@@ -80,11 +80,11 @@ class KeyEntry:
 def _scopes(value: Any, where: str) -> frozenset[str]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items:
-        raise ConfigError(f"{where}: expected a non-empty list of scopes out of {', '.join(SCOPES)}")
+        raise ConfigError(f"expected a non-empty list of scopes out of {', '.join(SCOPES)}", where=where)
     got = [s.strip() if isinstance(s, str) else s for s in items]
     bad = [s for s in got if s not in SCOPES]
     if bad:
-        raise ConfigError(f"{where}: unknown scope(s) {bad}; scopes are {', '.join(SCOPES)}")
+        raise ConfigError(f"unknown scope(s) {bad}; scopes are {', '.join(SCOPES)}", where=where)
     return frozenset(got)
 
 
@@ -93,7 +93,8 @@ def parse_key_entries(raw: Any, where: str) -> list[KeyEntry]:
     Raises :class:`ConfigError` naming the entry and field (``http.api_keys[2].sha256``)."""
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(
-            f"{where}: expected a list of {{name, sha256, tenant, scopes}} entries, got {type(raw).__name__}"
+            f"expected a list of {{name, sha256, tenant, scopes}} entries, got {type(raw).__name__}",
+            where=where,
         )
     out: list[KeyEntry] = []
     for i, item in enumerate(raw):
@@ -102,22 +103,25 @@ def parse_key_entries(raw: Any, where: str) -> list[KeyEntry]:
             out.append(item)
             continue
         if not isinstance(item, Mapping):
-            raise ConfigError(f"{at}: expected a table {{name, sha256, tenant, scopes}}, got {type(item).__name__}")
+            raise ConfigError(f"expected a table {{name, sha256, tenant, scopes}}, got {type(item).__name__}", where=at)
         unknown = set(item) - {"name", "sha256", "tenant", "scopes"}
         if unknown:
-            raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}; an entry has name, sha256, tenant, scopes")
+            raise ConfigError(
+                f"unknown field(s) {sorted(unknown)}; an entry has name, sha256, tenant, scopes", where=at
+            )
         name, digest = item.get("name"), item.get("sha256")
         if not isinstance(name, str) or not is_name(name):  # isinstance: for the type checker
-            raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '_', '.', '-', got {name!r}")
+            raise ConfigError(f"expected 1-64 letters, digits, '_', '.', '-', got {name!r}", where=f"{at}.name")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest.lower()):
             raise ConfigError(
-                f"{at}.sha256: expected the 64 hex digits of the key's SHA-256 (`lifemem-ray keys new` prints it), "
-                "never the key itself"
+                "expected the 64 hex digits of the key's SHA-256 (`lifemem-ray keys new` prints it), "
+                "never the key itself",
+                where=f"{at}.sha256",
             )
         try:
             tenant = check_tenant(item.get("tenant"), f"{at}.tenant")
         except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            raise ConfigError(getattr(exc, "problem", str(exc)), where=getattr(exc, "where", None)) from None
         out.append(KeyEntry(name, digest.lower(), tenant, _scopes(item.get("scopes"), f"{at}.scopes")))
     for attr in ("name", "sha256"):
         seen: set[str] = set()
@@ -149,7 +153,8 @@ def entries_from_environ(environ: Mapping[str, str] | None = None) -> list[KeyEn
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ConfigError(
-            f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}); expected a list of key entries"
+            f"not valid JSON ({exc.msg} at line {exc.lineno}); expected a list of key entries",
+            where=where,
         ) from None
     return parse_key_entries(data, where)
 
@@ -164,7 +169,7 @@ class KeyRing:
     @classmethod
     def from_entries(cls, entries: Sequence[Any], mode: str = "keys") -> KeyRing:
         if mode not in ("keys", "none"):
-            raise ConfigError(f"http.auth: must be 'keys' or 'none', got {mode!r}")
+            raise ConfigError(f"must be 'keys' or 'none', got {mode!r}", where="http.auth")
         checked = parse_key_entries(list(entries), "api keys")
         return cls(tuple(checked), mode)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from lifemem_ray.core.errors import ConfigError
-from lifemem_ray.core.settings import Section, choice
+from lifemem_ray.core.settings import Section
 from lifemem_ray.service.auth import parse_key_entries
 
 __all__ = ["HttpConfig"]
@@ -18,6 +18,9 @@ class HttpConfig(Section):
     """The REST and MCP front door on Ray Serve (``lifemem-ray serve --http``, actors/frontdoor/app.py)."""
 
     NAME = "http"
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "auth": ("keys", "none"),
+    }
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
         "port": (1, 65_535),
         "replicas": (1, 64),
@@ -80,12 +83,12 @@ class HttpConfig(Section):
     operations_ttl_s: float = 3_600.0  # an operation is forgotten this long after it was created
 
     def validate(self) -> None:
-        choice(self, "auth", ("keys", "none"))
         if not self.host.strip():
-            raise ConfigError("http.host: must not be empty")
+            raise ConfigError("must not be empty", where="http.host")
         if self.max_ongoing_per_tenant > self.max_ongoing_requests:
             raise ConfigError(
-                f"http.max_ongoing_per_tenant: {self.max_ongoing_per_tenant} is above http.max_ongoing_requests "
-                f"({self.max_ongoing_requests}): one tenant could take every request slot of a replica; lower it"
+                f"{self.max_ongoing_per_tenant} is above http.max_ongoing_requests "
+                f"({self.max_ongoing_requests}): one tenant could take every request slot of a replica; lower it",
+                where="http.max_ongoing_per_tenant",
             )
         parse_key_entries(self.api_keys, "http.api_keys")

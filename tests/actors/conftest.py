@@ -12,7 +12,7 @@ from support.ray_fixtures import config, deployment, ray_local, ray_metrics_url
 
 __all__ = ["config", "deployment", "ray_local", "ray_metrics_url"]
 
-for _layer in ("core", "llm", "engine", "service", "lab", "docs_and_packaging"):
+for _layer in ("core", "llm", "engine", "service", "lab", "episodes", "docs_and_packaging"):
     _folder = str(Path(__file__).resolve().parents[1] / _layer)
     if _folder not in sys.path:
         sys.path.append(_folder)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lifemem_ray.core.errors import ConfigError
+from lifemem_ray.episodes.episode_options import EpisodeOptions
 
 __all__ = [
     "CONNECTION_KEYS",
@@ -27,9 +28,7 @@ MEMORY_KEYS = frozenset(  # MemoryTextEnv's env_config
     {"inner", "inner_config", "memory", "memory_env", "context_in", "task_from", "settle_timeout_s"}
 )
 CONNECTION_KEYS = frozenset({"namespace", "address", "overrides", "reconnect_after_s"})  # its "memory" block
-EPISODE_KEYS = frozenset(  # ditto
-    {"k", "token_budget", "tenant", "ack_timeout_s", "max_pending", "same_env", "as_of"}
-)
+EPISODE_KEYS = frozenset(EpisodeOptions.model_fields)  # ditto: the episode memory's options
 
 
 def plain(value: Any) -> Any:
@@ -48,25 +47,25 @@ def as_mapping(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping (a dict or a DictConfig), got {type(value).__name__}")
+        raise ConfigError(f"expected a mapping (a dict or a DictConfig), got {type(value).__name__}", where=where)
     return dict(plain(value))
 
 
 def check_keys(config: Mapping[str, Any], known: frozenset[str], where: str) -> None:
     unknown = sorted(set(config) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}", where=where)
 
 
 def nonempty_name(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+        raise ConfigError(f"expected a non-empty string, got {value!r}", where=where)
     return value.strip()
 
 
 def bounded_number(value: Any, low: float, high: float, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ConfigError(f"{where}: expected a number in {low:g}..{high:g}, got {value!r}")
+        raise ConfigError(f"expected a number in {low:g}..{high:g}, got {value!r}", where=where)
     return float(value)
 
 

@@ -68,8 +68,9 @@ class LabEnvPool:
         task_id, index = row_extra(extras, "task_id"), row_extra(extras, "task_index")
         if task_id is None and index is None:
             raise ConfigError(
-                f"{where}: the row names no task; give extras['task_id'] or extras['task_index'] "
-                f"(or the same under extras['extra_info']); extras has {sorted(extras)}"
+                f"the row names no task; give extras['task_id'] or extras['task_index'] "
+                f"(or the same under extras['extra_info']); extras has {sorted(extras)}",
+                where=where,
             )
         if task_id is None:
             tasks = env.tasks(split)

@@ -23,9 +23,9 @@ from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
 from lifemem_ray.actors.integrations.skyrl_env.lab_env import LAB_ENV_ID
 from lifemem_ray.actors.integrations.skyrl_env.shared_clients import episode_memory_opener
 from lifemem_ray.core.errors import ConfigError, InvalidArgumentError
-from lifemem_ray.lab.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
-from lifemem_ray.lab.episode_data import MADE_VALID_KINDS, NOT_STORED_REASONS
-from lifemem_ray.lab.episode_memory import EpisodeRecord
+from lifemem_ray.episodes.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
+from lifemem_ray.episodes.episode_data import MADE_VALID_KINDS, NOT_STORED_REASONS
+from lifemem_ray.episodes.episode_memory import EpisodeRecord
 
 __all__ = ["MEMORY_ENV_ID", "MemoryTextEnv"]
 
@@ -47,14 +47,14 @@ class MemoryTextEnv(BaseTextEnv):
       settings of the client), ``reconnect_after_s`` (30), and the episode options ``k``,
       ``token_budget``, ``tenant``, ``ack_timeout_s``, ``max_pending``, ``same_env``, ``as_of`` (a
       memory version the recalls are pinned to; recorded in each stored trajectory) of
-      :class:`~lifemem_ray.lab.episode_memory.EpisodeMemory`. One client per deployment serves
+      :class:`~lifemem_ray.episodes.episode_memory.EpisodeMemory`. One client per deployment serves
       every environment of the process. (Or pass ``memory=`` to ``skyrl_gym.make``: an
       ``EpisodeMemory``, shared as it is, or a memory object such as ``Memory``.)
     * ``memory_env``: the environment's name in the memory (default: the inner ``init``'s
       ``info["env"]``, else the row's ``data_source``, else the inner id).
     * ``context_in``: ``system`` (default: the context joins the first message when it is a
       system message, else becomes one before the prompt) or ``user`` (before the first user
-      message's text); :func:`lifemem_ray.lab.chat_context.with_context` is the rule.
+      message's text); :func:`lifemem_ray.episodes.chat_context.with_context` is the rule.
     * ``task_from``: the task text recalled for and stored: ``auto`` (default: the inner
       ``init``'s ``info["instruction"]``, else the last user message), ``last_user``,
       ``first_user``, or ``extras.<key>[.<key>...]`` (a field of the row).
@@ -65,7 +65,7 @@ class MemoryTextEnv(BaseTextEnv):
     step's ``metadata["success"]`` when the inner environment gives one, else reward > 0.
     An episode closed before ``done`` is stored with its outcome unknown. What the inner
     environment and the policy hand over is made valid by the episode data rule
-    (:mod:`lifemem_ray.lab.episode_data`: a NaN reward, a NUL, a lone surrogate, a 50 MB
+    (:mod:`lifemem_ray.episodes.episode_data`: a NaN reward, a NUL, a lone surrogate, a 50 MB
     action) and counted; an episode that cannot be stored, or a step output that cannot be
     read, is counted with its reason (``get_metrics``); neither raises into the rollout.
 
@@ -277,12 +277,12 @@ def task_from_extras(task_from: str, extras: Mapping[str, Any], where: str) -> s
     if task_from in ("auto", "last_user", "first_user"):
         return None
     if not task_from.startswith("extras."):
-        raise ConfigError(f"{where}: expected auto, last_user, first_user or extras.<key>, got {task_from!r}")
+        raise ConfigError(f"expected auto, last_user, first_user or extras.<key>, got {task_from!r}", where=where)
     value: Any = extras
     for key in task_from.split(".")[1:]:
         value = value.get(key) if isinstance(value, Mapping) else None
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}: the row's extras hold no text at {task_from!r} (got {value!r})")
+        raise ConfigError(f"the row's extras hold no text at {task_from!r} (got {value!r})", where=where)
     return value
 
 

@@ -16,14 +16,13 @@ from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
     CONNECTION_KEYS,
     EPISODE_KEYS,
     as_mapping,
-    bounded_number,
     check_keys,
     nonempty_name,
 )
-from lifemem_ray.core.errors import ConfigError, InvalidArgumentError
-from lifemem_ray.core.tenancy import check_tenant
-from lifemem_ray.engine.versions import check_version
-from lifemem_ray.lab.episode_memory import EpisodeMemory
+from lifemem_ray.core.errors import ConfigError
+from lifemem_ray.core.validation import validated
+from lifemem_ray.episodes.episode_memory import EpisodeMemory
+from lifemem_ray.episodes.episode_options import EpisodeOptions
 
 __all__ = ["SHARED_CLIENTS", "SharedClients", "check_episode_options", "episode_memory_opener"]
 
@@ -73,20 +72,11 @@ SHARED_CLIENTS = SharedClients()
 
 
 def check_episode_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The :class:`EpisodeMemory` options among ``options``, checked against its bounds."""
+    """The :class:`EpisodeMemory` options among ``options``, checked by
+    :class:`~lifemem_ray.episodes.episode_options.EpisodeOptions` (the one model every adapter
+    uses); a refusal is a ConfigError whose ``where`` names the key under ``where``."""
     chosen = {key: options[key] for key in EPISODE_KEYS & set(options)}
-    for key, (low, high) in EpisodeMemory.BOUNDS.items():
-        if key in chosen:
-            bounded_number(chosen[key], low, high, f"{where}['{key}']")
-    if "tenant" in chosen:
-        check_tenant(chosen["tenant"], f"{where}['tenant']")
-    if "as_of" in chosen and chosen["as_of"] is not None:
-        try:
-            check_version(chosen["as_of"], f"{where}['as_of']")
-        except InvalidArgumentError as exc:
-            raise ConfigError(str(exc)) from None
-    if "same_env" in chosen and not isinstance(chosen["same_env"], bool):
-        raise ConfigError(f"{where}['same_env']: expected true or false, got {chosen['same_env']!r}")
+    validated(EpisodeOptions, chosen, where=where)
     return chosen
 
 
@@ -106,8 +96,9 @@ def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tu
         return lambda: (EpisodeMemory(memory, **episode_options), True)
     if not options:
         raise ConfigError(
-            f"{where}: missing; give {{namespace: <the deployment's Ray namespace>}} "
-            "(and address, overrides, k, tenant ... as needed), or pass memory= to skyrl_gym.make"
+            "missing; give {namespace: <the deployment's Ray namespace>} "
+            "(and address, overrides, k, tenant ... as needed), or pass memory= to skyrl_gym.make",
+            where=where,
         )
     namespace = nonempty_name(options.get("namespace"), f"{where}['namespace']")
     address = options.get("address")

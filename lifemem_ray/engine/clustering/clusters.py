@@ -269,7 +269,7 @@ def check_listing_limit(limit: Any) -> None:
     """How many clusters a listing may return: a positive integer, or None for all (the one
     check of the engine's and the client's ``clusters``)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InvalidArgumentError(f"limit: expected a positive integer or None, got {limit!r}")
+        raise InvalidArgumentError(f"expected a positive integer or None, got {limit!r}", where="limit")
 
 
 @dataclass(frozen=True)

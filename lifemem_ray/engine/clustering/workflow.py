@@ -455,7 +455,7 @@ def hashed_vector(features: dict[str, float], dim: int = DEFAULT_DIM) -> np.ndar
     """Signed feature hashing of weighted features into a float32 unit vector (no features:
     the empty workflow's fixed vector)."""
     if dim < 2:
-        raise InvalidArgumentError(f"dim: must be at least 2, got {dim}")
+        raise InvalidArgumentError(f"must be at least 2, got {dim}", where="dim")
     idx = np.empty(len(features), dtype=np.int64)
     val = np.empty(len(features), dtype=np.float64)
     for i, (feat, w) in enumerate(features.items()):

@@ -46,5 +46,5 @@ def checked_texts(texts: Sequence[str]) -> list[str]:
     texts = list(texts)
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise ArgumentTypeError(f"texts[{i}]: expected a string, got {type(text).__name__}")
+            raise ArgumentTypeError(f"expected a string, got {type(text).__name__}", where=f"texts[{i}]")
     return texts

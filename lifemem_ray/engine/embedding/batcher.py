@@ -55,9 +55,11 @@ class DynamicBatcher:
         name: str = "lifemem-embedding-batcher",
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InvalidArgumentError(f"DynamicBatcher: batch_size must be an integer >= 1, got {batch_size!r}")
+            raise InvalidArgumentError(
+                f"batch_size must be an integer >= 1, got {batch_size!r}", where="DynamicBatcher"
+            )
         if not wait_ms >= 0:
-            raise InvalidArgumentError(f"DynamicBatcher: wait_ms must be >= 0, got {wait_ms!r}")
+            raise InvalidArgumentError(f"wait_ms must be >= 0, got {wait_ms!r}", where="DynamicBatcher")
         self._model_call = model_call
         self.dim = dim
         self.batch_size = batch_size

@@ -33,7 +33,8 @@ class EmbeddingCache:
     def __init__(self, max_entries: int) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
             raise InvalidArgumentError(
-                f"EmbeddingCache: max_entries must be an integer >= 0 (0 turns the cache off), got {max_entries!r}"
+                f"max_entries must be an integer >= 0 (0 turns the cache off), got {max_entries!r}",
+                where="EmbeddingCache",
             )
         self.max_entries = max_entries
         self._rows: LruCache[tuple[str, str], np.ndarray] = LruCache(max_entries, "EmbeddingCache")
@@ -48,7 +49,9 @@ class EmbeddingCache:
     def put_many(self, model: str, texts: Sequence[str], vectors: np.ndarray) -> None:
         """Keep ``vectors[i]`` for ``texts[i]``, evicting the least recently used beyond the bound."""
         if len(texts) != len(vectors):
-            raise InvalidArgumentError(f"EmbeddingCache.put_many: {len(texts)} texts but {len(vectors)} vectors")
+            raise InvalidArgumentError(
+                f"{len(texts)} texts but {len(vectors)} vectors", where="EmbeddingCache.put_many"
+            )
         if self.max_entries == 0:
             return
         for text, vector in zip(texts, vectors, strict=True):

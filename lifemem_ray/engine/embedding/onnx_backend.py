@@ -272,8 +272,8 @@ def cached_model(model_dir: Path, onnx_dir: Path) -> bytes:
                 _write_atomically(path.with_name(path.name + ".sha256"), _digest(data).encode())
     except OSError as exc:
         raise EmbeddingError(
-            f"embedding.onnx_dir: cannot write the exported model to {onnx_dir} ({exc}); "
-            "set embedding.onnx_dir to a writable folder"
+            f"cannot write the exported model to {onnx_dir} ({exc}); set embedding.onnx_dir to a writable folder",
+            where="embedding.onnx_dir",
         ) from exc
     return data
 
@@ -368,18 +368,18 @@ class OnnxMiniLMEmbedder:
         tokens_per_call: int = TOKENS_PER_CALL,
     ) -> None:
         self.config = config or EmbeddingConfig()
-        self.config.validate()
+        self.config.checked()
         if self.config.device == "cuda":
             raise EmbeddingError(
                 "embedding.device = 'cuda' with the ONNX backend, which runs on the CPU; "
                 "set embedding.backend = 'torch' for CUDA"
             )
         if graph_level not in GRAPH_LEVELS:
-            raise EmbeddingError(f"graph_level: {graph_level!r} is not one of {', '.join(GRAPH_LEVELS)}")
+            raise EmbeddingError(f"{graph_level!r} is not one of {', '.join(GRAPH_LEVELS)}", where="graph_level")
         onnxruntime = _import_onnxruntime()
         model_dir = Path(self.config.model_path) if self.config.model_path else default_model_path()
         if not model_dir.is_dir():
-            raise EmbeddingError(f"embedding.model_path: {model_dir} is not a folder")
+            raise EmbeddingError(f"{model_dir} is not a folder", where="embedding.model_path")
         if model_bytes is None:
             onnx_dir = Path(self.config.onnx_dir).expanduser() if self.config.onnx_dir else default_onnx_dir()
             model_bytes = cached_model(model_dir, onnx_dir)

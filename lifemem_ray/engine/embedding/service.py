@@ -183,7 +183,7 @@ def open_embedder(
     cache of ``cache_entries`` texts and batches of up to ``batch_size`` gathered within
     ``batch_wait_ms``. The hooks are :class:`EmbeddingService`'s (metrics)."""
     config = config or EmbeddingConfig()
-    config.validate()
+    config.checked()
     kind = choose_backend(config)
     return EmbeddingService(
         _open_backend(kind, config),

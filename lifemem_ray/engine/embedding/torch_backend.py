@@ -26,10 +26,10 @@ class MiniLMEmbedder:
 
     def __init__(self, config: EmbeddingConfig | None = None) -> None:
         self.config = config or EmbeddingConfig()
-        self.config.validate()
+        self.config.checked()
         path = Path(self.config.model_path) if self.config.model_path else default_model_path()
         if not path.is_dir():
-            raise EmbeddingError(f"embedding.model_path: {path} is not a folder")
+            raise EmbeddingError(f"{path} is not a folder", where="embedding.model_path")
         # Offline for good: a missing file must fail here, never trigger a download.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -90,7 +90,7 @@ class VectorIndex:
             raise VectorIndexError(f"dim must be a positive integer, got {dim!r}")
         self.dim: int = int(dim)
         self.config: IndexConfig = config if config is not None else IndexConfig()
-        self.config.validate()
+        self.config.checked()
         self._lock = threading.RLock()
         self._envs: dict[str, EnvIndex] = {}
         self._where: dict[int, str] = {}  # id -> env: env_of/contains/remove without asking every env
@@ -119,13 +119,15 @@ class VectorIndex:
             return
         uniq, counts = np.unique(ids, return_counts=True)
         if len(uniq) != len(ids):
-            raise VectorIndexError(f"ids: id {int(uniq[counts > 1][0])} appears more than once in the batch")
+            raise VectorIndexError(f"id {int(uniq[counts > 1][0])} appears more than once in the batch", where="ids")
         apply_faiss_threads()
         with self._lock:
             self._adopt_ready()
             for i in ids.tolist():
                 if i in self._where:
-                    raise VectorIndexError(f"ids: id {i} is already in the index (environment {self._where[i]!r})")
+                    raise VectorIndexError(
+                        f"id {i} is already in the index (environment {self._where[i]!r})", where="ids"
+                    )
             e = self._envs.get(env)
             total = (e.ntotal if e is not None else 0) + len(ids)
             retrain = e is not None and e.kind == "ivf" and total > retrain_at(env, e, self.config.retrain_growth)

@@ -53,7 +53,7 @@ def materialize(
     if target.exists() and any(target.iterdir()):
         raise PathExistsError(f"{target}: a copy from a shared log needs a new, empty folder")
     if accept_loss_from is not None and accept_loss_from < 1:
-        raise InvalidArgumentError(f"accept_loss_from: an entry number (1 or more), got {accept_loss_from}")
+        raise InvalidArgumentError(f"an entry number (1 or more), got {accept_loss_from}", where="accept_loss_from")
     shared = open_shared_log(log_uri, endpoint_url, read_only=True)
     if shared is None or shared.is_empty():
         raise PathNotFoundError(f"{log_uri}: no shared log here (no entry and no checkpoint)")

@@ -168,7 +168,7 @@ class LmdbEnvironment:
                 ) from None
             raise StoreError(f"{self.path}: cannot open the LMDB environment: {exc}") from None
         if not 0 <= namespace <= MAX_NAMESPACE:
-            raise StoreError(f"namespace: must be within [0, {MAX_NAMESPACE}], got {namespace}")
+            raise StoreError(f"must be within [0, {MAX_NAMESPACE}], got {namespace}", where="namespace")
         if self._redo is not None:
             self._recover_from_log()
         self._check_or_init_schema(dim, workflow_dim, embedder, namespace)

@@ -109,7 +109,7 @@ def apply_ops(txn: lmdb.Transaction, tables: dict[str, Any], ops: Iterable[Op], 
     for table, key, value in ops:
         db = tables.get(table)
         if db is None:
-            raise SharedLogError(f"{where}: a log entry names table {table!r}, which this store does not have")
+            raise SharedLogError(f"a log entry names table {table!r}, which this store does not have", where=where)
         if value is None:
             txn.delete(key, db=db)
         else:

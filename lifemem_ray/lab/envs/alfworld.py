@@ -185,7 +185,7 @@ class AlfWorldEnv(Environment):
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, max_steps: int = 50, seed: int = 0) -> None:
         if not isinstance(max_steps, int) or max_steps < 1:
-            raise InvalidArgumentError(f"AlfWorldEnv: max_steps must be an int >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"max_steps must be an int >= 1, got {max_steps!r}", where="AlfWorldEnv")
         root = Path(data_dir) if data_dir is not None else _default_data_dir()
         if root is None or not (root / "json_2.1.1").is_dir():
             where = root if root is not None else "ALFWORLD_DATA / <shared>/data/alfworld"
@@ -257,9 +257,11 @@ class AlfWorldEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's games: task types interleaved for ``seed=0``, else shuffled by ``seed``."""
         if split not in self._tasks:
-            raise InvalidArgumentError(f"AlfWorldEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}", where="AlfWorldEnv.tasks")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise InvalidArgumentError(f"AlfWorldEnv.tasks: limit must be None or an integer >= 0, got {limit!r}")
+            raise InvalidArgumentError(
+                f"limit must be None or an integer >= 0, got {limit!r}", where="AlfWorldEnv.tasks"
+            )
         out = list(self._tasks[split])
         if seed:
             random.Random(seed).shuffle(out)
@@ -303,7 +305,8 @@ class AlfWorldEnv(Environment):
         except Exception as exc:
             self._loaded, self._done = None, True  # the engine's state is unknown now
             raise TaskError(
-                f"alfworld: the engine cannot load game {self.data_dir / rel}: {type(exc).__name__}: {exc}"
+                f"the engine cannot load game {self.data_dir / rel}: {type(exc).__name__}: {exc}",
+                where="alfworld",
             ) from exc
         finally:
             sys.argv = argv  # belt and braces: the translator rewrites sys.argv
@@ -311,16 +314,19 @@ class AlfWorldEnv(Environment):
 
     def _check(self, task: Task) -> str:
         if not isinstance(task, Task):
-            raise TaskError(f"AlfWorldEnv: expected a Task, got {type(task).__name__}")
+            raise TaskError(f"expected a Task, got {type(task).__name__}", where="AlfWorldEnv")
         if task.env != self.name:
-            raise TaskError(f"AlfWorldEnv: task {task.id!r} belongs to environment {task.env!r}, not 'alfworld'")
+            raise TaskError(
+                f"task {task.id!r} belongs to environment {task.env!r}, not 'alfworld'", where="AlfWorldEnv"
+            )
         rel = task.payload.get("game_file")
         if not isinstance(rel, str) or not rel.endswith(_GAME) or ".." in Path(rel).parts or Path(rel).is_absolute():
             raise TaskError(
-                f"AlfWorldEnv: task {task.id!r} payload.game_file must be a path under the data folder ending in {_GAME}, got {rel!r}"
+                f"task {task.id!r} payload.game_file must be a path under the data folder ending in {_GAME}, got {rel!r}",
+                where="AlfWorldEnv",
             )
         if not (self.data_dir / rel).is_file():
-            raise TaskError(f"AlfWorldEnv: task {task.id!r}: game file {self.data_dir / rel} not found")
+            raise TaskError(f"task {task.id!r}: game file {self.data_dir / rel} not found", where="AlfWorldEnv")
         return rel
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
@@ -350,7 +356,7 @@ class AlfWorldEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         if self._task is None:
-            raise EnvStateError("AlfWorldEnv: step() before reset()")
+            raise EnvStateError("step() before reset()", where="AlfWorldEnv")
         info: dict[str, Any] = {"instruction": self._task.instruction}
         if self._done:
             return StepResult(

@@ -284,14 +284,16 @@ class BfclEnv(Environment):
         unknown = [c for c in categories if c not in CATEGORIES]
         if unknown or not categories:
             raise InvalidArgumentError(
-                f"BfclEnv: unknown categories {unknown or list(categories)}; expected some of {', '.join(CATEGORIES)}"
+                f"unknown categories {unknown or list(categories)}; expected some of {', '.join(CATEGORIES)}",
+                where="BfclEnv",
             )
         if not isinstance(max_steps_per_turn, int) or max_steps_per_turn < 2:
             raise InvalidArgumentError(
-                f"BfclEnv: max_steps_per_turn must be an integer >= 2, got {max_steps_per_turn!r}"
+                f"max_steps_per_turn must be an integer >= 2, got {max_steps_per_turn!r}",
+                where="BfclEnv",
             )
         if not 0.0 <= float(train_fraction) <= 1.0:
-            raise InvalidArgumentError(f"BfclEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
+            raise InvalidArgumentError(f"train_fraction must be in [0, 1], got {train_fraction!r}", where="BfclEnv")
         self.categories = tuple(categories)
         self.max_steps_per_turn = max_steps_per_turn
         self.train_fraction = float(train_fraction)
@@ -330,7 +332,7 @@ class BfclEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The tasks of ``split`` over the chosen categories, in a seeded order."""
         if split not in ("train", "test"):
-            raise InvalidArgumentError(f"BfclEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}", where="BfclEnv.tasks")
         keys = []
         for cat, entries in self._entries.items():
             for entry_id in entries:
@@ -344,14 +346,15 @@ class BfclEnv(Environment):
 
     def _resolve(self, task: Task) -> tuple[str, dict[str, Any]]:
         if not isinstance(task, Task):
-            raise TaskError(f"BfclEnv.reset: expected a Task, got {type(task).__name__}")
+            raise TaskError(f"expected a Task, got {type(task).__name__}", where="BfclEnv.reset")
         if task.env != self.name:
-            raise TaskError(f"BfclEnv.reset: task {task.id!r} is for {task.env!r}, not {self.name!r}")
+            raise TaskError(f"task {task.id!r} is for {task.env!r}, not {self.name!r}", where="BfclEnv.reset")
         payload = task.payload if isinstance(task.payload, dict) else {}
         cat, entry_id = payload.get("category"), payload.get("entry_id")
         if cat not in self._entries or entry_id not in self._entries[cat]:
             raise TaskError(
-                f"BfclEnv.reset: task {task.id!r}: payload category/entry_id {cat!r}/{entry_id!r} not in the loaded categories {list(self.categories)}"
+                f"task {task.id!r}: payload category/entry_id {cat!r}/{entry_id!r} not in the loaded categories {list(self.categories)}",
+                where="BfclEnv.reset",
             )
         return cat, self._entries[cat][entry_id]
 
@@ -403,7 +406,7 @@ class BfclEnv(Environment):
     def _worlds(self) -> tuple[_World, _World]:
         """The episode's world and its ground-truth twin."""
         if self._world is None or self._gold_world is None:
-            raise EnvStateError("BfclEnv: no episode is running; call reset(task) first")
+            raise EnvStateError("no episode is running; call reset(task) first", where="BfclEnv")
         return self._world, self._gold_world
 
     def _available(self) -> list[str]:
@@ -424,7 +427,7 @@ class BfclEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Run one action: call(s), or the end of the agent's turn; errors become observations."""
         if self._task is None:
-            raise EnvStateError("BfclEnv.step: call reset(task) first")
+            raise EnvStateError("call reset(task) first", where="BfclEnv.step")
         if self._done:
             return StepResult(
                 "The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True)
@@ -529,7 +532,7 @@ class BfclEnv(Environment):
 
     def _info(self, final: bool) -> dict[str, Any]:
         if self._task is None:
-            raise EnvStateError("BfclEnv: no episode is running; call reset(task) first")
+            raise EnvStateError("no episode is running; call reset(task) first", where="BfclEnv")
         info: dict[str, Any] = {
             "instruction": self._task.instruction,
             "valid_actions": self.valid_actions(),

@@ -337,11 +337,12 @@ class MiniWobEnv(Environment):
         self._html_dir = HTML_DIR / "miniwob"
         names = list(DEFAULT_TASK_NAMES) if task_names is None else list(task_names)
         if not names:
-            raise InvalidArgumentError("MiniWobEnv: task_names must not be empty")
+            raise InvalidArgumentError("task_names must not be empty", where="MiniWobEnv")
         for n in names:
             if not isinstance(n, str) or n.startswith("flight.") or not (self._html_dir / f"{n}.html").is_file():
                 raise InvalidArgumentError(
-                    f"MiniWobEnv: unknown task {n!r}: no {self._html_dir}/{n}.html (flight.* tasks are not supported)"
+                    f"unknown task {n!r}: no {self._html_dir}/{n}.html (flight.* tasks are not supported)",
+                    where="MiniWobEnv",
                 )
         seeds = {}
         for what, values in (("seeds_train", seeds_train), ("seeds_test", seeds_test)):
@@ -349,14 +350,17 @@ class MiniWobEnv(Environment):
             if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values) or len(set(values)) != len(
                 values
             ):
-                raise InvalidArgumentError(f"MiniWobEnv: {what} must be distinct ints >= 0, got {values[:10]!r}")
+                raise InvalidArgumentError(
+                    f"{what} must be distinct ints >= 0, got {values[:10]!r}", where="MiniWobEnv"
+                )
             seeds[what] = values
         if set(seeds["seeds_train"]) & set(seeds["seeds_test"]):
             raise InvalidArgumentError(
-                f"MiniWobEnv: seeds_train and seeds_test overlap: {sorted(set(seeds['seeds_train']) & set(seeds['seeds_test']))[:10]}"
+                f"seeds_train and seeds_test overlap: {sorted(set(seeds['seeds_train']) & set(seeds['seeds_test']))[:10]}",
+                where="MiniWobEnv",
             )
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise InvalidArgumentError(f"MiniWobEnv: max_steps must be an int >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"max_steps must be an int >= 1, got {max_steps!r}", where="MiniWobEnv")
         self.chrome_binary, self.chromedriver = self._find_browser()
         self.task_names = list(dict.fromkeys(names))
         self.seeds = {"train": seeds["seeds_train"], "test": seeds["seeds_test"]}
@@ -516,7 +520,7 @@ class MiniWobEnv(Environment):
                 break
             time.sleep(0.05)
         else:
-            raise EnvStateError(f"miniwob: task page {subdomain} (seed {seed}) did not get ready in 2 s")
+            raise EnvStateError(f"task page {subdomain} (seed {seed}) did not get ready in 2 s", where="miniwob")
         return str(self._js("return core.getUtterance();"))
 
     def _observe(self) -> str:
@@ -541,9 +545,9 @@ class MiniWobEnv(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The split's tasks shuffled by ``seed`` (ids ``<kind>-<split>-<seed>``); instructions are read off the page (cached)."""
         if split not in _SPLITS:
-            raise InvalidArgumentError(f"miniwob: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}", where="miniwob")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise InvalidArgumentError(f"miniwob: limit must be an int >= 0 or None, got {limit!r}")
+            raise InvalidArgumentError(f"limit must be an int >= 0 or None, got {limit!r}", where="miniwob")
         keys = [(name, split, s) for name in self.task_names for s in self.seeds[split]]
         random.Random(seed).shuffle(keys)
         if limit is not None:
@@ -569,9 +573,9 @@ class MiniWobEnv(Environment):
 
     def _check(self, task: Task) -> tuple[str, str, int]:
         if not isinstance(task, Task):
-            raise TaskError(f"miniwob: expected a Task, got {type(task).__name__}")
+            raise TaskError(f"expected a Task, got {type(task).__name__}", where="miniwob")
         if task.env != self.name:
-            raise TaskError(f"miniwob: task {task.id!r} belongs to environment {task.env!r}")
+            raise TaskError(f"task {task.id!r} belongs to environment {task.env!r}", where="miniwob")
         p = task.payload
         name, seed, mode = p.get("subdomain"), p.get("seed"), p.get("data_mode", task.split)
         if (
@@ -580,11 +584,11 @@ class MiniWobEnv(Environment):
             or "/" in name
             or not (self._html_dir / f"{name}.html").is_file()
         ):
-            raise TaskError(f"miniwob: task {task.id!r} payload.subdomain {name!r} is not a MiniWoB task page")
+            raise TaskError(f"task {task.id!r} payload.subdomain {name!r} is not a MiniWoB task page", where="miniwob")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise TaskError(f"miniwob: task {task.id!r} payload.seed must be an int >= 0, got {seed!r}")
+            raise TaskError(f"task {task.id!r} payload.seed must be an int >= 0, got {seed!r}", where="miniwob")
         if mode not in _SPLITS:
-            raise TaskError(f"miniwob: task {task.id!r} payload.data_mode must be train/test, got {mode!r}")
+            raise TaskError(f"task {task.id!r} payload.data_mode must be train/test, got {mode!r}", where="miniwob")
         return name, mode, seed
 
     def _begin(self, key: tuple[str, str, int]) -> tuple[str, str]:
@@ -601,7 +605,8 @@ class MiniWobEnv(Environment):
         utterance, observation = self._begin(key)
         if task.instruction and utterance != task.instruction:
             raise TaskError(
-                f"miniwob: task {task.id!r} says {task.instruction!r} but the page generated {utterance!r} (another miniwob version?)"
+                f"task {task.id!r} says {task.instruction!r} but the page generated {utterance!r} (another miniwob version?)",
+                where="miniwob",
             )
         self._task = task
         self._episode_generation = self._generation
@@ -612,7 +617,7 @@ class MiniWobEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Apply one text action; a malformed one or an unknown ref gets a message and counts as a step."""
         if self._task is None or self._driver is None:
-            raise EnvStateError("miniwob: step() before reset()")
+            raise EnvStateError("step() before reset()", where="miniwob")
         if self._done:
             return StepResult(
                 "The episode is over; call reset() for a new task.",

@@ -16,12 +16,11 @@ import json
 import os
 import random
 import shutil
-import subprocess
 from typing import Any
 
 from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError
-from lifemem_ray.lab.envs.base import Environment, EnvStateError, EnvUnavailable, StepResult, Task, TaskError
-from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
+from lifemem_ray.lab.envs.base import EnvStateError, EnvUnavailable, StepResult, Task, TaskError
+from lifemem_ray.lab.envs.jvm import JvmSimulatorEnv, stop_simulator
 
 __all__ = ["DEFAULT_TASK_NAMES", "ScienceWorldEnv"]
 
@@ -64,7 +63,7 @@ def _known_task_names() -> dict[str, str]:
     return known
 
 
-class ScienceWorldEnv(Environment):
+class ScienceWorldEnv(JvmSimulatorEnv):
     """ScienceWorld tasks as (kind, variation) pairs; environment name ``scienceworld``.
 
     Actions are the simulator's text commands ("open door to kitchen", "focus on
@@ -75,6 +74,9 @@ class ScienceWorldEnv(Environment):
     is that score / 100. Success: the task completed with score 100 (focusing on a wrong
     object ends it with a negative score). Gold actions: the simulator's generated gold path.
     """
+
+    SIMULATOR = "ScienceWorld"
+    INSTALL = INSTALL
 
     name = "scienceworld"
 
@@ -106,12 +108,13 @@ class ScienceWorldEnv(Environment):
         known = _known_task_names()
         names = list(DEFAULT_TASK_NAMES) if task_names is None else list(task_names)
         if not names:
-            raise InvalidArgumentError("ScienceWorldEnv: task_names must not be empty")
+            raise InvalidArgumentError("task_names must not be empty", where="ScienceWorldEnv")
         resolved: list[str] = []
         for name in names:
             if not isinstance(name, str) or name not in known:
                 raise InvalidArgumentError(
-                    f"ScienceWorldEnv: unknown task name {name!r}; known: {', '.join(sorted(set(known.values())))}"
+                    f"unknown task name {name!r}; known: {', '.join(sorted(set(known.values())))}",
+                    where="ScienceWorldEnv",
                 )
             if known[name] not in resolved:
                 resolved.append(known[name])
@@ -121,19 +124,23 @@ class ScienceWorldEnv(Environment):
         ):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise InvalidArgumentError(
-                    f"ScienceWorldEnv: {what} must be an int >= 0 or None (every variation of the fold), got {n!r}"
+                    f"{what} must be an int >= 0 or None (every variation of the fold), got {n!r}",
+                    where="ScienceWorldEnv",
                 )
         if not isinstance(simplification, str):
-            raise ArgumentTypeError(f"ScienceWorldEnv: simplification must be a string, got {simplification!r}")
+            raise ArgumentTypeError(f"simplification must be a string, got {simplification!r}", where="ScienceWorldEnv")
         unknown = [s for s in simplification.split(",") if s and s not in SIMPLIFICATIONS]
         if unknown:
             raise InvalidArgumentError(
-                f"ScienceWorldEnv: unknown simplification(s) {unknown}; known: {', '.join(SIMPLIFICATIONS)} (comma-separated)"
+                f"unknown simplification(s) {unknown}; known: {', '.join(SIMPLIFICATIONS)} (comma-separated)",
+                where="ScienceWorldEnv",
             )
         if isinstance(java_heap_mb, bool) or not isinstance(java_heap_mb, int) or java_heap_mb < 64:
-            raise InvalidArgumentError(f"ScienceWorldEnv: java_heap_mb must be an int >= 64, got {java_heap_mb!r}")
+            raise InvalidArgumentError(
+                f"java_heap_mb must be an int >= 64, got {java_heap_mb!r}", where="ScienceWorldEnv"
+            )
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise InvalidArgumentError(f"ScienceWorldEnv: max_steps must be an int >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"max_steps must be an int >= 1, got {max_steps!r}", where="ScienceWorldEnv")
 
         self.task_names = resolved
         self.variations = {"train": variations_per_task_train, "test": variations_per_task_test}
@@ -143,7 +150,7 @@ class ScienceWorldEnv(Environment):
         self.list_valid_actions = list_valid_actions
         # Ids name the simplification when it is not the default, so tasks of both never mix.
         self._id_suffix = "" if simplification == "easy" else "-" + (simplification.replace(",", "+") or "none")
-        self._sw: Any = None
+        self._simulator: Any = None  # the running simulator (JvmSimulatorEnv)
         self._loaded: tuple[str, int] | None = None
         self._splits: dict[str, dict[str, list[int]]] = {}
         self._instructions: dict[tuple[str, int], str] = {}
@@ -157,68 +164,40 @@ class ScienceWorldEnv(Environment):
 
     # -- process --------------------------------------------------------------------------
 
-    @property
-    def jvm_pid(self) -> int | None:
-        """The simulator JVM's process id while it runs (for tests and monitoring)."""
-        proc = self._proc()
-        return proc.pid if proc is not None and proc.poll() is None else None
+    def _java_options(self) -> str:
+        return f"-Xmx{self.java_heap_mb}m -XX:+UseSerialGC -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
 
-    def _proc(self) -> subprocess.Popen | None:
-        return gateway_process(self._sw)
+    def _new_simulator(self) -> Any:
+        from scienceworld import ScienceWorldEnv as _SW
 
-    def _sim(self) -> Any:
-        """The running simulator; starts the JVM (heap capped) on first use."""
-        if self._sw is None:
-            from scienceworld import ScienceWorldEnv as _SW
-
-            with java_options(
-                f"-Xmx{self.java_heap_mb}m -XX:+UseSerialGC -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30"
-            ):
-                try:
-                    self._sw = _SW("", envStepLimit=10**9)  # our own max_steps ends episodes
-                except Exception as exc:
-                    raise EnvUnavailable(
-                        f"scienceworld: cannot start the ScienceWorld JVM ({type(exc).__name__}: {exc}); needs Java 17: {INSTALL}"
-                    ) from exc
-            self._loaded = None
-        return self._sw
+        return _SW("", envStepLimit=10**9)  # our own max_steps ends episodes
 
     def _load(self, task_name: str, variation: int, gold: bool = False) -> Any:
         sw = self._sim()
         try:
             sw.load(task_name, variation, self.simplification, generateGoldPath=gold)
         except ValueError as exc:  # the package's message names the bad name or simplification
-            raise TaskError(f"scienceworld: cannot load {task_name!r} variation {variation}: {exc}") from None
+            raise TaskError(f"cannot load {task_name!r} variation {variation}: {exc}", where="scienceworld") from None
         except Exception as exc:
             if self.jvm_pid is None:
                 raise EnvStateError(
-                    f"scienceworld: the JVM died while loading {task_name!r} variation {variation}: {exc}"
+                    f"the JVM died while loading {task_name!r} variation {variation}: {exc}",
+                    where="scienceworld",
                 ) from exc
             raise TaskError(
-                f"scienceworld: the simulator rejected {task_name!r} variation {variation}: {exc}"
+                f"the simulator rejected {task_name!r} variation {variation}: {exc}",
+                where="scienceworld",
             ) from None
         self._loaded = (task_name, variation)
         self._generation += 1  # any running episode's state is gone
         return sw
 
-    def close(self) -> None:
-        """Stop the JVM and wait for it to exit (kill it if it lingers); safe to call twice."""
-        sw, self._sw = self._sw, None
-        self._loaded = None
-        self._task = None
-        self._done = True
-        if sw is None:
-            return
-        tempdir = getattr(sw, "_obj_tree_tempdir", None)
-        stop_simulator(sw)
+    def _stop(self, sim: Any) -> None:
+        """Stop the JVM, then remove the object-tree folder the package keeps."""
+        tempdir = getattr(sim, "_obj_tree_tempdir", None)
+        stop_simulator(sim)
         if tempdir is not None:
             tempdir.cleanup()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001, S110  (interpreter shutdown: nothing left to report to)
-            pass
 
     # -- tasks ----------------------------------------------------------------------------
 
@@ -245,9 +224,9 @@ class ScienceWorldEnv(Environment):
         Only the returned tasks are loaded for their instruction (~0.1-0.5 s each, cached).
         """
         if split not in _SPLITS:
-            raise InvalidArgumentError(f"scienceworld: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}", where="scienceworld")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise InvalidArgumentError(f"scienceworld: limit must be an int >= 0 or None, got {limit!r}")
+            raise InvalidArgumentError(f"limit must be an int >= 0 or None, got {limit!r}", where="scienceworld")
         try:
             keys: list[tuple[str, int]] = []
             for name in self.task_names:
@@ -257,7 +236,8 @@ class ScienceWorldEnv(Environment):
                     n = len(available)
                 elif n > len(available):
                     raise InvalidArgumentError(
-                        f"scienceworld: {name} has {len(available)} {split} variations, asked for {n}"
+                        f"{name} has {len(available)} {split} variations, asked for {n}",
+                        where="scienceworld",
                     )
                 keys.extend((name, v) for v in available[:n])
             random.Random(seed).shuffle(keys)
@@ -281,20 +261,24 @@ class ScienceWorldEnv(Environment):
 
     def _check(self, task: Task) -> tuple[str, int]:
         if not isinstance(task, Task):
-            raise TaskError(f"scienceworld: expected a Task, got {type(task).__name__}")
+            raise TaskError(f"expected a Task, got {type(task).__name__}", where="scienceworld")
         if task.env != self.name:
-            raise TaskError(f"scienceworld: task {task.id!r} belongs to environment {task.env!r}")
+            raise TaskError(f"task {task.id!r} belongs to environment {task.env!r}", where="scienceworld")
         p = task.payload
         name, variation, simp = p.get("task_name"), p.get("variation"), p.get("simplification", self.simplification)
         if not isinstance(name, str) or name not in _known_task_names().values():
             raise TaskError(
-                f"scienceworld: task {task.id!r} payload.task_name {name!r} is not a ScienceWorld task kind"
+                f"task {task.id!r} payload.task_name {name!r} is not a ScienceWorld task kind",
+                where="scienceworld",
             )
         if isinstance(variation, bool) or not isinstance(variation, int) or variation < 0:
-            raise TaskError(f"scienceworld: task {task.id!r} payload.variation must be an int >= 0, got {variation!r}")
+            raise TaskError(
+                f"task {task.id!r} payload.variation must be an int >= 0, got {variation!r}", where="scienceworld"
+            )
         if simp != self.simplification:
             raise TaskError(
-                f"scienceworld: task {task.id!r} was made with simplification {simp!r}; this instance uses {self.simplification!r}"
+                f"task {task.id!r} was made with simplification {simp!r}; this instance uses {self.simplification!r}",
+                where="scienceworld",
             )
         return name, variation
 
@@ -308,7 +292,7 @@ class ScienceWorldEnv(Environment):
     def _valid_actions(self) -> list[str] | None:
         if not self.list_valid_actions:
             return None
-        raw = json.loads(self._sw.server.getValidActionObjectCombinationsJSON())
+        raw = json.loads(self._simulator.server.getValidActionObjectCombinationsJSON())
         return sorted({str(entry["action"]) for entry in raw.get("validActions", [])})
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
@@ -322,7 +306,7 @@ class ScienceWorldEnv(Environment):
         self._done = False
         self._last_score = 0
         info = {
-            "instruction": task.instruction or str(self._sw.get_task_description()),
+            "instruction": task.instruction or str(self._simulator.get_task_description()),
             "valid_actions": self._valid_actions(),
             "success": None,
             "score": 0.0,
@@ -331,8 +315,8 @@ class ScienceWorldEnv(Environment):
 
     def step(self, action: str) -> StepResult:
         """Apply one command; anything unparsable gets the simulator's 'No known action' answer."""
-        if self._task is None or self._sw is None:
-            raise EnvStateError("scienceworld: step() before reset()")
+        if self._task is None or self._simulator is None:
+            raise EnvStateError("step() before reset()", where="scienceworld")
         if self._done:
             return StepResult(
                 "The episode is over; call reset() for a new task.",
@@ -344,7 +328,7 @@ class ScienceWorldEnv(Environment):
             action = "" if action is None else str(action)
         cleaned = " ".join(action.split())[:_MAX_ACTION_CHARS]  # one line: the parser rejects anything else
         self._history.append(cleaned)
-        server = self._sw.server
+        server = self._simulator.server
         from py4j.protocol import Py4JJavaError
 
         try:
@@ -353,7 +337,8 @@ class ScienceWorldEnv(Environment):
             observation = f"Invalid action {cleaned!r}: the simulator could not parse it ({exc.java_exception})."
         except Exception as exc:
             raise EnvStateError(
-                f"scienceworld: the JVM (pid {self.jvm_pid}) failed on step {cleaned!r}: {type(exc).__name__}: {exc}"
+                f"the JVM (pid {self.jvm_pid}) failed on step {cleaned!r}: {type(exc).__name__}: {exc}",
+                where="scienceworld",
             ) from exc
         if not cleaned:
             observation = "Invalid action: the action is empty. " + observation
@@ -376,7 +361,7 @@ class ScienceWorldEnv(Environment):
         if (
             self._task is not None
             and not self._done
-            and self._sw is not None
+            and self._simulator is not None
             and self._generation != self._episode_generation
         ):
             from py4j.protocol import Py4JJavaError
@@ -384,7 +369,7 @@ class ScienceWorldEnv(Environment):
             self._start(*self._check(self._task))
             for action in self._history:
                 try:
-                    self._sw.server.step(action)
+                    self._simulator.server.step(action)
                 except Py4JJavaError:  # it threw the first time too
                     pass
             self._episode_generation = self._generation

@@ -91,5 +91,5 @@ def json_lines(path: Path) -> Iterator[tuple[int, str, Any]]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TaskError(f"{where}: not JSON ({exc.msg})") from None
+                raise TaskError(f"not JSON ({exc.msg})", where=where) from None
             yield lineno, where, value

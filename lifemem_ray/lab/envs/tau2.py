@@ -351,11 +351,13 @@ class Tau2Env(Environment):
         self, variant: str = "retail", max_steps: int = 30, train_fraction: float | None = None, seed: int = 0
     ) -> None:
         if variant not in VARIANTS:
-            raise InvalidArgumentError(f"Tau2Env: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
+            raise InvalidArgumentError(
+                f"unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}", where="Tau2Env"
+            )
         if not isinstance(max_steps, int) or max_steps < 1:
-            raise InvalidArgumentError(f"Tau2Env: max_steps must be a positive integer, got {max_steps!r}")
+            raise InvalidArgumentError(f"max_steps must be a positive integer, got {max_steps!r}", where="Tau2Env")
         if train_fraction is not None and not 0.0 <= float(train_fraction) <= 1.0:
-            raise InvalidArgumentError(f"Tau2Env: train_fraction must be in [0, 1], got {train_fraction!r}")
+            raise InvalidArgumentError(f"train_fraction must be in [0, 1], got {train_fraction!r}", where="Tau2Env")
         self.variant = variant
         self.name = f"tau2-{variant}"
         self.max_steps = max_steps
@@ -412,7 +414,7 @@ class Tau2Env(Environment):
     def tasks(self, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Task]:
         """The tasks of ``split`` in a seeded order (same arguments, same list)."""
         if split not in ("train", "test"):
-            raise InvalidArgumentError(f"Tau2Env.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}", where="Tau2Env.tasks")
         ids = sorted((i for i in self._data["tasks"] if self._split_of(i) == split), key=lambda i: (len(i), i))
         random.Random(seed).shuffle(ids)
         if limit is not None:
@@ -444,13 +446,16 @@ class Tau2Env(Environment):
 
     def _resolve(self, task: Task) -> Any:
         if not isinstance(task, Task):
-            raise TaskError(f"Tau2Env.reset: expected a Task, got {type(task).__name__}")
+            raise TaskError(f"expected a Task, got {type(task).__name__}", where="Tau2Env.reset")
         if task.env != self.name:
-            raise TaskError(f"Tau2Env.reset: task {task.id!r} is for {task.env!r}, this environment is {self.name!r}")
+            raise TaskError(
+                f"task {task.id!r} is for {task.env!r}, this environment is {self.name!r}", where="Tau2Env.reset"
+            )
         tau2_id = task.payload.get("task_id") if isinstance(task.payload, dict) else None
         if not isinstance(tau2_id, str) or tau2_id not in self._data["tasks"]:
             raise TaskError(
-                f"Tau2Env.reset: task {task.id!r} has no known payload['task_id'] in tau2 {self.variant} (got {tau2_id!r})"
+                f"task {task.id!r} has no known payload['task_id'] in tau2 {self.variant} (got {tau2_id!r})",
+                where="Tau2Env.reset",
             )
         return self._data["tasks"][tau2_id]
 
@@ -486,7 +491,7 @@ class Tau2Env(Environment):
     def step(self, action: str) -> StepResult:
         """Run one tool call, message or end signal; errors become observations."""
         if self._task is None:
-            raise EnvStateError("Tau2Env.step: call reset(task) first")
+            raise EnvStateError("call reset(task) first", where="Tau2Env.step")
         if self._done:
             return StepResult(
                 "The conversation is over; call reset() for a new task.", 0.0, True, self._info(final=True)
@@ -531,7 +536,7 @@ class Tau2Env(Environment):
                     False,
                 )
             if self._user is None:
-                raise EnvStateError("Tau2Env: no episode is running; call reset(task) first")
+                raise EnvStateError("no episode is running; call reset(task) first", where="Tau2Env")
             self._messages.append(AssistantMessage(role="assistant", content=values[0]))
             answer = self._user.reply(values[0])
             self._messages.append(UserMessage(role="user", content=answer))
@@ -595,7 +600,7 @@ class Tau2Env(Environment):
 
     def _info(self, final: bool) -> dict[str, Any]:
         if self._task is None:
-            raise EnvStateError("Tau2Env: no episode is running; call reset(task) first")
+            raise EnvStateError("no episode is running; call reset(task) first", where="Tau2Env")
         info: dict[str, Any] = {
             "instruction": self._task.instruction,
             "valid_actions": self.valid_actions(),

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import random
-import subprocess
 from collections.abc import Callable
 from typing import Any
 
 from lifemem_ray.core.errors import ArgumentTypeError, InvalidArgumentError
 from lifemem_ray.lab.envs.base import (
-    Environment,
     EnvStateError,
     EnvUnavailable,
     StepResult,
@@ -27,7 +25,7 @@ from lifemem_ray.lab.envs.base import (
     check_task,
     select_tasks,
 )
-from lifemem_ray.lab.envs.jvm import gateway_process, java_options, stop_simulator
+from lifemem_ray.lab.envs.jvm import JvmSimulatorEnv
 
 __all__ = ["DEFAULT_GAME_PARAMS", "VARIANTS", "TextWorldExpressEnv"]
 
@@ -84,7 +82,7 @@ def _params_str(params: dict[str, int]) -> str:
     return ",".join(f"{k}={params[k]}" for k in sorted(params))
 
 
-class TextWorldExpressEnv(Environment):
+class TextWorldExpressEnv(JvmSimulatorEnv):
     """One TextWorldExpress game family (``variant``); environment name ``twx-<variant>``.
 
     Tasks are the package's own seeds: the first ``n_train`` train-fold seeds and the first
@@ -92,6 +90,9 @@ class TextWorldExpressEnv(Environment):
     are the game's text commands; ``info["valid_actions"]`` lists them; success is the
     game's ``tasksuccess``; gold actions are the game's generated gold path.
     """
+
+    SIMULATOR = "TextWorldExpress"
+    INSTALL = INSTALL
 
     def __init__(
         self,
@@ -106,12 +107,14 @@ class TextWorldExpressEnv(Environment):
     ) -> None:
         if variant not in DEFAULT_GAME_PARAMS:
             raise InvalidArgumentError(
-                f"TextWorldExpressEnv: unknown variant {variant!r}; known: {', '.join(VARIANTS)}"
+                f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}",
+                where="TextWorldExpressEnv",
             )
         for what, n in (("n_train", n_train), ("n_test", n_test)):
             if not isinstance(n, int) or not 1 <= n <= 1000:
                 raise InvalidArgumentError(
-                    f"TextWorldExpressEnv: {what} must be an int in 1..1000 (seeds per fold), got {n!r}"
+                    f"{what} must be an int in 1..1000 (seeds per fold), got {n!r}",
+                    where="TextWorldExpressEnv",
                 )
         for key, value in game_params.items():
             if isinstance(value, bool) or not isinstance(value, int):
@@ -131,14 +134,14 @@ class TextWorldExpressEnv(Environment):
         self.n_test = n_test
         self.max_steps = max_steps if max_steps is not None else _MAX_STEPS[variant]
         if self.max_steps < 1:
-            raise InvalidArgumentError(f"TextWorldExpressEnv: max_steps must be >= 1, got {self.max_steps}")
+            raise InvalidArgumentError(f"max_steps must be >= 1, got {self.max_steps}", where="TextWorldExpressEnv")
         self.jvm_heap_mb = jvm_heap_mb
         self.game_params = {**DEFAULT_GAME_PARAMS[variant], **game_params}
         self._params_str = _params_str(self.game_params)
         self._id_suffix = ""
         if game_params and self.game_params != DEFAULT_GAME_PARAMS[variant]:
             self._id_suffix = "-p" + hashlib.sha1(self._params_str.encode()).hexdigest()[:8]
-        self._twx: Any = None
+        self._simulator: Any = None  # the running simulator (JvmSimulatorEnv)
         self._loaded: tuple[str, str] | None = None
         self._tasks: dict[str, list[Task]] = {}
         self._gold: dict[tuple[str, int, str, str], list[str]] = {}
@@ -149,29 +152,13 @@ class TextWorldExpressEnv(Environment):
 
     # -- process --------------------------------------------------------------------------
 
-    @property
-    def jvm_pid(self) -> int | None:
-        """The simulator JVM's process id while it runs (for tests and monitoring)."""
-        proc = self._proc()
-        return proc.pid if proc is not None and proc.poll() is None else None
+    def _java_options(self) -> str:
+        return f"-Xmx{int(self.jvm_heap_mb)}m -XX:+UseSerialGC -XX:TieredStopAtLevel=1"
 
-    def _proc(self) -> subprocess.Popen | None:
-        return gateway_process(self._twx)
+    def _new_simulator(self) -> Any:
+        from textworld_express import TextWorldExpressEnv as _TWX
 
-    def _sim(self) -> Any:
-        """The running simulator; starts the JVM (heap capped) on first use."""
-        if self._twx is None:
-            from textworld_express import TextWorldExpressEnv as _TWX
-
-            with java_options(f"-Xmx{int(self.jvm_heap_mb)}m -XX:+UseSerialGC -XX:TieredStopAtLevel=1"):
-                try:
-                    self._twx = _TWX(envStepLimit=10**9)  # our own max_steps ends episodes
-                except Exception as exc:
-                    raise EnvUnavailable(
-                        f"{self.name}: cannot start the TextWorldExpress JVM ({exc}); needs Java 17: {INSTALL}"
-                    ) from exc
-            self._loaded = None
-        return self._twx
+        return _TWX(envStepLimit=10**9)  # our own max_steps ends episodes
 
     def _load(self, game: str, params: str) -> Any:
         twx = self._sim()
@@ -183,22 +170,6 @@ class TextWorldExpressEnv(Environment):
                 raise TaskError(f"{self.name}: game {game!r} rejects parameters {params!r}: {exc}") from None
             self._loaded = (game, params)
         return twx
-
-    def close(self) -> None:
-        """Stop the JVM and wait for it to exit (kill it if it lingers)."""
-        twx, self._twx = self._twx, None
-        self._loaded = None
-        self._task = None
-        self._done = True
-        if twx is None:
-            return
-        stop_simulator(twx)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001, S110 - nothing may escape a finaliser
-            pass
 
     # -- tasks ----------------------------------------------------------------------------
 
@@ -291,7 +262,7 @@ class TextWorldExpressEnv(Environment):
         return str(raw["observation"]), info
 
     def step(self, action: str) -> StepResult:
-        if self._task is None or self._twx is None:
+        if self._task is None or self._simulator is None:
             raise EnvStateError(f"{self.name}: step() before reset()")
         if self._done:
             return StepResult(
@@ -305,7 +276,7 @@ class TextWorldExpressEnv(Environment):
         # One line, printable: the simulator's parser would only reject anything else anyway.
         cleaned = " ".join(action.split())[:500]
         self._history.append(cleaned)
-        raw = _loads(self._twx.server.stepJSON(cleaned))
+        raw = _loads(self._simulator.server.stepJSON(cleaned))
         observation = str(raw["observation"])
         if not cleaned:
             observation = "Invalid action: the action is empty. " + observation
@@ -328,7 +299,7 @@ class TextWorldExpressEnv(Environment):
         if self._task is not None and not self._done:
             self._start(*self._check(self._task), gold=False)
             for action in self._history:
-                self._twx.server.stepJSON(action)
+                self._simulator.server.stepJSON(action)
 
     def gold_actions(self, task: Task) -> list[str] | None:
         """The game's gold path; computing it for another task keeps a running episode intact."""
@@ -342,4 +313,4 @@ class TextWorldExpressEnv(Environment):
     def _remember_gold(self, key: tuple[str, int, str, str]) -> None:
         if len(self._gold) >= 4096:  # bounded: long runs see many tasks
             self._gold.clear()
-        self._gold[key] = [str(a) for a in self._twx.getGoldActionSequence()]
+        self._gold[key] = [str(a) for a in self._simulator.getGoldActionSequence()]

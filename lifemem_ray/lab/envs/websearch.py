@@ -82,9 +82,11 @@ class WebSearchEnv(Environment):
             or not isinstance(train_fraction, (int, float))
             or not 0.0 <= train_fraction <= 1.0
         ):
-            raise InvalidArgumentError(f"WebSearchEnv: train_fraction must be in [0, 1], got {train_fraction!r}")
+            raise InvalidArgumentError(
+                f"train_fraction must be in [0, 1], got {train_fraction!r}", where="WebSearchEnv"
+            )
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise InvalidArgumentError(f"WebSearchEnv: max_steps must be an integer >= 1, got {max_steps!r}")
+            raise InvalidArgumentError(f"max_steps must be an integer >= 1, got {max_steps!r}", where="WebSearchEnv")
         self.corpus_path = resolve_corpus_path(corpus_path)
         self.corpus = Corpus.load(self.corpus_path)
         self.train_fraction, self.seed, self.max_steps = float(train_fraction), seed, max_steps
@@ -121,7 +123,7 @@ class WebSearchEnv(Environment):
         """Start a question; the observation is the question and the action formats."""
         check_task("WebSearchEnv", task, self.name)
         if not isinstance(task.payload.get("answer"), str):
-            raise TaskError(f"WebSearchEnv.reset: task {task.id!r} payload lacks its answer (a string)")
+            raise TaskError(f"task {task.id!r} payload lacks its answer (a string)", where="WebSearchEnv.reset")
         self._task, self._done, self._steps = task, False, 0
         self._browser.reset()
         obs = (
@@ -134,9 +136,11 @@ class WebSearchEnv(Environment):
     def step(self, action: str) -> StepResult:
         """One Search, Lookup or Finish; anything else is an invalid action (a step)."""
         if self._task is None:
-            raise EnvStateError("WebSearchEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("no episode running; call reset(task) first", where="WebSearchEnv.step")
         if self._done:
-            raise EnvStateError(f"WebSearchEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
+            raise EnvStateError(
+                f"episode of task {self._task.id!r} is over; call reset(task)", where="WebSearchEnv.step"
+            )
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
         reward, done = 0.0, False

@@ -154,25 +154,26 @@ class Corpus:
         seen: set[str] = set()
         for _, where, row in json_lines(path):
             if not isinstance(row, dict):
-                raise TaskError(f"{where}: expected an object")
+                raise TaskError("expected an object", where=where)
             missing = [k for k in ("id", "question", "answer", "supporting_facts", "context") if k not in row]
             if missing:
-                raise TaskError(f"{where}: missing field(s) {', '.join(missing)}")
+                raise TaskError(f"missing field(s) {', '.join(missing)}", where=where)
             qid = str(row["id"])
             if qid in seen:
-                raise TaskError(f"{where}: duplicate question id {qid!r}")
+                raise TaskError(f"duplicate question id {qid!r}", where=where)
             seen.add(qid)
             try:
                 for title, sentences in row["context"]:
                     if not isinstance(title, str) or not isinstance(sentences, list):
-                        raise TaskError(f"{where}: context entries must be [title, [sentences]]")
+                        raise TaskError("context entries must be [title, [sentences]]", where=where)
                     sents = [str(s).strip() for s in sentences if str(s).strip()]
                     if title not in pages or len(" ".join(sents)) > len(" ".join(pages[title])):
                         pages[title] = sents
                 sup = [(str(t), int(i)) for t, i in row["supporting_facts"]]
             except (TypeError, ValueError):
                 raise TaskError(
-                    f"{where}: context must be [[title, [sentences]], ...] and supporting_facts [[title, index], ...]"
+                    "context must be [[title, [sentences]], ...] and supporting_facts [[title, index], ...]",
+                    where=where,
                 ) from None
             questions.append({**row, "id": qid, "supporting_facts": sup})
         if not questions:

@@ -9,8 +9,8 @@ from typing import Any
 from test_episode_memory import BIG, NAN, Hostile, Recording, _made_valid, _play, _read_back, _still_valid
 
 from lifemem_ray.core.model import MAX_TEXT_CHARS
-from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeRecord
-from lifemem_ray.lab.memory_wrapper import MemoryWrapper
+from lifemem_ray.episodes.episode_memory import AsyncEpisodeMemory, EpisodeRecord
+from lifemem_ray.episodes.memory_wrapper import MemoryWrapper
 
 
 def test_hostile_episode_data_through_a_deployment(deployment):

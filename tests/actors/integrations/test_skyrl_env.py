@@ -35,9 +35,9 @@ from lifemem_ray.actors.integrations.skyrl_env import (  # noqa: E402
 )
 from lifemem_ray.core.errors import ConfigError, EnvStateError, TaskError, UnknownNameError  # noqa: E402
 from lifemem_ray.core.model import MAX_TEXT_CHARS, Trajectory  # noqa: E402
+from lifemem_ray.episodes.episode_data import MADE_VALID_KINDS, NOT_STORED_REASONS, storable_text  # noqa: E402
+from lifemem_ray.episodes.episode_memory import EpisodeMemory  # noqa: E402
 from lifemem_ray.lab.envs import make_env  # noqa: E402
-from lifemem_ray.lab.episode_data import MADE_VALID_KINDS, NOT_STORED_REASONS, storable_text  # noqa: E402
-from lifemem_ray.lab.episode_memory import EpisodeMemory  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You solve SQL tasks, one action per turn."}
 # Tasks 0 and 14 of the SQL environment (seed 0): both ask for rows of the products table.
@@ -253,10 +253,10 @@ def test_bad_configurations_name_the_key(registered, monkeypatch):
             {**sql, "memory": {"namespace": "x", "k": 0}},
             row,
             ConfigError,
-            r"\['k'\]: expected a number in 1..64",
+            r"env_config\['memory'\]\.k: must be within 1\.\.64, got 0",
         ),
         (MEMORY_ENV_ID, {**sql, "memory": {"namespace": ""}}, row, ConfigError, r"\['namespace'\]"),
-        (  # the same bound as verl's (lazy_clients.check_reconnect_after_s)
+        (  # the same bound as verl's (actors/client/connection.check_reconnect_after_s)
             MEMORY_ENV_ID,
             {**sql, "memory": {"namespace": "x", "reconnect_after_s": 7200}},
             row,

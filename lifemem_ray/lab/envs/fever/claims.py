@@ -359,7 +359,7 @@ def build_claims(pages: dict[str, list[str]], *, n_train: int, n_test: int, seed
     labels balanced (see the module docstring); fewer where the pages cannot give more."""
     for name, n in (("n_train", n_train), ("n_test", n_test)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise InvalidArgumentError(f"build_claims: {name} must be an integer >= 0, got {n!r}")
+            raise InvalidArgumentError(f"{name} must be an integer >= 0, got {n!r}", where="build_claims")
     builder = _Builder(pages, seed)
     claims: list[Claim] = []
     for split, n in (("test", n_test), ("train", n_train)):

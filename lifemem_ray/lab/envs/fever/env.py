@@ -107,12 +107,15 @@ def _build(path: Path, n_train: int, n_test: int, seed: int) -> tuple[ClaimSet, 
         claims = build_claims(source.pages, n_train=n_train, n_test=n_test, seed=seed)
         problems = validate_claims(claims, source.pages)
         if problems:  # a construction rule and its check disagree: a bug, not bad input
-            raise TaskError(f"FeverEnv: {len(problems)} constructed claim(s) of {path} fail their check: {problems[0]}")
+            raise TaskError(
+                f"{len(problems)} constructed claim(s) of {path} fail their check: {problems[0]}", where="FeverEnv"
+            )
         for split in ("train", "test"):
             if not claims.split(split) and (n_train if split == "train" else n_test):
                 raise TaskError(
-                    f"FeverEnv: {path} gives no {split} claim (too few paragraphs with a dated or numbered "
-                    "sentence naming their subject); use a larger HotpotQA distractor file"
+                    f"{path} gives no {split} claim (too few paragraphs with a dated or numbered "
+                    "sentence naming their subject); use a larger HotpotQA distractor file",
+                    where="FeverEnv",
                 )
         built = (claims, Corpus(source.questions, claims.pages))
         _BUILT.put(key, built)
@@ -139,9 +142,11 @@ class FeverEnv(Environment):
         ):
             low = 1 if arg == "max_steps" else 0
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise InvalidArgumentError(f"FeverEnv: {arg} must be an integer in {low}..{high}, got {value!r}")
+                raise InvalidArgumentError(
+                    f"{arg} must be an integer in {low}..{high}, got {value!r}", where="FeverEnv"
+                )
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"FeverEnv: seed must be an integer, got {seed!r}")
+            raise InvalidArgumentError(f"seed must be an integer, got {seed!r}", where="FeverEnv")
         self.corpus_path = resolve_corpus_path(corpus_path, owner="FeverEnv")
         self.claims, self.corpus = _build(self.corpus_path, n_train, n_test, seed)
         self.seed, self.max_steps = seed, max_steps
@@ -186,7 +191,8 @@ class FeverEnv(Environment):
         check_task("FeverEnv", task, self.name)
         if task.payload.get("label") not in LABELS or not isinstance(task.payload.get("claim"), str):
             raise TaskError(
-                f"FeverEnv.reset: task {task.id!r} payload lacks its claim or its label ({', '.join(LABELS)})"
+                f"task {task.id!r} payload lacks its claim or its label ({', '.join(LABELS)})",
+                where="FeverEnv.reset",
             )
         self._task, self._done, self._steps = task, False, 0
         self._browser.reset()
@@ -200,9 +206,9 @@ class FeverEnv(Environment):
     def step(self, action: str) -> StepResult:
         """One Search, Lookup or Finish; anything else is an invalid action (a step)."""
         if self._task is None:
-            raise EnvStateError("FeverEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("no episode running; call reset(task) first", where="FeverEnv.step")
         if self._done:
-            raise EnvStateError(f"FeverEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
+            raise EnvStateError(f"episode of task {self._task.id!r} is over; call reset(task)", where="FeverEnv.step")
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
         reward, done = 0.0, False

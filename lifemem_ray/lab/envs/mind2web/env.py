@@ -184,13 +184,13 @@ def _website_split(steps: list[StepRecord], fraction: float, seed: int) -> set[s
 
 def _check_fraction(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise InvalidArgumentError(f"Mind2WebEnv: held_out_fraction must be in [0, 1], got {value!r}")
+        raise InvalidArgumentError(f"held_out_fraction must be in [0, 1], got {value!r}", where="Mind2WebEnv")
     return float(value)
 
 
 def _check_count(name: str, value: Any, low: int, high: int = 100_000) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidArgumentError(f"Mind2WebEnv: {name} must be an integer in {low}..{high}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be an integer in {low}..{high}, got {value!r}", where="Mind2WebEnv")
     return value
 
 
@@ -223,7 +223,7 @@ class Mind2WebEnv(Environment):
         for s in steps:
             task = self._task_of(s, "test" if s.website in held else "train")
             if task.id in seen:
-                raise TaskError(f"Mind2WebEnv: {self.path}: two records share source_line {s.source_line}")
+                raise TaskError(f"{self.path}: two records share source_line {s.source_line}", where="Mind2WebEnv")
             seen.add(task.id)
             self._tasks[task.split].append(task)
         for split, cap in (("train", n_train), ("test", n_test)):
@@ -265,7 +265,8 @@ class Mind2WebEnv(Environment):
         gold = parse_action(gold_text)
         if not isinstance(page, str) or gold is None:
             raise TaskError(
-                f"Mind2WebEnv.reset: task {task.id!r} payload needs 'page' (the HTML) and 'gold' (CLICK|TYPE|SELECT [id] ...)"
+                f"task {task.id!r} payload needs 'page' (the HTML) and 'gold' (CLICK|TYPE|SELECT [id] ...)",
+                where="Mind2WebEnv.reset",
             )
         text = str(task.payload.get("task") or task.instruction)
         self._valid, _ = candidate_actions(page_elements(page), text, gold, task.id)
@@ -279,9 +280,11 @@ class Mind2WebEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Score one prediction (ends the episode); an unparsable answer gets an observation."""
         if self._task is None or self._gold is None:
-            raise EnvStateError("Mind2WebEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("no episode running; call reset(task) first", where="Mind2WebEnv.step")
         if self._done:
-            raise EnvStateError(f"Mind2WebEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
+            raise EnvStateError(
+                f"episode of task {self._task.id!r} is over; call reset(task)", where="Mind2WebEnv.step"
+            )
         self._answers += 1
         pred = parse_action(action)
         if pred is None:

@@ -206,20 +206,20 @@ def parse_messages(value: Any, where: str) -> list[dict[str, str]]:
     """A record's ``messages``: a list, or its Python repr (or JSON) as a string."""
     if isinstance(value, str):
         if len(value) > MAX_MESSAGES_CHARS:
-            raise TaskError(f"{where}: messages string over {MAX_MESSAGES_CHARS} characters")
+            raise TaskError(f"messages string over {MAX_MESSAGES_CHARS} characters", where=where)
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError:
-                raise TaskError(f"{where}: messages is a string that is neither a Python list nor JSON") from None
+                raise TaskError("messages is a string that is neither a Python list nor JSON", where=where) from None
     if not isinstance(value, list) or not value:
-        raise TaskError(f"{where}: messages must be a non-empty list of {{role, content}}")
+        raise TaskError("messages must be a non-empty list of {role, content}", where=where)
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise TaskError(f"{where}: message {i} must be an object with string role and content")
+            raise TaskError(f"message {i} must be an object with string role and content", where=where)
         out.append({"role": msg["role"], "content": msg["content"]})
     return out
 
@@ -232,7 +232,7 @@ def _header(task: str, where: str) -> dict[str, str]:
             fields[key.strip()] = rest.strip()
     missing = [k for k in ("Website", "Domain", "Task") if not fields.get(k)]
     if missing:
-        raise TaskError(f"{where}: task field lacks line(s) {', '.join(k + ':' for k in missing)}")
+        raise TaskError(f"task field lacks line(s) {', '.join(k + ':' for k in missing)}", where=where)
     fields.setdefault("Subdomain", "")
     return fields
 
@@ -240,7 +240,7 @@ def _header(task: str, where: str) -> dict[str, str]:
 def _page(content: str, where: str) -> str:
     start = content.find(_OBSERVATION)
     if start < 0:
-        raise TaskError(f"{where}: no 'Observation: `<html>...`' in the user turn")
+        raise TaskError("no 'Observation: `<html>...`' in the user turn", where=where)
     html = content[start + len(_OBSERVATION) :].rstrip()
     html = html[:-1] if html.endswith("`") else html
     if len(html) > MAX_PAGE_CHARS:
@@ -251,24 +251,24 @@ def _page(content: str, where: str) -> str:
 def record_steps(row: Any, where: str, source_line: int) -> list[StepRecord]:
     """The steps of one record (a user turn with the page, then the assistant's gold action)."""
     if not isinstance(row, dict) or not isinstance(row.get("task"), str):
-        raise TaskError(f"{where}: expected an object with a string 'task'")
+        raise TaskError("expected an object with a string 'task'", where=where)
     head = _header(row["task"], where)
     messages = parse_messages(row.get("messages"), where)
     pairs = []
     for i in range(0, len(messages) - 1, 2):
         user, agent = messages[i], messages[i + 1]
         if user["role"] != "user" or agent["role"] != "assistant":
-            raise TaskError(f"{where}: messages {i}-{i + 1} are not a user turn then an assistant turn")
+            raise TaskError(f"messages {i}-{i + 1} are not a user turn then an assistant turn", where=where)
         m = _RECORDED.match(agent["content"])
         gold = parse_action(m.group(1)) if m else None
         if m is None or gold is None:
-            raise TaskError(f"{where}: message {i + 1} is not 'Action: `CLICK|TYPE|SELECT [id] ...`'")
+            raise TaskError(f"message {i + 1} is not 'Action: `CLICK|TYPE|SELECT [id] ...`'", where=where)
         desc = (m.group(2) or f"{gold.op} {gold.value}".strip()).replace("\n", " ").strip()
         pairs.append((_page(user["content"], f"{where}: message {i}"), m.group(1).strip(), desc[:MAX_PREVIOUS_CHARS]))
     if not pairs:
-        raise TaskError(f"{where}: no step (a user turn with a page followed by an assistant action)")
+        raise TaskError("no step (a user turn with a page followed by an assistant action)", where=where)
     if len(pairs) > MAX_STEPS_PER_RECORD:
-        raise TaskError(f"{where}: {len(pairs)} steps, over {MAX_STEPS_PER_RECORD}")
+        raise TaskError(f"{len(pairs)} steps, over {MAX_STEPS_PER_RECORD}", where=where)
     return [
         StepRecord(
             source_line=source_line,

@@ -52,9 +52,9 @@ class SqlEnv(Environment):
     def __init__(self, n_train: int = 60, n_test: int = 20, seed: int = 0, max_steps: int = 8) -> None:
         for label, value, low in (("n_train", n_train, 0), ("n_test", n_test, 0), ("max_steps", max_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgumentError(f"SqlEnv: {label} must be an integer >= {low}, got {value!r}")
+                raise InvalidArgumentError(f"{label} must be an integer >= {low}, got {value!r}", where="SqlEnv")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"SqlEnv: seed must be an integer, got {seed!r}")
+            raise InvalidArgumentError(f"seed must be an integer, got {seed!r}", where="SqlEnv")
         self.n_train, self.n_test, self.seed, self.max_steps = n_train, n_test, seed, max_steps
         self._tasks: dict[str, list[Task]] = {}
         self._conn: sqlite3.Connection | None = None
@@ -72,7 +72,7 @@ class SqlEnv(Environment):
 
     def _split(self, split: str) -> list[Task]:
         if split not in ("train", "test"):
-            raise InvalidArgumentError(f"SqlEnv.tasks: split must be 'train' or 'test', got {split!r}")
+            raise InvalidArgumentError(f"split must be 'train' or 'test', got {split!r}", where="SqlEnv.tasks")
         if split not in self._tasks:
             n = self.n_train if split == "train" else self.n_test
             self._tasks[split] = [generate_task(self.seed, split, i) for i in range(n)]
@@ -92,15 +92,15 @@ class SqlEnv(Environment):
         p = task.payload
         missing = [k for k in ("kind", "schema", "tables", "gold_sql") if k not in p]
         if missing:
-            raise TaskError(f"SqlEnv.reset: task {task.id!r} payload lacks {', '.join(missing)}")
+            raise TaskError(f"task {task.id!r} payload lacks {', '.join(missing)}", where="SqlEnv.reset")
         if p["kind"] not in TASK_TYPES:
-            raise TaskError(f"SqlEnv.reset: task {task.id!r} has unknown kind {p['kind']!r}")
+            raise TaskError(f"task {task.id!r} has unknown kind {p['kind']!r}", where="SqlEnv.reset")
         if (
             not isinstance(p["gold_sql"], list)
             or not p["gold_sql"]
             or not all(isinstance(s, str) for s in p["gold_sql"])
         ):
-            raise TaskError(f"SqlEnv.reset: task {task.id!r} gold_sql must be a non-empty list of strings")
+            raise TaskError(f"task {task.id!r} gold_sql must be a non-empty list of strings", where="SqlEnv.reset")
 
     def _reference(self, task: Task) -> tuple[list[tuple], dict[str, list[tuple]] | None, int]:
         """The gold result (last statement's rows), the table state after the gold SQL (modifications only), the result width.
@@ -118,7 +118,7 @@ class SqlEnv(Environment):
         try:
             conn = build_db(task.payload)
         except (sqlite3.Error, TypeError, AttributeError, ValueError) as exc:
-            raise TaskError(f"SqlEnv: task {task.id!r}: cannot build its database: {exc}") from None
+            raise TaskError(f"task {task.id!r}: cannot build its database: {exc}", where="SqlEnv") from None
         try:
             result: list[tuple] = []
             width = 1
@@ -130,7 +130,7 @@ class SqlEnv(Environment):
             state = snapshot(conn) if task.payload["kind"] in MODIFY_TYPES else None
             return result, state, width
         except sqlite3.Error as exc:
-            raise TaskError(f"SqlEnv: task {task.id!r}: gold SQL fails: {exc}") from None
+            raise TaskError(f"task {task.id!r}: gold SQL fails: {exc}", where="SqlEnv") from None
         finally:
             conn.close()
 
@@ -142,7 +142,7 @@ class SqlEnv(Environment):
         try:
             conn = build_db(task.payload)
         except (sqlite3.Error, TypeError, AttributeError, ValueError) as exc:
-            raise TaskError(f"SqlEnv.reset: task {task.id!r}: cannot build its database: {exc}") from None
+            raise TaskError(f"task {task.id!r}: cannot build its database: {exc}", where="SqlEnv.reset") from None
         conn.set_authorizer(_authorizer)
         conn.set_progress_handler(_budget(), 1000)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
@@ -161,9 +161,9 @@ class SqlEnv(Environment):
     def step(self, action: str) -> StepResult:
         """Run one Operation or judge an Answer; anything else is an invalid action (a step)."""
         if self._task is None or self._conn is None:
-            raise EnvStateError("SqlEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("no episode running; call reset(task) first", where="SqlEnv.step")
         if self._done:
-            raise EnvStateError(f"SqlEnv.step: episode of task {self._task.id!r} is over; call reset(task)")
+            raise EnvStateError(f"episode of task {self._task.id!r} is over; call reset(task)", where="SqlEnv.step")
         self._steps += 1
         info: dict[str, Any] = {"instruction": self._task.instruction, "valid_actions": None, "success": None}
         body: str | None

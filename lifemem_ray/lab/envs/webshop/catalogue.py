@@ -143,7 +143,9 @@ class Goal:
                 name_nouns=tuple(str(n) for n in payload["name_nouns"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise TaskError(f"webshop: task payload is not a WebShop goal ({type(exc).__name__}: {exc})") from None
+            raise TaskError(
+                f"task payload is not a WebShop goal ({type(exc).__name__}: {exc})", where="webshop"
+            ) from None
 
 
 # --------------------------------------------------------------------------- products

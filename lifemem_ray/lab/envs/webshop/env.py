@@ -130,14 +130,16 @@ class WebShopEnv(Environment):
             ("max_steps", max_steps, 1, 1000),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise InvalidArgumentError(f"WebShopEnv: {label} must be an integer in {low}..{high}, got {value!r}")
+                raise InvalidArgumentError(
+                    f"{label} must be an integer in {low}..{high}, got {value!r}", where="WebShopEnv"
+                )
         for label, cap in (("n_train", n_train), ("n_test", n_test)):
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-                raise InvalidArgumentError(f"WebShopEnv: {label} must be None or an integer >= 0, got {cap!r}")
+                raise InvalidArgumentError(f"{label} must be None or an integer >= 0, got {cap!r}", where="WebShopEnv")
         if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
-            raise InvalidArgumentError(f"WebShopEnv: test_fraction must be in (0, 1), got {test_fraction!r}")
+            raise InvalidArgumentError(f"test_fraction must be in (0, 1), got {test_fraction!r}", where="WebShopEnv")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"WebShopEnv: seed must be an integer, got {seed!r}")
+            raise InvalidArgumentError(f"seed must be an integer, got {seed!r}", where="WebShopEnv")
         self.seed, self.max_steps = seed, max_steps
         self.catalogue = Catalogue.build(seed, products_per_type)
         goals = list(self.catalogue.goals)
@@ -207,8 +209,9 @@ class WebShopEnv(Environment):
         goal = Goal.from_payload(task.instruction, task.payload)
         if goal.asin not in self.catalogue.products:
             raise TaskError(
-                f"WebShopEnv.reset: task {task.id!r} targets {goal.asin}, which this catalogue (seed {self.seed}) "
-                "lacks; build the environment with the options its tasks came from"
+                f"task {task.id!r} targets {goal.asin}, which this catalogue (seed {self.seed}) "
+                "lacks; build the environment with the options its tasks came from",
+                where="WebShopEnv.reset",
             )
         self._task_now, self._goal, self._done, self._steps = task, goal, False, 0
         self._reset_session()
@@ -258,9 +261,11 @@ class WebShopEnv(Environment):
     def step(self, action: str) -> StepResult:
         """One search or click (or think); anything else is an invalid action, and a step."""
         if self._task_now is None or self._goal is None:
-            raise EnvStateError("WebShopEnv.step: no episode running; call reset(task) first")
+            raise EnvStateError("no episode running; call reset(task) first", where="WebShopEnv.step")
         if self._done:
-            raise EnvStateError(f"WebShopEnv.step: episode of task {self._task_now.id!r} is over; call reset(task)")
+            raise EnvStateError(
+                f"episode of task {self._task_now.id!r} is over; call reset(task)", where="WebShopEnv.step"
+            )
         self._steps += 1
         extra: dict[str, Any] = {}
         reward = 0.0

@@ -9,17 +9,17 @@ awaits the acknowledgements before it closes the environment. A failure of the m
 that episode run without memory and is counted (``wrapper.counts``); it never raises into the
 rollout. Nor does what the environment hands over: a NaN or non-numeric reward, a NUL byte or
 a lone surrogate, a non-text observation, a 50 MB action is made valid by the episode data rule
-(:mod:`lifemem_ray.lab.episode_data`) and counted in ``counts.made_valid``; an episode that still
+(:mod:`lifemem_ray.episodes.episode_data`) and counted in ``counts.made_valid``; an episode that still
 cannot be stored, or a step answer the wrapper cannot read, is counted in ``counts.not_stored``
 and the episode goes on. What the environment itself raises is its own: it propagates unchanged
 (the steps recorded so far are submitted at the next ``reset`` or ``close``, outcome unknown).
-The rules are :mod:`lifemem_ray.lab.episode_memory`'s, shared with the RL-stack adapters.
+The rules are :mod:`lifemem_ray.episodes.episode_memory`'s, shared with the RL-stack adapters.
 
 Example (one of the project's environments, a store in a folder)::
 
     from lifemem_ray.engine.memory import Memory
     from lifemem_ray.lab.envs import make_env
-    from lifemem_ray.lab.memory_wrapper import MemoryWrapper
+    from lifemem_ray.episodes.memory_wrapper import MemoryWrapper
 
     with Memory.open("/tmp/mem") as memory:
         env = MemoryWrapper(make_env("sql"), memory)
@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.episodes.episode_data import UNREADABLE
+from lifemem_ray.episodes.episode_memory import EpisodeMemory, EpisodeRecord, MemoryCounts
 from lifemem_ray.lab.envs.base import Environment, Task
-from lifemem_ray.lab.episode_data import UNREADABLE
-from lifemem_ray.lab.episode_memory import EpisodeMemory, EpisodeRecord, MemoryCounts
 
 __all__ = ["CONTEXT_PLACES", "MemoryWrapper"]
 
@@ -91,9 +91,11 @@ class MemoryWrapper:
         **memory_options: Any,
     ) -> None:
         if context_in not in CONTEXT_PLACES:
-            raise InvalidArgumentError(f"MemoryWrapper: context_in must be one of {CONTEXT_PLACES}, got {context_in!r}")
+            raise InvalidArgumentError(
+                f"context_in must be one of {CONTEXT_PLACES}, got {context_in!r}", where="MemoryWrapper"
+            )
         if not callable(getattr(env, "reset", None)) or not callable(getattr(env, "step", None)):
-            raise InvalidArgumentError(f"MemoryWrapper: {type(env).__name__} has no reset() and step()")
+            raise InvalidArgumentError(f"{type(env).__name__} has no reset() and step()", where="MemoryWrapper")
         self.env = env
         self.lab = isinstance(env, Environment)  # the project's own protocol, else gymnasium's
         self.episodes = memory if isinstance(memory, EpisodeMemory) else EpisodeMemory(memory, **memory_options)

@@ -1,5 +1,5 @@
 """What an episode's raw data becomes before the memory stores it: the one rule every adapter
-(:class:`~lifemem_ray.lab.memory_wrapper.MemoryWrapper`, SkyRL's ``lifemem-memory``, the verl
+(:class:`~lifemem_ray.episodes.memory_wrapper.MemoryWrapper`, SkyRL's ``lifemem-memory``, the verl
 loop) applies, so that recording an episode never raises into the rollout.
 
 An environment or a policy may hand the memory anything: a NaN reward, a reward that is a

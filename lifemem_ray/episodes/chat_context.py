@@ -4,7 +4,7 @@ An adapter recalls the memory for a task and gets a fenced block of text
 (:func:`lifemem_ray.lab.agent_prompts.memory_context`); the policy sees a chat (OpenAI-style
 messages). The block goes either into the system message (one system message, first: the
 form every chat template accepts) or before the first user message's text (the memory first,
-then the task, as :class:`~lifemem_ray.lab.memory_wrapper.MemoryWrapper` puts it before the
+then the task, as :class:`~lifemem_ray.episodes.memory_wrapper.MemoryWrapper` puts it before the
 first observation). The chat given is never changed: a copy comes back.
 
 Example::
@@ -50,7 +50,7 @@ def with_context(chat: Sequence[Mapping[str, Any]], context: str, place: str) ->
     message (as a first text part when its content is a list of parts), else as a new user
     message at the end. An empty ``context`` gives the chat's copy unchanged."""
     if place not in CONTEXT_PLACES:
-        raise InvalidArgumentError(f"with_context: place must be one of {CONTEXT_PLACES}, got {place!r}")
+        raise InvalidArgumentError(f"place must be one of {CONTEXT_PLACES}, got {place!r}", where="with_context")
     out = [dict(message) for message in chat]
     if not context:
         return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lifemem_ray.core.errors import InvalidArgumentError
-from lifemem_ray.lab.chat_context import last_message, message_text, with_context
+from lifemem_ray.episodes.chat_context import last_message, message_text, with_context
 
 SYSTEM = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "6*7?"}]
 BARE = [{"role": "user", "content": "6*7?"}]

@@ -1,6 +1,6 @@
-"""The memory side of episodes run by a foreign loop (lifemem_ray.lab.episode_memory), the rule
-that makes an episode's data storable (lifemem_ray.lab.episode_data) and the memory wrapper
-around any reset/step environment (lifemem_ray.lab.memory_wrapper): against a real store
+"""The memory side of episodes run by a foreign loop (lifemem_ray.episodes.episode_memory), the rule
+that makes an episode's data storable (lifemem_ray.episodes.episode_data) and the memory wrapper
+around any reset/step environment (lifemem_ray.episodes.memory_wrapper): against a real store
 (LMDB, FAISS, the embedding model), the project's SQL environment, a gymnasium environment,
 environments that hand over hostile data (NaN rewards, NUL bytes, lone surrogates, 50 MB
 texts), and a real deployment on Ray. Behaviour only: writes off the episode's path, failures
@@ -21,8 +21,7 @@ import pytest
 from lifemem_ray.core.errors import InvalidArgumentError, InvalidTrajectoryError
 from lifemem_ray.core.model import MAX_TEXT_CHARS, Outcome, Trajectory
 from lifemem_ray.engine.memory import Memory
-from lifemem_ray.lab.envs import make_env
-from lifemem_ray.lab.episode_data import (
+from lifemem_ray.episodes.episode_data import (
     MADE_VALID_KINDS,
     MAX_STEPS,
     NOT_STORED_REASONS,
@@ -30,8 +29,9 @@ from lifemem_ray.lab.episode_data import (
     storable_success,
     storable_text,
 )
-from lifemem_ray.lab.episode_memory import AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
-from lifemem_ray.lab.memory_wrapper import MemoryWrapper
+from lifemem_ray.episodes.episode_memory import AsyncEpisodeMemory, EpisodeMemory, EpisodeRecord
+from lifemem_ray.episodes.memory_wrapper import MemoryWrapper
+from lifemem_ray.lab.envs import make_env
 from lifemem_ray.lab.synthetic import generate
 
 

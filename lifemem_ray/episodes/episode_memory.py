@@ -9,14 +9,14 @@ in process, or a deployment's ``MemoryClient``), with one failure rule for every
 memory that fails degrades that episode to "no memory", is counted, and never raises into the
 rollout. The context is the ReAct prompt's memory sections (:func:`memory_context`): skills
 and exemplars fenced as data, never as instructions. What an episode hands over is made valid
-by one rule (:mod:`lifemem_ray.lab.episode_data`): a NaN reward, a NUL byte, a lone surrogate or
+by one rule (:mod:`lifemem_ray.episodes.episode_data`): a NaN reward, a NUL byte, a lone surrogate or
 a 50 MB action is mended and counted (``MemoryCounts.made_valid``), and an episode that cannot
 be stored is counted with its reason (``MemoryCounts.not_stored``); neither raises.
 
 Example::
 
     from lifemem_ray.engine.memory import Memory
-    from lifemem_ray.lab.episode_memory import EpisodeMemory, EpisodeRecord
+    from lifemem_ray.episodes.episode_memory import EpisodeMemory, EpisodeRecord
 
     with Memory.open("/tmp/mem") as memory:
         episodes = EpisodeMemory(memory, k=4)
@@ -41,21 +41,23 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError, TenantError
+from lifemem_ray.core.errors import IdConflictError, InvalidArgumentError
 from lifemem_ray.core.model import Trajectory
-from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
+from lifemem_ray.core.tenancy import DEFAULT_TENANT
+from lifemem_ray.core.validation import validated
 from lifemem_ray.engine.retrieval import Retrieval
 from lifemem_ray.engine.versions import check_version
-from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS, memory_context
-from lifemem_ray.lab.episode_data import (
+from lifemem_ray.episodes.episode_data import (
     MADE_VALID_KINDS,
     NOT_STORED_REASONS,
     EpisodeRecord,
     StorableEpisode,
     storable_text,
 )
+from lifemem_ray.episodes.episode_options import EpisodeOptions
+from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS, memory_context
 
 __all__ = ["AsyncEpisodeMemory", "EpisodeMemory", "EpisodeRecord", "MemoryCounts", "StorableEpisode"]
 
@@ -91,13 +93,6 @@ class _EpisodeMemoryRules:
     """What the thread and the coroutine versions share: bounds, counts, the context's form,
     the failure rule (count, log, degrade) and what counts as stored."""
 
-    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
-        "k": (1, 64),
-        "token_budget": (1, 100_000),
-        "ack_timeout_s": (0.1, 3600.0),
-        "max_pending": (1, 100_000),
-    }
-
     def __init__(
         self,
         memory: Any,
@@ -110,32 +105,36 @@ class _EpisodeMemoryRules:
         same_env: bool = True,
         as_of: str | None = None,
     ) -> None:
-        for name, value in (
-            ("k", k),
-            ("token_budget", token_budget),
-            ("ack_timeout_s", ack_timeout_s),
-            ("max_pending", max_pending),
-        ):
-            low, high = self.BOUNDS[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise InvalidArgumentError(f"{type(self).__name__}: {name} must be in {low:g}..{high:g}, got {value!r}")
+        options = validated(
+            EpisodeOptions,
+            {
+                "k": k,
+                "token_budget": token_budget,
+                "tenant": tenant,
+                "ack_timeout_s": ack_timeout_s,
+                "max_pending": max_pending,
+                "same_env": same_env,
+                "as_of": as_of,
+            },
+            where=type(self).__name__,
+            error=InvalidArgumentError,
+        )
         if not callable(getattr(memory, "retrieve", None)) or not callable(getattr(memory, "add", None)):
             raise InvalidArgumentError(
                 f"{type(self).__name__}: {type(memory).__name__} has no retrieve() and add(); "
                 "give a Memory, a MemoryClient or an AsyncMemoryClient"
             )
-        try:
-            check_tenant(tenant, f"{type(self).__name__}: tenant")
-        except TenantError as exc:
-            raise InvalidArgumentError(str(exc)) from None
         self.memory = memory
-        self.k, self.token_budget, self.tenant = k, token_budget, tenant
-        self.ack_timeout_s, self.max_pending, self.same_env = ack_timeout_s, max_pending, same_env
+        self.options = options  # what this episode memory was asked, checked (EpisodeOptions)
+        self.k, self.token_budget, self.tenant = options.k, options.token_budget, options.tenant
+        self.ack_timeout_s, self.max_pending, self.same_env = (
+            options.ack_timeout_s,
+            options.max_pending,
+            options.same_env,
+        )
         self.counts = MemoryCounts()
         self._lock = threading.Lock()  # guards counts (and the thread version's pending queue)
-        self.as_of = (
-            None if as_of is None else check_version(as_of)
-        )  # recalls pinned to this version (None: the latest)
+        self.as_of = options.as_of  # recalls pinned to this version (None: the latest)
 
     def pin(self, version: str | None) -> None:
         """Pin later recalls to ``version`` (a token from the memory's ``version()``; None: read
@@ -165,7 +164,7 @@ class _EpisodeMemoryRules:
             metadata: stored with the trajectory.
 
         Returns:
-            The :class:`~lifemem_ray.lab.episode_data.StorableEpisode`.
+            The :class:`~lifemem_ray.episodes.episode_data.StorableEpisode`.
         """
         result = record.storable(success, reward, tenant=self.tenant, metadata=metadata)
         if result.trajectory is None:
