@@ -74,6 +74,14 @@ class MemoryClient:
         """A client of the deployment in ``namespace``, connected now (starting a Ray connection
         to ``address`` if this process has none).
 
+        Args:
+            namespace: the deployment's Ray namespace.
+            address: the Ray cluster to join when this process has none (never a scan).
+            config: the deployment's configuration (None: the defaults).
+
+        Returns:
+            The connected client.
+
         Raises:
             DeploymentNotFoundError: no deployment runs in ``namespace``.
         """
@@ -124,7 +132,15 @@ class MemoryClient:
 
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AddFuture:
-        """One trajectory: the future's ``result()`` is its one result."""
+        """One trajectory, as :meth:`add_many`.
+
+        Args:
+            trajectory: what to store.
+            vector: its query text's embedding (None: this client's cached one, else the deployment embeds it).
+
+        Returns:
+            The request's future; its ``result()`` is the one result.
+        """
         vectors = None if vector is None else np.asarray(vector, dtype=np.float32).reshape(1, -1)
         future = self.add_many([trajectory], vectors)
         future.single = True
@@ -173,7 +189,16 @@ class MemoryClient:
         tenant: str = DEFAULT_TENANT,
         as_of: str | None = None,
     ) -> Retrieval:
-        """Like :meth:`lifemem_ray.engine.memory.Memory.retrieve` (``env=None``: every environment of the tenant)."""
+        """The ``k`` stored trajectories nearest to ``task``, with their clusters' skills, as
+        :meth:`lifemem_ray.engine.protocols.MemoryAPI.retrieve` (its Args).
+
+        Returns:
+            The :class:`~lifemem_ray.engine.retrieval.Retrieval`.
+
+        Raises:
+            InvalidArgumentError: an argument refused (``where`` names it).
+            ShardUnavailableError: a shard did not answer within ``cluster.call_timeout_s``.
+        """
         options = RetrieveOptions(k, token_budget, skills, tenant, as_of)
         return self.retrieve_with([task], [env], options, None if vector is None else [vector])[0]
 

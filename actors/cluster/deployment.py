@@ -294,11 +294,24 @@ def arm_watches(plan: DeploymentPlan) -> None:
 def deploy(
     store_dir: str | Path, config: DeploymentConfig | None = None, *, shards: int | None = None, dim: int | None = None
 ) -> dict[str, Any]:
-    """Start (or re-attach to) the deployment for ``store_dir``; returns its description.
+    """Start (or re-attach to) the deployment for ``store_dir``.
 
     Call after ``ray.init``. An existing store keeps its shard count, node placement and id.
     Shard and embedder actors of this store that still run without a coordinator are adopted.
     A start that fails ends the actors it started, and only those.
+
+    Args:
+        store_dir: the deployment's store folder (one shard store under it per shard).
+        config: its settings (None: the defaults; ``cluster.namespace`` names it in Ray).
+        shards: the shard count of a new store (None: ``cluster.shards``); an existing store keeps its own.
+        dim: the vector size of a new store (None: the embedding model's).
+
+    Returns:
+        The deployment's description (namespace, shards, embedders, dim, id).
+
+    Raises:
+        DeploymentExistsError: another deployment runs in the namespace.
+        DurableAddressOwnedError: another deployment owns ``cluster.durable_uri``.
     """
     plan = plan_deployment(store_dir, config, shards=shards, dim=dim)
     try:
@@ -328,7 +341,15 @@ def _kill_named(namespace: str, names: list[str]) -> None:
 
 def stop(namespace: str = "lifemem", *, timeout_s: float = 120.0) -> bool:
     """Close every shard (saving its index cache) and end the deployment's actors; a deployment
-    whose coordinator is gone has its live shards and embedders ended too."""
+    whose coordinator is gone has its live shards and embedders ended too.
+
+    Args:
+        namespace: the deployment's Ray namespace.
+        timeout_s: how long each actor may take to close.
+
+    Returns:
+        Whether a deployment (or leftovers of one) was found and ended.
+    """
     try:
         coordinator = find_coordinator(namespace)
     except DeploymentNotFoundError:
@@ -382,6 +403,18 @@ def snapshot(directory: str | Path, namespace: str = "lifemem", *, timeout_s: fl
     store in one read transaction, record by record into fresh pages (no byte of a deleted
     trajectory is in the copy), then ingest resumes. On a real cluster ``directory`` should
     be a shared filesystem every shard's node can write.
+
+    Args:
+        directory: an empty (or new) folder for the copy.
+        namespace: the deployment's Ray namespace.
+        timeout_s: how long the copy may take.
+
+    Returns:
+        What was copied (per shard: trajectories, bytes; the routing; seconds).
+
+    Raises:
+        PathExistsError: ``directory`` is not empty.
+        DeploymentNotFoundError: no deployment runs in ``namespace``.
     """
     coordinator = find_coordinator(namespace)
     target = Path(directory).resolve()

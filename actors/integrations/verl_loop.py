@@ -76,15 +76,14 @@ from verl.utils.reward_score import default_compute_score
 from verl.utils.rollout_trace import rollout_trace_op
 
 from lifemem_ray.actors.client.awaiting import AsyncMemoryClient
-from lifemem_ray.actors.client.connection import check_reconnect_after_s
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.integrations.adapter_options import EPISODE_OPTIONS, MemoryAdapterOptions
 from lifemem_ray.core.errors import InvalidArgumentError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT
 from lifemem_ray.core.validation import validated
 from lifemem_ray.episodes.chat_context import CONTEXT_PLACES, last_message, message_text, with_context
 from lifemem_ray.episodes.episode_data import StorableEpisode, storable_reward
 from lifemem_ray.episodes.episode_memory import AsyncEpisodeMemory, EpisodeRecord
-from lifemem_ray.episodes.episode_options import EpisodeOptions
 from lifemem_ray.lab.agent_prompts import DEFAULT_MEMORY_TOKENS
 
 __all__ = ["AGENT_NAME", "MemoryAgentLoop", "MemoryLoopOptions"]
@@ -92,6 +91,10 @@ __all__ = ["AGENT_NAME", "MemoryAgentLoop", "MemoryLoopOptions"]
 log = logging.getLogger(__name__)
 
 AGENT_NAME = "lifemem_memory"  # the name rows (agent_name) and default_agent_loop use
+
+
+# The loop's options that are the adapters' memory options (MemoryAdapterOptions, under verl's names).
+ADAPTER_FIELDS = ("memory_namespace", "memory_address", "memory_config", "reconnect_after_s", *EPISODE_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -120,11 +123,8 @@ class MemoryLoopOptions:
             raise InvalidArgumentError(
                 f"verl agent loop {AGENT_NAME}: context_in must be one of {CONTEXT_PLACES}, got {self.context_in!r}"
             )
-        if not isinstance(self.memory_namespace, str) or not self.memory_namespace:
-            raise InvalidArgumentError(f"verl agent loop {AGENT_NAME}: memory_namespace must be a Ray namespace name")
-        episode = {name: getattr(self, name) for name in EpisodeOptions.model_fields}
-        validated(EpisodeOptions, episode, where=f"verl agent loop {AGENT_NAME}", error=InvalidArgumentError)
-        check_reconnect_after_s(self.reconnect_after_s, f"verl agent loop {AGENT_NAME}")
+        given = {name: getattr(self, name) for name in ADAPTER_FIELDS}
+        validated(MemoryAdapterOptions, given, where=f"verl agent loop {AGENT_NAME}")
 
     def memory_key(self) -> tuple[Any, ...]:
         """The options that make a distinct memory connection."""

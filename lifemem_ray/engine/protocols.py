@@ -52,9 +52,40 @@ class MemoryAPI(Protocol):
     (:mod:`lifemem_ray.core.tenancy`; a trajectory carries its own): a tenant never sees another's
     trajectories, clusters or skills."""
 
-    def add(self, trajectory: Trajectory, vector: Any = None) -> Any: ...
+    def add(self, trajectory: Trajectory, vector: Any = None) -> Any:
+        """Store one trajectory (see :meth:`add_many`).
 
-    def add_many(self, trajectories: Sequence[Trajectory], vectors: Any = None) -> Any: ...
+        Args:
+            trajectory: what to store; its ``tenant`` says whose memory it joins.
+            vector: its query text's embedding (None: the memory embeds it).
+
+        Returns:
+            Its :class:`~lifemem_ray.engine.ingest_rules.AddResult` (a store), or a future of it
+            (a deployment: ``.result()``, or ``await`` for the async client).
+
+        Raises:
+            InvalidTrajectoryError: the trajectory or its vector is refused (``where`` names the field).
+            IdConflictError: its id is stored with other content; nothing was stored.
+        """
+        ...
+
+    def add_many(self, trajectories: Sequence[Trajectory], vectors: Any = None) -> Any:
+        """Store trajectories as one request: each joins a cluster of its neighbours or opens
+        one; acknowledged as a whole, refused whole if an id conflicts.
+
+        Args:
+            trajectories: what to store.
+            vectors: their query texts' embeddings, one row each (None: the memory embeds them).
+
+        Returns:
+            One :class:`~lifemem_ray.engine.ingest_rules.AddResult` per trajectory
+            (``added``/``duplicate``), or a future of them (a deployment).
+
+        Raises:
+            InvalidTrajectoryError: a trajectory or a vector is refused (nothing is stored).
+            IdConflictError: an id is stored, or repeated here, with other content.
+        """
+        ...
 
     def retrieve(
         self,
@@ -66,7 +97,28 @@ class MemoryAPI(Protocol):
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = "default",
-    ) -> Retrieval: ...
+        as_of: str | None = None,
+    ) -> Retrieval:
+        """The ``k`` stored trajectories nearest to ``task`` in ``env``, with their clusters'
+        skills, rendered within ``token_budget`` tokens (paper section 5.5).
+
+        Args:
+            task: the new task's text.
+            env: its environment (None: every environment of the tenant).
+            k: trajectories to return (None: ``retrieval.k``).
+            vector: the task's embedding (None: embedded here).
+            token_budget: the rendered context's budget (None: ``retrieval.token_budget``).
+            skills: whether the clusters' skills come along.
+            tenant: whose memory is searched.
+            as_of: a version (:meth:`version`) to read at: later writes left out.
+
+        Returns:
+            The :class:`~lifemem_ray.engine.retrieval.Retrieval`: trajectories, skills, context.
+
+        Raises:
+            InvalidArgumentError: an argument refused, named in ``where``.
+        """
+        ...
 
     def retrieve_many(
         self,
@@ -78,34 +130,120 @@ class MemoryAPI(Protocol):
         token_budget: int | None = None,
         skills: bool = True,
         tenant: str = "default",
-    ) -> list[Retrieval]: ...
+        as_of: str | None = None,
+    ) -> list[Retrieval]:
+        """:meth:`retrieve` for many tasks in one call (one search per environment).
+
+        Args:
+            tasks: the tasks' texts.
+            envs: one environment per task, or one for all (None entries: every environment).
+            k: trajectories per task (None: ``retrieval.k``).
+            vectors: the tasks' embeddings (None: embedded here).
+            token_budget: each context's budget (None: ``retrieval.token_budget``).
+            skills: whether the clusters' skills come along.
+            tenant: whose memory is searched.
+            as_of: a version to read at.
+
+        Returns:
+            One :class:`~lifemem_ray.engine.retrieval.Retrieval` per task, in order.
+
+        Raises:
+            InvalidArgumentError: an argument refused (``tasks[i]``, ``envs[i]``, ``k`` ... in ``where``).
+        """
+        ...
 
     def remove(self, ids: Sequence[str], *, tenant: str = "default") -> int:
-        """Delete the tenant's trajectories of these ids; how many were stored (idempotent)."""
+        """Delete the tenant's trajectories of these ids (idempotent: unknown ids are ignored).
+
+        Args:
+            ids: the trajectory ids.
+            tenant: whose trajectories.
+
+        Returns:
+            How many were stored.
+        """
         ...
 
     def purge_tenant(self, tenant: str) -> int:
-        """Delete everything of ``tenant``; completes even if interrupted by a crash."""
+        """Delete everything of ``tenant``; completes even if interrupted by a crash.
+
+        Args:
+            tenant: whose trajectories, clusters and skills go.
+
+        Returns:
+            How many trajectories were deleted.
+        """
         ...
 
-    def stats(self, tenant: str | None = None) -> MemoryStats: ...
+    def stats(self, tenant: str | None = None) -> MemoryStats:
+        """The memory's counts.
+
+        Args:
+            tenant: only that tenant's own figures (None: everything, with ``per_tenant``).
+
+        Returns:
+            The :class:`MemoryStats`.
+        """
+        ...
 
     def clusters(
         self, env: str | None = None, *, tenant: str | None = "default", limit: int | None = None
-    ) -> list[ClusterInfo]: ...
+    ) -> list[ClusterInfo]:
+        """The live workflow clusters, largest first.
 
-    def cluster_count(self, env: str | None = None, *, tenant: str | None = "default") -> int: ...
+        Args:
+            env: only this environment's (None: all).
+            tenant: whose (None: every tenant's).
+            limit: at most this many (the largest).
 
-    def verify(self, deep: bool = False) -> dict[str, Any]: ...
+        Returns:
+            One :class:`~lifemem_ray.engine.clustering.clusters.ClusterInfo` per cluster.
+        """
+        ...
 
-    def maintain(self) -> int: ...
+    def cluster_count(self, env: str | None = None, *, tenant: str | None = "default") -> int:
+        """How many clusters :meth:`clusters` would list without a limit.
+
+        Args:
+            env: only this environment's (None: all).
+            tenant: whose (None: every tenant's).
+
+        Returns:
+            The count.
+        """
+        ...
+
+    def verify(self, deep: bool = False) -> dict[str, Any]:
+        """The stored state's invariants checked.
+
+        Args:
+            deep: also every record's fingerprint, recomputed.
+
+        Returns:
+            ``{"ok": bool, ...}`` with what was found.
+        """
+        ...
+
+    def maintain(self) -> int:
+        """Run the queued splits and skills now (they also run in the background).
+
+        Returns:
+            How many maintenance steps ran.
+        """
+        ...
 
     def version(self) -> str:
         """The memory's version now (:mod:`lifemem_ray.engine.versions`): what a read pinned
-        ``as_of`` it sees, later writes left out."""
+        ``as_of`` it sees, later writes left out.
+
+        Returns:
+            The version token (``v1:`` then one watermark per shard).
+        """
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the memory holds (a store's files, a client's handles)."""
+        ...
 
 
 @runtime_checkable

@@ -225,7 +225,17 @@ class EpisodeMemory(_EpisodeMemoryRules):
     a background thread; at most ``max_pending`` submissions wait at once (one more waits for
     the oldest: backpressure, never a dropped write). ``settle`` waits for them all; a submit
     the memory refused or did not acknowledge within ``ack_timeout_s`` is counted and logged,
-    not retried (its id is new each time: ``submit_failures`` says how many are in doubt)."""
+    not retried (its id is new each time: ``submit_failures`` says how many are in doubt).
+
+    Args:
+        memory: a :class:`~lifemem_ray.engine.memory.Memory` or a deployment's ``MemoryClient``.
+        **options: the episode options (:class:`~lifemem_ray.episodes.episode_options.EpisodeOptions`:
+            ``k``, ``token_budget``, ``tenant``, ``ack_timeout_s``, ``max_pending``, ``same_env``, ``as_of``).
+
+    Raises:
+        InvalidArgumentError: an option refused (``where`` names it), or ``memory`` has no
+            ``retrieve`` and ``add``.
+    """
 
     def __init__(self, memory: Any, **options: Any) -> None:
         super().__init__(memory, **options)
@@ -233,9 +243,18 @@ class EpisodeMemory(_EpisodeMemoryRules):
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lifemem-episode-writes")
 
     def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
-        """The memory context for ``task`` (fenced skills and exemplars; "" when the memory has
-        nothing or failed) and the retrieval it came from (None on failure). The task is asked
-        as the episode data rule makes it valid (a NUL, a lone surrogate, a 50 MB text)."""
+        """The memory context for ``task`` and the retrieval it came from. The task is asked as
+        the episode data rule makes it valid (a NUL, a lone surrogate, a 50 MB text). Never
+        raises: a failing memory is counted (``recall_failures``) and the episode goes on without.
+
+        Args:
+            task: the episode's task text.
+            env: its environment (with ``same_env``, the only one searched).
+
+        Returns:
+            ``(context, retrieval)``: the fenced skills and exemplars ("" when the memory has
+            nothing or failed) and the retrieval (None on failure).
+        """
         self._count("recalls")
         started = time.perf_counter()
         try:
@@ -249,9 +268,16 @@ class EpisodeMemory(_EpisodeMemoryRules):
 
     def submit(self, trajectory: Trajectory) -> Future[bool]:
         """Hand ``trajectory`` to the memory in the background; returns at once (or, with
-        ``max_pending`` submissions in flight, once the oldest of them settled) with the write's
-        future: True once acknowledged, False when it failed (counted either way; a writer
-        already closed is such a failure). Never raises."""
+        ``max_pending`` submissions in flight, once the oldest of them settled: bounded
+        backpressure). Never raises: a failed write is counted.
+
+        Args:
+            trajectory: the finished episode (see :meth:`storable` for raw episode data).
+
+        Returns:
+            The write's future: True once acknowledged, False when it failed (a writer already
+            closed is such a failure).
+        """
         self._count("submitted")
         started = time.perf_counter()
         with self._lock:
@@ -272,8 +298,14 @@ class EpisodeMemory(_EpisodeMemoryRules):
         return future
 
     def settle(self, timeout_s: float | None = None) -> MemoryCounts:
-        """Wait until every submission is acknowledged or failed, at most ``timeout_s`` in all
-        (default ``ack_timeout_s`` plus a margin); the counts (``pending``: still unsettled)."""
+        """Wait until every submission is acknowledged or failed.
+
+        Args:
+            timeout_s: the longest wait in all (None: ``ack_timeout_s`` plus a margin).
+
+        Returns:
+            The counts (``pending``: submissions still unsettled).
+        """
         deadline = time.monotonic() + (self.ack_timeout_s + 5.0 if timeout_s is None else timeout_s)
         while True:
             with self._lock:
@@ -287,7 +319,14 @@ class EpisodeMemory(_EpisodeMemoryRules):
         return self.counts
 
     def close(self, timeout_s: float | None = None) -> MemoryCounts:
-        """``settle``, then stop the background writer; safe to call twice."""
+        """:meth:`settle`, then stop the background writer; safe to call twice.
+
+        Args:
+            timeout_s: as :meth:`settle`'s.
+
+        Returns:
+            The counts.
+        """
         counts = self.settle(timeout_s)
         self._writer.shutdown(wait=False, cancel_futures=False)
         return counts
@@ -338,7 +377,15 @@ class AsyncEpisodeMemory(_EpisodeMemoryRules):
         self._tasks: set[asyncio.Task[None]] = set()  # submissions not yet acknowledged or failed
 
     async def recall(self, task: str, env: str | None) -> tuple[str, Retrieval | None]:
-        """As :meth:`EpisodeMemory.recall`, awaited; bounded by ``ack_timeout_s``."""
+        """As :meth:`EpisodeMemory.recall`, awaited; bounded by ``ack_timeout_s``.
+
+        Args:
+            task: the episode's task text.
+            env: its environment.
+
+        Returns:
+            ``(context, retrieval)`` (``""`` and None when the memory failed: counted, never raised).
+        """
         self._count("recalls")
         started = time.perf_counter()
         try:
@@ -355,7 +402,11 @@ class AsyncEpisodeMemory(_EpisodeMemoryRules):
 
     async def submit(self, trajectory: Trajectory) -> None:
         """Send ``trajectory`` and await its acknowledgement in a background task; returns at
-        once (with ``max_pending`` in flight, once the oldest settled)."""
+        once (with ``max_pending`` in flight, once the oldest settled). Never raises.
+
+        Args:
+            trajectory: the finished episode.
+        """
         self._count("submitted")
         started = time.perf_counter()
         while len(self._tasks) >= self.max_pending:
@@ -366,8 +417,14 @@ class AsyncEpisodeMemory(_EpisodeMemoryRules):
         self._count("submit_s", time.perf_counter() - started)
 
     async def settle(self, timeout_s: float | None = None) -> MemoryCounts:
-        """Await every submission (at most ``timeout_s`` in all; default ``ack_timeout_s`` plus
-        a margin); the counts (``pending``: still unsettled)."""
+        """Await every submission.
+
+        Args:
+            timeout_s: the longest wait in all (None: ``ack_timeout_s`` plus a margin).
+
+        Returns:
+            The counts (``pending``: still unsettled).
+        """
         if self._tasks:
             limit = self.ack_timeout_s + 5.0 if timeout_s is None else timeout_s
             await asyncio.wait(set(self._tasks), timeout=limit)

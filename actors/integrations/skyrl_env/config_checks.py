@@ -7,11 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lifemem_ray.core.errors import ConfigError
-from lifemem_ray.episodes.episode_options import EpisodeOptions
 
 __all__ = [
-    "CONNECTION_KEYS",
-    "EPISODE_KEYS",
     "LAB_KEYS",
     "MEMORY_KEYS",
     "as_mapping",
@@ -27,8 +24,6 @@ LAB_KEYS = frozenset({"env", "options", "split"})  # LabTextEnv's env_config
 MEMORY_KEYS = frozenset(  # MemoryTextEnv's env_config
     {"inner", "inner_config", "memory", "memory_env", "context_in", "task_from", "settle_timeout_s"}
 )
-CONNECTION_KEYS = frozenset({"namespace", "address", "overrides", "reconnect_after_s"})  # its "memory" block
-EPISODE_KEYS = frozenset(EpisodeOptions.model_fields)  # ditto: the episode memory's options
 
 
 def plain(value: Any) -> Any:

@@ -10,21 +10,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lifemem_ray.actors.client.blocking import MemoryClient
-from lifemem_ray.actors.client.connection import check_reconnect_after_s
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+from lifemem_ray.actors.integrations.adapter_options import MemoryAdapterOptions
 from lifemem_ray.actors.integrations.skyrl_env.config_checks import (
-    CONNECTION_KEYS,
-    EPISODE_KEYS,
     as_mapping,
-    check_keys,
-    nonempty_name,
 )
 from lifemem_ray.core.errors import ConfigError
 from lifemem_ray.core.validation import validated
 from lifemem_ray.episodes.episode_memory import EpisodeMemory
-from lifemem_ray.episodes.episode_options import EpisodeOptions
 
-__all__ = ["SHARED_CLIENTS", "SharedClients", "check_episode_options", "episode_memory_opener"]
+__all__ = ["SHARED_CLIENTS", "SharedClients", "episode_memory_opener"]
 
 
 class SharedClients:
@@ -71,15 +66,6 @@ class SharedClients:
 SHARED_CLIENTS = SharedClients()
 
 
-def check_episode_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The :class:`EpisodeMemory` options among ``options``, checked by
-    :class:`~lifemem_ray.episodes.episode_options.EpisodeOptions` (the one model every adapter
-    uses); a refusal is a ConfigError whose ``where`` names the key under ``where``."""
-    chosen = {key: options[key] for key in EPISODE_KEYS & set(options)}
-    validated(EpisodeOptions, chosen, where=where)
-    return chosen
-
-
 def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tuple[EpisodeMemory, bool]]:
     """Checks ``spec`` now (nothing connects); the call it returns gives the episode memory of
     one environment and whether the environment owns it: ``memory`` as given (an
@@ -87,24 +73,21 @@ def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tu
     process's shared episode memory over its client of the deployment ``spec`` names
     (``namespace``, ``address``, ``overrides``: dotted DeploymentConfig settings of the client)
     with ``spec``'s episode options."""
-    options = as_mapping(spec, where)
-    check_keys(options, CONNECTION_KEYS | EPISODE_KEYS, where)
-    episode_options = check_episode_options(options, where)
+    block = as_mapping(spec, where)
+    checked = validated(MemoryAdapterOptions, block, where=where)  # every option, named where it was given
+    episode_options = {key: value for key, value in checked.episode_options().items() if key in block}
     if isinstance(memory, EpisodeMemory):
         return lambda: (memory, False)
     if memory is not None:
         return lambda: (EpisodeMemory(memory, **episode_options), True)
-    if not options:
+    if not block:
         raise ConfigError(
             "missing; give {namespace: <the deployment's Ray namespace>} "
             "(and address, overrides, k, tenant ... as needed), or pass memory= to skyrl_gym.make",
             where=where,
         )
-    namespace = nonempty_name(options.get("namespace"), f"{where}['namespace']")
-    address = options.get("address")
-    if address is not None:
-        address = nonempty_name(address, f"{where}['address']")
-    overrides = as_mapping(options.get("overrides"), f"{where}['overrides']")
-    config = DeploymentConfig().replace(overrides, source=f"{where}['overrides']")
-    retry = check_reconnect_after_s(options.get("reconnect_after_s", 30.0), where)
+    if "namespace" not in block:
+        raise ConfigError("the deployment's Ray namespace is missing", where=f"{where}.namespace")
+    namespace, address, retry = checked.namespace, checked.address, checked.reconnect_after_s
+    config = checked.deployment_config(where)
     return lambda: (SHARED_CLIENTS.episodes(namespace, address, config, retry, episode_options), False)

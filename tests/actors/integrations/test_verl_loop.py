@@ -378,8 +378,12 @@ def test_hostile_rows_are_stored_made_valid_or_counted(memory, model_dir, replic
 def test_options_are_checked():
     with pytest.raises(InvalidArgumentError, match="context_in"):
         MemoryLoopOptions(context_in="assistant")
-    with pytest.raises(ConfigError, match=r"reconnect_after_s must be a number in 0\.\.3600"):
+    with pytest.raises(ConfigError, match=r"lifemem_memory\.reconnect_after_s: must be within 0\.\.3600, got -1"):
         MemoryLoopOptions(reconnect_after_s=-1)
+    with pytest.raises(ConfigError, match=r"lifemem_memory\.k: must be within 1\.\.64, got 0"):
+        MemoryLoopOptions(k=0)  # the same model (and bounds) as SkyRL's memory block
+    with pytest.raises(ConfigError, match=r"lifemem_memory\.memory_namespace: string should have at least 1 character"):
+        MemoryLoopOptions(memory_namespace="")
 
 
 def wait_for(condition: Any, context: Any, timeout_s: float = 120.0) -> None:
