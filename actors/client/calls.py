@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 
 import ray
 
+from lifemem_ray.engine.retrieval import paused_gc
+
 __all__ = ["Blocking", "Join", "Remote", "Script", "Sleep", "adrive", "drive"]
 
 T = TypeVar("T")
@@ -44,6 +46,10 @@ class Remote:
     refs: list[Any]
     limit_s: float | None
     one: bool = False
+    # Many small objects arrive (a retrieval's records): the blocking loop holds off the cyclic
+    # collector while they are read (engine.retrieval.paused_gc), as in one process. The awaiting
+    # loop does not: a pause would span other coroutines' turns.
+    many_objects: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,8 @@ async def adrive(script: Script[T], on_error: Callable[[BaseException], None] | 
 def _perform(call: Call) -> Any:
     if isinstance(call, Remote):
         try:
-            values = ray.get(call.refs, timeout=call.limit_s)
+            with paused_gc() if call.many_objects else contextlib.nullcontext():
+                values = ray.get(call.refs, timeout=call.limit_s)
         except ray.exceptions.RayTaskError:
             _read_the_rest(call.refs)
             raise

@@ -78,7 +78,7 @@ class ClientCore:
         (:func:`~lifemem_ray.actors.cluster.remote_errors.raise_own`), not as Ray's wrapper."""
         limit = self.config.cluster.call_timeout_s
         try:
-            return (yield Remote(refs, limit))
+            return (yield Remote(refs, limit, many_objects=what == "retrieval"))
         except ray.exceptions.RayTaskError as exc:
             raise_own(exc)
         except actor_failures(TimeoutError) as exc:
