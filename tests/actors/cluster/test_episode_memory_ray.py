@@ -1,4 +1,4 @@
-"""The episode memory over a deployment's async client (tests/lab/test_episode_memory.py holds the
+"""The episode memory over a deployment's async client (tests/episodes/test_episode_memory.py holds the
 rest)."""
 
 from __future__ import annotations
