@@ -196,7 +196,12 @@ def test_pipelined_batches_see_what_the_batch_before_stored(deployment, data):
         except IdConflictError as exc:
             assert trajs[250].id in str(exc)
             outcome[name] = "rejected"
-    assert sorted(map(str, outcome.values())) == ["rejected", "{'added'}"], outcome
+    # One of the two is refused whole; the other is stored: "added", or "pending" when it reached
+    # the coordinator first and its environment was not yet initialised on its shard.
+    refused = [name for name, got in outcome.items() if got == "rejected"]
+    assert len(refused) == 1, outcome
+    (accepted,) = (got for got in outcome.values() if got != "rejected")
+    assert accepted and accepted <= {"added", "pending"}, outcome
     stats = client.stats()
     expected = 500 + (100 if outcome["third"] != "rejected" else 2)
     assert stats["trajectories"] == expected, "each trajectory stored once, nothing of the rejected request"
