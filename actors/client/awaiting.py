@@ -36,11 +36,10 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from lifemem_ray.actors.client.calls import Script, adrive, drive
-from lifemem_ray.actors.client.core import ClientCore
+from lifemem_ray.actors.client.face import ClientFace
 from lifemem_ray.actors.client.futures import AsyncAddFuture
-from lifemem_ray.actors.client.query_vectors import QueryVectors
 from lifemem_ray.actors.client.retrieve_options import RetrieveOptions
-from lifemem_ray.actors.client.rules import AddRequest, InDoubtLedger
+from lifemem_ray.actors.client.rules import AddRequest
 from lifemem_ray.actors.cluster import deployment
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.errors import DeploymentNotFoundError
@@ -54,29 +53,14 @@ __all__ = ["AsyncAddFuture", "AsyncMemoryClient"]
 T = TypeVar("T")
 
 
-class AsyncMemoryClient:
+class AsyncMemoryClient(ClientFace):
     """:class:`~lifemem_ray.actors.client.blocking.MemoryClient`'s operations as coroutines
     (adds return an :class:`~lifemem_ray.actors.client.futures.AsyncAddFuture`). Use it from one
     event loop; it connects at its first call (or at :meth:`connect`).
 
-    Args:
-        namespace: the deployment's Ray namespace.
-        config: the deployment's configuration (its ``cluster`` bounds every call).
-        address: the Ray cluster to join when this process has none (never a scan).
-        reconnect_after_s: seconds a failed connect is not tried again (0..3600).
+    Constructed as :class:`~lifemem_ray.actors.client.face.ClientFace` (namespace, config,
+    address, reconnect_after_s).
     """
-
-    def __init__(
-        self,
-        namespace: str = "lifemem",
-        config: DeploymentConfig | None = None,
-        *,
-        address: str | None = None,
-        reconnect_after_s: float = 0.0,
-    ) -> None:
-        self.namespace = namespace
-        self.config = config or DeploymentConfig()
-        self.core = ClientCore(namespace, self.config, address, reconnect_after_s)  # every operation, once
 
     @classmethod
     async def connect(
@@ -108,21 +92,6 @@ class AsyncMemoryClient:
                 f"AsyncMemoryClient of namespace {self.namespace!r}: not connected now; await a call first"
             )
         return self.core.connection.open().dim  # connected: answers at once
-
-    @property
-    def coordinator(self) -> Any:
-        """The coordinator's actor handle in use (looked up by name again after it died)."""
-        return self.core.connection.coordinator.handle
-
-    @property
-    def in_doubt(self) -> InDoubtLedger:
-        """Ids of adds whose answer was lost."""
-        return self.core.in_doubt
-
-    @property
-    def query_vectors(self) -> QueryVectors:
-        """Recent retrieval texts' vectors (``cluster.client_vector_cache``)."""
-        return self.core.query_vectors
 
     async def shards(self) -> list[Any]:
         """The shard actors' handles (looked up on first use, and after a shard failed)."""
@@ -251,7 +220,3 @@ class AsyncMemoryClient:
     async def snapshot(self, directory: str | Path) -> dict[str, Any]:
         """A consistent copy of every shard and the routing (run in a thread: it waits on Ray)."""
         return await asyncio.to_thread(deployment.snapshot, directory, self.namespace)
-
-    def close(self) -> None:
-        """Drop the handles (the next call connects again); the deployment keeps running."""
-        self.core.connection.drop()

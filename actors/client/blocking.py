@@ -26,11 +26,9 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from lifemem_ray.actors.client.calls import Script, drive
-from lifemem_ray.actors.client.core import ClientCore
+from lifemem_ray.actors.client.face import ClientFace
 from lifemem_ray.actors.client.futures import AddFuture
-from lifemem_ray.actors.client.query_vectors import QueryVectors
 from lifemem_ray.actors.client.retrieve_options import RetrieveOptions
-from lifemem_ray.actors.client.rules import InDoubtLedger
 from lifemem_ray.actors.cluster import deployment
 from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
 from lifemem_ray.core.model import Trajectory
@@ -43,29 +41,14 @@ __all__ = ["AddFuture", "MemoryClient"]
 T = TypeVar("T")
 
 
-class MemoryClient:
+class MemoryClient(ClientFace):
     """:class:`lifemem_ray.engine.protocols.MemoryAPI` over a Ray deployment (adds return an
     :class:`~lifemem_ray.actors.client.futures.AddFuture`). Thread-safe: one client serves
     every thread of a process.
 
-    Args:
-        namespace: the deployment's Ray namespace.
-        config: the deployment's configuration (its ``cluster`` bounds every call).
-        address: the Ray cluster to join when this process has none (never a scan).
-        reconnect_after_s: seconds a failed connect is not tried again (0..3600).
+    Constructed as :class:`~lifemem_ray.actors.client.face.ClientFace` (namespace, config,
+    address, reconnect_after_s).
     """
-
-    def __init__(
-        self,
-        namespace: str = "lifemem",
-        config: DeploymentConfig | None = None,
-        *,
-        address: str | None = None,
-        reconnect_after_s: float = 0.0,
-    ) -> None:
-        self.namespace = namespace
-        self.config = config or DeploymentConfig()
-        self.core = ClientCore(namespace, self.config, address, reconnect_after_s)  # every operation, once
 
     @classmethod
     def connect(
@@ -114,21 +97,6 @@ class MemoryClient:
     def shards(self) -> list[Any]:
         """The shard actors' handles (looked up on first use, and after a shard failed)."""
         return self._run(self.core.connection.shards())
-
-    @property
-    def coordinator(self) -> Any:
-        """The coordinator's actor handle in use (looked up by name again after it died)."""
-        return self.core.connection.coordinator.handle
-
-    @property
-    def in_doubt(self) -> InDoubtLedger:
-        """Ids of adds whose answer was lost."""
-        return self.core.in_doubt
-
-    @property
-    def query_vectors(self) -> QueryVectors:
-        """Recent retrieval texts' vectors (``cluster.client_vector_cache``)."""
-        return self.core.query_vectors
 
     # -- adding ----------------------------------------------------------------------------
     def add(self, trajectory: Trajectory, vector: Any = None) -> AddFuture:
@@ -282,8 +250,3 @@ class MemoryClient:
     def snapshot(self, directory: str | Path) -> dict[str, Any]:
         """A consistent copy of every shard and the routing in ``directory``."""
         return deployment.snapshot(directory, self.namespace)
-
-    def close(self) -> None:
-        """Drop the handles (the next call connects again); the deployment keeps running (see
-        ``lifemem-ray stop``)."""
-        self.core.connection.drop()

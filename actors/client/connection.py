@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,12 @@ class Connection:
     """The deployment in ``namespace`` as one client reaches it (module docstring). Thread-safe."""
 
     def __init__(
-        self, namespace: str, address: str | None, config: DeploymentConfig, reconnect_after_s: float = 0.0
+        self,
+        namespace: str,
+        address: str | None,
+        config: DeploymentConfig,
+        reconnect_after_s: float = 0.0,
+        on_connect: Callable[[], None] | None = None,
     ) -> None:
         self.namespace = namespace  # the deployment's Ray namespace
         self.address = address  # the Ray cluster to join if this process has none (never a scan)
@@ -124,6 +130,8 @@ class Connection:
         self.coordinator = CoordinatorRef(namespace, config.cluster.call_timeout_s)
         self._handles: DeploymentHandles | None = None  # None: connect at the next call
         self._lock = threading.Lock()  # one connect at a time
+        # Told of each new connection after the first (what was kept of the last deployment goes).
+        self._on_connect = on_connect
 
     @property
     def connected(self) -> bool:
@@ -168,6 +176,8 @@ class Connection:
                     self.backoff.failed(exc)
                     raise
                 self._handles = DeploymentHandles(info["dim"], info["shards"], info["embedders"], embedders)
+                if self.backoff.connects and self._on_connect is not None:
+                    self._on_connect()
                 self.backoff.succeeded()
             return self._handles
 

@@ -60,10 +60,12 @@ class ClientCore:
     ) -> None:
         self.namespace = namespace
         self.config = config
-        self.connection = Connection(namespace, address, config, reconnect_after_s)  # made at the first call
         self.in_doubt = InDoubtLedger()  # ids of adds whose answer was lost
-        # Recent retrieval texts' vectors, and the texts in flight (cluster.client_vector_cache).
+        # Recent retrieval texts' vectors, and the texts in flight (cluster.client_vector_cache);
+        # forgotten at a reconnect: the deployment found again may embed with another model, and
+        # an add sends these vectors along as its own.
         self.query_vectors = QueryVectors(config.cluster.client_vector_cache)
+        self.connection = Connection(namespace, address, config, reconnect_after_s, self.query_vectors.forget)
 
     # -- calls to the shards ---------------------------------------------------------------
     def shard_answers(self, call: str, *args: Any, what: str = "retrieval") -> Script[list[Any]]:

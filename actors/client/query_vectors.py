@@ -118,6 +118,12 @@ class QueryVectors:
         with self._lock:
             return self._cache.get_many(_MODEL, [text])[0]
 
+    def forget(self) -> None:
+        """Drop every cached vector (the client connected to a deployment that may embed with
+        another model); texts in flight finish as they are."""
+        with self._lock:
+            self._cache.clear()
+
     def stats(self) -> dict[str, Any]:
         """The cache's figures (entries, capacity, hits, misses, hit_rate, evictions), texts sent
         to the embedders from here, and texts served by another caller's call in flight."""

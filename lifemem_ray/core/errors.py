@@ -6,8 +6,8 @@ catch (a bad value is a ``ValueError``, a missing cluster a ``KeyError``, a brok
 Messages say where (a file, a setting, a record), what is wrong, and what to do. Where a
 location is known it also travels as data: ``error.where`` (``steps[0].action``,
 ``evolution.top_k``) and ``error.problem`` (what is wrong there), so a front door or a form
-can point at the field without reading the message; :meth:`LifeMemError.within` puts an
-outer location before it (``trajectories[3]`` + ``steps[0]``).
+can point at the field without reading the message; :func:`join_where` puts an outer
+location before it (``trajectories[3]`` + ``steps[0]``).
 
 >>> from lifemem_ray.core.errors import ConfigError, LifeMemError
 >>> issubclass(ConfigError, LifeMemError) and issubclass(ConfigError, ValueError)
@@ -16,7 +16,6 @@ True
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 __all__ = [
@@ -72,8 +71,6 @@ class LifeMemError(Exception):
     >>> error = InvalidTrajectoryError("expected a string", where="steps[0].action")
     >>> str(error), error.where, error.problem
     ('steps[0].action: expected a string', 'steps[0].action', 'expected a string')
-    >>> str(error.within("trajectories[3]"))
-    'trajectories[3].steps[0].action: expected a string'
     """
 
     where: str | None  # the location the error names, as data
@@ -85,14 +82,6 @@ class LifeMemError(Exception):
         self.__dict__.setdefault("problem", message)  # what is wrong there
         # ``args``/``kwargs``: what a second base takes (an HTTPException's detail and headers).
         super().__init__(f"{where}: {message}" if where else message, *args, **kwargs)
-
-    def within(self, outer: str) -> LifeMemError:
-        """The same error with ``outer`` before its location (an element of a list, a field of
-        a request); its class and message otherwise unchanged."""
-        where = join_where(outer, self.where)
-        moved = copy.copy(self)
-        moved.where, moved.args = where, (f"{where}: {self.problem}", *self.args[1:])
-        return moved
 
 
 def join_where(outer: str, inner: str | None) -> str:

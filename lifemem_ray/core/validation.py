@@ -46,8 +46,8 @@ def _problem(error: Mapping[str, Any], model: type[BaseModel]) -> str:
             high = getattr(rule, "le", None) if getattr(rule, "le", None) is not None else high
         if low is not None and high is not None:
             return f"must be within {low:g}..{high:g}, got {got!r}"
-    if kind == "value_error":  # a validator's own refusal: its sentence as it wrote it
-        return f"{error.get('ctx', {}).get('error', error['msg'])}, got {got!r}"
+    if kind == "value_error":  # a validator's own refusal: its sentence names the value already
+        return str(error.get("ctx", {}).get("error", error["msg"]))
     if kind == "extra_forbidden":
         return f"unknown option; known: {', '.join(sorted(model.model_fields))}"
     return f"{error['msg'][:1].lower()}{error['msg'][1:]}, got {got!r}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lifemem_ray.core.errors import InvalidArgumentError
+from lifemem_ray.core.errors import InvalidArgumentError, TenantError
 from lifemem_ray.core.tenancy import DEFAULT_TENANT, check_tenant
 from lifemem_ray.core.validation import validated
 from lifemem_ray.engine.versions import check_version
@@ -46,19 +46,13 @@ class EpisodeOptions(BaseModel):
         None, description="a memory version to read at (a pinned read), recorded in each stored trajectory"
     )
 
-    @field_validator("ack_timeout_s", mode="before")
-    @classmethod
-    def _seconds(cls, value: object) -> object:
-        """Whole seconds are seconds too (strict mode would refuse an int for a float)."""
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
     @field_validator("tenant")
     @classmethod
     def _tenant(cls, value: str) -> str:
         try:
             check_tenant(value, "tenant")
-        except Exception as exc:  # noqa: BLE001 - any refusal becomes the field's error, as pydantic collects it
-            raise ValueError(getattr(exc, "problem", str(exc))) from None
+        except TenantError as exc:  # pydantic's protocol: the field's refusal as a ValueError
+            raise ValueError(exc.problem) from None
         return value
 
     @field_validator("as_of")

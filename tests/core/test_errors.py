@@ -26,7 +26,7 @@ def test_every_error_class_derives_from_the_root():
 def test_an_error_carries_its_location_as_data_through_nesting_and_pickling():
     import pickle
 
-    from lifemem_ray.core.errors import InvalidTrajectoryError
+    from lifemem_ray.core.errors import InvalidTrajectoryError, join_where
     from lifemem_ray.core.model import Trajectory
 
     try:
@@ -34,7 +34,7 @@ def test_an_error_carries_its_location_as_data_through_nesting_and_pickling():
     except InvalidTrajectoryError as exc:
         caught = exc
     assert (caught.where, caught.problem) == ("steps[0].action", "expected a string, got int")
-    outer = caught.within("trajectories[4]")
+    outer = InvalidTrajectoryError(caught.problem, where=join_where("trajectories[4]", caught.where))
     assert str(outer) == "trajectories[4].steps[0].action: expected a string, got int"
     assert type(outer) is InvalidTrajectoryError and caught.where == "steps[0].action"  # the original unchanged
     travelled = pickle.loads(pickle.dumps(outer))  # as a Ray task's error travels

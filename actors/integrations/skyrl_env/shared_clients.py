@@ -75,7 +75,7 @@ def episode_memory_opener(spec: Any, memory: Any, where: str) -> Callable[[], tu
     with ``spec``'s episode options."""
     block = as_mapping(spec, where)
     checked = validated(MemoryAdapterOptions, block, where=where)  # every option, named where it was given
-    episode_options = {key: value for key, value in checked.episode_options().items() if key in block}
+    episode_options = checked.episode_options()
     if isinstance(memory, EpisodeMemory):
         return lambda: (memory, False)
     if memory is not None:

@@ -201,6 +201,24 @@ def test_coroutines_share_one_call_and_a_cancelled_one_leaves_nobody_waiting():
     np.testing.assert_array_equal(answers[4], text_vectors(["other"], DIM))
 
 
+def test_a_new_connection_forgets_the_vectors_kept_from_the_last_deployment(monkeypatch):
+    """An add sends the client's cached query vectors as its own: after a reconnect (the
+    deployment served again, maybe with another model) none of the old ones may go along."""
+    from lifemem_ray.actors.client.core import ClientCore
+    from lifemem_ray.actors.cluster.cluster_config import DeploymentConfig
+
+    core = ClientCore("ns", DeploymentConfig())
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(core.connection.coordinator, "call", lambda method: {"dim": DIM, "shards": [], "embedders": []})
+    core.connection.open()
+    drive(core.query_vectors.vectors(["a"], blocking(Embedder())))
+    core.connection.open()  # still connected: kept
+    assert core.query_vectors.known("a") is not None
+    core.connection.drop()
+    core.connection.open()  # a new connection
+    assert core.query_vectors.known("a") is None
+
+
 def test_query_vectors_travel_as_raw_bytes_and_come_back_the_same():
     vecs = text_vectors(["a", "b", "c"], DIM)
     packed = pack_queries(vecs, 3, DIM)
